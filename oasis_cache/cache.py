@@ -1,0 +1,241 @@
+"""`OasisCache`: a transformers `Cache` whose full KV lives in host memory and whose decode attends, per KV head, to
+the blocks a cheap bound says matter, plus sink and recent tokens. Full-attention layers get an `OasisLayer`;
+sliding / chunked layers of hybrid models keep HF's own dynamic layer.
+
+    cache = OasisCache(model, token_budget=2048)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+    cache.stats()
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import compat
+from .compute.attention import clear_pending, peek_pending
+from .config import OasisConfig
+from .control import StepVisibility, step_visibility
+from .layer import OasisLayer
+from .memory import TransferEngine
+from .stats import CacheStats
+
+ATTENTION_NAME = "oasis"
+_HF_KEPT_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class OasisCache(Cache):
+    """A KV cache larger than device memory, for `model.generate(..., past_key_values=cache)`.
+
+    Args:
+        model: the `PreTrainedModel` this cache serves. Its attention implementation is switched to "oasis" (which
+            behaves like SDPA with any other cache).
+        token_budget: tokens attended per decode step and KV head (sink, recent and selected blocks included).
+            With `token_budget` >= context the result equals dense attention.
+        block_size, sink_tokens, recent_tokens, lookahead, num_slots, max_decode_tokens, host_chunk_blocks,
+        transfer: see `OasisConfig`.
+        fetch_ratio: cap on newly fetched blocks per step (memory-plane issue; not available yet).
+        draft: EAGLE-3 draft head for `lookahead="eagle3"` (draft issue; not available yet).
+        collect_stats: count selections and transfers for `stats()` (a few tiny device ops per layer).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        token_budget: int,
+        block_size: int = 16,
+        sink_tokens: int = 16,
+        recent_tokens: int = 64,
+        lookahead: str = "none",
+        fetch_ratio: float | None = None,
+        draft=None,
+        collect_stats: bool = True,
+        **options,
+    ):
+        if fetch_ratio is not None:
+            raise NotImplementedError("fetch_ratio is not available yet in this version; leave it None.")
+        if draft is not None:
+            raise NotImplementedError("draft heads (lookahead='eagle3') are not available yet in this version.")
+        self.config = OasisConfig(
+            token_budget=token_budget,
+            block_size=block_size,
+            sink_tokens=sink_tokens,
+            recent_tokens=recent_tokens,
+            lookahead=lookahead,
+            **options,
+        )
+        text_config = _check_supported(model)
+        attention_modules = _attention_modules(model, text_config)
+
+        layers = []
+        for layer_idx, (layer_type, kwargs) in enumerate(compat.layer_types_and_kwargs(text_config)):
+            if layer_type == "full_attention":
+                layers.append(OasisLayer(self, layer_idx))
+            elif layer_type in _HF_KEPT_LAYER_TYPES:
+                layers.append(compat.dynamic_layer_class(layer_type)(**kwargs))
+            else:
+                raise NotImplementedError(
+                    f"OasisCache does not support layer type {layer_type!r} (layer {layer_idx} of "
+                    f"{type(model).__name__}); supported: full_attention, plus {', '.join(_HF_KEPT_LAYER_TYPES)}."
+                )
+        oasis_layers = [layer.layer_idx for layer in layers if isinstance(layer, OasisLayer)]
+        if not oasis_layers:
+            raise ValueError(
+                f"{type(model).__name__} has no full-attention layer (all layers are sliding-window or chunked), so "
+                "there is nothing for OasisCache to offload: its cache is already bounded. Use a DynamicCache."
+            )
+        missing = [i for i in oasis_layers if i not in attention_modules]
+        if missing:
+            raise NotImplementedError(
+                f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules with a "
+                "`layer_idx` attribute); OasisCache supports decoder-only transformers models."
+            )
+        super().__init__(layers=layers)
+
+        self._model = weakref.ref(model)
+        self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
+        self._first_oasis_layer = oasis_layers[0]
+        self.collect_stats = collect_stats
+        self.counters = CacheStats()
+        self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
+        self._visibility: StepVisibility | None = None
+        self._transfer: TransferEngine | None = None
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    # ----------------------------------------------------------------------------------------------- forwarding
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, OasisLayer):
+            pending = peek_pending()
+            if layer_idx == self._first_oasis_layer:
+                clear_pending()  # a new forward: nothing from an interrupted one may linger
+                self._start_forward(layer, key_states)
+            elif pending is not None:
+                clear_pending()
+                raise RuntimeError(
+                    f"Layer {pending.layer_idx}'s attention did not run through the '{ATTENTION_NAME}' attention "
+                    f"function (the model's attn_implementation is "
+                    f"{getattr(self._model(), 'config', None) and self._model().config._attn_implementation!r}). "
+                    f"OasisCache(model) sets it; do not change it while using the cache."
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
+        """Per-forward bookkeeping, once, at the first full-attention layer."""
+        Qn = key_states.shape[2]
+        self._visibility = None
+        if layer.is_initialized and layer.pool.num_blocks > 0 and Qn <= self.config.max_decode_tokens:
+            self.decode_clock += 1
+            self.counters.decode_steps += 1
+            self.counters.decode_tokens += Qn
+        else:
+            self.counters.dense_forwards += 1
+            self.counters.prefill_tokens += Qn
+        if self._transfer is None:
+            self._transfer = TransferEngine(self.config.transfer, key_states.device)
+
+    @property
+    def transfer(self) -> TransferEngine:
+        return self._transfer
+
+    def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
+        """Block visibility of the current forward, computed at its first decoding layer and shared by the rest."""
+        if self._visibility is None or self._visibility.num_blocks != layer.pool.num_blocks:
+            cfg = self.config
+            self._visibility = step_visibility(
+                visible,
+                layer.batch_size,
+                layer.pool.num_blocks,
+                cfg.block_size,
+                cfg.sink_tokens,
+                cfg.num_recent_blocks,
+                layer.device,
+            )
+        return self._visibility
+
+    def check_module(self, layer_idx: int, module) -> None:
+        if self._modules.get(layer_idx) is not module:
+            raise RuntimeError(
+                f"This OasisCache was created for another model ({type(self._model()).__name__ if self._model() else 'gone'})"
+                f"; make one OasisCache per model: OasisCache(model, token_budget=...)."
+            )
+
+    # --------------------------------------------------------------------------------------------------- public
+    def stats(self) -> dict:
+        """What the cache did so far, as a plain dict (reads the device counters once)."""
+        out = self.counters.as_dict()
+        out.update(
+            token_budget=self.config.token_budget,
+            block_size=self.config.block_size,
+            lookahead=self.config.lookahead,
+            transfer=self._transfer.backend if self._transfer else None,
+            seq_length=self.get_seq_length(self._first_oasis_layer),
+            device_bytes=sum(self.device_nbytes().values()),
+            host_bytes=self.host_nbytes(),
+        )
+        return out
+
+    def device_nbytes(self) -> dict:
+        """Bytes held on the compute device by all OasisLayers, by pool."""
+        total: dict = {}
+        for layer in self.layers:
+            if isinstance(layer, OasisLayer):
+                for name, n in layer.device_nbytes().items():
+                    total[name] = total.get(name, 0) + n
+        return total
+
+    def host_nbytes(self) -> int:
+        return sum(layer.pool.nbytes for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
+
+    def reset(self) -> None:
+        """Empty the cache (all memory released) so it can serve a new batch with the same model."""
+        super().reset()
+        self.counters = CacheStats()
+        self.decode_clock = 0
+        self._visibility = None
+
+    def __repr__(self):
+        cfg = self.config
+        return (
+            f"OasisCache(token_budget={cfg.token_budget}, block_size={cfg.block_size}, lookahead={cfg.lookahead!r}, "
+            f"layers={len(self.layers)}, tokens={self.get_seq_length(self._first_oasis_layer)})"
+        )
+
+
+def _check_supported(model):
+    """The text config, after refusing what OasisCache cannot serve (with the reason)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"OasisCache needs a transformers PreTrainedModel, got {type(model).__name__}.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError("OasisCache supports decoder-only models; encoder-decoder models are not supported.")
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "kv_lora_rank", None) is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses multi-head latent attention (MLA), which OasisCache does not support."
+        )
+    if getattr(text_config, "num_kv_shared_layers", 0) or getattr(text_config, "kv_sharing_modes", None):
+        raise NotImplementedError(
+            f"{type(model).__name__} shares KV caches between layers, which OasisCache does not support."
+        )
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        raise NotImplementedError(f"{type(model).__name__} uses attention logit soft-capping, not supported.")
+    if not model._can_set_attn_implementation():
+        raise NotImplementedError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so the "
+            f"'{ATTENTION_NAME}' attention cannot be installed."
+        )
+    return text_config
+
+
+def _attention_modules(model, text_config) -> dict:
+    """`{layer_idx: attention module}` of the decoder."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and type(module).__name__.endswith("Attention") and idx not in found:
+            found[idx] = module
+    return found

@@ -1,0 +1,51 @@
+"""The only module that knows how transformers versions differ (5.17 ... newest).
+
+- 5.17 returns one shared kwargs dict from `get_layer_types_and_kwargs`; 5.24 returns one dict per layer.
+- 5.24 renamed the model/generate argument `past_key_values` to `cache` and passes `kwargs=` to `Cache.update`;
+  `OasisLayer.update` accepts anything after the key/value states, so both calls land in the same place.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import transformers
+from transformers import cache_utils
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+
+__all__ = [
+    "ALL_ATTENTION_FUNCTIONS",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+    "causal_mask_function",
+    "sdpa_mask",
+    "layer_types_and_kwargs",
+    "dynamic_layer_class",
+    "generate_cache_argument",
+]
+
+
+def layer_types_and_kwargs(text_config) -> list[tuple[str, dict]]:
+    """One `(layer_type, kwargs for the HF cache layer class)` per decoder layer that holds a cache."""
+    layer_types, kwargs = cache_utils.get_layer_types_and_kwargs(text_config)
+    if isinstance(kwargs, dict):  # <= 5.2x: one dict for all layers; keep only what each layer type takes
+        per_layer = []
+        for layer_type in layer_types:
+            cls = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+            accepted = inspect.signature(cls.__init__).parameters if cls is not None else {}
+            per_layer.append({k: v for k, v in kwargs.items() if k in accepted})
+        kwargs = per_layer
+    return list(zip(layer_types, kwargs))
+
+
+def dynamic_layer_class(layer_type: str):
+    """HF's own dynamic cache layer class for a layer type (sliding / chunked layers keep HF's layer)."""
+    return cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+
+
+def generate_cache_argument(model) -> str:
+    """The keyword under which `model(...)` takes a cache: `cache` (5.24+) or `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

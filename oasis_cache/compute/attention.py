@@ -1,0 +1,115 @@
+"""The `"oasis"` attention function and its mask function, registered with transformers by `import oasis_cache`.
+
+transformers calls `cache.update(...)` and then the attention function, which does not receive the cache. The cache
+hands the layer over: `OasisLayer.update` leaves itself as *pending* (thread-local), and the attention function of
+the same module takes it. Without a pending layer (another cache, or no cache) the function is plain SDPA, so a model
+switched to "oasis" keeps working with every other cache.
+
+Mask: for full causal attention the mask function returns only the 2D visibility `[B, kv_length]` (or None when
+nothing is padding) instead of a `[B, 1, q, kv]` mask; sliding / chunked / custom patterns get SDPA's own mask.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..compat import causal_mask_function, sdpa_mask
+from .dense import dense_causal_attention
+
+_handoff = threading.local()
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def leave_pending(layer) -> None:
+    """Called by `OasisLayer.update`: the next attention call belongs to `layer`."""
+    _handoff.layer = layer
+
+
+def peek_pending():
+    return getattr(_handoff, "layer", None)
+
+
+def clear_pending() -> None:
+    _handoff.layer = None
+
+
+def oasis_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function registered as "oasis": `[B, kv_length]` bool visibility for causal layers, else SDPA's mask."""
+    if mask_function is not causal_mask_function or kv_offset != 0:
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+    if attention_mask is None:
+        return None
+    visible = attention_mask.to(torch.bool)
+    if visible.shape[-1] < kv_length:  # generate may pass a mask shorter than cache + new tokens
+        visible = torch.nn.functional.pad(visible, (0, kv_length - visible.shape[-1]), value=True)
+    visible = visible[:, :kv_length]
+    return None if _all_true_on_cpu(visible) else visible
+
+
+def _all_true_on_cpu(visible: torch.Tensor) -> bool:
+    # Dropping an all-ones mask is only free of a host sync when the mask is on the CPU; on CUDA it is kept.
+    return visible.device.type == "cpu" and bool(visible.all())
+
+
+def oasis_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention interface "oasis". Shapes: query `[B, Hq, Qn, D]`, key/value `[B, Hkv, Qn(+past), D]`;
+    returns `[B, Qn, Hq, D]` like every transformers attention function."""
+    layer = peek_pending()
+    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
+        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    clear_pending()
+    layer.check_module(module)
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"OasisCache does not support attention with `{name}` ({type(module).__name__}); use a DynamicCache."
+            )
+    if dropout and module.training:
+        raise ValueError("OasisCache is an inference cache: call model.eval() (attention dropout is active).")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError(
+            f"OasisCache got a {attention_mask.dim()}D attention mask for full-attention layer {layer.layer_idx}; it "
+            "supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as [batch, tokens]."
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = layer.attend(query, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Plain SDPA for layers that do not belong to an OasisCache (with the compact 2D mask expanded)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -1,0 +1,112 @@
+"""`OasisConfig`: every option of an `OasisCache`, validated once, and the one home of defaults.
+
+Dimension names used across the package (documented once, here):
+
+    B    batch size (sequences)
+    Hq   query heads            Hkv  key/value heads          G = Hq // Hkv (GQA group)
+    Qn   query tokens in one forward
+    N    tokens in the cache    NB   complete blocks in the cache (N // T)
+    T    tokens per block (`block_size`)
+    K    blocks attended per step per KV head (`num_selected_blocks`)
+    S    working-set slots per KV head (`num_slots`, >= K)
+    D    head dimension
+
+A `block_id` is a logical block of the host pool (tokens [block_id*T, block_id*T + T)); a `slot` is a physical
+place in the device working set. The two are never called by one name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOKAHEAD_MODES = ("none", "previous", "eagle3")
+IMPLEMENTED_LOOKAHEAD_MODES = ("none",)
+TRANSFER_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class OasisConfig:
+    """Options of an `OasisCache`.
+
+    Args:
+        token_budget: tokens each query attends to per decode step and KV head, all included: sink, recent window,
+            selected blocks and the partial block being filled. With `token_budget` >= context, decoding equals
+            dense attention.
+        block_size: tokens per block (T); a positive power of two.
+        sink_tokens: the first tokens of every sequence (after left padding), always attended. Rounded up to blocks.
+        recent_tokens: the newest complete tokens, always attended, besides the partial block. Rounded up to blocks.
+        lookahead: how the next step's blocks are predicted: "none" (select with the real query, then fetch, on the
+            critical path), "previous", "eagle3" (see the memory-plane and draft issues).
+        num_slots: working-set slots per KV head; defaults to the number of selected blocks. More slots keep more
+            blocks resident between steps (fewer transfers).
+        max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
+            decoding verifies a few tokens at once); longer ones attend densely (prefill, chunked prefill).
+        host_chunk_blocks: blocks per allocation of the host pool; the pool grows by such chunks.
+        transfer: how blocks move host -> device: "triton" (a kernel that reads pinned host memory directly),
+            "torch" (indexing ops; on CUDA through a staging copy), or "auto".
+    """
+
+    token_budget: int
+    block_size: int = 16
+    sink_tokens: int = 16
+    recent_tokens: int = 64
+    lookahead: str = "none"
+    num_slots: int | None = None
+    max_decode_tokens: int = 16
+    host_chunk_blocks: int = 256
+    transfer: str = "auto"
+
+    def __post_init__(self):
+        T = self.block_size
+        if not isinstance(T, int) or T <= 0 or T & (T - 1):
+            raise ValueError(f"block_size must be a positive power of two (e.g. 16), got {T!r}.")
+        for name in ("sink_tokens", "recent_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
+        if not isinstance(self.token_budget, int) or self.token_budget <= 0:
+            raise ValueError(f"token_budget must be a positive int (tokens per step), got {self.token_budget!r}.")
+        needed = (self.num_sink_blocks + self.num_recent_blocks + 1) * T
+        if self.token_budget < needed:
+            raise ValueError(
+                f"token_budget={self.token_budget} is below what sink and recent tokens always take: "
+                f"sink {self.num_sink_blocks * T} + recent {self.num_recent_blocks * T} + the partial block {T} "
+                f"= {needed} tokens (block_size={T}). Raise token_budget to at least {needed}, or lower "
+                f"sink_tokens / recent_tokens."
+            )
+        if self.lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {self.lookahead!r}.")
+        if self.lookahead not in IMPLEMENTED_LOOKAHEAD_MODES:
+            raise NotImplementedError(
+                f"lookahead={self.lookahead!r} is not implemented yet in this version; use lookahead='none'."
+            )
+        if self.num_slots is not None and self.num_slots < self.num_selected_blocks:
+            raise ValueError(
+                f"num_slots={self.num_slots} is below the {self.num_selected_blocks} blocks selected per step "
+                f"(token_budget // block_size - 1); leave num_slots=None or raise it."
+            )
+        if not isinstance(self.max_decode_tokens, int) or self.max_decode_tokens < 1:
+            raise ValueError(f"max_decode_tokens must be an int >= 1, got {self.max_decode_tokens!r}.")
+        if not isinstance(self.host_chunk_blocks, int) or self.host_chunk_blocks < 1:
+            raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
+        if self.transfer not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}.")
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return -(-self.sink_tokens // self.block_size)
+
+    @property
+    def num_recent_blocks(self) -> int:
+        return -(-self.recent_tokens // self.block_size)
+
+    @property
+    def num_selected_blocks(self) -> int:
+        """K: complete blocks attended per step and KV head (sink and recent included); one block of the budget is
+        kept for the partial block being filled."""
+        return self.token_budget // self.block_size - 1
+
+    @property
+    def slots(self) -> int:
+        """S: working-set slots per KV head."""
+        return self.num_slots if self.num_slots is not None else self.num_selected_blocks

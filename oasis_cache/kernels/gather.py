@@ -1,0 +1,86 @@
+"""Gather selected blocks straight from pinned host memory into the device working set (one launch per layer).
+
+Shapes and strides (all contiguous, element type E = the model's K/V dtype):
+    host chunk c         `[C, 2, B, Hkv, T, D]`   base address `chunk_addrs[c]` (pinned, read through unified
+                                                 addressing: the kernel's loads cross PCIe, no staging copy)
+    working set          `[2, B, Hkv, S+1, T, D]`
+    block_ids, dest      `[B, Hkv, K]` int64      block to read, slot to write
+    fetch                `[B, Hkv, K]` int8       1 = copy this entry, 0 = skip
+Program (i, kv): entry i = (b*Hkv + h)*K + k, kv in {0 keys, 1 values}; copies T*D elements.
+Offsets are computed in int64 (a 128K context at batch 8 exceeds 2**31 elements per chunk family).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is present wherever CUDA torch is; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines without triton
+    triton = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_blocks_kernel(
+        chunk_addrs,
+        block_ids,
+        dest,
+        fetch,
+        out,
+        BH,
+        K,
+        C,
+        S1,
+        BLOCK_ELEMS: tl.constexpr,
+        BLOCK_POW2: tl.constexpr,
+    ):
+        entry = tl.program_id(0)
+        kv = tl.program_id(1).to(tl.int64)
+        if tl.load(fetch + entry) != 0:
+            block = tl.load(block_ids + entry)
+            slot = tl.load(dest + entry)
+            bh = (entry // K).to(tl.int64)
+            chunk = block // C
+            local = block - chunk * C
+            base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(out.dtype.element_ty))
+            src = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+            dst = out + ((kv * BH + bh) * S1 + slot) * BLOCK_ELEMS
+            offs = tl.arange(0, BLOCK_POW2)
+            mask = offs < BLOCK_ELEMS
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def gather_blocks(
+    chunk_addrs: torch.Tensor,
+    chunk_blocks: int,
+    block_ids: torch.Tensor,
+    dest: torch.Tensor,
+    fetch: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above)."""
+    two, B, H, S1, T, D = out.shape
+    K = block_ids.shape[-1]
+    if B * H * K == 0:
+        return
+    grid = (B * H * K, 2)
+    _gather_blocks_kernel[grid](
+        chunk_addrs,
+        block_ids.contiguous(),
+        dest.contiguous(),
+        fetch.to(torch.int8).contiguous(),
+        out,
+        B * H,
+        K,
+        chunk_blocks,
+        S1,
+        BLOCK_ELEMS=T * D,
+        BLOCK_POW2=triton.next_power_of_2(T * D),
+    )

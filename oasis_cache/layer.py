@@ -1,0 +1,228 @@
+"""`OasisLayer`: one full-attention layer's cache. It owns its pools and runs one forward's attention top-down:
+
+    update(k, v)   new tokens join the recent tokens (device); the layer is left pending for the attention call
+    attend(q)      prefill / long extend -> dense causal attention over host blocks + recent tokens
+                   decode               -> score summaries, select top-K blocks, place them in slots, fetch the
+                                           missing ones, attend over the selected slots + recent tokens
+    then           complete blocks leave the recent tokens for the host pool and the summaries
+
+Shapes: keys/values `[B, Hkv, q, D]` in, attention output `[B, Hq, Qn, D]` out (see `config` for the names).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .compute.attention import leave_pending, peek_pending
+from .compute.dense import dense_causal_attention
+from .compute.sparse import sparse_attention
+from .control import all_blocks, score_blocks, select_blocks
+from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
+
+
+class OasisLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, cache, layer_idx: int):
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self.config = cache.config
+        self.layer_idx = layer_idx
+        self.device = None
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.config
+        B, H, _, D = key_states.shape
+        if value_states.shape[-1] != D:
+            raise NotImplementedError("OasisCache needs keys and values of the same head dimension.")
+        self.device, dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
+        self.pool = HostKVPool(B, H, D, cfg.block_size, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
+        self.summaries = BlockSummaries(B, H, D, dtype, self.device)
+        self.recent = RecentTokens(B, H, D, dtype, self.device)
+        self.working_set = WorkingSet(B, H, cfg.slots, cfg.block_size, D, dtype, self.device)
+        self.slot_map = SlotMap(B, H, cfg.slots, self.device)
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        """Forget everything (memory is released); the layer initializes again on its next update."""
+        for name in ("pool", "summaries", "recent", "working_set", "slot_map"):
+            self.__dict__.pop(name, None)
+        self.is_initialized = False
+        self.device = None
+
+    # ------------------------------------------------------------------------------------------- Cache protocol
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append `[B, Hkv, q, D]` new keys/values. Returns them unchanged: attention reads the cache itself."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch_size:
+            raise ValueError(
+                f"This OasisCache holds {self.get_seq_length()} tokens for a batch of {self.batch_size}, but got a "
+                f"batch of {key_states.shape[0]}. Call `cache.reset()` (or make a new OasisCache) for a new batch."
+            )
+        self.recent.append(key_states, value_states)
+        leave_pending(self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.pool.num_blocks * self.config.block_size + self.recent.num_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):  # HF's whole-layer offloading does not apply: the full KV already lives on the host
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (a positive value is the legacy "keep this many")."""
+        if not self.is_initialized or tokens_to_remove == 0:
+            return
+        length = self.get_seq_length()
+        keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
+        if keep < 0:
+            raise ValueError(f"cannot crop {-tokens_to_remove} tokens from a cache of {length}")
+        T = self.config.block_size
+        keep_blocks = keep // T
+        if keep_blocks < self.pool.num_blocks:  # reach into complete blocks: bring their tokens back to the device
+            engine = self._cache.transfer
+            back = engine.load_range(self.pool, keep_blocks, self.pool.num_blocks)  # [2, B, H, n, T, D]
+            two, B, H, n, _, D = back.shape
+            self.recent.prepend(back.reshape(2, B, H, n * T, D))
+            self.pool.truncate(keep_blocks)
+            self.summaries.truncate(keep_blocks)
+            self.slot_map.forget_blocks_from(keep_blocks)
+        self.recent.truncate(keep - keep_blocks * T)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._index_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_batch(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._index_batch(torch.as_tensor(indices, device=self.device))
+
+    def _index_batch(self, indices: torch.Tensor) -> None:
+        """Sequence i becomes old sequence `indices[i]` in every pool."""
+        if not self.is_initialized:
+            return
+        self._cache.transfer.wait_host_reads()
+        for part in (self.pool, self.summaries, self.recent, self.working_set, self.slot_map):
+            part.index_batch(indices)
+        self.batch_size = int(indices.numel())
+
+    # ------------------------------------------------------------------------------------------------ attention
+    def check_module(self, module) -> None:
+        self._cache.check_module(self.layer_idx, module)
+
+    def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None."""
+        cache, cfg = self._cache, self.config
+        Qn = query.shape[2]
+        if visible is not None and visible.shape[-1] != self.get_seq_length():
+            raise ValueError(
+                f"attention_mask covers {visible.shape[-1]} tokens but the cache holds {self.get_seq_length()} "
+                "(past + new): pass the mask of the whole sequence."
+            )
+        is_decode = self.pool.num_blocks > 0 and Qn <= cfg.max_decode_tokens
+        if is_decode:
+            out = self._attend_sparse(query, visible, scale)
+        else:
+            out = self._attend_dense(query, visible, scale)
+        self._offload_complete_blocks()
+        return out
+
+    def _attend_dense(self, query, visible, scale):
+        past = self._cache.transfer.load_range(self.pool, 0, self.pool.num_blocks)  # [2, B, H, NB, T, D]
+        two, B, H, NB, T, D = past.shape
+        keys = torch.cat((past[0].reshape(B, H, NB * T, D), self.recent.kv[0]), dim=2)
+        values = torch.cat((past[1].reshape(B, H, NB * T, D), self.recent.kv[1]), dim=2)
+        return dense_causal_attention(query, keys, values, visible, scale)
+
+    def _attend_sparse(self, query, visible, scale):
+        cache, cfg = self._cache, self.config
+        B, Hq, Qn, D = query.shape
+        H, T, S = self.num_kv_heads, cfg.block_size, cfg.slots
+        NB = self.pool.num_blocks
+        view = cache.step_visibility(visible, self)
+
+        # Control: which blocks this step attends to.
+        if NB <= cfg.num_selected_blocks:
+            block_ids, selected = all_blocks(view.allowed, H)
+        else:
+            kmin, kmax = self.summaries.view()
+            scores = score_blocks(query.reshape(B, H, -1, D), kmin, kmax)
+            block_ids, selected = select_blocks(scores, view.forced, view.allowed, cfg.num_selected_blocks)
+        placed = self.slot_map.assign(block_ids, selected, cache.decode_clock)
+
+        # Memory: bring the missing blocks into their slots.
+        cache.transfer.fetch(self.pool, self.working_set, block_ids, placed.dest, placed.fetch)
+
+        # Compute: attend over the selected slots and the recent tokens.
+        slot_visible = placed.attended[..., None].expand(B, H, S, T)
+        if view.block_tokens is not None:
+            held = self.slot_map.slot_block[..., :S].clamp(min=0)  # [B, H, S]
+            batch = torch.arange(B, device=held.device)[:, None, None]
+            slot_visible = slot_visible & view.block_tokens[batch, held]
+        slot_visible = slot_visible.reshape(B, H, S * T)
+        out = sparse_attention(query, self.working_set.attendable(), slot_visible, self.recent.kv, view.recent, scale)
+
+        if cache.collect_stats:
+            tokens = slot_visible.sum(dim=-1) + self.recent.num_tokens
+            cache.counters.record_decode(selected, placed.hit, placed.fetch, tokens, self._block_bytes())
+        return out
+
+    def _offload_complete_blocks(self) -> None:
+        blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]
+        if blocks is None:
+            return
+        self._cache.transfer.offload(self.pool, blocks)
+        self.summaries.append(blocks[0])
+        self.slot_map.reserve(self.pool.num_blocks)
+        self._cache.counters.record_offload(blocks.numel() * blocks.element_size())
+
+    def _block_bytes(self) -> int:
+        return 2 * self.config.block_size * self.head_dim * self.recent.kv.element_size()
+
+    # ------------------------------------------------------------------------------------------------- inspection
+    def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token's keys and values, `[B, Hkv, N, D]` each, gathered from the host pool and the recent
+        tokens (for tests and debugging; moves the whole layer)."""
+        past = self._cache.transfer.load_range(self.pool, 0, self.pool.num_blocks)
+        two, B, H, NB, T, D = past.shape
+        kv = torch.cat((past.reshape(2, B, H, NB * T, D), self.recent.kv), dim=3)
+        return kv[0], kv[1]
+
+    def device_nbytes(self) -> dict:
+        """Bytes this layer holds on the compute device, by pool."""
+        if not self.is_initialized:
+            return {}
+        return {
+            "summaries": self.summaries.nbytes,
+            "slot_map": self.slot_map.nbytes,
+            "working_set": self.working_set.nbytes,
+            "recent": self.recent.nbytes,
+        }
+
+    def __repr__(self):
+        return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
+
+
+__all__ = ["OasisLayer", "peek_pending"]

@@ -1,0 +1,99 @@
+"""The transfer engine: the only code that moves K/V bytes between host and device.
+
+- `offload`: complete blocks, device -> host pool (asynchronous into pinned memory on CUDA, stream-ordered).
+- `load_range`: a contiguous range of host blocks -> device (dense attention over the past, `crop`).
+- `fetch`: selected blocks -> working-set slots. Backends:
+    "triton": one kernel reads pinned host memory through unified addressing (CUDA only; no staging, no sync);
+    "torch":  indexing ops; on CUDA it stages through host memory and waits for the stream (a fallback).
+All work is issued on the current stream, so ordering against compute is the stream's; the memory-plane issue
+moves `fetch` to a side stream with per-layer events.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.gather import gather_blocks, triton_available
+from ..pools import HostKVPool, WorkingSet
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if requested == "triton":
+        if device.type != "cuda":
+            raise ValueError("transfer='triton' needs a CUDA model; use transfer='torch' or 'auto' on this device.")
+        if not triton_available():
+            raise ImportError("transfer='triton' needs the `triton` package (pip install triton).")
+    return requested
+
+
+class TransferEngine:
+    def __init__(self, backend: str, device: torch.device):
+        self.backend = resolve_backend(backend, device)
+        self.device = device
+        self._chunk_addrs: dict[int, tuple[int, torch.Tensor]] = {}  # id(pool) -> (num chunks, addresses)
+
+    # --------------------------------------------------------------------------------------------- device -> host
+    def offload(self, pool: HostKVPool, blocks: torch.Tensor) -> None:
+        """Append `blocks` (`[2, B, Hkv, n, T, D]`, compute device) to the pool."""
+        n = blocks.shape[3]
+        start = pool.num_blocks
+        pool.reserve(start + n)
+        non_blocking = pool.pin_memory and blocks.device.type == "cuda"
+        block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
+        for chunk, lo, hi, offset in pool.spans(start, start + n):
+            chunk[lo:hi].copy_(block_major[offset : offset + hi - lo], non_blocking=non_blocking)
+        pool.num_blocks = start + n
+
+    # --------------------------------------------------------------------------------------------- host -> device
+    def load_range(self, pool: HostKVPool, start: int, end: int) -> torch.Tensor:
+        """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`."""
+        parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
+        if not parts:
+            shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
+            parts = [torch.empty(shape, dtype=pool.dtype, device=self.device)]
+        block_major = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return block_major.permute(1, 2, 3, 0, 4, 5)
+
+    def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
+        """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
+        if self.backend == "triton":
+            gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv)
+        else:
+            self._fetch_torch(pool, working_set, block_ids, dest, fetch)
+
+    def _fetch_torch(self, pool, working_set, block_ids, dest, fetch) -> None:
+        on_cuda = working_set.kv.device.type == "cuda"
+        if on_cuda:  # the host pool is read by the CPU below: the offload copies must have landed (fallback only)
+            self.wait_host_reads()
+        b, h, k = fetch.nonzero(as_tuple=True)
+        blocks, slots = block_ids[b, h, k], dest[b, h, k]
+        if on_cuda:
+            b, h, blocks, slots = b.cpu(), h.cpu(), blocks.cpu(), slots.cpu()
+        chunk_of, local = blocks // pool.chunk_blocks, blocks % pool.chunk_blocks
+        for c, chunk in enumerate(pool.chunks):
+            m = chunk_of == c
+            if not bool(m.any()):
+                continue
+            data = chunk[local[m], :, b[m], h[m]]  # [n, 2, T, D]
+            if on_cuda:
+                dev = working_set.kv.device
+                data = data.pin_memory().to(dev, non_blocking=True)
+                working_set.kv[:, b[m].to(dev), h[m].to(dev), slots[m].to(dev)] = data.transpose(0, 1)
+            else:
+                working_set.kv[:, b[m], h[m], slots[m]] = data.transpose(0, 1)
+
+    def wait_host_reads(self) -> None:
+        """Before host buffers are replaced or read by the CPU: let queued transfers that use them finish."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _addresses(self, pool: HostKVPool) -> torch.Tensor:
+        """Device int64 tensor of the pool's chunk base addresses (rebuilt when chunks change)."""
+        cached = self._chunk_addrs.get(id(pool))
+        key = tuple(chunk.data_ptr() for chunk in pool.chunks)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
+            self._chunk_addrs[id(pool)] = cached
+        return cached[1]

@@ -1,0 +1,104 @@
+"""The head-wise map between host blocks and device slots — the ONLY code that changes which block sits in which
+slot. Everything runs as tensor ops on the compute device: no host sync, fixed shapes whatever the hit rate.
+
+State, per (sequence, KV head); each tensor has one extra trailing "scratch" entry that absorbs masked writes:
+    slot_block  `[B, Hkv, S+1]`     block_id held by each slot, -1 when empty
+    block_slot  `[B, Hkv, NBcap+1]` slot holding each block, -1 when not resident
+    last_used   `[B, Hkv, S+1]`     step at which each slot was last selected, -1 never (the eviction order: LRU)
+
+Example (the article's): block size 16, slot 7 maps to block 31, so token 31*16+8 is slot 7, offset 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Assignment:
+    """Where this step's selected blocks are, and what must move. Shapes `[B, Hkv, K]` unless said.
+
+    dest:      slot of each selected block (S, the scratch slot, for entries that are not selected)
+    fetch:     selected blocks that are not resident: copy host block -> `dest`
+    hit:       selected blocks already resident
+    attended:  `[B, Hkv, S]` slots that hold a block selected this step
+    """
+
+    dest: torch.Tensor
+    fetch: torch.Tensor
+    hit: torch.Tensor
+    attended: torch.Tensor
+
+
+class SlotMap:
+    def __init__(self, batch_size, num_kv_heads, num_slots, device):
+        self.num_slots = num_slots
+        shape = (batch_size, num_kv_heads)
+        self.slot_block = torch.full((*shape, num_slots + 1), -1, dtype=torch.long, device=device)
+        self.last_used = torch.full((*shape, num_slots + 1), -1, dtype=torch.long, device=device)
+        self.block_slot = torch.full((*shape, 1), -1, dtype=torch.long, device=device)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.block_slot.shape[-1] - 1
+
+    def reserve(self, num_blocks: int) -> None:
+        """Make the block -> slot table cover `num_blocks` blocks (doubling)."""
+        if num_blocks <= self.capacity_blocks:
+            return
+        capacity = max(num_blocks, 2 * self.capacity_blocks, 16)
+        grown = torch.full((*self.block_slot.shape[:2], capacity + 1), -1, dtype=torch.long, device=self.block_slot.device)
+        grown[..., : self.capacity_blocks] = self.block_slot[..., : self.capacity_blocks]
+        self.block_slot = grown
+
+    def assign(self, block_ids: torch.Tensor, selected: torch.Tensor, step: int) -> Assignment:
+        """Place this step's selection. Resident blocks stay where they are; each missing block takes the free or
+        least recently selected slot that holds no selected block.
+
+        Args:
+            block_ids: `[B, Hkv, K]` distinct block ids (entries where `selected` is False are ignored).
+            selected: `[B, Hkv, K]` bool.
+            step: a counter that grows with each call (the LRU clock).
+        """
+        S, NBcap = self.num_slots, self.capacity_blocks
+        resident = self.block_slot.gather(-1, block_ids)
+        hit = selected & (resident >= 0)
+        fetch = selected & ~hit
+
+        # Slots that hold a block selected this step are kept; the others are candidates, free ones first, then LRU.
+        keep = torch.zeros_like(self.slot_block, dtype=torch.bool)
+        keep.scatter_(-1, torch.where(hit, resident, S), True)
+        age = torch.where(keep, torch.iinfo(torch.long).max, self.last_used)[..., :S]
+        order = torch.sort(age, dim=-1, stable=True).indices  # [B, Hkv, S]
+        rank = (torch.cumsum(fetch, dim=-1) - 1).clamp_(min=0)
+        dest = torch.where(hit, resident, torch.where(fetch, order.gather(-1, rank), S))
+
+        # Evict what the fetched blocks replace, then record the new owners.
+        evicted = self.slot_block.gather(-1, dest)
+        self.block_slot.scatter_(-1, torch.where(fetch & (evicted >= 0), evicted, NBcap), -1)
+        self.block_slot.scatter_(-1, torch.where(fetch, block_ids, NBcap), torch.where(fetch, dest, -1))
+        self.slot_block.scatter_(-1, torch.where(fetch, dest, S), torch.where(fetch, block_ids, -1))
+        self.last_used.scatter_(-1, torch.where(selected, dest, S), step)
+
+        attended = torch.zeros_like(self.slot_block, dtype=torch.bool)
+        attended.scatter_(-1, torch.where(selected, dest, S), True)
+        return Assignment(dest=dest, fetch=fetch, hit=hit, attended=attended[..., :S])
+
+    def forget_blocks_from(self, num_blocks: int) -> None:
+        """Blocks >= `num_blocks` no longer exist (after `crop`): free their slots."""
+        gone = self.slot_block >= num_blocks
+        self.slot_block.masked_fill_(gone, -1)
+        self.last_used.masked_fill_(gone, -1)
+        self.block_slot[..., num_blocks : self.capacity_blocks] = -1
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        indices = indices.to(self.slot_block.device)
+        self.slot_block = self.slot_block.index_select(0, indices)
+        self.last_used = self.last_used.index_select(0, indices)
+        self.block_slot = self.block_slot.index_select(0, indices)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.slot_block, self.last_used, self.block_slot))
