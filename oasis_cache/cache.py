@@ -99,6 +99,7 @@ class OasisCache(Cache):
         self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
         self._first_oasis_layer = oasis_layers[0]
         self.collect_stats = collect_stats
+        self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats()
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self._visibility: StepVisibility | None = None

@@ -90,6 +90,7 @@ class OasisLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a positive value is the legacy "keep this many")."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         if not self.is_initialized or tokens_to_remove == 0:
             return
         length = self.get_seq_length()
@@ -171,6 +172,9 @@ class OasisLayer(CacheLayerMixin):
             scores = score_blocks(query.reshape(B, H, -1, D), kmin, kmax)
             block_ids, selected = select_blocks(scores, view.forced, view.allowed, cfg.num_selected_blocks)
         placed = self.slot_map.assign(block_ids, selected, cache.decode_clock)
+        if cache.record_selection:  # for tests and analysis: `[B, H, NB]` bool of the blocks attended this step
+            chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=block_ids.device)
+            self.last_selection = chosen.scatter_(-1, torch.where(selected, block_ids, NB), True)[..., :NB]
 
         # Memory: bring the missing blocks into their slots.
         cache.transfer.fetch(self.pool, self.working_set, block_ids, placed.dest, placed.fetch)

@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random models of the supported architectures, and a generate helper that returns tokens and
+per-step logits for a given cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import oasis_cache  # noqa: F401  (registers "oasis")
+from oasis_cache import OasisCache
+from oasis_cache.compat import generate_cache_argument
+
+VOCAB = 96
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Spread the logits so that greedy choices are not near-ties of random weights.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def prompt_ids(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def left_padded(lengths: list[int], seed: int = 1) -> dict:
+    """A left-padded batch: `{"input_ids", "attention_mask"}`."""
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = prompt_ids(n, seed=seed + row)[0]
+        mask[row, width - n :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def generate(model, cache, inputs: dict, seed: int = 0, **kwargs):
+    """Run `model.generate` with `cache`; returns the output (sequences, logits)."""
+    torch.manual_seed(seed)
+    arg = generate_cache_argument(model)
+    if cache is not None:
+        kwargs[arg] = cache
+    return model.generate(
+        **inputs,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        **kwargs,
+    )
+
+
+def dense_cache(model):
+    model.set_attn_implementation("sdpa")
+    return DynamicCache(config=model.config)
+
+
+def oasis_cache_for(model, **kwargs):
+    kwargs.setdefault("token_budget", 1024)
+    return OasisCache(model, **kwargs)
+
+
+@pytest.fixture(params=list(ARCHITECTURES))
+def arch(request):
+    return request.param

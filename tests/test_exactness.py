@@ -1,0 +1,144 @@
+"""The correctness anchor: with token_budget >= context, OasisCache generates exactly what SDPA + DynamicCache
+generates (greedy tokens identical, logits within fp32 tolerance), in every generate mode, for every supported
+architecture. The host pool is split into small chunks so that blocks span several allocations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import dense_cache, generate, left_padded, oasis_cache_for, prompt_ids, tiny_model
+
+ATOL = 2e-4  # fp32 logits; sums run in another order than SDPA's
+SMALL_CHUNKS = dict(host_chunk_blocks=2)
+
+
+def assert_same_generation(dense, oasis, check_logits=True):
+    assert torch.equal(dense.sequences, oasis.sequences), (dense.sequences, oasis.sequences)
+    if check_logits:
+        for step, (a, b) in enumerate(zip(dense.logits, oasis.logits)):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4, msg=f"logits differ at step {step}")
+
+
+def test_greedy(arch):
+    model = tiny_model(arch)
+    inputs = {"input_ids": prompt_ids(70)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=24, do_sample=False)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, max_new_tokens=24, do_sample=False)
+    assert_same_generation(dense, oasis)
+
+
+def test_sampling(arch):
+    model = tiny_model(arch)
+    inputs = {"input_ids": prompt_ids(53)}
+    kw = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=20)
+    dense = generate(model, dense_cache(model), inputs, seed=7, **kw)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, seed=7, **kw)
+    assert_same_generation(dense, oasis)
+
+
+def test_left_padded_batch(arch):
+    model = tiny_model(arch)
+    inputs = left_padded([61, 37, 50])
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=20, do_sample=False)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, max_new_tokens=20, do_sample=False)
+    assert_same_generation(dense, oasis)
+
+
+def test_prefill_chunking(arch):
+    model = tiny_model(arch)
+    inputs = left_padded([90, 71])
+    kw = dict(max_new_tokens=12, do_sample=False, prefill_chunk_size=32)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, **kw)
+    assert_same_generation(dense, oasis)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_beam_search(arch):
+    model = tiny_model(arch)
+    inputs = left_padded([45, 33])
+    kw = dict(max_new_tokens=12, do_sample=False, num_beams=3, num_return_sequences=2)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, **kw)
+    assert_same_generation(dense, oasis, check_logits=False)
+    torch.testing.assert_close(oasis.sequences_scores, dense.sequences_scores, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_prompt_lookup_decoding(arch):
+    model = tiny_model(arch)
+    base = prompt_ids(12)[0]
+    inputs = {"input_ids": torch.cat([base, base, base, base[:5]])[None]}  # repetitive: lookup proposes tokens
+    kw = dict(max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, **kw)
+    assert_same_generation(dense, oasis, check_logits=False)
+
+
+def test_assisted_decoding():
+    model = tiny_model("llama")
+    assistant = tiny_model("llama", seed=3, num_hidden_layers=1)
+    inputs = {"input_ids": prompt_ids(60)}
+    kw = dict(max_new_tokens=20, do_sample=False)
+    dense = generate(model, dense_cache(model), inputs, assistant_model=assistant, **kw)
+    plain = generate(model, dense_cache(model), inputs, **kw)
+    assert torch.equal(dense.sequences, plain.sequences)  # assisted greedy == greedy
+    oasis = generate(model, oasis_cache_for(model, **SMALL_CHUNKS), inputs, assistant_model=assistant, **kw)
+    assert_same_generation(dense, oasis, check_logits=False)
+
+
+def test_past_key_values_and_cache_keywords():
+    """Both spellings reach the cache (transformers 5.24 renamed `past_key_values` to `cache`)."""
+    model = tiny_model("llama")
+    inputs = {"input_ids": prompt_ids(40)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=8, do_sample=False)
+    for keyword in ("past_key_values", "cache"):
+        import inspect
+
+        if keyword not in inspect.signature(model.forward).parameters:
+            continue
+        cache = oasis_cache_for(model)
+        torch.manual_seed(0)
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             **{keyword: cache})
+        assert torch.equal(out, dense.sequences)
+        assert cache.get_seq_length() == 40 + 8 - 1
+        assert cache.stats()["decode_steps"] == 7
+
+
+def test_model_forward_loop_matches_dynamic_cache():
+    """Manual forward calls (no generate), including a multi-token extend after decoding."""
+    model = tiny_model("qwen3")
+    ids = prompt_ids(80)
+    more = prompt_ids(9, seed=5)
+    results = []
+    for make in (lambda: dense_cache(model), lambda: oasis_cache_for(model, **SMALL_CHUNKS)):
+        cache = make()
+        logits = []
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                logits.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=more, past_key_values=cache, use_cache=True)  # 9-token extend (sparse path)
+            logits.append(out.logits[:, -1])
+            out = model(input_ids=prompt_ids(40, seed=6), past_key_values=cache, use_cache=True)  # dense extend
+            logits.append(out.logits[:, -1])
+        results.append(torch.stack(logits))
+    torch.testing.assert_close(results[1], results[0], atol=ATOL, rtol=1e-4)
+
+
+def test_oasis_attention_is_sdpa_for_other_caches():
+    """A model switched to "oasis" still works with a DynamicCache, left padding included."""
+    model = tiny_model("llama")
+    inputs = left_padded([30, 22])
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=10, do_sample=False)
+    oasis_cache_for(model)  # switches the model to "oasis"
+    assert model.config._attn_implementation == "oasis"
+    other = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=10, do_sample=False)
+    assert_same_generation(dense, other)
