@@ -1,0 +1,81 @@
+"""Demo: a long document with one planted fact, a question, and the answers of dense attention and of OasisCache
+side by side, with what the cache did. Runs offline on SmolLM2-135M-Instruct (CPU is fine: about a minute).
+
+    python examples/demo.py --context 4000 --budget 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache
+
+import oasis_cache  # noqa: F401  (registers the "oasis" attention)
+from oasis_cache import OasisCache
+from oasis_cache.loaders import load_smollm2
+
+FACT = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco?"
+PRIMER = "The best thing to do in San Francisco is"
+
+
+def long_document(tokenizer, n_tokens: int) -> str:
+    """Python's own documentation (`pydoc_data.topics`, shipped with Python, PSF licence) with FACT in the middle."""
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics.values())
+    ids = tokenizer(text)["input_ids"][:n_tokens]
+    filler = tokenizer.decode(ids)
+    cut = filler.find(". ", len(filler) // 2) + 2  # a sentence boundary in the middle
+    return filler[:cut] + FACT + " " + filler[cut:]
+
+
+def answer(model, tokenizer, inputs, cache, max_new_tokens):
+    start = time.perf_counter()
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True), seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4000, help="document tokens (SmolLM2 handles up to ~8K)")
+    parser.add_argument("--budget", type=int, default=512, help="OasisCache token_budget")
+    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    print(f"loading SmolLM2-135M-Instruct on {args.device} ...", flush=True)
+    model, tokenizer = load_smollm2(device=args.device)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": long_document(tokenizer, args.context) + "\n\n" + QUESTION}],
+        tokenize=False,
+        add_generation_prompt=True,
+    ) + PRIMER
+    inputs = {k: v.to(args.device) for k, v in tokenizer(prompt, return_tensors="pt").items()}
+    n = inputs["input_ids"].shape[1]
+    print(f"prompt: {n} tokens, the fact is in the middle; question: {QUESTION!r}\n", flush=True)
+
+    model.set_attn_implementation("sdpa")
+    dense_text, dense_s = answer(model, tokenizer, inputs, DynamicCache(config=model.config), args.max_new_tokens)
+    cache = OasisCache(model, token_budget=args.budget)
+    oasis_text, oasis_s = answer(model, tokenizer, inputs, cache, args.max_new_tokens)
+
+    print(f"{'':8}{PRIMER + ' ...':62}  seconds")
+    print(f"{'dense':8}{dense_text.strip()[:60]!r:62}  {dense_s:6.1f}")
+    print(f"{'oasis':8}{oasis_text.strip()[:60]!r:62}  {oasis_s:6.1f}")
+    print("same answer" if dense_text == oasis_text else "the answers differ")
+    stats = cache.stats()
+    print(f"\nOasisCache(token_budget={args.budget}) on a {n}-token prompt "
+          f"({args.budget / n:.0%} of the context attended per step):")
+    for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched_per_step",
+                "hit_rate", "bytes_fetched", "device_bytes", "host_bytes", "transfer"):
+        value = stats[key]
+        print(f"  {key:26} {value:.3f}" if isinstance(value, float) else f"  {key:26} {value}")
+
+
+if __name__ == "__main__":
+    main()

