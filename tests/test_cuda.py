@@ -1,0 +1,109 @@
+"""The same anchors on CUDA: pinned host pool, the Triton gather through unified addressing (and the staging
+fallback), stream-ordered offload. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_cache import OasisCache
+from oasis_cache.compute.reference import block_masked_attention
+from oasis_cache.layer import OasisLayer
+
+from conftest import dense_cache, generate, left_padded, prompt_ids, tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+ATOL = 2e-4
+
+
+def on_cuda(inputs):
+    return {k: v.cuda() for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("transfer", ["triton", "torch"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
+def test_exact_on_cuda(arch, transfer):
+    model = tiny_model(arch).cuda()
+    for inputs, kw in [
+        ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
+        (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),
+        (left_padded([45, 33]), dict(max_new_tokens=10, do_sample=False, num_beams=3)),
+    ]:
+        inputs = on_cuda(inputs)
+        dense = generate(model, dense_cache(model), inputs, **kw)
+        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, transfer=transfer)
+        oasis = generate(model, cache, inputs, **kw)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        if "num_beams" not in kw:
+            for a, b in zip(dense.logits, oasis.logits):
+                torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        assert cache.stats()["transfer"] == transfer
+
+
+@pytest.mark.parametrize("transfer", ["triton", "torch"])
+def test_sparse_decode_equals_reference_on_cuda(monkeypatch, transfer):
+    model = tiny_model("qwen3").cuda()
+    calls = []
+    attend = OasisLayer.attend
+
+    def recording(layer, query, visible, scale):
+        out = attend(layer, query, visible, scale)
+        if getattr(layer, "last_selection", None) is not None:
+            calls.append((query, visible, scale, out, layer.last_selection, layer.full_kv()))
+            layer.last_selection = None
+        return out
+
+    monkeypatch.setattr(OasisLayer, "attend", recording)
+    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
+                       transfer=transfer)
+    cache.record_selection = True
+    model.generate(**on_cuda(left_padded([300, 260])), past_key_values=cache, max_new_tokens=10,
+                   do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert len(calls) == 9 * 2
+    for query, visible, scale, out, sel, (keys, values) in calls:
+        ref = block_masked_attention(query, keys, values, sel, visible, 16, scale)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_device_memory_is_bounded_on_cuda():
+    """Measured with the CUDA allocator: what the cache adds on the device at 4x the context is summaries only."""
+    model = tiny_model("llama", num_key_value_heads=4, num_attention_heads=4, hidden_size=256).cuda()
+    added = {}
+    for context in (1024, 4096):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        cache = OasisCache(model, token_budget=256)
+        model.generate(input_ids=prompt_ids(context).cuda(), past_key_values=cache, max_new_tokens=4,
+                       pad_token_id=0, eos_token_id=None, do_sample=False)
+        torch.cuda.synchronize()
+        added[context] = torch.cuda.memory_allocated() - before
+        summaries = cache.device_nbytes()["summaries"] + cache.device_nbytes()["slot_map"]
+        dense_kv = 2 * 2 * 4 * context * 64 * 4  # K+V, 2 layers, 4 heads, D=64, fp32
+        assert added[context] - summaries < 300_000 + 0.01 * dense_kv, added
+        del cache
+    assert added[4096] < 0.25 * (2 * 2 * 4 * 4096 * 64 * 4)
+
+
+def test_smollm2_on_cuda_matches_dense():
+    try:
+        from oasis_cache.loaders import load_smollm2
+
+        model, tok = load_smollm2(device="cuda", cache_dir=None)
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    import pydoc_data.topics as topics
+
+    text = " ".join(list(topics.topics.values())[:60])
+    ids = tok(text)["input_ids"][:3000]
+    prompts = [tok.decode(ids[:3000]), tok.decode(ids[500:2200])]
+    tok.padding_side = "left"
+    inputs = on_cuda(dict(tok(prompts, return_tensors="pt", padding=True)))
+    kw = dict(max_new_tokens=16, do_sample=False)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    oasis = generate(model, OasisCache(model, token_budget=4096), inputs, **kw)
+    assert torch.equal(dense.sequences, oasis.sequences)
+    for a, b in zip(dense.logits, oasis.logits):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
