@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device call for the Core issue's GPU checks: CUDA tests (SmolLM2 included when its GGUF is at
+# $OASIS_SMOLLM2_GGUF), then exactness of a Qwen3-8B-shaped random model at 32K. Logs under $OUT.
+set -uo pipefail
+export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+for arg in "$@"; do
+  case "$arg" in
+    exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
+  esac
+done
