@@ -32,6 +32,7 @@ def chat(tokenizer, texts: list[str]) -> dict:
         for t in texts
     ]
     tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return dict(tokenizer(prompts, return_tensors="pt", padding=True))
 
 

@@ -17,14 +17,21 @@ from torch.nn.attention.bias import causal_lower_right
 _MASK_ELEMENTS = 1 << 26  # largest explicit mask built at once (64 Mi booleans)
 
 
+def _expand_kv_heads(query, keys, values):
+    """GQA by repeating K/V heads (one layer, transiently): SDPA's `enable_gqa` sends fp32 and masked calls to the
+    math kernel, which materializes `[B, Hq, Qn, L]` scores (128 GiB at 32K)."""
+    G = query.shape[1] // keys.shape[1]
+    if G == 1:
+        return keys, values
+    return keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+
+
 def _sdpa_causal(query, keys, values, scale):
     Qn, L = query.shape[2], keys.shape[2]
-    gqa = query.shape[1] != keys.shape[1]
+    keys, values = _expand_kv_heads(query, keys, values)
     if Qn == L:
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=causal_lower_right(Qn, L), scale=scale, enable_gqa=gqa
-    )
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(Qn, L), scale=scale)
 
 
 def dense_causal_attention(
@@ -61,7 +68,7 @@ def dense_causal_attention(
 def _explicit_mask_attention(query, keys, values, visible, scale):
     B, Hq, Qn, D = query.shape
     L = keys.shape[2]
-    gqa = Hq != keys.shape[1]
+    keys, values = _expand_kv_heads(query, keys, values)
     rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))
     key_pos = torch.arange(L, device=query.device)
     out = torch.empty_like(query)
@@ -72,6 +79,6 @@ def _explicit_mask_attention(query, keys, values, visible, scale):
         mask = causal[None] & visible[:, None, :]  # [B, rows, L]
         mask |= key_pos[None, None, :] == q_pos[None, :, None]  # a padding query sees itself: no empty softmax row
         out[:, :, lo:hi] = F.scaled_dot_product_attention(
-            query[:, :, lo:hi], keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
+            query[:, :, lo:hi], keys, values, attn_mask=mask[:, None], scale=scale
         )
     return out
