@@ -1,8 +1,9 @@
 """The summary pool: per complete block, the elementwise min and max of its keys (as cached, i.e. after RoPE), kept
 on the compute device. They bound q.k over a block from above (see `control.selection`).
 
-`minmax`: `[2, B, Hkv, NBcap, D]` (0 = min, 1 = max); blocks [0, num_blocks) are valid. Capacity doubles when full,
-so the pool costs 2/T of the keys' size and is reallocated O(log N) times over a sequence.
+`minmax`: `[2, B, Hkv, NBcap, D]` (0 = min, 1 = max); blocks [0, num_blocks) are valid. Capacity grows by a quarter
+(at least 64 blocks) when full: the pool costs about 2/T of the keys' size (1/16 of K+V at T=16), with at most 25%
+slack, and is reallocated O(log N) times over a sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class BlockSummaries:
         end = self.num_blocks + n
         if end > self.capacity_blocks:
             grown = torch.empty(
-                (*self.minmax.shape[:3], max(end, 2 * self.capacity_blocks, 16), self.minmax.shape[4]),
+                (*self.minmax.shape[:3], max(end, self.capacity_blocks * 5 // 4, self.capacity_blocks + 64),
+                 self.minmax.shape[4]),
                 dtype=self.minmax.dtype,
                 device=self.minmax.device,
             )
