@@ -112,7 +112,7 @@ def run_one(model, vocab, method, context, batch, args):
             bytes_fetched_per_step=stats["bytes_fetched_per_step"],
             hit_rate=stats["hit_rate"],
             tokens_attended_per_step=stats["tokens_attended_per_step"],
-            transfer=stats["transfer"],
+            backend=stats["backend"],
             host_gib=stats["host_bytes"] / 2**30,
         )
     del cache, out

@@ -51,7 +51,7 @@ def main():
     scale = ref_logits.abs().amax().item()
     print(f"{args.model} {args.dtype} context {args.context} batch {args.batch}: greedy identical: {same}; "
           f"max |logit diff| per step: {[round(x, 5) for x in diff.tolist()]} (logit scale {scale:.2f}); "
-          f"stats: decode_steps={cache.stats()['decode_steps']} transfer={cache.stats()['transfer']}")
+          f"stats: decode_steps={cache.stats()['decode_steps']} backend={cache.stats()['backend']}")
     sys.exit(0 if same else 1)
 
 

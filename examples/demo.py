@@ -72,7 +72,7 @@ def main():
     print(f"\nOasisCache(token_budget={args.budget}) on a {n}-token prompt "
           f"({args.budget / n:.0%} of the context attended per step):")
     for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched_per_step",
-                "hit_rate", "bytes_fetched", "device_bytes", "host_bytes", "transfer"):
+                "hit_rate", "bytes_fetched", "device_bytes", "host_bytes", "backend"):
         value = stats[key]
         print(f"  {key:26} {value:.3f}" if isinstance(value, float) else f"  {key:26} {value}")
 

@@ -20,6 +20,7 @@ from .config import OasisConfig
 from .control import StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
+from .memory.transfer import resolve_backend
 from .stats import CacheStats
 
 ATTENTION_NAME = "oasis"
@@ -35,7 +36,7 @@ class OasisCache(Cache):
         token_budget: tokens attended per decode step and KV head (sink, recent and selected blocks included).
             With `token_budget` >= context the result equals dense attention.
         block_size, sink_tokens, recent_tokens, lookahead, num_slots, max_decode_tokens, host_chunk_blocks,
-        transfer: see `OasisConfig`.
+        backend: see `OasisConfig`.
         fetch_ratio: cap on newly fetched blocks per step (memory-plane issue; not available yet).
         draft: EAGLE-3 draft head for `lookahead="eagle3"` (draft issue; not available yet).
         collect_stats: count selections and transfers for `stats()` (a few tiny device ops per layer).
@@ -136,11 +137,14 @@ class OasisCache(Cache):
             self.counters.dense_forwards += 1
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
-            self._transfer = TransferEngine(self.config.transfer, key_states.device)
+            self._transfer = TransferEngine(self.config.backend, key_states.device)
 
     @property
     def transfer(self) -> TransferEngine:
         return self._transfer
+
+    def backend_for(self, device: torch.device) -> str:
+        return resolve_backend(self.config.backend, device)
 
     def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
         """Block visibility of the current forward, computed at its first decoding layer and shared by the rest."""
@@ -172,7 +176,7 @@ class OasisCache(Cache):
             token_budget=self.config.token_budget,
             block_size=self.config.block_size,
             lookahead=self.config.lookahead,
-            transfer=self._transfer.backend if self._transfer else None,
+            backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
             host_bytes=self.host_nbytes(),

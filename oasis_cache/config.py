@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none",)
-TRANSFER_BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ class OasisConfig:
         max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
             decoding verifies a few tokens at once); longer ones attend densely (prefill, chunked prefill).
         host_chunk_blocks: blocks per allocation of the host pool; the pool grows by such chunks.
-        transfer: how blocks move host -> device: "triton" (a kernel that reads pinned host memory directly),
-            "torch" (indexing ops; on CUDA through a staging copy), or "auto".
+        backend: "triton" (CUDA kernels: block scores, slot assignment, and a gather that reads pinned host memory
+            directly), "torch" (plain tensor ops; on CUDA the gather stages through host memory), or "auto"
+            (triton on CUDA when available, else torch).
     """
 
     token_budget: int
@@ -54,7 +55,7 @@ class OasisConfig:
     num_slots: int | None = None
     max_decode_tokens: int = 16
     host_chunk_blocks: int = 256
-    transfer: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self):
         T = self.block_size
@@ -89,8 +90,8 @@ class OasisConfig:
             raise ValueError(f"max_decode_tokens must be an int >= 1, got {self.max_decode_tokens!r}.")
         if not isinstance(self.host_chunk_blocks, int) or self.host_chunk_blocks < 1:
             raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
-        if self.transfer not in TRANSFER_BACKENDS:
-            raise ValueError(f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 
     @property
     def num_sink_blocks(self) -> int:

@@ -19,7 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .compute.attention import leave_pending, peek_pending
 from .compute.dense import dense_causal_attention
 from .compute.sparse import sparse_attention
-from .control import all_blocks, score_blocks, select_blocks
+from .control import all_blocks, rank_blocks, top_blocks
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
 
 
@@ -43,11 +43,14 @@ class OasisLayer(CacheLayerMixin):
             raise NotImplementedError("OasisCache needs keys and values of the same head dimension.")
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
-        self.pool = HostKVPool(B, H, D, cfg.block_size, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
+        self.use_kernels = self._cache.backend_for(self.device) == "triton"
+        T = cfg.block_size
+        recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
+        self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
         self.summaries = BlockSummaries(B, H, D, dtype, self.device)
-        self.recent = RecentTokens(B, H, D, dtype, self.device)
-        self.working_set = WorkingSet(B, H, cfg.slots, cfg.block_size, D, dtype, self.device)
-        self.slot_map = SlotMap(B, H, cfg.slots, self.device)
+        self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
+        self.recent = RecentTokens(self.working_set.recent_region)
+        self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -125,8 +128,11 @@ class OasisLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self._cache.transfer.wait_host_reads()
-        for part in (self.pool, self.summaries, self.recent, self.working_set, self.slot_map):
+        recent = self.recent.kv.index_select(1, indices.to(self.device))
+        for part in (self.pool, self.summaries, self.working_set, self.slot_map):
             part.index_batch(indices)
+        self.recent = RecentTokens(self.working_set.recent_region)
+        self.recent.prepend(recent)
         self.batch_size = int(indices.numel())
 
     # ------------------------------------------------------------------------------------------------ attention
@@ -161,36 +167,38 @@ class OasisLayer(CacheLayerMixin):
         cache, cfg = self._cache, self.config
         B, Hq, Qn, D = query.shape
         H, T, S = self.num_kv_heads, cfg.block_size, cfg.slots
-        NB = self.pool.num_blocks
+        NB, n = self.pool.num_blocks, self.recent.num_tokens
         view = cache.step_visibility(visible, self)
+        ws = self.working_set
 
-        # Control: which blocks this step attends to.
+        # Control: rank the blocks, keep the best K (everything when the budget covers the context).
         if NB <= cfg.num_selected_blocks:
-            block_ids, selected = all_blocks(view.allowed, H)
+            block_ids, ranks = all_blocks(view.allowed, H)
         else:
-            kmin, kmax = self.summaries.view()
-            scores = score_blocks(query.reshape(B, H, -1, D), kmin, kmax)
-            block_ids, selected = select_blocks(scores, view.forced, view.allowed, cfg.num_selected_blocks)
-        placed = self.slot_map.assign(block_ids, selected, cache.decode_clock)
+            all_ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries.minmax, NB, view.forced, view.allowed,
+                                    use_kernel=self.use_kernels)
+            block_ids, ranks = top_blocks(all_ranks, cfg.num_selected_blocks)
+        placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible, cache.counters.device_counts(
+            self.device), T)
         if cache.record_selection:  # for tests and analysis: `[B, H, NB]` bool of the blocks attended this step
             chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=block_ids.device)
-            self.last_selection = chosen.scatter_(-1, torch.where(selected, block_ids, NB), True)[..., :NB]
+            self.last_selection = chosen.scatter_(-1, torch.where(ranks > -torch.inf, block_ids, NB), True)[..., :NB]
 
         # Memory: bring the missing blocks into their slots.
-        cache.transfer.fetch(self.pool, self.working_set, block_ids, placed.dest, placed.fetch)
+        cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
 
-        # Compute: attend over the selected slots and the recent tokens.
-        slot_visible = placed.attended[..., None].expand(B, H, S, T)
-        if view.block_tokens is not None:
-            held = self.slot_map.slot_block[..., :S].clamp(min=0)  # [B, H, S]
+        # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
+        if view.recent is None:
+            ws.visible[:, :, S * T : S * T + n] = True
+        else:
+            ws.visible[:, :, S * T : S * T + n] = view.recent[:, None]
+        if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
+            held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]
-            slot_visible = slot_visible & view.block_tokens[batch, held]
-        slot_visible = slot_visible.reshape(B, H, S * T)
-        out = sparse_attention(query, self.working_set.attendable(), slot_visible, self.recent.kv, view.recent, scale)
-
-        if cache.collect_stats:
-            tokens = slot_visible.sum(dim=-1) + self.recent.num_tokens
-            cache.counters.record_decode(selected, placed.hit, placed.fetch, tokens, self._block_bytes())
+            ws.visible[:, :, : S * T] &= view.block_tokens[batch, held].reshape(B, H, S * T)
+        keys, values, mask = ws.attendable(n)
+        out = sparse_attention(query, keys, values, mask, scale)
+        cache.counters.record_layer_step(B * H, n)
         return out
 
     def _offload_complete_blocks(self) -> None:
@@ -201,9 +209,7 @@ class OasisLayer(CacheLayerMixin):
         self.summaries.append(blocks[0])
         self.slot_map.reserve(self.pool.num_blocks)
         self._cache.counters.record_offload(blocks.numel() * blocks.element_size())
-
-    def _block_bytes(self) -> int:
-        return 2 * self.config.block_size * self.head_dim * self.recent.kv.element_size()
+        self._cache.counters.block_bytes = 2 * self.config.block_size * self.head_dim * blocks.element_size()
 
     # ------------------------------------------------------------------------------------------------- inspection
     def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +224,12 @@ class OasisLayer(CacheLayerMixin):
         """Bytes this layer holds on the compute device, by pool."""
         if not self.is_initialized:
             return {}
+        overflow = 0 if self.recent.in_region else self.recent.kv.numel() * self.recent.kv.element_size()
         return {
             "summaries": self.summaries.nbytes,
             "slot_map": self.slot_map.nbytes,
-            "working_set": self.working_set.nbytes,
-            "recent": self.recent.nbytes,
+            "working_set": self.working_set.nbytes,  # slots and the recent-token region
+            "recent_overflow": overflow,
         }
 
     def __repr__(self):

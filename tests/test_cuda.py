@@ -23,9 +23,9 @@ def on_cuda(inputs):
     return {k: v.cuda() for k, v in inputs.items()}
 
 
-@pytest.mark.parametrize("transfer", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
-def test_exact_on_cuda(arch, transfer):
+def test_exact_on_cuda(arch, backend):
     model = tiny_model(arch).cuda()
     for inputs, kw in [
         ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
@@ -34,17 +34,17 @@ def test_exact_on_cuda(arch, transfer):
     ]:
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, **kw)
-        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, transfer=transfer)
+        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, backend=backend)
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences)
         if "num_beams" not in kw:
             for a, b in zip(dense.logits, oasis.logits):
                 torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-        assert cache.stats()["transfer"] == transfer
+        assert cache.stats()["backend"] == backend
 
 
-@pytest.mark.parametrize("transfer", ["triton", "torch"])
-def test_sparse_decode_equals_reference_on_cuda(monkeypatch, transfer):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend):
     model = tiny_model("qwen3").cuda()
     calls = []
     attend = OasisLayer.attend
@@ -58,7 +58,7 @@ def test_sparse_decode_equals_reference_on_cuda(monkeypatch, transfer):
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
     cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
-                       transfer=transfer)
+                       backend=backend)
     cache.record_selection = True
     model.generate(**on_cuda(left_padded([300, 260])), past_key_values=cache, max_new_tokens=10,
                    do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from oasis_cache.control import score_blocks, select_blocks, step_visibility
+from oasis_cache.control import rank_blocks, score_blocks, step_visibility, top_blocks
 from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
 
@@ -14,46 +14,59 @@ def ids(*rows):
 
 
 def sel(*rows):
-    return torch.tensor([[list(rows)]], dtype=torch.bool)
+    """Ranks that select exactly the True entries."""
+    return torch.tensor([[[0.0 if r else -torch.inf for r in rows]]])
+
+
+T = 4
+
+
+def assign(sm, block_ids, ranks, step):
+    visible = torch.zeros((1, 1, sm.num_slots * T + 3), dtype=torch.bool)
+    counts = torch.zeros(4, dtype=torch.int64)
+    placed = sm.assign(block_ids, ranks, step, visible, counts, T)
+    placed.visible, placed.counts = visible, counts
+    return placed
 
 
 class TestSlotMap:
     def test_fills_free_slots_in_order_then_keeps_hits_in_place(self):
         sm = SlotMap(1, 1, num_slots=3, device="cpu")
         sm.reserve(10)
-        a = sm.assign(ids(4, 7, 2), sel(True, True, True), step=1)
-        assert a.dest.tolist() == [[[0, 1, 2]]] and a.fetch.all() and not a.hit.any()
+        a = assign(sm, ids(4, 7, 2), sel(True, True, True), step=1)
+        assert a.dest.tolist() == [[[0, 1, 2]]] and a.fetch.all() and a.counts[1] == 0
         assert sm.slot_block[0, 0, :3].tolist() == [4, 7, 2]
-        b = sm.assign(ids(2, 9, 4), sel(True, True, True), step=2)
+        b = assign(sm, ids(2, 9, 4), sel(True, True, True), step=2)
         # 2 and 4 stay where they are; 9 replaces the only unselected block, 7 in slot 1.
         assert b.dest.tolist() == [[[2, 1, 0]]]
-        assert b.hit.tolist() == [[[True, False, True]]] and b.fetch.tolist() == [[[False, True, False]]]
+        assert b.fetch.tolist() == [[[False, True, False]]]
+        assert b.counts.tolist() == [3, 2, 1, 3 * T]  # selected, resident, fetched, tokens
         assert sm.slot_block[0, 0, :3].tolist() == [4, 9, 2]
         assert sm.block_slot[0, 0, 7] == -1 and sm.block_slot[0, 0, 9] == 1
 
     def test_evicts_least_recently_selected(self):
         sm = SlotMap(1, 1, num_slots=4, device="cpu")
         sm.reserve(20)
-        sm.assign(ids(1, 2), sel(True, True), step=1)  # slots 0, 1
-        sm.assign(ids(3, 4), sel(True, True), step=2)  # free slots 2, 3
-        sm.assign(ids(1, 5), sel(True, True), step=3)  # 1 hits (slot 0); 5 evicts 2 (slot 1, used at step 1)
+        assign(sm, ids(1, 2), sel(True, True), step=1)  # slots 0, 1
+        assign(sm, ids(3, 4), sel(True, True), step=2)  # free slots 2, 3
+        assign(sm, ids(1, 5), sel(True, True), step=3)  # 1 hits (slot 0); 5 evicts 2 (slot 1, used at step 1)
         assert sm.slot_block[0, 0, :4].tolist() == [1, 5, 3, 4]
-        sm.assign(ids(6, 7), sel(True, True), step=4)  # evict 3 (step 2, slot 2) then 4 (step 2, slot 3)
+        assign(sm, ids(6, 7), sel(True, True), step=4)  # evict 3 (step 2, slot 2) then 4 (step 2, slot 3)
         assert sm.slot_block[0, 0, :4].tolist() == [1, 5, 6, 7]
         assert sm.last_used[0, 0, :4].tolist() == [3, 3, 4, 4]
 
     def test_unselected_entries_change_nothing(self):
         sm = SlotMap(1, 1, num_slots=2, device="cpu")
         sm.reserve(8)
-        a = sm.assign(ids(3, 5), sel(True, False), step=1)
+        a = assign(sm, ids(3, 5), sel(True, False), step=1)
         assert a.dest.tolist() == [[[0, 2]]]  # 2 = the scratch slot
-        assert a.attended.tolist() == [[[True, False]]]
+        assert a.visible[0, 0].tolist() == [True] * T + [False] * T + [False] * 3  # slot 0's tokens only
         assert sm.slot_block[0, 0, :2].tolist() == [3, -1] and sm.block_slot[0, 0, 5] == -1
 
     def test_forget_blocks_from(self):
         sm = SlotMap(1, 1, num_slots=3, device="cpu")
         sm.reserve(8)
-        sm.assign(ids(1, 6, 4), sel(True, True, True), step=1)
+        assign(sm, ids(1, 6, 4), sel(True, True, True), step=1)
         sm.forget_blocks_from(4)
         assert sm.slot_block[0, 0, :3].tolist() == [1, -1, -1]
         assert sm.block_slot[0, 0, :8].tolist() == [-1, 0, -1, -1, -1, -1, -1, -1]
@@ -75,14 +88,22 @@ def test_score_is_an_upper_bound_of_every_key_in_the_block():
     )
 
 
-def test_select_blocks_forced_first_never_disallowed():
-    scores = torch.tensor([[[5.0, 1.0, 9.0, 3.0, 7.0, 8.0]]])
+def test_selection_forced_first_never_disallowed():
+    D = 4
+    # One query row of ones: a block's bound is the sum of its kmax; kmin = kmax - 1.
+    kmax = torch.tensor([5.0, 1.0, 9.0, 3.0, 7.0, 8.0])[None, None, :, None].expand(1, 1, 6, D) / D
+    minmax = torch.stack((kmax - 1, kmax))
+    query = torch.ones(1, 1, 1, D)
     forced = torch.tensor([[False, True, False, False, False, False]])
     allowed = torch.tensor([[True, True, True, True, True, False]])
-    block_ids, selected = select_blocks(scores, forced, allowed, k=3)
-    assert sorted(block_ids[0, 0].tolist()) == [1, 2, 4] and selected.all()
-    block_ids, selected = select_blocks(scores, forced, torch.tensor([[False, True, False, False, False, False]]), k=3)
-    assert selected[0, 0].sum() == 1 and 1 in block_ids[0, 0][selected[0, 0]].tolist()
+    ranks = rank_blocks(query, minmax, 6, forced, allowed)
+    assert ranks.tolist() == [[[5.0, torch.inf, 9.0, 3.0, 7.0, -torch.inf]]]
+    block_ids, top = top_blocks(ranks, 3)
+    assert sorted(block_ids[0, 0].tolist()) == [1, 2, 4] and (top > -torch.inf).all()
+    ranks = rank_blocks(query, minmax, 6, forced, torch.tensor([[False, True, False, False, False, False]]))
+    block_ids, top = top_blocks(ranks, 3)
+    chosen = block_ids[0, 0][top[0, 0] > -torch.inf].tolist()
+    assert chosen == [1]
 
 
 def test_step_visibility_sink_follows_left_padding():
@@ -117,19 +138,20 @@ def test_fetch_copies_exactly_the_flagged_blocks():
     engine = TransferEngine("torch", torch.device("cpu"))
     data = torch.randn(2, B, H, 7, T, D)
     engine.offload(pool, data)
-    ws = WorkingSet(B, H, S, T, D, torch.float32, "cpu")
+    ws = WorkingSet(B, H, S, T, 0, D, torch.float32, "cpu")
     ws.kv.fill_(-1.0)
     block_ids = torch.tensor([[[6, 1, 3], [0, 5, 2]], [[4, 4, 4], [2, 3, 6]]])
     dest = torch.tensor([[[2, 0, 1], [1, 2, 0]], [[0, 1, 2], [2, 1, 0]]])
     fetch = torch.tensor([[[True, True, False], [True, False, True]], [[True, False, False], [True, True, True]]])
     engine.fetch(pool, ws, block_ids, dest, fetch)
+    slots = ws.slots
     for b in range(B):
         for h in range(H):
             for k in range(3):
-                got = ws.kv[:, b, h, dest[b, h, k]]
+                got = slots[:, b, h, dest[b, h, k]]
                 if fetch[b, h, k]:
                     assert torch.equal(got, data[:, b, h, block_ids[b, h, k]])
-    assert (ws.kv[:, 0, 0, 1] == -1).all() and (ws.kv[:, 1, 0, 1:3] == -1).all()  # untouched slots
+    assert (slots[:, 0, 0, 1] == -1).all() and (slots[:, 1, 0, 1:3] == -1).all()  # untouched slots
 
 
 def test_summaries_grow_and_truncate():

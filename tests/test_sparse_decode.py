@@ -133,6 +133,6 @@ def test_slot_map_stays_consistent_during_decode(monkeypatch):
         for s in range(S):
             block = int(slot_block[0, 0, s])
             if block >= 0:
-                assert torch.equal(layer.working_set.kv[0, 0, 0, s], keys[0, 0, block * T : block * T + T])
+                assert torch.equal(layer.working_set.slots[0, 0, 0, s], keys[0, 0, block * T : block * T + T])
     stats = cache.stats()
     assert 0.0 < stats["hit_rate"] < 1.0

@@ -3,7 +3,7 @@
 Shapes and strides (all contiguous, element type E = the model's K/V dtype):
     host chunk c         `[C, 2, B, Hkv, T, D]`   base address `chunk_addrs[c]` (pinned, read through unified
                                                  addressing: the kernel's loads cross PCIe, no staging copy)
-    working set          `[2, B, Hkv, S, T, D]`
+    working set          `[2, B, Hkv, L, D]`, L >= S*T: slot s is tokens [s*T, s*T + T) of each row
     block_ids, dest      `[B, Hkv, K]` int64      block to read, slot to write
     fetch                `[B, Hkv, K]` int8       1 = copy this entry, 0 = skip
 Program (i, kv): entry i = (b*Hkv + h)*K + k, kv in {0 keys, 1 values}; copies T*D elements.
@@ -37,7 +37,7 @@ if triton is not None:
         BH,
         K,
         C,
-        S,
+        ROW,
         BLOCK_ELEMS: tl.constexpr,
         BLOCK_POW2: tl.constexpr,
     ):
@@ -51,7 +51,7 @@ if triton is not None:
             local = block - chunk * C
             base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(out.dtype.element_ty))
             src = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
-            dst = out + ((kv * BH + bh) * S + slot) * BLOCK_ELEMS
+            dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
             offs = tl.arange(0, BLOCK_POW2)
             mask = offs < BLOCK_ELEMS
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
@@ -64,9 +64,11 @@ def gather_blocks(
     dest: torch.Tensor,
     fetch: torch.Tensor,
     out: torch.Tensor,
+    block_size: int,
 ) -> None:
     """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above)."""
-    two, B, H, S, T, D = out.shape
+    two, B, H, L, D = out.shape
+    T = block_size
     K = block_ids.shape[-1]
     if B * H * K == 0:
         return
@@ -75,12 +77,12 @@ def gather_blocks(
         chunk_addrs,
         block_ids.contiguous(),
         dest.contiguous(),
-        fetch.to(torch.int8).contiguous(),
+        fetch.view(torch.int8) if fetch.dtype == torch.bool else fetch,
         out,
         B * H,
         K,
         chunk_blocks,
-        S,
+        L * D,
         BLOCK_ELEMS=T * D,
         BLOCK_POW2=triton.next_power_of_2(T * D),
     )

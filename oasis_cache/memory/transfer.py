@@ -11,6 +11,8 @@ moves `fetch` to a side stream with per-layer events.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernels.gather import gather_blocks, triton_available
@@ -18,13 +20,14 @@ from ..pools import HostKVPool, WorkingSet
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
+    """"triton" (CUDA kernels) or "torch" (plain tensor ops; the CPU path and the reference)."""
     if requested == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if requested == "triton":
-        if device.type != "cuda":
-            raise ValueError("transfer='triton' needs a CUDA model; use transfer='torch' or 'auto' on this device.")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs on CPU tensors
+            raise ValueError("backend='triton' needs a CUDA model; use backend='torch' or 'auto' on this device.")
         if not triton_available():
-            raise ImportError("transfer='triton' needs the `triton` package (pip install triton).")
+            raise ImportError("backend='triton' needs the `triton` package (pip install triton).")
     return requested
 
 
@@ -59,7 +62,8 @@ class TransferEngine:
     def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
         """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
         if self.backend == "triton":
-            gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv)
+            gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,
+                          working_set.block_size)
         else:
             self._fetch_torch(pool, working_set, block_ids, dest, fetch)
 
@@ -67,6 +71,7 @@ class TransferEngine:
         on_cuda = working_set.kv.device.type == "cuda"
         if on_cuda:  # the host pool is read by the CPU below: the offload copies must have landed (fallback only)
             self.wait_host_reads()
+        slots_view = working_set.slots
         b, h, k = fetch.nonzero(as_tuple=True)
         blocks, slots = block_ids[b, h, k], dest[b, h, k]
         if on_cuda:
@@ -80,9 +85,9 @@ class TransferEngine:
             if on_cuda:
                 dev = working_set.kv.device
                 data = data.pin_memory().to(dev, non_blocking=True)
-                working_set.kv[:, b[m].to(dev), h[m].to(dev), slots[m].to(dev)] = data.transpose(0, 1)
+                slots_view[:, b[m].to(dev), h[m].to(dev), slots[m].to(dev)] = data.transpose(0, 1)
             else:
-                working_set.kv[:, b[m], h[m], slots[m]] = data.transpose(0, 1)
+                slots_view[:, b[m], h[m], slots[m]] = data.transpose(0, 1)
 
     def wait_host_reads(self) -> None:
         """Before host buffers are replaced or read by the CPU: let queued transfers that use them finish."""

@@ -1,8 +1,8 @@
-"""The recent tokens on the compute device: those not yet in a complete block (the partial block), plus, within one
-forward, the tokens it adds. After the forward, complete blocks leave for the host pool and the summaries, and fewer
-than T tokens remain.
+"""The recent tokens: those not yet in a complete block (the partial block), plus, within one forward, the tokens
+it adds. They live in the working set's recent region; a forward that adds more than the region holds (prefill, a
+long extend) uses a temporary tensor until its complete blocks leave. After every forward fewer than T remain.
 
-`kv`: `[2, B, Hkv, n, D]` (0 = keys, 1 = values); token i is absolute token `start + i`, `start` = NB * T.
+Token i is absolute token `start + i`, `start` = NB * T. `kv`: `[2, B, Hkv, n, D]`.
 """
 
 from __future__ import annotations
@@ -11,38 +11,64 @@ import torch
 
 
 class RecentTokens:
-    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device):
-        self.kv = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
+    def __init__(self, region: torch.Tensor):
+        self.region = region  # [2, B, Hkv, R, D], a view into the working set
+        self.num_tokens = 0
+        self._overflow: torch.Tensor | None = None  # [2, B, Hkv, n, D] when n > R
 
     @property
-    def num_tokens(self) -> int:
-        return self.kv.shape[3]
+    def capacity(self) -> int:
+        return self.region.shape[3]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        if self._overflow is not None:
+            return self._overflow
+        return self.region[:, :, :, : self.num_tokens]
+
+    @property
+    def in_region(self) -> bool:
+        return self._overflow is None
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """`key_states`, `value_states`: `[B, Hkv, q, D]`."""
-        new = torch.stack((key_states, value_states))
-        self.kv = new if self.num_tokens == 0 else torch.cat((self.kv, new), dim=3)
+        n, q = self.num_tokens, key_states.shape[2]
+        if self._overflow is None and n + q <= self.capacity:
+            self.region[0, :, :, n : n + q] = key_states
+            self.region[1, :, :, n : n + q] = value_states
+        else:
+            self._overflow = torch.cat((self.kv, torch.stack((key_states, value_states))), dim=3)
+        self.num_tokens = n + q
 
     def take_complete_blocks(self, block_size: int) -> torch.Tensor | None:
-        """Remove and return the leading complete blocks as `[2, B, Hkv, n, T, D]`, or None if there is none."""
+        """Remove the leading complete blocks and return them as `[2, B, Hkv, n, T, D]`, or None if there is none."""
         n = self.num_tokens // block_size
         if n == 0:
             return None
-        two, B, H, _, D = self.kv.shape
-        blocks = self.kv[:, :, :, : n * block_size].reshape(2, B, H, n, block_size, D)
-        self.kv = self.kv[:, :, :, n * block_size :].clone()
+        kv = self.kv
+        blocks = kv[:, :, :, : n * block_size].unflatten(3, (n, block_size))
+        if self._overflow is None:
+            blocks = blocks.clone()  # the leftover is moved to the front of the region below
+        self._set(kv[:, :, :, n * block_size :])  # fewer than T tokens from offset >= T: no overlap
         return blocks
 
     def prepend(self, kv: torch.Tensor) -> None:
         """Put tokens back in front (after `crop` reaches into complete blocks). `kv`: `[2, B, Hkv, n, D]`."""
-        self.kv = torch.cat((kv.to(self.kv.device), self.kv), dim=3)
+        self._set(torch.cat((kv.to(self.region.device), self.kv), dim=3))
 
     def truncate(self, num_tokens: int) -> None:
-        self.kv = self.kv[:, :, :, :num_tokens]
+        self._set(self.kv[:, :, :, :num_tokens])
 
-    def index_batch(self, indices: torch.Tensor) -> None:
-        self.kv = self.kv.index_select(1, indices.to(self.kv.device))
+    def _set(self, kv: torch.Tensor) -> None:
+        """Make `kv` the recent tokens, in the region when they fit."""
+        n = kv.shape[3]
+        if n <= self.capacity:
+            self.region[:, :, :, :n] = kv
+            self._overflow = None
+        else:
+            self._overflow = kv.clone()
+        self.num_tokens = n
 
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+    def rebind(self, region: torch.Tensor) -> None:
+        """The working set was reallocated (batch reorder): its region is a new tensor."""
+        self.region = region

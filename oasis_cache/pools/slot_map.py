@@ -18,23 +18,20 @@ import torch
 
 @dataclass
 class Assignment:
-    """Where this step's selected blocks are, and what must move. Shapes `[B, Hkv, K]` unless said.
+    """Where this step's selected blocks are, and what must move. Shapes `[B, Hkv, K]`.
 
-    dest:      slot of each selected block (S, the scratch slot, for entries that are not selected)
-    fetch:     selected blocks that are not resident: copy host block -> `dest`
-    hit:       selected blocks already resident
-    attended:  `[B, Hkv, S]` slots that hold a block selected this step
+    dest:   slot of each selected block (S for entries that are not selected)
+    fetch:  selected blocks that are not resident: copy host block -> `dest` (bool, or int8 from the kernel)
     """
 
     dest: torch.Tensor
     fetch: torch.Tensor
-    hit: torch.Tensor
-    attended: torch.Tensor
 
 
 class SlotMap:
-    def __init__(self, batch_size, num_kv_heads, num_slots, device):
+    def __init__(self, batch_size, num_kv_heads, num_slots, device, use_kernel: bool = False):
         self.num_slots = num_slots
+        self.use_kernel = use_kernel
         shape = (batch_size, num_kv_heads)
         self.slot_block = torch.full((*shape, num_slots + 1), -1, dtype=torch.long, device=device)
         self.last_used = torch.full((*shape, num_slots + 1), -1, dtype=torch.long, device=device)
@@ -45,24 +42,39 @@ class SlotMap:
         return self.block_slot.shape[-1] - 1
 
     def reserve(self, num_blocks: int) -> None:
-        """Make the block -> slot table cover `num_blocks` blocks (doubling)."""
+        """Make the block -> slot table cover `num_blocks` blocks (grows by half, at least 64 blocks)."""
         if num_blocks <= self.capacity_blocks:
             return
-        capacity = max(num_blocks, 2 * self.capacity_blocks, 16)
+        capacity = max(num_blocks, self.capacity_blocks * 3 // 2, self.capacity_blocks + 64)
         grown = torch.full((*self.block_slot.shape[:2], capacity + 1), -1, dtype=torch.long, device=self.block_slot.device)
         grown[..., : self.capacity_blocks] = self.block_slot[..., : self.capacity_blocks]
         self.block_slot = grown
 
-    def assign(self, block_ids: torch.Tensor, selected: torch.Tensor, step: int) -> Assignment:
-        """Place this step's selection. Resident blocks stay where they are; each missing block takes the free or
-        least recently selected slot that holds no selected block.
+    def assign(self, block_ids: torch.Tensor, ranks: torch.Tensor, step: int, visible: torch.Tensor,
+               counters: torch.Tensor, block_size: int) -> Assignment:
+        """Place this step's selection. Resident blocks stay where they are; each missing block takes a free slot,
+        else the least recently selected slot that holds no selected block (ties: the lowest slot).
 
         Args:
-            block_ids: `[B, Hkv, K]` distinct block ids (entries where `selected` is False are ignored).
-            selected: `[B, Hkv, K]` bool.
+            block_ids: `[B, Hkv, K]` distinct block ids.
+            ranks: `[B, Hkv, K]` their ranking scores; an entry is selected iff its rank > -inf.
             step: a counter that grows with each call (the LRU clock).
+            visible: `[B, Hkv, L]` bool; its first S*T entries receive the attention mask of the slots (the T tokens
+                of every slot that holds a selected block).
+            counters: `[4]` int64, += (selected, already resident, fetched, tokens in selected slots).
         """
+        if self.use_kernel:
+            from ..kernels.slot_assign import slot_assign
+
+            dest, fetch = slot_assign(block_ids, ranks, self.block_slot, self.slot_block, self.last_used, step,
+                                      visible, counters, block_size)
+            return Assignment(dest=dest, fetch=fetch)
+        return self._assign_reference(block_ids, ranks, step, visible, counters, block_size)
+
+    def _assign_reference(self, block_ids, ranks, step, visible, counters, block_size) -> Assignment:
+        """The plain-PyTorch implementation (CPU, and the kernel's reference)."""
         S, NBcap = self.num_slots, self.capacity_blocks
+        selected = ranks > -torch.inf
         resident = self.block_slot.gather(-1, block_ids)
         hit = selected & (resident >= 0)
         fetch = selected & ~hit
@@ -84,7 +96,11 @@ class SlotMap:
 
         attended = torch.zeros_like(self.slot_block, dtype=torch.bool)
         attended.scatter_(-1, torch.where(selected, dest, S), True)
-        return Assignment(dest=dest, fetch=fetch, hit=hit, attended=attended[..., :S])
+        B, H = attended.shape[:2]
+        visible[..., : S * block_size] = attended[..., :S, None].expand(B, H, S, block_size).reshape(B, H, -1)
+        n_selected = selected.sum()
+        counters += torch.stack((n_selected, hit.sum(), fetch.sum(), n_selected * block_size))
+        return Assignment(dest=dest, fetch=fetch)
 
     def forget_blocks_from(self, num_blocks: int) -> None:
         """Blocks >= `num_blocks` no longer exist (after `crop`): free their slots."""

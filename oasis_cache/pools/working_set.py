@@ -1,7 +1,11 @@
-"""The device working set: the key/value blocks a layer attends to besides its recent tokens.
+"""The device working set: the selected blocks a layer attends to, and its recent tokens, in ONE tensor so that
+decode attention reads a single contiguous run of keys and values per KV head (no per-step concatenation).
 
-`kv`: `[2, B, Hkv, S, T, D]` on the compute device (0 = keys, 1 = values). Which block sits in which slot is
-decided by `SlotMap` alone; bytes are written by `oasis_cache.memory.transfer`.
+    kv       `[2, B, Hkv, S*T + R, D]`   0 = keys, 1 = values
+             [0, S*T)        S slots of T tokens: blocks placed by `SlotMap`, bytes written by `memory.transfer`
+             [S*T, S*T + R)  the recent-token region (`RecentTokens`): the partial block and the new tokens
+    visible  `[B, Hkv, S*T + R]` bool, the attention mask of the current step (slots: written by the slot
+             assignment; recent region: written per forward)
 """
 
 from __future__ import annotations
@@ -10,20 +14,34 @@ import torch
 
 
 class WorkingSet:
-    def __init__(self, batch_size, num_kv_heads, num_slots, block_size, head_dim, dtype, device):
+    def __init__(self, batch_size, num_kv_heads, num_slots, block_size, recent_capacity, head_dim, dtype, device):
         self.num_slots = num_slots
-        self.kv = torch.zeros(
-            (2, batch_size, num_kv_heads, num_slots, block_size, head_dim), dtype=dtype, device=device
-        )
+        self.block_size = block_size
+        self.slot_tokens = num_slots * block_size
+        length = self.slot_tokens + recent_capacity
+        self.kv = torch.zeros((2, batch_size, num_kv_heads, length, head_dim), dtype=dtype, device=device)
+        self.visible = torch.zeros((batch_size, num_kv_heads, length), dtype=torch.bool, device=device)
 
-    def attendable(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(keys, values)`, each `[B, Hkv, S*T, D]` (views)."""
-        two, B, H, S, T, D = self.kv.shape
-        return self.kv[0].view(B, H, S * T, D), self.kv[1].view(B, H, S * T, D)
+    @property
+    def slots(self) -> torch.Tensor:
+        """`[2, B, Hkv, S, T, D]` view of the slots."""
+        return self.kv[:, :, :, : self.slot_tokens].unflatten(3, (self.num_slots, self.block_size))
+
+    @property
+    def recent_region(self) -> torch.Tensor:
+        """`[2, B, Hkv, R, D]` view of the recent-token region."""
+        return self.kv[:, :, :, self.slot_tokens :]
+
+    def attendable(self, num_recent: int):
+        """`(keys, values, visible)` views over the slots and the first `num_recent` recent tokens:
+        `[B, Hkv, S*T + n, D]` twice and `[B, Hkv, S*T + n]`."""
+        end = self.slot_tokens + num_recent
+        return self.kv[0, :, :, :end], self.kv[1, :, :, :end], self.visible[:, :, :end]
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.kv = self.kv.index_select(1, indices.to(self.kv.device))
+        self.visible = self.visible.index_select(0, indices.to(self.kv.device))
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.numel() * self.kv.element_size() + self.visible.numel()

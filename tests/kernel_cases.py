@@ -1,0 +1,112 @@
+"""Shape grids for the Triton kernels against their plain-PyTorch references, shared by the CPU (Triton
+interpreter) and GPU tests. Run as a script, it checks every case on the given device and prints one line each."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from oasis_cache.control import rank_blocks
+from oasis_cache.kernels.block_scores import block_scores
+from oasis_cache.kernels.gather import gather_blocks
+from oasis_cache.memory import TransferEngine
+from oasis_cache.pools import HostKVPool, SlotMap, WorkingSet
+
+# (B, Hkv, T, D, S, NB, chunk_blocks, dtype)
+CASES = [
+    (1, 1, 16, 64, 4, 9, 4, torch.float32),
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16),
+    (3, 2, 8, 80, 3, 7, 2, torch.float16),  # head_dim 80: T*D not a power of two
+    (2, 2, 4, 5, 6, 17, 3, torch.float32),  # odd everything
+]
+
+
+def check_case(B, H, T, D, S, NB, C, dtype, device) -> bool:
+    g = torch.Generator().manual_seed(B * 1000 + D)
+    pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
+    engine = TransferEngine("torch", torch.device("cpu"))
+    data = torch.randn(2, B, H, NB, T, D, generator=g).to(dtype)
+    engine.offload(pool, data)
+    ws = WorkingSet(B, H, S, T, 2 * T, D, dtype, device)  # with a recent region: slots are not the whole row
+    ws.kv.fill_(-7.0)  # poison: every written element must change, every other must stay
+    K = min(S, NB)
+    block_ids = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    dest = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    fetch = torch.rand(B, H, K, generator=g) < 0.7
+    addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
+    gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T)
+    got = ws.kv.cpu()
+    expected = torch.full_like(got, -7.0)
+    for b in range(B):
+        for h in range(H):
+            for k in range(K):
+                if fetch[b, h, k]:
+                    expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = data[:, b, h, block_ids[b, h, k]]
+    return torch.equal(got, expected)
+
+
+# (B, Hkv, R, D, NB, dtype): R query rows per KV head (G * Qn), NB blocks
+SCORE_CASES = [
+    (1, 2, 4, 64, 100, torch.float32),
+    (2, 3, 1, 128, 257, torch.bfloat16),
+    (2, 1, 20, 80, 33, torch.float16),  # R and D not powers of two
+]
+
+
+def check_scores(B, H, R, D, NB, dtype, device) -> bool:
+    g = torch.Generator().manual_seed(NB)
+    keys = torch.randn(B, H, NB, 16, D, generator=g).to(dtype)
+    minmax = torch.zeros(2, B, H, NB + 7, D, dtype=dtype)  # capacity beyond NB
+    minmax[0, :, :, :NB], minmax[1, :, :, :NB] = keys.amin(3), keys.amax(3)
+    query = torch.randn(B, H, R, D, generator=g).to(dtype)
+    forced = torch.rand(B, NB, generator=g) < 0.1
+    allowed = torch.rand(B, NB, generator=g) < 0.9
+    expected = rank_blocks(query.float(), minmax.float(), NB, forced, allowed)
+    got = block_scores(query.to(device), minmax.to(device), NB, forced.to(device), allowed.to(device)).cpu()
+    return torch.equal(torch.isinf(got), torch.isinf(expected)) and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)
+
+
+# (B, Hkv, S, K, NB, steps)
+ASSIGN_CASES = [(1, 2, 8, 8, 40, 6), (2, 3, 12, 7, 30, 8), (1, 1, 5, 5, 5, 3)]
+
+
+def check_assign(B, H, S, K, NB, steps, device) -> bool:
+    """Both implementations run the same sequence of selections; state and outputs must agree at every step."""
+    from oasis_cache.kernels.slot_assign import slot_assign  # noqa: F401  (fails early without triton)
+
+    g = torch.Generator().manual_seed(S * 100 + K)
+    T = 4
+    ref, ker = SlotMap(B, H, S, "cpu"), SlotMap(B, H, S, device, use_kernel=True)
+    ref.reserve(NB), ker.reserve(NB)
+    vis_ref = torch.zeros(B, H, S * T + 5, dtype=torch.bool)
+    vis_ker = vis_ref.to(device)
+    cnt_ref, cnt_ker = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64, device=device)
+    for step in range(1, steps + 1):
+        ids = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+        ranks = torch.where(torch.rand(B, H, K, generator=g) < 0.8, torch.rand(B, H, K, generator=g), -torch.inf)
+        a = ref.assign(ids, ranks, step, vis_ref, cnt_ref, T)
+        b = ker.assign(ids.to(device), ranks.to(device), step, vis_ker, cnt_ker, T)
+        same = (
+            torch.equal(a.dest, b.dest.cpu()) and torch.equal(a.fetch, b.fetch.cpu().bool())
+            # state, scratch entries (the last of each row) excluded
+            and torch.equal(ref.slot_block[..., :S], ker.slot_block.cpu()[..., :S])
+            and torch.equal(ref.block_slot[..., :NB], ker.block_slot.cpu()[..., :NB])
+            and torch.equal(ref.last_used[..., :S], ker.last_used.cpu()[..., :S]) and torch.equal(vis_ref, vis_ker.cpu())
+            and torch.equal(cnt_ref, cnt_ker.cpu())
+        )
+        if not same:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    ok = True
+    for name, cases, check in (("gather", CASES, check_case), ("scores", SCORE_CASES, check_scores),
+                               ("assign", ASSIGN_CASES, check_assign)):
+        for case in cases:
+            result = check(*case, device=device)
+            ok &= result
+            print(name, case, "OK" if result else "MISMATCH", flush=True)
+    sys.exit(0 if ok else 1)
