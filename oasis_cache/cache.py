@@ -20,6 +20,7 @@ from .config import OasisConfig
 from .control import StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
+from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
 from .stats import CacheStats
 
@@ -37,9 +38,11 @@ class OasisCache(Cache):
             With `token_budget` >= context the result equals dense attention.
         block_size, sink_tokens, recent_tokens, lookahead, num_slots, max_decode_tokens, host_chunk_blocks,
         backend: see `OasisConfig`.
-        fetch_ratio: cap on newly fetched blocks per step (memory-plane issue; not available yet).
+        fetch_ratio: cap on newly fetched blocks per step, as a fraction of the context's blocks (see `OasisConfig`).
         draft: EAGLE-3 draft head for `lookahead="eagle3"` (draft issue; not available yet).
-        collect_stats: count selections and transfers for `stats()` (a few tiny device ops per layer).
+        collect_stats: count selections and transfers for `stats()`.
+        measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
+            query's top-K (extra events and selections per layer: for analysis, not for speed).
     """
 
     def __init__(
@@ -54,10 +57,9 @@ class OasisCache(Cache):
         fetch_ratio: float | None = None,
         draft=None,
         collect_stats: bool = True,
+        measure: bool = False,
         **options,
     ):
-        if fetch_ratio is not None:
-            raise NotImplementedError("fetch_ratio is not available yet in this version; leave it None.")
         if draft is not None:
             raise NotImplementedError("draft heads (lookahead='eagle3') are not available yet in this version.")
         self.config = OasisConfig(
@@ -66,6 +68,7 @@ class OasisCache(Cache):
             sink_tokens=sink_tokens,
             recent_tokens=recent_tokens,
             lookahead=lookahead,
+            fetch_ratio=fetch_ratio,
             **options,
         )
         text_config = _check_supported(model)
@@ -100,8 +103,10 @@ class OasisCache(Cache):
         self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
         self._first_oasis_layer = oasis_layers[0]
         self.collect_stats = collect_stats
+        self.measure = measure
+        self._streams: PrefetchStreams | None = None
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
-        self.counters = CacheStats()
+        self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self._visibility: StepVisibility | None = None
         self._transfer: TransferEngine | None = None
@@ -138,10 +143,15 @@ class OasisCache(Cache):
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
             self._transfer = TransferEngine(self.config.backend, key_states.device)
+            self._streams = PrefetchStreams(key_states.device, measure=self.measure)
 
     @property
     def transfer(self) -> TransferEngine:
         return self._transfer
+
+    @property
+    def streams(self) -> PrefetchStreams:
+        return self._streams
 
     def backend_for(self, device: torch.device) -> str:
         return resolve_backend(self.config.backend, device)
@@ -172,10 +182,17 @@ class OasisCache(Cache):
     def stats(self) -> dict:
         """What the cache did so far, as a plain dict (reads the device counters once)."""
         out = self.counters.as_dict()
+        if self._streams is not None and self.measure:
+            if self._streams.cuda:
+                torch.cuda.synchronize(self._streams.device)
+            wait_ms = self._streams.exposed_wait_ms()
+            out.update(exposed_wait_ms_total=wait_ms,
+                       exposed_wait_ms_per_step=wait_ms / max(1, self.counters.decode_steps))
         out.update(
             token_budget=self.config.token_budget,
             block_size=self.config.block_size,
             lookahead=self.config.lookahead,
+            exact=self.config.exact,
             backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
@@ -197,8 +214,11 @@ class OasisCache(Cache):
 
     def reset(self) -> None:
         """Empty the cache (all memory released) so it can serve a new batch with the same model."""
+        if self._streams is not None:
+            self._streams.synchronize()
+            self._streams.reset_measurements()
         super().reset()
-        self.counters = CacheStats()
+        self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0
         self._visibility = None
 

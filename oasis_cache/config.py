@@ -17,10 +17,11 @@ place in the device working set. The two are never called by one name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
-IMPLEMENTED_LOOKAHEAD_MODES = ("none",)
+IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous")
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -36,7 +37,12 @@ class OasisConfig:
         sink_tokens: the first tokens of every sequence (after left padding), always attended. Rounded up to blocks.
         recent_tokens: the newest complete tokens, always attended, besides the partial block. Rounded up to blocks.
         lookahead: how the next step's blocks are predicted: "none" (select with the real query, then fetch, on the
-            critical path), "previous", "eagle3" (see the memory-plane and draft issues).
+            critical path); "previous" (this step's query selects the next step's blocks, whose gather runs on a
+            side stream behind the rest of the step); "eagle3" (a draft token's queries; the draft issue).
+        exact: with a predictor, attend to the real query's top-K anyway: the prediction only prefetches (into all
+            `num_slots` slots), and the blocks it missed are fetched on the critical path (miss repair).
+        fetch_ratio: at most `ceil(fetch_ratio * NB)` newly fetched blocks per step and KV head (NB = complete blocks
+            in the context); selected blocks beyond the cap are skipped, best-ranked first kept. None = no cap.
         num_slots: working-set slots per KV head; defaults to the number of selected blocks. More slots keep more
             blocks resident between steps (fewer transfers).
         max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
@@ -52,6 +58,8 @@ class OasisConfig:
     sink_tokens: int = 16
     recent_tokens: int = 64
     lookahead: str = "none"
+    exact: bool = False
+    fetch_ratio: float | None = None
     num_slots: int | None = None
     max_decode_tokens: int = 16
     host_chunk_blocks: int = 256
@@ -81,6 +89,10 @@ class OasisConfig:
             raise NotImplementedError(
                 f"lookahead={self.lookahead!r} is not implemented yet in this version; use lookahead='none'."
             )
+        if self.fetch_ratio is not None and not 0 < self.fetch_ratio <= 1:
+            raise ValueError(f"fetch_ratio must be in (0, 1] (a fraction of the context's blocks), got {self.fetch_ratio!r}.")
+        if self.exact and self.lookahead == "none":
+            raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous'.")
         if self.num_slots is not None and self.num_slots < self.num_selected_blocks:
             raise ValueError(
                 f"num_slots={self.num_slots} is below the {self.num_selected_blocks} blocks selected per step "
@@ -106,6 +118,12 @@ class OasisConfig:
         """K: complete blocks attended per step and KV head (sink and recent included); one block of the budget is
         kept for the partial block being filled."""
         return self.token_budget // self.block_size - 1
+
+    def max_fetch(self, num_blocks: int) -> int:
+        """Newly fetched blocks allowed per step and KV head."""
+        if self.fetch_ratio is None:
+            return self.slots
+        return max(1, math.ceil(self.fetch_ratio * num_blocks))
 
     @property
     def slots(self) -> int:

@@ -51,6 +51,7 @@ class OasisLayer(CacheLayerMixin):
         self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
         self.recent = RecentTokens(self.working_set.recent_region)
         self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)
+        self.predicted = False  # the working set holds a prediction for the next decode step
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -111,6 +112,7 @@ class OasisLayer(CacheLayerMixin):
             self.summaries.truncate(keep_blocks)
             self.slot_map.forget_blocks_from(keep_blocks)
         self.recent.truncate(keep - keep_blocks * T)
+        self.predicted = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)
@@ -127,6 +129,7 @@ class OasisLayer(CacheLayerMixin):
         """Sequence i becomes old sequence `indices[i]` in every pool."""
         if not self.is_initialized:
             return
+        self._cache.streams.synchronize()
         self._cache.transfer.wait_host_reads()
         recent = self.recent.kv.index_select(1, indices.to(self.device))
         for part in (self.pool, self.summaries, self.working_set, self.slot_map):
@@ -141,7 +144,7 @@ class OasisLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None."""
-        cache, cfg = self._cache, self.config
+        cfg = self.config
         Qn = query.shape[2]
         if visible is not None and visible.shape[-1] != self.get_seq_length():
             raise ValueError(
@@ -153,7 +156,11 @@ class OasisLayer(CacheLayerMixin):
             out = self._attend_sparse(query, visible, scale)
         else:
             out = self._attend_dense(query, visible, scale)
+            self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
+            self.predicted = False
         self._offload_complete_blocks()
+        if cfg.lookahead == "previous" and self.pool.num_blocks > 0:
+            self._prefetch_next(query if is_decode else query[:, :, -1:], visible, is_decode)
         return out
 
     def _attend_dense(self, query, visible, scale):
@@ -163,6 +170,16 @@ class OasisLayer(CacheLayerMixin):
         values = torch.cat((past[1].reshape(B, H, NB * T, D), self.recent.kv[1]), dim=2)
         return dense_causal_attention(query, keys, values, visible, scale)
 
+    def _select(self, query, view, k: int):
+        """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""
+        B, Hq, Qn, D = query.shape
+        H, NB = self.num_kv_heads, self.pool.num_blocks
+        if NB <= k:
+            return all_blocks(view.allowed, H)
+        ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries.minmax, NB, view.forced, view.allowed,
+                            use_kernel=self.use_kernels)
+        return top_blocks(ranks, k)
+
     def _attend_sparse(self, query, visible, scale):
         cache, cfg = self._cache, self.config
         B, Hq, Qn, D = query.shape
@@ -170,22 +187,17 @@ class OasisLayer(CacheLayerMixin):
         NB, n = self.pool.num_blocks, self.recent.num_tokens
         view = cache.step_visibility(visible, self)
         ws = self.working_set
+        cache.streams.wait(self.layer_idx)  # the blocks prefetched for this step have landed
 
-        # Control: rank the blocks, keep the best K (everything when the budget covers the context).
-        if NB <= cfg.num_selected_blocks:
-            block_ids, ranks = all_blocks(view.allowed, H)
-        else:
-            all_ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries.minmax, NB, view.forced, view.allowed,
-                                    use_kernel=self.use_kernels)
-            block_ids, ranks = top_blocks(all_ranks, cfg.num_selected_blocks)
-        placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible, cache.counters.device_counts(
-            self.device), T)
-        if cache.record_selection:  # for tests and analysis: `[B, H, NB]` bool of the blocks attended this step
-            chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=block_ids.device)
-            self.last_selection = chosen.scatter_(-1, torch.where(ranks > -torch.inf, block_ids, NB), True)[..., :NB]
-
-        # Memory: bring the missing blocks into their slots.
-        cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
+        approximate = cfg.lookahead == "previous" and not cfg.exact and self.predicted
+        if approximate:  # attend to what the previous step predicted (slots and mask already placed)
+            if cache.measure:
+                self._measure_recall(query, view)
+        else:  # select with the real query; what is not resident moves now, on the critical path
+            block_ids, ranks = self._select(query, view, cfg.num_selected_blocks)
+            placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
+                                          cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
+            cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
         if view.recent is None:
@@ -196,10 +208,46 @@ class OasisLayer(CacheLayerMixin):
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]
             ws.visible[:, :, : S * T] &= view.block_tokens[batch, held].reshape(B, H, S * T)
+        if cache.record_selection:
+            self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable(n)
         out = sparse_attention(query, keys, values, mask, scale)
         cache.counters.record_layer_step(B * H, n)
         return out
+
+    def _prefetch_next(self, query, visible, after_decode: bool) -> None:
+        """Lookahead "previous": this forward's query selects the next step's blocks; their gather runs on the side
+        stream while the rest of this step computes. With `exact`, all slots are filled (the next step repairs)."""
+        cache, cfg = self._cache, self.config
+        view = cache.step_visibility(visible, self)  # the blocks completed by this forward are candidates too
+        k = cfg.slots if cfg.exact else cfg.num_selected_blocks
+        block_ids, ranks = self._select(query, view, k)
+        max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots
+        placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, self.working_set.visible,
+                                      cache.counters.device_counts(self.device)[1], cfg.block_size, max_fetch)
+        pool, ws = self.pool, self.working_set
+        cache.streams.launch(
+            self.layer_idx,
+            lambda: cache.transfer.fetch(pool, ws, block_ids, placed.dest, placed.fetch),
+            block_ids, placed.dest, placed.fetch,
+        )
+        self.predicted = True
+
+    def _attended_blocks(self) -> torch.Tensor:
+        """`[B, H, NB]` bool: the blocks whose slots this step attends to."""
+        S, T, NB = self.config.slots, self.config.block_size, self.pool.num_blocks
+        B, H = self.batch_size, self.num_kv_heads
+        attended = self.working_set.visible[:, :, : S * T].reshape(B, H, S, T).any(-1)
+        held = self.slot_map.slot_block[..., :S]
+        chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=held.device)
+        return chosen.scatter_(-1, torch.where(attended & (held >= 0), held, NB), True)[..., :NB]
+
+    def _measure_recall(self, query, view) -> None:
+        """Measurement mode: how many of the real query's top-K blocks the prediction made resident and attended."""
+        block_ids, ranks = self._select(query, view, self.config.num_selected_blocks)
+        real = ranks > -torch.inf
+        predicted = self._attended_blocks().gather(-1, block_ids)
+        self._cache.counters.record_recall((predicted & real).sum(), real.sum())
 
     def _offload_complete_blocks(self) -> None:
         blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]

@@ -10,8 +10,13 @@ _FIELDS = ("blocks_selected", "blocks_hit", "blocks_fetched", "slot_tokens_atten
 
 
 class CacheStats:
-    def __init__(self):
-        self._counts: torch.Tensor | None = None  # int64 [len(_FIELDS)], on the compute device
+    """Device counters `[2, 4]`: row 0 placements made with the real query (their fetches are on the critical
+    path), row 1 placements made by a prediction (their fetches run on the side stream); columns `_FIELDS`."""
+
+    def __init__(self, lookahead: str = "none", exact: bool = False):
+        self.attention_row = 1 if lookahead != "none" and not exact else 0  # which placements attention used
+        self._counts: torch.Tensor | None = None  # int64 [2, len(_FIELDS)], on the compute device
+        self._recall: torch.Tensor | None = None  # int64 [2]: predicted & real, real (measurement mode)
         self.decode_steps = 0  # forwards of <= max_decode_tokens tokens on a cache with complete blocks
         self.dense_forwards = 0  # forwards attended densely (prefill, long extends)
         self.prefill_tokens = 0
@@ -24,8 +29,13 @@ class CacheStats:
 
     def device_counts(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
-            self._counts = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
+            self._counts = torch.zeros((2, len(_FIELDS)), dtype=torch.int64, device=device)
         return self._counts
+
+    def record_recall(self, found: torch.Tensor, real: torch.Tensor) -> None:
+        if self._recall is None:
+            self._recall = torch.zeros(2, dtype=torch.int64, device=found.device)
+        self._recall += torch.stack((found, real))
 
     def record_layer_step(self, heads: int, recent_tokens: int) -> None:
         self.layer_steps += 1
@@ -36,10 +46,16 @@ class CacheStats:
         self.bytes_offloaded += nbytes
 
     def as_dict(self) -> dict:
-        counts = dict(zip(_FIELDS, self._counts.tolist() if self._counts is not None else [0] * len(_FIELDS)))
+        rows = self._counts.tolist() if self._counts is not None else [[0] * len(_FIELDS)] * 2
+        counts = dict(zip(_FIELDS, rows[self.attention_row]))
+        critical, prefetched = rows[0][2], rows[1][2]
         per_head = max(1, self.head_steps)
         steps = max(1, self.decode_steps)
-        fetched_bytes = counts["blocks_fetched"] * self.block_bytes
+        fetched_bytes = (critical + prefetched) * self.block_bytes
+        recall = None
+        if self._recall is not None:
+            found, real = self._recall.tolist()
+            recall = found / real if real else None
         return {
             "decode_steps": self.decode_steps,
             "decode_tokens": self.decode_tokens,
@@ -48,11 +64,15 @@ class CacheStats:
             # means per (layer, step, sequence, KV head):
             "tokens_attended_per_step": (counts["slot_tokens_attended"] + self.recent_tokens_attended) / per_head,
             "blocks_selected_per_step": counts["blocks_selected"] / per_head,
-            "blocks_fetched_per_step": counts["blocks_fetched"] / per_head,
+            "blocks_fetched_per_step": (critical + prefetched) / per_head,
             "blocks_selected": counts["blocks_selected"],
-            "blocks_fetched": counts["blocks_fetched"],
+            "blocks_fetched": critical + prefetched,
+            "blocks_fetched_on_critical_path": critical,
+            "blocks_prefetched": prefetched,
             "bytes_fetched": fetched_bytes,
             "bytes_fetched_per_step": fetched_bytes / steps,  # all layers and heads of one step
+            "bytes_fetched_on_critical_path_per_step": critical * self.block_bytes / steps,
+            "prediction_recall": recall,  # measurement mode, lookahead="previous" without exact
             "bytes_offloaded": self.bytes_offloaded,
             "hit_rate": counts["blocks_hit"] / counts["blocks_selected"] if counts["blocks_selected"] else 0.0,
         }

@@ -67,11 +67,11 @@ def check_scores(B, H, R, D, NB, dtype, device) -> bool:
     return torch.equal(torch.isinf(got), torch.isinf(expected)) and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)
 
 
-# (B, Hkv, S, K, NB, steps)
-ASSIGN_CASES = [(1, 2, 8, 8, 40, 6), (2, 3, 12, 7, 30, 8), (1, 1, 5, 5, 5, 3)]
+# (B, Hkv, S, K, NB, steps, max_fetch)
+ASSIGN_CASES = [(1, 2, 8, 8, 40, 6, 8), (2, 3, 12, 7, 30, 8, 7), (1, 1, 5, 5, 5, 3, 5), (2, 2, 9, 9, 50, 6, 2)]
 
 
-def check_assign(B, H, S, K, NB, steps, device) -> bool:
+def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
     """Both implementations run the same sequence of selections; state and outputs must agree at every step."""
     from oasis_cache.kernels.slot_assign import slot_assign  # noqa: F401  (fails early without triton)
 
@@ -85,8 +85,8 @@ def check_assign(B, H, S, K, NB, steps, device) -> bool:
     for step in range(1, steps + 1):
         ids = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
         ranks = torch.where(torch.rand(B, H, K, generator=g) < 0.8, torch.rand(B, H, K, generator=g), -torch.inf)
-        a = ref.assign(ids, ranks, step, vis_ref, cnt_ref, T)
-        b = ker.assign(ids.to(device), ranks.to(device), step, vis_ker, cnt_ker, T)
+        a = ref.assign(ids, ranks, step, vis_ref, cnt_ref, T, max_fetch)
+        b = ker.assign(ids.to(device), ranks.to(device), step, vis_ker, cnt_ker, T, max_fetch)
         same = (
             torch.equal(a.dest, b.dest.cpu()) and torch.equal(a.fetch, b.fetch.cpu().bool())
             # state, scratch entries (the last of each row) excluded

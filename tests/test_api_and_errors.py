@@ -31,10 +31,23 @@ def test_bad_options_raise_clear_errors(kwargs, message):
 
 def test_unimplemented_options_say_so():
     model = tiny_model("llama")
-    with pytest.raises(NotImplementedError, match="lookahead='previous' is not implemented"):
-        OasisCache(model, token_budget=256, lookahead="previous")
-    with pytest.raises(NotImplementedError, match="fetch_ratio"):
-        OasisCache(model, token_budget=256, fetch_ratio=0.05)
+    with pytest.raises(NotImplementedError, match="lookahead='eagle3' is not implemented"):
+        OasisCache(model, token_budget=256, lookahead="eagle3")
+    with pytest.raises(NotImplementedError, match="draft heads"):
+        OasisCache(model, token_budget=256, draft=object())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(token_budget=256, fetch_ratio=0.0), "fetch_ratio must be in"),
+        (dict(token_budget=256, fetch_ratio=1.5), "fetch_ratio must be in"),
+        (dict(token_budget=256, exact=True), "use it with lookahead='previous'"),
+    ],
+)
+def test_bad_lookahead_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OasisConfig(**kwargs)
 
 
 def test_cache_used_with_another_model_raises():

@@ -23,9 +23,13 @@ def on_cuda(inputs):
     return {k: v.cuda() for k, v in inputs.items()}
 
 
+MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
-def test_exact_on_cuda(arch, backend):
+def test_exact_on_cuda(arch, backend, mode):
     model = tiny_model(arch).cuda()
     for inputs, kw in [
         ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
@@ -34,7 +38,7 @@ def test_exact_on_cuda(arch, backend):
     ]:
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, **kw)
-        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, backend=backend)
+        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, backend=backend, **mode)
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences)
         if "num_beams" not in kw:
@@ -43,8 +47,9 @@ def test_exact_on_cuda(arch, backend):
         assert cache.stats()["backend"] == backend
 
 
+@pytest.mark.parametrize("lookahead", ["none", "previous"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend):
+def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend, lookahead):
     model = tiny_model("qwen3").cuda()
     calls = []
     attend = OasisLayer.attend
@@ -52,13 +57,14 @@ def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend):
     def recording(layer, query, visible, scale):
         out = attend(layer, query, visible, scale)
         if getattr(layer, "last_selection", None) is not None:
+            torch.cuda.synchronize()
             calls.append((query, visible, scale, out, layer.last_selection, layer.full_kv()))
             layer.last_selection = None
         return out
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
     cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
-                       backend=backend)
+                       backend=backend, lookahead=lookahead)
     cache.record_selection = True
     model.generate(**on_cuda(left_padded([300, 260])), past_key_values=cache, max_new_tokens=10,
                    do_sample=False, pad_token_id=0, eos_token_id=None)

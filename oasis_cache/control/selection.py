@@ -49,8 +49,9 @@ def rank_blocks(
 
 
 def top_blocks(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(block_ids, ranks)` of the k best blocks per KV head, `[B, Hkv, k]` each (unordered)."""
-    top = torch.topk(ranks, k, dim=-1, sorted=False)
+    """`(block_ids, ranks)` of the k best blocks per KV head, `[B, Hkv, k]` each, best first (a fetch cap keeps
+    the first ones)."""
+    top = torch.topk(ranks, k, dim=-1, sorted=True)
     return top.indices, top.values
 
 

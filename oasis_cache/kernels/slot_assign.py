@@ -3,7 +3,8 @@ Resident selected blocks keep their slot; each missing block takes a free slot, 
 holding no selected block (ties: lowest slot). Also writes the attention mask of the slots and the step's counters.
 
 Shapes (contiguous, per (sequence, KV head) = bh, BH of them):
-    block_ids     `[BH, K]` int64     candidates; entry k is selected iff `ranks[bh, k] > -inf`
+    block_ids     `[BH, K]` int64     candidates; entry k is selected iff `ranks[bh, k] > -inf` (and, if it is not
+                                      resident, it is among the first `max_fetch` such entries)
     ranks         `[BH, K]` fp32
     block_slot    `[BH, NBcap+1]` int64   slot_block / last_used `[BH, S+1]` int64   (the SlotMap's state)
     dest (out)    `[BH, K]` int64     slot of each selected block (S for unselected entries)
@@ -35,6 +36,7 @@ if triton is not None:
         scratch,
         counters,
         step,
+        max_fetch,
         K,
         S,
         NBcap1,
@@ -53,6 +55,9 @@ if triton is not None:
         resident = tl.load(block_slot + bh * NBcap1 + ids, mask=selected, other=-1)
         hit = selected & (resident >= 0)
         miss = selected & (resident < 0)
+        over_cap = miss & (tl.cumsum(miss.to(tl.int32), axis=0) > max_fetch)
+        miss = miss & ~over_cap
+        selected = selected & ~over_cap
 
         # keep[s] = slot s holds a selected block (scatter through program-private scratch).
         keep_row = scratch + (bh * 2) * S_POW2
@@ -102,7 +107,7 @@ if triton is not None:
         tl.atomic_add(counters + 3, n_selected * T)
 
 
-def slot_assign(block_ids, ranks, block_slot, slot_block, last_used, step, visible, counters, block_size):
+def slot_assign(block_ids, ranks, block_slot, slot_block, last_used, step, visible, counters, block_size, max_fetch):
     """Launch the kernel; returns `(dest, fetch)` (`[B, Hkv, K]` int64, int8). `visible`: `[B, Hkv, L]` bool whose
     first S*T entries per row receive the slots' mask; `counters`: `[4]` int64 (accumulated)."""
     B, H, K = block_ids.shape
@@ -113,7 +118,7 @@ def slot_assign(block_ids, ranks, block_slot, slot_block, last_used, step, visib
     scratch = torch.empty((B * H, 2, S_POW2), dtype=torch.int64, device=block_ids.device)
     _slot_assign_kernel[(B * H,)](
         block_ids.contiguous(), ranks.contiguous(), block_slot, slot_block, last_used, dest, fetch,
-        visible.view(torch.int8), scratch, counters, step, K, S, block_slot.shape[-1], visible.shape[-1],
+        visible.view(torch.int8), scratch, counters, step, max_fetch, K, S, block_slot.shape[-1], visible.shape[-1],
         T=block_size, K_POW2=max(16, triton.next_power_of_2(K)), S_POW2=S_POW2,
     )
     return dest, fetch

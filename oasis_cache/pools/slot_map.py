@@ -51,33 +51,37 @@ class SlotMap:
         self.block_slot = grown
 
     def assign(self, block_ids: torch.Tensor, ranks: torch.Tensor, step: int, visible: torch.Tensor,
-               counters: torch.Tensor, block_size: int) -> Assignment:
+               counters: torch.Tensor, block_size: int, max_fetch: int | None = None) -> Assignment:
         """Place this step's selection. Resident blocks stay where they are; each missing block takes a free slot,
-        else the least recently selected slot that holds no selected block (ties: the lowest slot).
+        else the least recently selected slot that holds no selected block (ties: the lowest slot). At most
+        `max_fetch` missing blocks per (sequence, KV head) are placed, in entry order; later ones are dropped.
 
         Args:
-            block_ids: `[B, Hkv, K]` distinct block ids.
+            block_ids: `[B, Hkv, K]` distinct block ids, best first when `max_fetch` may drop some.
             ranks: `[B, Hkv, K]` their ranking scores; an entry is selected iff its rank > -inf.
             step: a counter that grows with each call (the LRU clock).
             visible: `[B, Hkv, L]` bool; its first S*T entries receive the attention mask of the slots (the T tokens
                 of every slot that holds a selected block).
             counters: `[4]` int64, += (selected, already resident, fetched, tokens in selected slots).
         """
+        max_fetch = block_ids.shape[-1] if max_fetch is None else max_fetch
         if self.use_kernel:
             from ..kernels.slot_assign import slot_assign
 
             dest, fetch = slot_assign(block_ids, ranks, self.block_slot, self.slot_block, self.last_used, step,
-                                      visible, counters, block_size)
+                                      visible, counters, block_size, max_fetch)
             return Assignment(dest=dest, fetch=fetch)
-        return self._assign_reference(block_ids, ranks, step, visible, counters, block_size)
+        return self._assign_reference(block_ids, ranks, step, visible, counters, block_size, max_fetch)
 
-    def _assign_reference(self, block_ids, ranks, step, visible, counters, block_size) -> Assignment:
+    def _assign_reference(self, block_ids, ranks, step, visible, counters, block_size, max_fetch) -> Assignment:
         """The plain-PyTorch implementation (CPU, and the kernel's reference)."""
         S, NBcap = self.num_slots, self.capacity_blocks
         selected = ranks > -torch.inf
         resident = self.block_slot.gather(-1, block_ids)
         hit = selected & (resident >= 0)
         fetch = selected & ~hit
+        over_cap = fetch & (torch.cumsum(fetch, dim=-1) > max_fetch)
+        selected, fetch = selected & ~over_cap, fetch & ~over_cap
 
         # Slots that hold a block selected this step are kept; the others are candidates, free ones first, then LRU.
         keep = torch.zeros_like(self.slot_block, dtype=torch.bool)
