@@ -2,11 +2,15 @@
 `DynamicCache(offloading=True)` and OasisCache, in one process, medians over decode steps.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048
+    python bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --memory-cap-gib 24 --prefill-chunk 8192
     python bench/decode.py --model tiny --device cpu --contexts 512 --batches 1 --steps 4   # smoke run
 
-Each (context, batch, method): a fresh cache, one prefill of random tokens, `--warmup` untimed decode steps, then
-`--steps` timed decode steps (host clock around each `model(...)` call, the device synchronized before and after:
-the harness syncs, the cache does not). Writes JSON under bench/results/ and prints a table.
+Each (context, batch, method): a fresh cache, one prefill of random tokens (in chunks with --prefill-chunk),
+`--warmup` untimed decode steps, `--steps` timed decode steps (host clock around each `model(...)` call, the device
+synchronized before and after: the harness syncs, the cache does not), then for OasisCache `--measure-steps` more
+steps in measurement mode (exposed transfer wait, prediction recall). Writes JSON under bench/results/ and prints a
+table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
+(previous + miss repair, with `--exact-slots` slots).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import load_model  # noqa: E402
 
-METHODS = ("dense", "offload", "oasis-none")
+METHODS = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")
 
 
 def make_cache(method: str, model, args):
@@ -42,6 +46,9 @@ def make_cache(method: str, model, args):
     if method == "offload":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
+    if method == "oasis-exact":
+        return OasisCache(model, token_budget=args.budget, lookahead="previous", exact=True,
+                          num_slots=args.exact_slots or None)
     if method.startswith("oasis-"):
         return OasisCache(model, token_budget=args.budget, lookahead=method.split("-", 1)[1])
     raise ValueError(method)
@@ -75,8 +82,10 @@ def run_one(model, vocab, method, context, batch, args):
         torch.cuda.reset_peak_memory_stats()
     sync(device)
     t0 = time.perf_counter()
+    chunk = args.prefill_chunk or context
     with torch.no_grad():
-        out = model(input_ids=ids, logits_to_keep=1, **kw)
+        for start in range(0, context, chunk):
+            out = model(input_ids=ids[:, start : start + chunk], logits_to_keep=1, **kw)
     sync(device)
     prefill_s = time.perf_counter() - t0
     prefill_peak = torch.cuda.max_memory_allocated() if cuda else 0
@@ -94,6 +103,21 @@ def run_one(model, vocab, method, context, batch, args):
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
             token = out.logits[:, -1:].argmax(-1)
+    measured = {}
+    if isinstance(cache, OasisCache) and args.measure_steps:
+        timed_stats = cache.stats()
+        cache.measure = cache.streams.measure = True
+        before = cache.counters.decode_steps
+        with torch.no_grad():
+            for _ in range(args.measure_steps):
+                out = model(input_ids=token, **kw)
+                token = out.logits[:, -1:].argmax(-1)
+        stats = cache.stats()
+        steps = cache.counters.decode_steps - before
+        measured = dict(
+            exposed_wait_ms_per_step=stats.get("exposed_wait_ms_total", 0.0) / max(1, steps),
+            prediction_recall=stats["prediction_recall"],
+        )
     row = dict(
         method=method,
         context=context,
@@ -107,14 +131,17 @@ def run_one(model, vocab, method, context, batch, args):
         kv_device_gib=kv_bytes_on_device(cache, device) / 2**30,
     )
     if isinstance(cache, OasisCache):
-        stats = cache.stats()
+        stats = timed_stats if measured else cache.stats()
         row.update(
             bytes_fetched_per_step=stats["bytes_fetched_per_step"],
+            bytes_on_critical_path_per_step=stats["bytes_fetched_on_critical_path_per_step"],
             hit_rate=stats["hit_rate"],
             tokens_attended_per_step=stats["tokens_attended_per_step"],
             backend=stats["backend"],
             host_gib=stats["host_bytes"] / 2**30,
+            **measured,
         )
+        row["exposed_wait_pct"] = 100 * row.get("exposed_wait_ms_per_step", 0.0) / row["tpot_ms"]
     del cache, out
     return row
 
@@ -130,9 +157,18 @@ def main():
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--measure-steps", type=int, default=6, help="extra steps in measurement mode (oasis)")
+    parser.add_argument("--exact-slots", type=int, default=0, help="slots for oasis-exact (0: 2x the budget blocks)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
+    parser.add_argument("--memory-cap-gib", type=float, default=0, help="cap this process's GPU memory (a smaller card)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
     args = parser.parse_args()
 
+    if not args.exact_slots:
+        args.exact_slots = 2 * (args.budget // 16 - 1)
+    if args.memory_cap_gib and torch.device(args.device).type == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total)
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
     rows = []
     for context in args.contexts:
@@ -154,6 +190,8 @@ def main():
         transformers=transformers.__version__,
         model=args.model,
         dtype=args.dtype,
+        budget=args.budget,
+        memory_cap_gib=args.memory_cap_gib,
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"decode-{args.model}-{meta['date'][:10]}.json"
@@ -166,18 +204,24 @@ def main():
 def print_table(rows, meta):
     print(f"\n{meta['model']} {meta['dtype']} on {meta['machine']}, torch {meta['torch']}, "
           f"transformers {meta['transformers']}, {meta['date']}")
-    header = f"{'context':>8} {'batch':>5} {'method':<12} {'TPOT ms':>9} {'x dense':>8} {'peak GiB':>9} {'KV GiB dev':>10}"
+    header = (f"{'context':>8} {'batch':>5} {'method':<15} {'TPOT ms':>9} {'x dense':>8} {'x offload':>9} "
+              f"{'peak GiB':>9} {'KV GiB dev':>10} {'MB/step':>8} {'wait %':>7} {'recall':>7}")
     print(header)
     dense = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "dense"}
+    offload = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "offload"}
     for r in rows:
         if "error" in r:
-            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<12} {r['error'][:40]}")
+            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<15} {r['error'][:60]}")
             continue
-        base = dense.get((r["context"], r["batch"]))
-        ratio = f"{r['tpot_ms'] / base:8.2f}" if base else f"{'':>8}"
+        base, off = dense.get((r["context"], r["batch"])), offload.get((r["context"], r["batch"]))
+        ratio = f"{r['tpot_ms'] / base:8.2f}" if base else f"{'-':>8}"
+        speedup = f"{off / r['tpot_ms']:9.2f}" if off else f"{'-':>9}"
         peak = max(r["prefill_peak_gib"], r["decode_peak_gib"])
-        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<12} {r['tpot_ms']:9.1f} {ratio} {peak:9.2f} "
-              f"{r['kv_device_gib']:10.3f}")
+        mb = f"{r['bytes_fetched_per_step'] / 1e6:8.1f}" if "bytes_fetched_per_step" in r else f"{'':>8}"
+        wait = f"{r['exposed_wait_pct']:7.2f}" if "exposed_wait_pct" in r else f"{'':>7}"
+        recall = f"{r['prediction_recall']:7.3f}" if r.get("prediction_recall") is not None else f"{'':>7}"
+        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<15} {r['tpot_ms']:9.1f} {ratio} {speedup} {peak:9.2f} "
+              f"{r['kv_device_gib']:10.3f} {mb} {wait} {recall}")
 
 
 if __name__ == "__main__":

@@ -142,8 +142,8 @@ class OasisCache(Cache):
             self.counters.dense_forwards += 1
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
-            self._transfer = TransferEngine(self.config.backend, key_states.device)
             self._streams = PrefetchStreams(key_states.device, measure=self.measure)
+            self._transfer = TransferEngine(self.config.backend, key_states.device, self._streams)
 
     @property
     def transfer(self) -> TransferEngine:

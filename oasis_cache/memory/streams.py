@@ -1,9 +1,10 @@
 """The side stream and per-layer events of the prefetch: the only code that creates streams.
 
 At step t, layer l launches the gather of step t+1's blocks on the side stream, after an event on the compute
-stream (so it neither overwrites slots that step t's attention still reads, nor reads host blocks whose offload has
-not landed). At step t+1, layer l's compute waits on that layer's event only — never a device-wide synchronize.
-On CPU there are no streams: the work runs inline.
+stream (so it never overwrites slots that step t's attention still reads). At step t+1, layer l's compute waits on
+that layer's event only — never a device-wide synchronize. Offloads (device -> host) run on the same side stream,
+so a gather never reads a host block before its offload has landed, and the offload of layer l overlaps the
+compute of layer l+1. On CPU there are no streams: the work runs inline.
 
 In measurement mode each wait also records timing events, so `exposed_wait_ms` can tell how long compute stalled on
 transfers (read once, at `stats()` time).
@@ -23,38 +24,60 @@ class PrefetchStreams:
         self._done: dict[int, torch.cuda.Event] = {}  # layer -> event after its pending prefetch
         self._timings: list[tuple] = []  # (arrive, done) event pairs, measurement mode
 
-    def launch(self, layer_idx: int, work, *tensors: torch.Tensor) -> None:
+    def run_after_compute(self, work, *tensors: torch.Tensor) -> None:
         """Run `work()` on the side stream after everything queued so far on the compute stream. `tensors` are
-        compute-stream tensors the work reads (kept alive until it has run)."""
+        compute-stream tensors the work reads (their memory is not reused before it has run)."""
         if not self.cuda:
             work()
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(compute)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
             work()
         for t in tensors:
             t.record_stream(self.side)
-        done = torch.cuda.Event(enable_timing=self.measure)
-        done.record(self.side)
-        self._done[layer_idx] = done
+
+    def side_event(self):
+        """An event at the current end of the side stream (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def compute_waits(self, event) -> None:
+        if event is not None and torch.cuda.current_stream(self.device) != self.side:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def launch(self, layer_idx: int, work, *tensors: torch.Tensor) -> None:
+        """`run_after_compute`, and remember an event that `wait(layer_idx)` will make compute wait on."""
+        self.run_after_compute(work, *tensors)
+        if self.cuda:
+            done = torch.cuda.Event(enable_timing=self.measure)
+            done.record(self.side)
+            self._done[layer_idx] = (done, self.measure)
 
     def wait(self, layer_idx: int) -> None:
         """Make the compute stream wait for `layer_idx`'s pending prefetch, if any."""
-        done = self._done.pop(layer_idx, None)
-        if done is None:
+        pending = self._done.pop(layer_idx, None)
+        if pending is None:
             return
+        done, timed = pending
         compute = torch.cuda.current_stream(self.device)
-        if self.measure:
+        if self.measure and timed:
             arrive = torch.cuda.Event(enable_timing=True)
             arrive.record(compute)
             self._timings.append((arrive, done))
         compute.wait_event(done)
 
+    def compute_waits_for_side(self) -> None:
+        """Before compute reads what the side stream writes outside the per-layer protocol (host blocks)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
     def synchronize(self) -> None:
-        """Let every pending prefetch finish (before buffers are reallocated: batch reorder, reset)."""
-        for layer_idx in list(self._done):
-            self.wait(layer_idx)
+        """Let every pending side-stream transfer finish before compute goes on (batch reorder, reset)."""
+        self._done.clear()
+        self.compute_waits_for_side()
 
     def exposed_wait_ms(self) -> float:
         """Total time compute waited on prefetches, over the waits recorded in measurement mode (syncs once)."""

@@ -32,9 +32,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 class TransferEngine:
-    def __init__(self, backend: str, device: torch.device):
+    def __init__(self, backend: str, device: torch.device, streams=None):
         self.backend = resolve_backend(backend, device)
         self.device = device
+        self.streams = streams  # PrefetchStreams: offloads run on its side stream
+        self._offloaded: dict[int, object] = {}  # id(pool) -> side-stream event after its last offload
         self._chunk_addrs: dict[int, tuple[int, torch.Tensor]] = {}  # id(pool) -> (num chunks, addresses)
 
     # --------------------------------------------------------------------------------------------- device -> host
@@ -45,13 +47,28 @@ class TransferEngine:
         pool.reserve(start + n)
         non_blocking = pool.pin_memory and blocks.device.type == "cuda"
         block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
-        for chunk, lo, hi, offset in pool.spans(start, start + n):
-            chunk[lo:hi].copy_(block_major[offset : offset + hi - lo], non_blocking=non_blocking)
+        spans = list(pool.spans(start, start + n))
+
+        def copy():
+            for chunk, lo, hi, offset in spans:
+                chunk[lo:hi].copy_(block_major[offset : offset + hi - lo], non_blocking=non_blocking)
+
+        if self.streams is not None:
+            self.streams.run_after_compute(copy, block_major)  # overlaps the next layer's compute on CUDA
+            self._offloaded[id(pool)] = self.streams.side_event()
+        else:
+            copy()
         pool.num_blocks = start + n
+
+    def _wait_offloads(self, pool: HostKVPool) -> None:
+        """Compute-stream readers of `pool` wait for its offloads (a no-op on the side stream, which is ordered)."""
+        if self.streams is not None:
+            self.streams.compute_waits(self._offloaded.get(id(pool)))
 
     # --------------------------------------------------------------------------------------------- host -> device
     def load_range(self, pool: HostKVPool, start: int, end: int) -> torch.Tensor:
         """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`."""
+        self._wait_offloads(pool)
         parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
         if not parts:
             shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
@@ -61,6 +78,7 @@ class TransferEngine:
 
     def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
         """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
+        self._wait_offloads(pool)
         if self.backend == "triton":
             gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,
                           working_set.block_size)
@@ -92,6 +110,8 @@ class TransferEngine:
     def wait_host_reads(self) -> None:
         """Before host buffers are replaced or read by the CPU: let queued transfers that use them finish."""
         if self.device.type == "cuda":
+            if self.streams is not None:
+                self.streams.side.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
     def _addresses(self, pool: HostKVPool) -> torch.Tensor:
