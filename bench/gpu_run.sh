@@ -9,7 +9,9 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
 for arg in "$@"; do
   case "$arg" in
-    bench) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --out "$OUT/decode-qwen3-8b.json" 2>&1 | grep -v Warning | tee "$OUT/decode.log" | tail -12 ;;
+    bench) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --out "$OUT/decode-qwen3-8b-32k.json" 2>&1 | grep -v Warning | tee "$OUT/decode-32k.log" | tail -14 ;;
+    bench128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
+    capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac
 done
