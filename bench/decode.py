@@ -46,11 +46,11 @@ def make_cache(method: str, model, args):
     if method == "offload":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
+    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if method == "oasis-exact":
-        return OasisCache(model, token_budget=args.budget, lookahead="previous", exact=True,
-                          num_slots=args.exact_slots or None)
+        return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
     if method.startswith("oasis-"):
-        return OasisCache(model, token_budget=args.budget, lookahead=method.split("-", 1)[1])
+        return OasisCache(model, lookahead=method.split("-", 1)[1], **options)
     raise ValueError(method)
 
 
@@ -159,6 +159,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=6, help="extra steps in measurement mode (oasis)")
     parser.add_argument("--exact-slots", type=int, default=0, help="slots for oasis-exact (0: 2x the budget blocks)")
+    parser.add_argument("--gather-programs", type=int, default=0, help="programs of the gather kernel (0: one per block)")
     parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
     parser.add_argument("--memory-cap-gib", type=float, default=0, help="cap this process's GPU memory (a smaller card)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
@@ -191,6 +192,7 @@ def main():
         model=args.model,
         dtype=args.dtype,
         budget=args.budget,
+        gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (

@@ -143,7 +143,8 @@ class OasisCache(Cache):
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
             self._streams = PrefetchStreams(key_states.device, measure=self.measure)
-            self._transfer = TransferEngine(self.config.backend, key_states.device, self._streams)
+            self._transfer = TransferEngine(self.config.backend, key_states.device, self._streams,
+                                            self.config.gather_programs)
 
     @property
     def transfer(self) -> TransferEngine:

@@ -51,6 +51,8 @@ class OasisConfig:
         backend: "triton" (CUDA kernels: block scores, slot assignment, and a gather that reads pinned host memory
             directly), "torch" (plain tensor ops; on CUDA the gather stages through host memory), or "auto"
             (triton on CUDA when available, else torch).
+        gather_programs: programs of the gather kernel per K/V (None: one per block). Fewer programs occupy fewer
+            SMs while they wait on PCIe, leaving the rest to the compute the prefetch hides behind.
     """
 
     token_budget: int
@@ -64,6 +66,7 @@ class OasisConfig:
     max_decode_tokens: int = 16
     host_chunk_blocks: int = 256
     backend: str = "auto"
+    gather_programs: int | None = None
 
     def __post_init__(self):
         T = self.block_size

@@ -22,7 +22,7 @@ CASES = [
 ]
 
 
-def check_case(B, H, T, D, S, NB, C, dtype, device) -> bool:
+def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     g = torch.Generator().manual_seed(B * 1000 + D)
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
     engine = TransferEngine("torch", torch.device("cpu"))
@@ -35,7 +35,7 @@ def check_case(B, H, T, D, S, NB, C, dtype, device) -> bool:
     dest = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
     fetch = torch.rand(B, H, K, generator=g) < 0.7
     addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
-    gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T)
+    gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs)
     got = ws.kv.cpu()
     expected = torch.full_like(got, -7.0)
     for b in range(B):
@@ -103,7 +103,9 @@ def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
 if __name__ == "__main__":
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     ok = True
-    for name, cases, check in (("gather", CASES, check_case), ("scores", SCORE_CASES, check_scores),
+    few = [lambda *c, device: check_case(*c, device=device, max_programs=3)]
+    for name, cases, check in (("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], few[0]),
+                               ("scores", SCORE_CASES, check_scores),
                                ("assign", ASSIGN_CASES, check_assign)):
         for case in cases:
             result = check(*case, device=device)

@@ -6,7 +6,9 @@ Shapes and strides (all contiguous, element type E = the model's K/V dtype):
     working set          `[2, B, Hkv, L, D]`, L >= S*T: slot s is tokens [s*T, s*T + T) of each row
     block_ids, dest      `[B, Hkv, K]` int64      block to read, slot to write
     fetch                `[B, Hkv, K]` int8       1 = copy this entry, 0 = skip
-Program (i, kv): entry i = (b*Hkv + h)*K + k, kv in {0 keys, 1 values}; copies T*D elements.
+Program (p, kv): entries i = p, p + P, p + 2P, ... (P programs; entry i = (b*Hkv + h)*K + k), kv in {0 keys,
+1 values}; copies T*D elements per entry. P = one per entry by default; fewer programs keep the gather on fewer SMs
+(it mostly waits on PCIe) so that compute kernels running beside it keep theirs.
 Offsets are computed in int64 (a 128K context at batch 8 exceeds 2**31 elements per chunk family).
 """
 
@@ -38,23 +40,24 @@ if triton is not None:
         K,
         C,
         ROW,
+        num_entries,
         BLOCK_ELEMS: tl.constexpr,
         BLOCK_POW2: tl.constexpr,
     ):
-        entry = tl.program_id(0)
         kv = tl.program_id(1).to(tl.int64)
-        if tl.load(fetch + entry) != 0:
-            block = tl.load(block_ids + entry)
-            slot = tl.load(dest + entry)
-            bh = (entry // K).to(tl.int64)
-            chunk = block // C
-            local = block - chunk * C
-            base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(out.dtype.element_ty))
-            src = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
-            dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
-            offs = tl.arange(0, BLOCK_POW2)
-            mask = offs < BLOCK_ELEMS
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        offs = tl.arange(0, BLOCK_POW2)
+        mask = offs < BLOCK_ELEMS
+        for entry in range(tl.program_id(0), num_entries, tl.num_programs(0)):
+            if tl.load(fetch + entry) != 0:
+                block = tl.load(block_ids + entry)
+                slot = tl.load(dest + entry)
+                bh = (entry // K).to(tl.int64)
+                chunk = block // C
+                local = block - chunk * C
+                base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(out.dtype.element_ty))
+                src = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+                dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def gather_blocks(
@@ -65,14 +68,16 @@ def gather_blocks(
     fetch: torch.Tensor,
     out: torch.Tensor,
     block_size: int,
+    max_programs: int | None = None,
 ) -> None:
     """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above)."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]
-    if B * H * K == 0:
+    entries = B * H * K
+    if entries == 0:
         return
-    grid = (B * H * K, 2)
+    grid = (min(entries, max_programs) if max_programs else entries, 2)
     _gather_blocks_kernel[grid](
         chunk_addrs,
         block_ids.contiguous(),
@@ -83,6 +88,7 @@ def gather_blocks(
         K,
         chunk_blocks,
         L * D,
+        entries,
         BLOCK_ELEMS=T * D,
         BLOCK_POW2=triton.next_power_of_2(T * D),
     )

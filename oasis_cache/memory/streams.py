@@ -6,8 +6,8 @@ that layer's event only — never a device-wide synchronize. Offloads (device ->
 so a gather never reads a host block before its offload has landed, and the offload of layer l overlaps the
 compute of layer l+1. On CPU there are no streams: the work runs inline.
 
-In measurement mode each wait also records timing events, so `exposed_wait_ms` can tell how long compute stalled on
-transfers (read once, at `stats()` time).
+In measurement mode each wait on a prefetch, and each fetch made on the compute stream (critical path), records
+timing events, so `exposed_wait_ms` tells how long compute stalled on transfers (read once, at `stats()` time).
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ class PrefetchStreams:
             arrive.record(compute)
             self._timings.append((arrive, done))
         compute.wait_event(done)
+
+    def time_on_compute(self):
+        """Measurement mode, on the compute stream: start timing a transfer that compute waits for (a fetch on the
+        critical path). Returns the end event to record after it, or None when not measuring."""
+        if not (self.measure and self.cuda) or torch.cuda.current_stream(self.device) == self.side:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self.device))
+        self._timings.append((start, end))
+        return end
 
     def compute_waits_for_side(self) -> None:
         """Before compute reads what the side stream writes outside the per-layer protocol (host blocks)."""

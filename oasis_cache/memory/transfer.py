@@ -32,8 +32,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 class TransferEngine:
-    def __init__(self, backend: str, device: torch.device, streams=None):
+    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
+        self.gather_programs = gather_programs
         self.device = device
         self.streams = streams  # PrefetchStreams: offloads run on its side stream
         self._offloaded: dict[int, object] = {}  # id(pool) -> side-stream event after its last offload
@@ -79,11 +80,14 @@ class TransferEngine:
     def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
         """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
         self._wait_offloads(pool)
+        timing = self.streams.time_on_compute() if self.streams is not None else None
         if self.backend == "triton":
             gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,
-                          working_set.block_size)
+                          working_set.block_size, self.gather_programs)
         else:
             self._fetch_torch(pool, working_set, block_ids, dest, fetch)
+        if timing is not None:
+            timing.record(torch.cuda.current_stream(self.device))
 
     def _fetch_torch(self, pool, working_set, block_ids, dest, fetch) -> None:
         on_cuda = working_set.kv.device.type == "cuda"
