@@ -43,8 +43,8 @@ class OasisConfig:
             `num_slots` slots), and the blocks it missed are fetched on the critical path (miss repair).
         fetch_ratio: at most `ceil(fetch_ratio * NB)` newly fetched blocks per step and KV head (NB = complete blocks
             in the context); selected blocks beyond the cap are skipped, best-ranked first kept. None = no cap.
-        num_slots: working-set slots per KV head; defaults to the number of selected blocks. More slots keep more
-            blocks resident between steps (fewer transfers).
+        num_slots: working-set slots per KV head; defaults to the number of selected blocks (twice that with
+            `exact`). More slots keep more blocks resident between steps (fewer transfers).
         max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
             decoding verifies a few tokens at once); longer ones attend densely (prefill, chunked prefill).
         host_chunk_blocks: blocks per allocation of the host pool; the pool grows by such chunks.
@@ -130,5 +130,8 @@ class OasisConfig:
 
     @property
     def slots(self) -> int:
-        """S: working-set slots per KV head."""
-        return self.num_slots if self.num_slots is not None else self.num_selected_blocks
+        """S: working-set slots per KV head (default: the selected blocks; twice that with `exact`, which prefetches
+        into the extra slots)."""
+        if self.num_slots is not None:
+            return self.num_slots
+        return self.num_selected_blocks * (2 if self.exact else 1)

@@ -243,9 +243,10 @@ class OasisLayer(CacheLayerMixin):
         return chosen.scatter_(-1, torch.where(attended & (held >= 0), held, NB), True)[..., :NB]
 
     def _measure_recall(self, query, view) -> None:
-        """Measurement mode: how many of the real query's top-K blocks the prediction made resident and attended."""
+        """Measurement mode: how many of the real query's top-K blocks (sink and recent excluded: always in both) the
+        prediction made resident and attended."""
         block_ids, ranks = self._select(query, view, self.config.num_selected_blocks)
-        real = ranks > -torch.inf
+        real = (ranks > -torch.inf) & (ranks < torch.inf)
         predicted = self._attended_blocks().gather(-1, block_ids)
         self._cache.counters.record_recall((predicted & real).sum(), real.sum())
 

@@ -1,0 +1,59 @@
+"""Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
+excluded) that the prediction had made resident. `none` selects with the real query (100% by definition: a check).
+
+    python eval/recall.py --context 4000 --budget 512 --steps 24
+
+Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import oasis_cache  # noqa: F401
+from oasis_cache import OasisCache
+from oasis_cache.loaders import load_smollm2
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=4000)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model, tok = load_smollm2(device=args.device)
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics.values())
+    ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context].to(args.device)
+    rows = []
+    for lookahead in ("previous",):
+        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True)
+        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
+                       pad_token_id=tok.eos_token_id)
+        stats = cache.stats()
+        rows.append(dict(lookahead=lookahead, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
+                         blocks_selected_per_step=stats["blocks_selected_per_step"]))
+    meta = dict(command="python eval/recall.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                         if k != "out"),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
+                model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
+    print(f"SmolLM2, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), {args.steps} steps")
+    for r in rows:
+        print(f"  {r['lookahead']:10} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f})")
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
