@@ -148,3 +148,28 @@ def test_gather_with_few_programs_is_exact(programs):
     ref = generate(model, OasisCache(model, token_budget=128, backend="torch"), inputs, **kw)
     got = generate(model, OasisCache(model, token_budget=128, gather_programs=programs), inputs, **kw)
     assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_prefill_device_memory_is_about_one_layer():
+    """Peak device memory of a prefill through OasisCache exceeds a cache-free forward by a few layers' K/V at most
+    (each layer's K/V leaves for the host before the next layer runs); DynamicCache keeps all layers'."""
+    layers, heads, D, N = 8, 4, 64, 4096
+    model = tiny_model("llama", num_hidden_layers=layers, hidden_size=heads * D, num_attention_heads=heads,
+                       num_key_value_heads=heads, intermediate_size=256).cuda()
+    ids = prompt_ids(N).cuda()
+    layer_kv = 2 * heads * N * D * 4  # K + V of one layer, fp32
+
+    def peak(**kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=1, **kwargs)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    no_cache = peak(use_cache=False)
+    oasis = peak(past_key_values=OasisCache(model, token_budget=256), use_cache=True)
+    dense = peak(past_key_values=dense_cache(model), use_cache=True)
+    assert oasis - no_cache < 5 * layer_kv, (oasis, no_cache, layer_kv)
+    assert dense - no_cache >= (layers - 1) * layer_kv  # the contrast: every layer stays
