@@ -40,7 +40,6 @@ class OasisCache(Cache):
         backend: see `OasisConfig`.
         fetch_ratio: cap on newly fetched blocks per step, as a fraction of the context's blocks (see `OasisConfig`).
         draft: EAGLE-3 draft head for `lookahead="eagle3"` (draft issue; not available yet).
-        collect_stats: count selections and transfers for `stats()`.
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
             query's top-K (extra events and selections per layer: for analysis, not for speed).
     """
@@ -56,7 +55,6 @@ class OasisCache(Cache):
         lookahead: str = "none",
         fetch_ratio: float | None = None,
         draft=None,
-        collect_stats: bool = True,
         measure: bool = False,
         **options,
     ):
@@ -102,13 +100,12 @@ class OasisCache(Cache):
         self._model = weakref.ref(model)
         self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
         self._first_oasis_layer = oasis_layers[0]
-        self.collect_stats = collect_stats
         self.measure = measure
         self._streams: PrefetchStreams | None = None
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
-        self._visibility: StepVisibility | None = None
+        self._visibility: dict[int, StepVisibility] = {}  # this forward's, by number of complete blocks
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
 
@@ -133,7 +130,7 @@ class OasisCache(Cache):
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
         Qn = key_states.shape[2]
-        self._visibility = None
+        self._visibility = {}
         if layer.is_initialized and layer.pool.num_blocks > 0 and Qn <= self.config.max_decode_tokens:
             self.decode_clock += 1
             self.counters.decode_steps += 1
@@ -158,19 +155,16 @@ class OasisCache(Cache):
         return resolve_backend(self.config.backend, device)
 
     def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
-        """Block visibility of the current forward, computed at its first decoding layer and shared by the rest."""
-        if self._visibility is None or self._visibility.num_blocks != layer.pool.num_blocks:
+        """Block visibility of the current forward, computed once per number of complete blocks (before and after
+        this forward's offload) and shared by all layers."""
+        num_blocks = layer.pool.num_blocks
+        if num_blocks not in self._visibility:
             cfg = self.config
-            self._visibility = step_visibility(
-                visible,
-                layer.batch_size,
-                layer.pool.num_blocks,
-                cfg.block_size,
-                cfg.sink_tokens,
-                cfg.num_recent_blocks,
+            self._visibility[num_blocks] = step_visibility(
+                visible, layer.batch_size, num_blocks, cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
                 layer.device,
             )
-        return self._visibility
+        return self._visibility[num_blocks]
 
     def check_module(self, layer_idx: int, module) -> None:
         if self._modules.get(layer_idx) is not module:
@@ -221,7 +215,7 @@ class OasisCache(Cache):
         super().reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0
-        self._visibility = None
+        self._visibility = {}
 
     def __repr__(self):
         cfg = self.config

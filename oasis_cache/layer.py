@@ -2,9 +2,11 @@
 
     update(k, v)   new tokens join the recent tokens (device); the layer is left pending for the attention call
     attend(q)      prefill / long extend -> dense causal attention over host blocks + recent tokens
-                   decode               -> score summaries, select top-K blocks, place them in slots, fetch the
-                                           missing ones, attend over the selected slots + recent tokens
-    then           complete blocks leave the recent tokens for the host pool and the summaries
+                   decode               -> rank blocks by their summaries, place the top K in slots, fetch the
+                                           missing ones (or, with lookahead, use what the previous step
+                                           prefetched), attend over the selected slots + recent tokens
+    then           complete blocks leave the recent tokens for the host pool and the summaries; with lookahead,
+                   this step's query places the next step's blocks and their gather starts on the side stream
 
 Shapes: keys/values `[B, Hkv, q, D]` in, attention output `[B, Hq, Qn, D]` out (see `config` for the names).
 """
@@ -16,7 +18,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .compute.attention import leave_pending, peek_pending
+from .compute.attention import leave_pending
 from .compute.dense import dense_causal_attention
 from .compute.sparse import sparse_attention
 from .control import all_blocks, rank_blocks, top_blocks
@@ -97,6 +99,7 @@ class OasisLayer(CacheLayerMixin):
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         if not self.is_initialized or tokens_to_remove == 0:
             return
+        self._cache.streams.wait(self.layer_idx)  # a prefetch in flight must land before slots are forgotten
         length = self.get_seq_length()
         keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, length)
         if keep < 0:
@@ -284,5 +287,3 @@ class OasisLayer(CacheLayerMixin):
     def __repr__(self):
         return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
 
-
-__all__ = ["OasisLayer", "peek_pending"]

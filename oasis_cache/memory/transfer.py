@@ -38,7 +38,8 @@ class TransferEngine:
         self.device = device
         self.streams = streams  # PrefetchStreams: offloads run on its side stream
         self._offloaded: dict[int, object] = {}  # id(pool) -> side-stream event after its last offload
-        self._chunk_addrs: dict[int, tuple[int, torch.Tensor]] = {}  # id(pool) -> (num chunks, addresses)
+        self._chunk_addrs: dict[int, tuple[tuple, torch.Tensor]] = {}  # id(pool) -> (chunk pointers, on device)
+        self._retired: list[torch.Tensor] = []  # replaced address tables: queued kernels may still read them
 
     # --------------------------------------------------------------------------------------------- device -> host
     def offload(self, pool: HostKVPool, blocks: torch.Tensor) -> None:
@@ -123,6 +124,8 @@ class TransferEngine:
         cached = self._chunk_addrs.get(id(pool))
         key = tuple(chunk.data_ptr() for chunk in pool.chunks)
         if cached is None or cached[0] != key:
+            if cached is not None:
+                self._retired.append(cached[1])  # a few bytes per pool growth; never reused under a running kernel
             cached = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
             self._chunk_addrs[id(pool)] = cached
         return cached[1]
