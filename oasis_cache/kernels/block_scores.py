@@ -59,6 +59,11 @@ if triton is not None:
         tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
 
 
+def _as_int8(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask read as int8 (same bytes: no copy, no launch, when contiguous)."""
+    return mask.contiguous().view(torch.int8)
+
+
 def block_scores(query: torch.Tensor, minmax: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor) -> torch.Tensor:
     """`query` `[B, Hkv, R, D]`, `minmax` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool ->
@@ -69,7 +74,7 @@ def block_scores(query: torch.Tensor, minmax: torch.Tensor, num_blocks: int, for
     BLOCK_N = 64
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
-        query.contiguous(), minmax, forced.to(torch.int8), allowed.to(torch.int8), scores,
+        query.contiguous(), minmax, _as_int8(forced), _as_int8(allowed), scores,
         H, R, D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
     )
