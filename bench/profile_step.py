@@ -1,0 +1,69 @@
+"""Where a decode step's time goes: torch profiler over a few decode steps, dense vs an OasisCache mode, one process.
+Prints the top CUDA kernels by total device time and the CPU-side totals per step.
+
+    python bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --method oasis-previous
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from decode import make_cache  # noqa: E402
+from models import load_model  # noqa: E402
+from oasis_cache.compat import generate_cache_argument  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", default=["dense", "oasis-previous"])
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--out", default=None, help="directory for the tables")
+    args = parser.parse_args()
+    args.gather_programs, args.exact_slots = 0, 0
+    model, vocab = load_model(args.model, args.device, torch.bfloat16)
+    ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    for method in args.methods:
+        cache = make_cache(method, model, args)
+        kw = {generate_cache_argument(model): cache, "use_cache": True}
+        with torch.no_grad():
+            out = model(input_ids=ids.to(args.device), logits_to_keep=1, **kw)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(3):  # warm-up
+                token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events) / args.steps
+        cpu_us = sum(e.self_cpu_time_total for e in events) / args.steps
+        table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60)
+        summary = (f"== {method}, {args.context} x {args.batch}: device time {device_us / 1000:.1f} ms/step, "
+                   f"CPU time {cpu_us / 1000:.1f} ms/step, "
+                   f"kernel launches {sum(e.count for e in events if e.device_type.name == 'CUDA') // args.steps}"
+                   f"/step")
+        print(summary)
+        print(table)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"profile-{method}.txt").write_text(summary + "\n" + table)
+        del cache, out
+
+
+if __name__ == "__main__":
+    main()
