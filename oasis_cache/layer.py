@@ -203,18 +203,15 @@ class OasisLayer(CacheLayerMixin):
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
-        if view.recent is None:
-            ws.visible[:, :, S * T : S * T + n] = True
-        else:
-            ws.visible[:, :, S * T : S * T + n] = view.recent[:, None]
+        ws.set_recent_visible(n, view.recent)
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]
             ws.visible[:, :, : S * T] &= view.block_tokens[batch, held].reshape(B, H, S * T)
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
-        keys, values, mask = ws.attendable(n)
-        out = sparse_attention(query, keys, values, mask, scale)
+        keys, values, mask = ws.attendable()
+        out = sparse_attention(query, keys, values, mask, S * T + n, scale)
         cache.counters.record_layer_step(B * H, n)
         return out
 

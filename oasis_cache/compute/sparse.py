@@ -10,13 +10,15 @@ import torch.nn.functional as F
 
 
 def sparse_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, end: int, scale: float
 ) -> torch.Tensor:
     """
     Args:
-        query: `[B, Hq, Qn, D]`, the last Qn of the L tokens.
-        keys, values: `[B, Hkv, L, D]`, the slots then the recent tokens.
-        visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens.
+        query: `[B, Hq, Qn, D]`, tokens end-Qn .. end-1 of the L.
+        keys, values: `[B, Hkv, L, D]`, the slots then the recent-token region (the whole working set: a shape
+            that does not change between steps, so attention backends keep their plans).
+        visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none at or after `end`).
+        end: one past the last recent token.
         scale: softmax scale.
     Returns:
         `[B, Hq, Qn, D]`.
@@ -27,8 +29,8 @@ def sparse_attention(
     grouped = query.reshape(B, Hkv, G * Qn, D)  # query head h*G + g uses KV head h: rows (g, i)
     if Qn == 1:
         mask = visible[:, :, None, :]
-    else:  # token j is seen by new query i iff j <= L - Qn + i
-        causal = torch.ones((Qn, L), dtype=torch.bool, device=query.device).tril(L - Qn)
+    else:  # token j is seen by new query i iff j <= end - Qn + i
+        causal = torch.ones((Qn, L), dtype=torch.bool, device=query.device).tril(end - Qn)
         mask = (visible[:, :, None, :] & causal)[:, :, None].expand(B, Hkv, G, Qn, L).reshape(B, Hkv, G * Qn, L)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)

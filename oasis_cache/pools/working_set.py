@@ -21,6 +21,7 @@ class WorkingSet:
         length = self.slot_tokens + recent_capacity
         self.kv = torch.zeros((2, batch_size, num_kv_heads, length, head_dim), dtype=dtype, device=device)
         self.visible = torch.zeros((batch_size, num_kv_heads, length), dtype=torch.bool, device=device)
+        self._recent_positions = torch.arange(recent_capacity, device=device)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -32,11 +33,16 @@ class WorkingSet:
         """`[2, B, Hkv, R, D]` view of the recent-token region."""
         return self.kv[:, :, :, self.slot_tokens :]
 
-    def attendable(self, num_recent: int):
-        """`(keys, values, visible)` views over the slots and the first `num_recent` recent tokens:
-        `[B, Hkv, S*T + n, D]` twice and `[B, Hkv, S*T + n]`."""
-        end = self.slot_tokens + num_recent
-        return self.kv[0, :, :, :end], self.kv[1, :, :, :end], self.visible[:, :, :end]
+    def set_recent_visible(self, num_recent: int, recent_visible: torch.Tensor | None) -> None:
+        """Mask of the recent region: its first `num_recent` tokens (where `recent_visible` `[B, n]`, if given)."""
+        region = self.visible[:, :, self.slot_tokens :]
+        region.copy_((self._recent_positions < num_recent).expand_as(region))
+        if recent_visible is not None:
+            region[:, :, :num_recent] &= recent_visible[:, None]
+
+    def attendable(self):
+        """`(keys, values, visible)` over the whole working set, `[B, Hkv, L, D]` twice and `[B, Hkv, L]`."""
+        return self.kv[0], self.kv[1], self.visible
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.kv = self.kv.index_select(1, indices.to(self.kv.device))
