@@ -1,0 +1,66 @@
+"""Decode-mode negative log-likelihood: a long text's continuation scored *through the decode path* — a prefill of
+the first tokens, then one token per forward with the cache — so sparse selection is what is measured (scoring the
+whole text in one forward would attend densely and hide it).
+
+    python eval/nll.py --prefill 7168 --tokens 512 --budget 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def pydoc_token_ids(tokenizer, count: int, offset: int = 0) -> torch.Tensor:
+    """`[1, count]` tokens of Python's documentation (`pydoc_data.topics`, ~113K tokens, ships with CPython)."""
+    import pydoc_data.topics as topics
+
+    ids = tokenizer("\n\n".join(topics.topics.values()))["input_ids"][offset : offset + count]
+    if len(ids) < count:
+        raise ValueError(f"pydoc_data.topics has only {len(ids)} tokens from offset {offset}; ask for fewer")
+    return torch.tensor([ids])
+
+
+@torch.no_grad()
+def decode_nll(model, input_ids: torch.Tensor, prefill: int, cache) -> torch.Tensor:
+    """Per-token NLL `[n]` (nats) of `input_ids[:, prefill:]` (`[1, prefill + n]`), each token predicted by a decode
+    step that fed the previous one through `cache`."""
+    from oasis_cache.compat import generate_cache_argument
+
+    arg = generate_cache_argument(model)
+    ids = input_ids.to(model.device)
+    logits = model(input_ids=ids[:, :prefill], use_cache=True, logits_to_keep=1, **{arg: cache}).logits[:, -1]
+    losses = []
+    for t in range(prefill, ids.shape[1]):
+        losses.append(torch.nn.functional.cross_entropy(logits.float(), ids[:, t]))
+        if t + 1 < ids.shape[1]:
+            logits = model(input_ids=ids[:, t : t + 1], use_cache=True, **{arg: cache}).logits[:, -1]
+    return torch.stack(losses)
+
+
+def main():
+    from transformers import DynamicCache
+
+    from oasis_cache import OasisCache
+    from oasis_cache.loaders import load_smollm2
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefill", type=int, default=7168)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--lookahead", default="none")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    model, tok = load_smollm2(device=args.device)
+    ids = pydoc_token_ids(tok, args.prefill + args.tokens)
+    model.set_attn_implementation("sdpa")
+    dense = decode_nll(model, ids, args.prefill, DynamicCache(config=model.config)).mean().item()
+    oasis = decode_nll(model, ids, args.prefill, OasisCache(model, token_budget=args.budget,
+                                                            lookahead=args.lookahead)).mean().item()
+    print(f"decode-mode NLL over {args.tokens} tokens after {args.prefill}: dense {dense:.4f}, oasis "
+          f"{args.lookahead} budget {args.budget}: {oasis:.4f} (delta {oasis - dense:+.4f} nats)")
+
+
+if __name__ == "__main__":
+    main()

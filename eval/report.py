@@ -1,0 +1,201 @@
+"""Quality report: dense attention against OasisCache modes at budgets 1/4, 1/8, 1/16 of the context, on the
+offline long-context tasks (`eval/tasks.py`) and decode-mode NLL (`eval/nll.py`), SmolLM2-135M-Instruct.
+
+    python eval/report.py --tasks single_needle multikey --lengths 2048 4096 8192 --samples 50
+    python eval/report.py --tiny          # a few short documents: what CI runs
+
+Per (task, length, mode, budget): accuracy (RULER string_match_all), retention (of the samples dense answers fully,
+the share the mode also answers fully), greedy agreement (share of generated tokens equal to dense's, position by
+position). NLL: mean decode-mode NLL over a continuation, dense and each (mode, budget), and the delta.
+Writes JSON (with command, date, machine) and a plot under eval/results/, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
+from eval.tasks import chat_prompt, generate_samples, score  # noqa: E402
+from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.compat import generate_cache_argument  # noqa: E402
+
+
+def make_cache(model, mode: str, budget: int | None):
+    if mode == "dense":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    return OasisCache(model, token_budget=budget, lookahead=mode)
+
+
+def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size):
+    """Generated token ids (lists) per sample, batches left-padded."""
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    outputs = []
+    for i in range(0, len(samples), batch_size):
+        batch = samples[i : i + batch_size]
+        enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
+        enc = {k: v.to(model.device) for k, v in enc.items()}
+        cache = make_cache(model, mode, budget)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, **{generate_cache_argument(model): cache})
+        outputs += out[:, enc["input_ids"].shape[1] :].tolist()
+    return outputs
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    n = max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=["single_needle", "multi_needle", "multikey"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--modes", nargs="+", default=["none", "previous"])
+    parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
+    parser.add_argument("--filler", default="pydoc")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--nll-prefill", type=int, default=7168)
+    parser.add_argument("--nll-tokens", type=int, default=256)
+    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
+    parser.add_argument("--tiny", action="store_true", help="CI size: 2 samples at 512 tokens, budget 1/4, small NLL")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.tiny:
+        args.lengths, args.samples, args.fractions = [512], 2, [4]
+        args.nll_prefill, args.nll_tokens, args.max_new_tokens = 512, 16, 8
+    started = time.time()
+    model, tokenizer = load(args)
+
+    rows = []
+    for task in args.tasks:
+        for length in args.lengths:
+            samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
+            dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens, args.batch_size)
+            dense_scores = [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
+                            for o, s in zip(dense, samples)]
+            rows.append(dict(task=task, length=length, mode="dense", budget=None,
+                             accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0))
+            for mode in args.modes:
+                for fraction in args.fractions:
+                    budget = max(256, length // fraction)
+                    outs = run_generation(model, tokenizer, samples, mode, budget, args.max_new_tokens,
+                                          args.batch_size)
+                    scores = [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
+                              for o, s in zip(outs, samples)]
+                    solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
+                    rows.append(dict(
+                        task=task, length=length, mode=mode, budget=budget, fraction=fraction,
+                        accuracy=sum(scores) / len(samples),
+                        retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
+                        agreement=sum(agreement(a, b) for a, b in zip(outs, dense)) / len(samples),
+                    ))
+                    print(json.dumps(rows[-1]), flush=True)
+
+    nll_rows = nll_report(model, tokenizer, args)
+    meta = dict(
+        command="python " + " ".join(sys.argv),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU",
+        model=args.model, filler=args.filler, samples=args.samples, seconds=round(time.time() - started, 1),
+    )
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"report-{args.model}-{'tiny-' if args.tiny else ''}{meta['date'][:10]}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, tasks=rows, nll=nll_rows), indent=1))
+    print_table(rows, nll_rows, meta)
+    plot(rows, nll_rows, meta, out.with_suffix(".png"))
+    print("wrote", out)
+
+
+def load(args):
+    if args.model == "smollm2":
+        from oasis_cache.loaders import load_smollm2
+
+        return load_smollm2(device=args.device)
+    if args.model == "tiny":  # random weights with SmolLM2's tokenizer: exercises the plumbing, scores are noise
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from oasis_cache.loaders import load_smollm2
+
+        _, tokenizer = load_smollm2(device="cpu")
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).to(args.device).eval(), tokenizer
+    raise ValueError(f"unknown model {args.model!r}")
+
+
+def nll_report(model, tokenizer, args) -> list:
+    ids = pydoc_token_ids(tokenizer, args.nll_prefill + args.nll_tokens)
+    context = ids.shape[1]
+    dense = decode_nll(model, ids, args.nll_prefill, make_cache(model, "dense", None)).mean().item()
+    rows = [dict(mode="dense", budget=None, nll=dense, delta=0.0)]
+    for mode in args.modes:
+        for fraction in args.fractions:
+            budget = max(256, context // fraction)
+            nll = decode_nll(model, ids, args.nll_prefill, make_cache(model, mode, budget)).mean().item()
+            rows.append(dict(mode=mode, budget=budget, fraction=fraction, nll=nll, delta=nll - dense))
+    return rows
+
+
+def print_table(rows, nll_rows, meta):
+    print(f"\n{meta['model']}, {meta['samples']} samples per cell, {meta['machine']}, {meta['date']}")
+    print(f"{'task':18} {'length':>6} {'mode':9} {'budget':>6} {'accuracy':>8} {'retention':>9} {'agreement':>9}")
+    for r in rows:
+        retention = f"{r['retention']:9.3f}" if r["retention"] is not None else f"{'-':>9}"
+        print(f"{r['task']:18} {r['length']:>6} {r['mode']:9} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
+              f"{retention} {r['agreement']:9.3f}")
+    print(f"\n{'decode-mode NLL':18} {'mode':9} {'budget':>6} {'nats':>8} {'delta':>8}")
+    for r in nll_rows:
+        print(f"{'':18} {r['mode']:9} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
+
+
+def plot(rows, nll_rows, meta, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    modes = sorted({r["mode"] for r in rows if r["mode"] != "dense"})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode in modes:
+        cells = sorted({r["fraction"] for r in rows if r["mode"] == mode})
+        retention = []
+        for f in cells:
+            values = [r["retention"] for r in rows if r["mode"] == mode and r["fraction"] == f
+                      and r["retention"] is not None]
+            retention.append(sum(values) / len(values) if values else float("nan"))
+        axes[0].plot([f"1/{f}" for f in cells], retention, marker="o", label=mode)
+        deltas = [r["delta"] for r in nll_rows if r["mode"] == mode]
+        axes[1].plot([f"1/{r['fraction']}" for r in nll_rows if r["mode"] == mode], deltas, marker="o", label=mode)
+    axes[0].set_title("retention of dense's correct answers")
+    axes[0].set_xlabel("budget (share of the context)")
+    axes[1].set_title("decode-mode NLL delta vs dense (nats)")
+    axes[1].set_xlabel("budget (share of the context)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['model']}, {meta['machine']}, {meta['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
