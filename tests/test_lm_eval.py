@@ -1,0 +1,42 @@
+"""lm-eval-harness runs offline on the suite's tasks with the "oasis" model; with a budget covering the context it
+generates exactly what the `hf` model generates."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-eval is a test extra: pip install -e '.[test]'")
+
+from eval.lm_eval_tasks.build import build  # noqa: E402
+from oasis_cache.loaders import load_smollm2  # noqa: E402
+from oasis_cache.loaders.smollm2 import DEFAULT_CACHE_DIR  # noqa: E402
+
+
+def run(tmp_path, model, model_args, name):
+    from oasis_cache.integrations.lm_eval import main
+
+    out = tmp_path / name
+    main(["--model", model, "--model_args", model_args, "--tasks", "oasis_single_needle",
+          "--include_path", str(tmp_path / "tasks"), "--apply_chat_template", "--batch_size", "2",
+          "--device", "cpu", "--output_path", str(out), "--log_samples"])
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    samples = [json.loads(line) for line in next(out.rglob("samples_*.jsonl")).read_text().splitlines()]
+    return results["results"]["oasis_single_needle"], {s["doc_id"]: s["resps"] for s in samples}
+
+
+def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = load_smollm2()[1]  # also writes the fp32 copy that `hf` loads below
+    build(tmp_path / "tasks", ["single_needle"], [512], 4, "pydoc", tokenizer)
+
+    oasis, oasis_out = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=2048,lookahead=previous", "oasis")
+    hf, hf_out = run(tmp_path, "hf", f"pretrained={DEFAULT_CACHE_DIR},dtype=float32", "hf")
+    assert 0.0 <= oasis["string_match_all,none"] <= 1.0
+    assert oasis_out == hf_out  # budget >= context: the same generations as HF's own model
+    sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256", "sparse")
+    assert "string_match_all,none" in sparse
