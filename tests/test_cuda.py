@@ -176,3 +176,24 @@ def test_prefill_device_memory_is_about_one_layer():
     dense = peak(past_key_values=dense_cache(model), use_cache=True)
     assert oasis - no_cache < 5 * layer_kv, (oasis, no_cache, layer_kv)
     assert dense - no_cache >= (layers - 1) * layer_kv  # the contrast: every layer stays
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_decode_steps_make_no_host_sync(mode):
+    """The decode hot path issues no synchronizing CUDA call (`.item()`, blocking copies, ...): checked with
+    PyTorch's sync debug mode over decode steps that select, fetch, prefetch and offload blocks."""
+    model = tiny_model("qwen3").cuda()
+    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4, **mode)
+    ids = prompt_ids(400).cuda()
+    with torch.no_grad():
+        token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(2):  # warm-up: kernels compile, address tables are built
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(40):  # crosses block boundaries: offloads, new chunks, new address tables
+                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

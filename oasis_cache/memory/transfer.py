@@ -126,6 +126,9 @@ class TransferEngine:
         if cached is None or cached[0] != key:
             if cached is not None:
                 self._retired.append(cached[1])  # a few bytes per pool growth; never reused under a running kernel
-            cached = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
+            table = torch.tensor(key, dtype=torch.int64)
+            if self.device.type == "cuda":  # no synchronous copy: staged through pinned memory
+                table = table.pin_memory()
+            cached = (key, table.to(self.device, non_blocking=True))
             self._chunk_addrs[id(pool)] = cached
         return cached[1]
