@@ -1,0 +1,185 @@
+"""The EAGLE-3 draft head (Li et al., 2025, arXiv:2503.01840), written here.
+
+Inputs per position: the target's hidden states from three layers, `[.., 3 * Ht]` (HF `hidden_states[i]` for i in
+`aux_hidden_state_ids`: the input of decoder layer i, i.e. the output of layer i-1, 0 = embeddings), and the
+embedding `[.., H]` of the token at that position (the target's embedding table, frozen). Then:
+
+    fused = fc(aux)                                   [.., H]      (bias-free linear, 3*Ht -> H)
+    x     = cat(input_layernorm(embed), hidden_norm(fused))        [.., 2H]
+    h     = fused + o_proj(attention(q/k/v_proj(x)))               (one Llama decoder layer; q/k/v take 2H)
+    h     = h + mlp(post_attention_layernorm(h))
+    logits_draft = lm_head(norm(h))                   [.., Vd]     (reduced draft vocabulary)
+    target_id = draft_id + d2t[draft_id]
+
+The layer-numbering convention is stored (`aux_hidden_state_ids` are HF `hidden_states` indices); EAGLE's and vLLM's
+layer ids i map to the same index i (both capture the input of decoder layer i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # defaults to hidden_size
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    aux_hidden_state_ids: list[int] = field(default_factory=list)  # HF hidden_states indices, 3 of them
+    norm_before_residual: bool = False  # residual from the normed fused hidden (vLLM/speculators option)
+
+    def __post_init__(self):
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if len(self.aux_hidden_state_ids) != 3:
+            raise ValueError(f"aux_hidden_state_ids must name 3 target layers, got {self.aux_hidden_state_ids}")
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int, **overrides) -> "Eagle3Config":
+        """A head shaped for a target model's (text) config; aux layers [2, L//2, L-3] as in EAGLE-3."""
+        c = target_config.get_text_config(decoder=True)
+        L = c.num_hidden_layers
+        values = dict(
+            hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=c.rms_norm_eps, rope_theta=_rope_theta(c), max_position_embeddings=c.max_position_embeddings,
+            aux_hidden_state_ids=[min(2, L), L // 2, max(L - 3, 0)],
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, positions, past=None):
+        """x `[B, n, 2H]`, positions `[B, n]`, past `(k, v)` each `[B, Hkv, m, Dh]` or None (then causal over n).
+        Returns the output `[B, n, H]` and this call's `(k, v)`."""
+        c = self.c
+        B, n, _ = x.shape
+        q = self.q_proj(x).view(B, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        angles = positions[:, None, :, None].float() * self.inv_freq
+        cos, sin = torch.cat((angles, angles), -1).cos().to(x.dtype), torch.cat((angles, angles), -1).sin().to(x.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+        G = c.num_attention_heads // c.num_key_value_heads
+        keys_r, values_r = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+        m = keys.shape[2] - n
+        mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
+        out = F.scaled_dot_product_attention(q, keys_r, values_r, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), (k, v)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.c = c
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+    def forward(self, embeds, fused, positions, past=None):
+        normed = self.hidden_norm(fused)
+        residual = normed if self.c.norm_before_residual else fused
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
+        attn, kv = self.self_attn(x, positions, past)
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Eagle3Head(nn.Module):
+    """The draft head. Parameter names follow the EAGLE checkpoint format (`fc`, `midlayer.*`, `norm`, `lm_head`,
+    buffers `d2t`, `t2d`), so `state_dict()` is an EAGLE/SpecForge checkpoint."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # target = draft + d2t
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """`draft_to_target` `[Vd]`: the target id of each draft id (e.g. the Vd most frequent target tokens)."""
+        ids = draft_to_target.to(self.d2t.device, torch.long)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past=None):
+        """`aux_hidden` `[B, n, 3*Ht]`, `embeds` `[B, n, H]`, `positions` `[B, n]` (those of the *next* tokens the
+        rows predict), past `(k, v)` of earlier rows. Returns draft-vocab logits `[B, n, Vd]`, the last hidden
+        `[B, n, H]` (fed back in training-time test), and `(k, v)`."""
+        fused = self.fc(aux_hidden)
+        h, kv = self.midlayer(embeds, fused, positions, past)
+        return self.lm_head(self.norm(h)), h, kv
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,85 @@
+"""The EAGLE-3 head: checkpoints written in both published formats load back to the same function; a head for
+another target is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oasis_cache.draft import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+
+from conftest import tiny_model
+
+
+def random_head(model, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=32))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    head.set_vocab_map(torch.randperm(model.config.vocab_size)[:32])
+    return head
+
+
+def run(head, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    c = head.config
+    aux = torch.randn(2, 5, 3 * c.target_hidden_size, generator=g)
+    embeds = torch.randn(2, 5, c.hidden_size, generator=g)
+    positions = torch.arange(5).expand(2, 5)
+    logits, hidden, _ = head(aux, embeds, positions)
+    return logits, hidden
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_checkpoint_roundtrip(tmp_path, fmt):
+    model = tiny_model("llama", num_hidden_layers=6)
+    head = random_head(model)
+    save_eagle3(head, tmp_path, fmt)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3"
+    loaded = load_eagle3(tmp_path, target_model=model)
+    assert loaded.config.aux_hidden_state_ids == [2, 3, 3]
+    for a, b in zip(run(head), run(loaded)):
+        torch.testing.assert_close(a, b)
+    draft = torch.tensor([0, 5, 31])
+    assert torch.equal(loaded.to_target_ids(draft), head.to_target_ids(draft))
+    assert loaded.t2d.sum() == 32 and loaded.t2d[head.to_target_ids(torch.arange(32))].all()
+
+
+def test_incremental_attention_equals_full():
+    """Feeding positions one by one with the returned (k, v) equals one causal pass (what lookahead relies on)."""
+    head = random_head(tiny_model("qwen3"))
+    c = head.config
+    g = torch.Generator().manual_seed(0)
+    aux, embeds = torch.randn(1, 6, 3 * c.target_hidden_size, generator=g), torch.randn(1, 6, c.hidden_size, generator=g)
+    positions = torch.arange(6)[None]
+    full, _, _ = head(aux, embeds, positions)
+    past, steps = None, []
+    for t in range(6):
+        logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
+        past = kv if past is None else (torch.cat((past[0], kv[0]), 2), torch.cat((past[1], kv[1]), 2))
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_head_for_another_target_is_refused(tmp_path):
+    head = random_head(tiny_model("llama", num_hidden_layers=6))
+    save_eagle3(head, tmp_path)
+    other = tiny_model("llama", hidden_size=128, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="does not fit LlamaForCausalLM: it reads hidden states of size 64"):
+        load_eagle3(tmp_path, target_model=other)
+
+
+def test_missing_or_foreign_checkpoints_say_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_eagle3(tmp_path / "nothing-here")
+    (tmp_path / "config.json").write_text("{}")
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="neither an EAGLE/SpecForge"):
+        load_eagle3(tmp_path)
