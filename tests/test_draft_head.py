@@ -83,3 +83,43 @@ def test_missing_or_foreign_checkpoints_say_so(tmp_path):
     save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="neither an EAGLE/SpecForge"):
         load_eagle3(tmp_path)
+
+
+class _Tok:
+    """Just enough tokenizer for the trainer's generation step on a tiny random model."""
+
+    eos_token_id = 2
+    pad_token_id = 0
+    pad_token = "<pad>"
+    eos_token = "</s>"
+    padding_side = "left"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return messages[0]["content"]
+
+    def __call__(self, texts, return_tensors="pt", padding=True):
+        from transformers import BatchEncoding
+
+        ids = [[3 + (ord(c) % 90) for c in t][:24] for t in texts]
+        width = max(len(x) for x in ids)
+        return BatchEncoding({
+            "input_ids": torch.tensor([[0] * (width - len(x)) + x for x in ids]),
+            "attention_mask": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids]),
+        })
+
+
+def test_trainer_learns_and_resumes(tmp_path):
+    from oasis_cache.draft.train import evaluate, train
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    prompts = [f"prompt number {i} about topic {i % 7}" for i in range(24)]
+    kw = dict(draft_vocab=48, ttt=2, lr=3e-3, seq_per_step=4, max_new_tokens=24, save_every=10, progress=False,
+              prompts=prompts)
+    first = train(model, _Tok(), tmp_path, steps=10, **kw)
+    assert (tmp_path / "head" / "model.safetensors").exists() and (tmp_path / "data.pt").exists()
+    resumed = train(model, _Tok(), tmp_path, steps=60, resume=True, **kw)
+    assert 0.0 <= first["top1_agreement"] <= 1.0
+    assert resumed["top1_agreement"] > first["top1_agreement"], (first, resumed)
+    head = load_eagle3(tmp_path / "head", target_model=model)
+    texts = torch.load(tmp_path / "data.pt")
+    assert evaluate(head, model, texts[:3])["top1_agreement"] >= 0.0

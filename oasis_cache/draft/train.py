@@ -1,0 +1,231 @@
+"""Train an EAGLE-3 head for a target model, offline, by self-distillation.
+
+    python -m oasis_cache.draft.train --target smollm2 --out heads/smollm2 --steps 2000
+
+1. Data: the target generates its own responses to seed prompts shipped in `draft/seed_prompts.txt` (sampled), so
+   the head learns the distribution it will draft for. Generations are cached in `--out/data.pt`.
+2. Draft vocabulary: the `--draft-vocab` most frequent target tokens of that data (d2t map).
+3. Features: one target forward per text gives the three aux hidden states and the target's next-token logits.
+4. Loss: soft cross-entropy of the draft's logits (draft vocab) against the target's distribution restricted to the
+   draft vocab, over `--ttt` training-time-test steps (step s > 0 feeds the head's own previous hidden state in
+   place of the target's features, as at inference when drafting further ahead; simplified from EAGLE-3: step s
+   attends causally over its own rows only).
+5. Progress bar, checkpoints every `--save-every` steps (head + optimizer + step; `--resume` continues), held-out
+   top-1 agreement with the target's next token.
+
+Alignment: row j of the head sees the target's features at position j and the embedding of token j+1, and predicts
+token j+2 (the target's distribution at position j+1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .eagle3 import Eagle3Config, Eagle3Head
+from .loading import load_eagle3, save_eagle3
+
+SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
+
+
+def seed_prompts() -> list[str]:
+    return [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0) -> list[torch.Tensor]:
+    """The target's own chat transcripts (prompt + sampled response), one token tensor each."""
+    torch.manual_seed(seed)
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    texts = []
+    for i in range(0, len(prompts), batch_size):
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts[i : i + batch_size]]
+        enc = tokenizer(chats, return_tensors="pt", padding=True).to(model.device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7, top_p=0.95,
+                             pad_token_id=tokenizer.pad_token_id)
+        width = enc["input_ids"].shape[1]
+        for row, mask in zip(out, enc["attention_mask"]):
+            prompt, response = row[:width][mask.bool()], row[width:]
+            ends = (response == tokenizer.eos_token_id).nonzero()
+            if len(ends):
+                response = response[: int(ends[0]) + 1]
+            texts.append(torch.cat((prompt, response)).cpu())
+    return texts
+
+
+def draft_vocabulary(texts: list[torch.Tensor], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The `draft_vocab_size` most frequent target ids (ties: lower id), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in texts:
+        counts += torch.bincount(ids, minlength=vocab_size)
+    order = torch.argsort(counts, descending=True, stable=True)  # ties: the lower id first
+    return order[:draft_vocab_size].sort().values
+
+
+@torch.no_grad()
+def target_features(model, ids: torch.Tensor, aux_ids: list[int]):
+    """For one text `[n]`: aux hidden states `[n, 3H]` and target logits `[n, V]` (float32)."""
+    out = model(input_ids=ids[None].to(model.device), output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
+    return aux.float(), out.logits[0].float()
+
+
+def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, draft_ids, ttt: int):
+    """Mean soft CE over `ttt` unrolled steps, and top-1 agreement at step 0 (draft argmax == target argmax).
+
+    ids `[n]`, aux `[n, 3H]`, target_logits `[n, V]`, draft_ids `[Vd]` (target id of each draft id).
+    """
+    n = ids.shape[0]
+    rows = n - 2  # row j: features j, token j+1 -> predicts token j+2 (target logits at j+1)
+    if rows < 1:
+        return None, None
+    emb = embed(ids[1 : 1 + rows].to(aux.device))[None]  # [1, rows, H]
+    positions = torch.arange(rows, device=aux.device)[None]
+    target = F.softmax(target_logits[1 : 1 + rows][:, draft_ids], dim=-1)  # [rows, Vd], renormalized on Vd
+    fused_input, past = aux[None, :rows], None
+    losses, agreement = [], None
+    hidden = None
+    for step in range(ttt):
+        if step == 0:
+            logits, hidden, _ = head(fused_input, emb, positions)
+        else:  # training-time test: the head's own hidden states stand in for the target's features
+            span = rows - step
+            if span < 1:
+                break
+            hidden, _ = head.midlayer(emb[:, step : step + span], hidden[:, :span], positions[:, step : step + span])
+            logits = head.lm_head(head.norm(hidden))
+            target = F.softmax(target_logits[1 + step : 1 + step + span][:, draft_ids], dim=-1)
+        logp = F.log_softmax(logits[0].float(), dim=-1)
+        losses.append(-(target * logp).sum(-1).mean())
+        if step == 0:
+            draft_top = draft_ids[logits[0].argmax(-1)]
+            agreement = (draft_top == target_logits[1 : 1 + rows].argmax(-1)).float().mean()
+    return torch.stack(losses).mean(), agreement
+
+
+def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
+          save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None) -> dict:
+    """Train (or resume) a head for `model` into `out`; returns the final metrics."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = model.device
+    data_path = out / "data.pt"
+    if data_path.exists():
+        texts = torch.load(data_path)
+    else:
+        texts = generate_corpus(model, tokenizer, prompts or seed_prompts(), max_new_tokens=max_new_tokens, seed=seed)
+        torch.save(texts, data_path)
+    rng = random.Random(seed)
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    n_held = max(1, int(len(texts) * held_out))
+    held, train_ids = [texts[i] for i in order[:n_held]], [texts[i] for i in order[n_held:]]
+
+    state_path = out / "trainer.pt"
+    if resume and state_path.exists():
+        head = load_eagle3(out / "head", target_model=model).to(device)
+        state = torch.load(state_path)
+        start = state["step"]
+    else:
+        config = Eagle3Config.for_target(model.config, draft_vocab_size=min(draft_vocab, model.config.vocab_size))
+        head = Eagle3Head(config).to(device)
+        head.set_vocab_map(draft_vocabulary(texts, model.config.vocab_size, config.draft_vocab_size).to(device))
+        state, start = None, 0
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    embed = model.get_input_embeddings()
+    draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=device))
+    aux_ids = head.config.aux_hidden_state_ids
+
+    bar = _progress(range(start, steps), progress)
+    for step in bar:
+        optimizer.zero_grad()
+        total = 0.0
+        for ids in rng.sample(train_ids, min(seq_per_step, len(train_ids))):
+            aux, logits = target_features(model, ids, aux_ids)
+            loss, _ = distill_loss(head, embed, ids.to(device), aux, logits, draft_ids, ttt)
+            if loss is not None:
+                (loss / seq_per_step).backward()
+                total += loss.item() / seq_per_step
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{total:.3f}")
+        if (step + 1) % save_every == 0 or step + 1 == steps:
+            _save(head, optimizer, step + 1, out)
+    metrics = evaluate(head, model, held)
+    metrics.update(steps=steps, ttt=ttt, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
+                   held_out=len(held))
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, model, texts) -> dict:
+    """Held-out top-1 agreement of the draft's first token with the target's greedy next token."""
+    head.eval()
+    embed = model.get_input_embeddings()
+    draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=model.device))
+    hits = total = 0.0
+    for ids in texts:
+        aux, logits = target_features(model, ids, head.config.aux_hidden_state_ids)
+        _, agreement = distill_loss(head, embed, ids.to(model.device), aux, logits, draft_ids, ttt=1)
+        if agreement is not None:
+            rows = ids.shape[0] - 2
+            hits += agreement.item() * rows
+            total += rows
+    return {"top1_agreement": hits / max(total, 1)}
+
+
+def _save(head, optimizer, step, out: Path) -> None:
+    save_eagle3(head, out / "head")
+    torch.save({"step": step, "optimizer": optimizer.state_dict()}, out / "trainer.pt")
+
+
+def _progress(iterable, enabled):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, desc="eagle3")
+    except ImportError:
+        return iterable
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--ttt", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seq-per-step", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--save-every", type=int, default=500)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    if args.target != "smollm2":
+        raise SystemExit("only --target smollm2 is available offline")
+    from ..loaders import load_smollm2
+
+    model, tokenizer = load_smollm2(device=args.device)
+    metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
+                    lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
+                    save_every=args.save_every, resume=args.resume)
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()
