@@ -1,7 +1,7 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
-excluded) that the prediction had made resident. `none` selects with the real query (100% by definition: a check).
+excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's).
 
-    python eval/recall.py --context 4000 --budget 512 --steps 24
+    python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
 Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`). Prints a table, writes JSON.
 """
@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--head", default=None, help="an EAGLE-3 head for SmolLM2 (directory): adds an eagle3 row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -35,8 +36,10 @@ def main():
     text = "\n\n".join(topics.topics.values())
     ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context].to(args.device)
     rows = []
-    for lookahead in ("previous",):
-        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True)
+    modes = ["previous"] + (["eagle3"] if args.head else [])
+    for lookahead in modes:
+        draft = dict(draft=args.head) if lookahead == "eagle3" else {}
+        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, **draft)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
                        pad_token_id=tok.eos_token_id)
         stats = cache.stats()

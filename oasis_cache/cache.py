@@ -39,7 +39,7 @@ class OasisCache(Cache):
         block_size, sink_tokens, recent_tokens, lookahead, num_slots, max_decode_tokens, host_chunk_blocks,
         backend: see `OasisConfig`.
         fetch_ratio: cap on newly fetched blocks per step, as a fraction of the context's blocks (see `OasisConfig`).
-        draft: EAGLE-3 draft head for `lookahead="eagle3"` (draft issue; not available yet).
+        draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
             query's top-K (extra events and selections per layer: for analysis, not for speed).
     """
@@ -58,8 +58,6 @@ class OasisCache(Cache):
         measure: bool = False,
         **options,
     ):
-        if draft is not None:
-            raise NotImplementedError("draft heads (lookahead='eagle3') are not available yet in this version.")
         self.config = OasisConfig(
             token_budget=token_budget,
             block_size=block_size,
@@ -102,12 +100,18 @@ class OasisCache(Cache):
         self._first_oasis_layer = oasis_layers[0]
         self.measure = measure
         self._streams: PrefetchStreams | None = None
+        self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self._visibility: dict[int, StepVisibility] = {}  # this forward's, by number of complete blocks
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
+        self.ride_along = None
+        if self.config.lookahead == "eagle3":
+            self.ride_along = _attach_draft(model, self, draft)
+        elif draft is not None:
+            raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -129,7 +133,7 @@ class OasisCache(Cache):
 
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
-        Qn = key_states.shape[2]
+        Qn = key_states.shape[2] - self.draft_rows
         self._visibility = {}
         if layer.is_initialized and layer.pool.num_blocks > 0 and Qn <= self.config.max_decode_tokens:
             self.decode_clock += 1
@@ -207,12 +211,34 @@ class OasisCache(Cache):
     def host_nbytes(self) -> int:
         return sum(layer.pool.nbytes for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.ride_along is not None:
+            self.ride_along.index_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.ride_along is not None:
+            self.ride_along.index_batch(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.ride_along is not None:
+            self.ride_along.repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.ride_along is not None and int(tokens_to_remove) != 0:
+            self.ride_along.reset()  # its rows no longer line up with the tokens: it starts over
+
     def reset(self) -> None:
         """Empty the cache (all memory released) so it can serve a new batch with the same model."""
         if self._streams is not None:
             self._streams.synchronize()
             self._streams.reset_measurements()
         super().reset()
+        if self.ride_along is not None:
+            self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0
         self._visibility = {}
@@ -223,6 +249,24 @@ class OasisCache(Cache):
             f"OasisCache(token_budget={cfg.token_budget}, block_size={cfg.block_size}, lookahead={cfg.lookahead!r}, "
             f"layers={len(self.layers)}, tokens={self.get_seq_length(self._first_oasis_layer)})"
         )
+
+
+def _attach_draft(model, cache, draft):
+    """The eagle3 ride-along for `model`, with `draft` (a head, or what `load_eagle3` reads)."""
+    from .draft import Eagle3Head, load_eagle3
+    from .draft.lookahead import RideAlong
+
+    if draft is None:
+        raise ValueError(
+            "lookahead='eagle3' needs a draft head for this model: pass draft=<Eagle3Head or checkpoint directory>, "
+            "or train one with `python -m oasis_cache.draft.train`; lookahead='previous' needs none."
+        )
+    if any(not isinstance(layer, OasisLayer) for layer in cache.layers):
+        raise NotImplementedError("lookahead='eagle3' does not support hybrid models with sliding-window layers yet; "
+                                  "use lookahead='previous'.")
+    head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target_model=model)
+    param = next(model.parameters())
+    return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())
 
 
 def _check_supported(model):

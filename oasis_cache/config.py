@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
-IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous")
+IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -38,7 +38,8 @@ class OasisConfig:
         recent_tokens: the newest complete tokens, always attended, besides the partial block. Rounded up to blocks.
         lookahead: how the next step's blocks are predicted: "none" (select with the real query, then fetch, on the
             critical path); "previous" (this step's query selects the next step's blocks, whose gather runs on a
-            side stream behind the rest of the step); "eagle3" (a draft token's queries; the draft issue).
+            side stream behind the rest of the step); "eagle3" (an EAGLE-3 head drafts the next token, which rides
+            through the layers beside the real one: its queries select the next step's blocks).
         exact: with a predictor, attend to the real query's top-K anyway: the prediction only prefetches (into all
             `num_slots` slots), and the blocks it missed are fetched on the critical path (miss repair).
         fetch_ratio: at most `ceil(fetch_ratio * NB)` newly fetched blocks per step and KV head (NB = complete blocks
@@ -95,7 +96,8 @@ class OasisConfig:
         if self.fetch_ratio is not None and not 0 < self.fetch_ratio <= 1:
             raise ValueError(f"fetch_ratio must be in (0, 1] (a fraction of the context's blocks), got {self.fetch_ratio!r}.")
         if self.exact and self.lookahead == "none":
-            raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous'.")
+            raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous' or "
+                             "'eagle3'.")
         if self.num_slots is not None and self.num_slots < self.num_selected_blocks:
             raise ValueError(
                 f"num_slots={self.num_slots} is below the {self.num_selected_blocks} blocks selected per step "

@@ -161,9 +161,14 @@ class OasisLayer(CacheLayerMixin):
             out = self._attend_dense(query, visible, scale)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
+        draft_rows = self._cache.draft_rows
+        if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
+            self.recent.truncate(self.recent.num_tokens - draft_rows)
         self._offload_complete_blocks()
-        if cfg.lookahead == "previous" and self.pool.num_blocks > 0:
-            self._prefetch_next(query if is_decode else query[:, :, -1:], visible, is_decode)
+        if cfg.lookahead != "none" and self.pool.num_blocks > 0:
+            # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
+            predictor = query[:, :, -1:] if (draft_rows or not is_decode) else query
+            self._prefetch_next(predictor, visible, is_decode)
         return out
 
     def _attend_dense(self, query, visible, scale):
@@ -192,12 +197,13 @@ class OasisLayer(CacheLayerMixin):
         ws = self.working_set
         cache.streams.wait(self.layer_idx)  # the blocks prefetched for this step have landed
 
-        approximate = cfg.lookahead == "previous" and not cfg.exact and self.predicted
+        real = query[:, :, : Qn - cache.draft_rows]  # a riding draft row attends, but does not choose this step
+        approximate = cfg.lookahead != "none" and not cfg.exact and self.predicted
         if approximate:  # attend to what the previous step predicted (slots and mask already placed)
             if cache.measure:
-                self._measure_recall(query, view)
+                self._measure_recall(real, view)
         else:  # select with the real query; what is not resident moves now, on the critical path
-            block_ids, ranks = self._select(query, view, cfg.num_selected_blocks)
+            block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
             placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
@@ -216,8 +222,9 @@ class OasisLayer(CacheLayerMixin):
         return out
 
     def _prefetch_next(self, query, visible, after_decode: bool) -> None:
-        """Lookahead "previous": this forward's query selects the next step's blocks; their gather runs on the side
-        stream while the rest of this step computes. With `exact`, all slots are filled (the next step repairs)."""
+        """Lookahead: `query` (this forward's, or the draft token's) selects the next step's blocks; their gather
+        runs on the side stream while the rest of this step computes. With `exact`, all slots are filled (the next
+        step repairs what is missing)."""
         cache, cfg = self._cache, self.config
         view = cache.step_visibility(visible, self)  # the blocks completed by this forward are candidates too
         k = cfg.slots if cfg.exact else cfg.num_selected_blocks

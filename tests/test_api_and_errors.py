@@ -29,14 +29,6 @@ def test_bad_options_raise_clear_errors(kwargs, message):
         OasisConfig(**kwargs)
 
 
-def test_unimplemented_options_say_so():
-    model = tiny_model("llama")
-    with pytest.raises(NotImplementedError, match="lookahead='eagle3' is not implemented"):
-        OasisCache(model, token_budget=256, lookahead="eagle3")
-    with pytest.raises(NotImplementedError, match="draft heads"):
-        OasisCache(model, token_budget=256, draft=object())
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [

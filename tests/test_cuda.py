@@ -197,3 +197,22 @@ def test_decode_steps_make_no_host_sync(mode):
                 token = logits[:, -1:].argmax(-1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_eagle3_ride_along_on_cuda(exact):
+    from test_eagle3_lookahead import head_for
+
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    head = head_for(model)
+    for inputs, kw in [
+        ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
+        (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),
+    ]:
+        inputs = on_cuda(inputs)
+        dense = generate(model, dense_cache(model), inputs, **kw)
+        oasis = generate(model, OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head, exact=exact),
+                         inputs, **kw)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)

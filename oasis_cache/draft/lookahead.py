@@ -1,0 +1,154 @@
+"""The eagle3 ride-along: the draft token travels through the model beside the real one.
+
+Per decode forward (hooks on the model's decoder, active only for the OasisCache they belong to):
+1. before: the head drafts x̂(t+1) from the features the previous forward captured (the real row's hidden states at
+   the three aux layers) and the embedding of the real token x(t); the forward's input becomes [x(t), x̂(t+1)]
+   (positions and 2D mask extended by one);
+2. in every full-attention layer the draft row attends like the real one (causally after it), its keys/values are
+   dropped after the layer, and its query selects the blocks the next step needs (`OasisLayer.attend`);
+3. after: the draft row is cut from the decoder's output (the LM head never sees it), sliding layers drop its
+   keys/values, and the real row's aux hidden states are kept for the next draft.
+After a prefill the head reads the prompt's aux hidden states once, filling its own keys/values.
+
+Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, rows, Dh]`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..layer import OasisLayer
+from .eagle3 import Eagle3Head
+
+
+class RideAlong:
+    def __init__(self, model, cache, head: Eagle3Head):
+        self.head = head
+        self.cache = weakref.ref(cache)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.decoder = decoder
+        self.embed = model.get_input_embeddings()
+        layers = decoder.layers
+        self.aux_ids = head.config.aux_hidden_state_ids
+        if max(self.aux_ids) >= len(layers):
+            raise ValueError(f"the head reads hidden states {self.aux_ids}; the model has {len(layers)} layers")
+        self._aux: dict[int, torch.Tensor] = {}
+        self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
+        self._head_kv = None  # (k, v), [B, Hkv_head, rows, Dh]
+        self._rows = 0  # head rows so far (its positions)
+        self._active = False  # this forward carries a draft row
+        self._ours = False  # this forward uses our cache
+        self._input_ids: torch.Tensor | None = None
+        self.handles = [
+            decoder.register_forward_pre_hook(self._before, with_kwargs=True),
+            decoder.register_forward_hook(self._after, with_kwargs=True),
+        ]
+        for i in sorted(set(self.aux_ids)):
+            self.handles.append(layers[i].register_forward_pre_hook(self._capture(i), with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def reset(self) -> None:
+        self._last_features, self._head_kv, self._rows = None, None, 0
+
+    def index_batch(self, indices: torch.Tensor) -> None:
+        """Sequence i becomes old sequence `indices[i]` (beam search)."""
+        if self._last_features is not None:
+            indices = indices.to(self._last_features.device)
+            self._last_features = self._last_features.index_select(0, indices)
+        if self._head_kv is not None:
+            self._head_kv = tuple(t.index_select(0, indices.to(t.device)) for t in self._head_kv)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        if self._last_features is not None:
+            self.index_batch(torch.arange(self._last_features.shape[0]).repeat_interleave(repeats))
+
+    # ---------------------------------------------------------------------------------------------------- hooks
+    def _before(self, module, args, kwargs):
+        cache = self.cache()
+        if cache is None:
+            self.remove()
+            return None
+        used = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._ours = used is cache
+        self._active = False
+        if not self._ours:
+            return None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self._input_ids = input_ids
+        if input_ids is None:  # embeddings given directly: no token to draft from
+            return None
+        q = input_ids.shape[1]
+        decoding = self._last_features is not None and cache.get_seq_length() > 0 and \
+            q + 1 <= cache.config.max_decode_tokens
+        if not decoding:
+            return None
+        draft = self._draft(input_ids[:, -1:])  # [B, 1]
+        kwargs = dict(kwargs)
+        if args:
+            args = ()
+        kwargs["input_ids"] = torch.cat((input_ids, draft), dim=1)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            kwargs["position_ids"] = torch.cat((position_ids, position_ids[:, -1:] + 1), dim=1)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            kwargs["attention_mask"] = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        self._active = True
+        cache.draft_rows = 1
+        return args, kwargs
+
+    def _capture(self, index: int):
+        def hook(module, args, kwargs):
+            if self._ours:
+                self._aux[index] = kwargs.get("hidden_states", args[0] if args else None)
+        return hook
+
+    def _after(self, module, args, kwargs, output):
+        if not self._ours:
+            return None
+        cache = self.cache()
+        features = torch.cat([self._aux[i] for i in self.aux_ids], dim=-1)  # [B, q(+1), 3H]
+        self._aux.clear()
+        if self._active:
+            cache.draft_rows = 0
+            for layer in cache.layers:  # HF's own (sliding) layers stored the draft row: drop it
+                if not isinstance(layer, OasisLayer) and getattr(layer, "is_initialized", False):
+                    layer.crop(-1)
+            output.last_hidden_state = output.last_hidden_state[:, :-1]
+            self._last_features = features[:, -2]
+            return output
+        # A prefill or a long extend: the head reads it, row j = (features j, token j+1).
+        ids = self._input_ids
+        if ids is None:  # no token ids to pair with: the head starts over at the next forward
+            self.reset()
+            return None
+        if self._last_features is not None and ids.shape[1] >= 1:  # the first new token pairs with the old row
+            self._head_rows(self._last_features[:, None], ids[:, :1])
+        if ids.shape[1] > 1:
+            self._head_rows(features[:, :-1], ids[:, 1:])
+        self._last_features = features[:, -1]
+        return None
+
+    # ------------------------------------------------------------------------------------------------ the head
+    @torch.no_grad()
+    def _head_rows(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Run the head over rows (features `[B, n, 3H]`, next tokens `[B, n]`), keeping its keys/values; returns
+        the last row's draft-vocab logits `[B, Vd]`."""
+        n = features.shape[1]
+        positions = torch.arange(self._rows, self._rows + n, device=features.device).expand(features.shape[0], n)
+        logits, _, (k, v) = self.head(features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions,
+                                      self._head_kv)
+        self._head_kv = (k, v) if self._head_kv is None else (torch.cat((self._head_kv[0], k), 2),
+                                                              torch.cat((self._head_kv[1], v), 2))
+        self._rows += n
+        return logits[:, -1]
+
+    def _draft(self, token: torch.Tensor) -> torch.Tensor:
+        """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`."""
+        logits = self._head_rows(self._last_features[:, None], token)
+        return self.head.to_target_ids(logits.argmax(-1))[:, None]

@@ -1,0 +1,104 @@
+"""lookahead="eagle3": the draft token rides beside the real one. With a budget covering the context the output equals
+dense (the draft row changes nothing it must not), its keys/values never enter the cache, and with a small budget
+the attended blocks are those the draft row chose one step earlier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_cache import OasisCache
+from oasis_cache.compute.reference import block_masked_attention
+from oasis_cache.draft import Eagle3Config, Eagle3Head
+from oasis_cache.layer import OasisLayer
+
+from conftest import dense_cache, generate, left_padded, prompt_ids, tiny_model
+
+ATOL = 2e-4
+
+
+def head_for(model, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=64))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+    head.set_vocab_map(torch.randperm(model.config.vocab_size)[:64])
+    return head
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_full_budget_equals_dense(arch, exact):
+    model = tiny_model(arch, num_hidden_layers=4)
+    head = head_for(model)
+    for inputs, kw in [
+        ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
+        (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),
+        (left_padded([45, 33]), dict(max_new_tokens=10, do_sample=False, num_beams=3)),
+        ({"input_ids": prompt_ids(40)}, dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20)),
+    ]:
+        dense = generate(model, dense_cache(model), inputs, **kw)
+        cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head, exact=exact)
+        oasis = generate(model, cache, inputs, **kw)
+        assert torch.equal(dense.sequences, oasis.sequences), kw
+        if "num_beams" not in kw:
+            for a, b in zip(dense.logits, oasis.logits):
+                torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        n = inputs["input_ids"].shape[1] + kw["max_new_tokens"] - 1
+        assert cache.get_seq_length() == n  # no draft token stayed
+        stats = cache.stats()
+        assert stats["decode_tokens"] == stats["decode_steps"] * (1 if "num_beams" not in kw else 1)
+
+
+def test_draft_keys_and_values_never_enter_the_pool():
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt_ids(150)
+    ref = dense_cache(model)
+    model.generate(input_ids=ids, past_key_values=ref, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                   eos_token_id=None)
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head_for(model), host_chunk_blocks=3)
+    model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                   eos_token_id=None)
+    for layer, dense_layer in zip(cache.layers, ref.layers):
+        keys, values = layer.full_kv()
+        torch.testing.assert_close(keys, dense_layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, dense_layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_small_budget_attends_what_the_draft_row_selected(monkeypatch):
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    calls = []
+    attend = OasisLayer.attend
+
+    def recording(layer, query, visible, scale):
+        out = attend(layer, query, visible, scale)
+        if getattr(layer, "last_selection", None) is not None:
+            calls.append((query, visible, scale, out, layer.last_selection))
+            layer.last_selection = None
+        return out
+
+    monkeypatch.setattr(OasisLayer, "attend", recording)
+    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, lookahead="eagle3",
+                       draft=head_for(model), measure=True)
+    cache.record_selection = True
+    out = generate(model, cache, left_padded([300, 260]), max_new_tokens=8, do_sample=False)
+    assert len(calls) == 7 * 4
+    for query, visible, scale, result, selected in calls:
+        assert query.shape[2] == 2  # the real row and the draft row
+    stats = cache.stats()
+    assert stats["blocks_fetched_on_critical_path"] == 0
+    assert stats["prediction_recall"] is not None
+    assert out.sequences.shape[1] == 300 + 8
+
+
+def test_eagle3_needs_a_head_and_full_attention_layers():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="needs a draft head"):
+        OasisCache(model, token_budget=256, lookahead="eagle3")
+    with pytest.raises(ValueError, match="used by lookahead='eagle3' only"):
+        OasisCache(model, token_budget=256, draft=head_for(model))
+    hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
+                        use_sliding_window=True)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        OasisCache(hybrid, token_budget=256, lookahead="eagle3", draft=head_for(hybrid))
