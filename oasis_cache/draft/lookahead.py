@@ -78,6 +78,9 @@ class RideAlong:
         self._active = False
         if not self._ours:
             return None
+        if len(args) > 1:  # called positionally beyond input_ids: leave such a forward alone
+            self._input_ids = None
+            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._input_ids = input_ids
         if input_ids is None:  # embeddings given directly: no token to draft from
