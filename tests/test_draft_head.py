@@ -115,7 +115,7 @@ def test_trainer_learns_and_resumes(tmp_path):
     prompts = [f"prompt number {i} about topic {i % 7}" for i in range(24)]
     kw = dict(draft_vocab=48, ttt=2, lr=3e-3, seq_per_step=4, max_new_tokens=24, save_every=10, progress=False,
               prompts=prompts)
-    first = train(model, _Tok(), tmp_path, steps=10, **kw)
+    first = train(model, _Tok(), tmp_path, steps=10, cache_features=True, **kw)
     assert (tmp_path / "head" / "model.safetensors").exists() and (tmp_path / "data.pt").exists()
     resumed = train(model, _Tok(), tmp_path, steps=60, resume=True, **kw)
     assert 0.0 <= first["top1_agreement"] <= 1.0

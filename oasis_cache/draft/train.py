@@ -70,17 +70,20 @@ def draft_vocabulary(texts: list[torch.Tensor], vocab_size: int, draft_vocab_siz
 
 
 @torch.no_grad()
-def target_features(model, ids: torch.Tensor, aux_ids: list[int]):
-    """For one text `[n]`: aux hidden states `[n, 3H]` and target logits `[n, V]` (float32)."""
+def target_features(model, ids: torch.Tensor, aux_ids: list[int], draft_ids: torch.Tensor):
+    """For one text `[n]`: aux hidden states `[n, 3H]`, the target's logits on the draft vocabulary `[n, Vd]`, and
+    the target's greedy next token `[n]` (over its whole vocabulary)."""
     out = model(input_ids=ids[None].to(model.device), output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
-    return aux.float(), out.logits[0].float()
+    logits = out.logits[0]
+    return aux.float(), logits[:, draft_ids].float(), logits.argmax(-1)
 
 
-def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, draft_ids, ttt: int):
+def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, target_top, draft_ids, ttt: int):
     """Mean soft CE over `ttt` unrolled steps, and top-1 agreement at step 0 (draft argmax == target argmax).
 
-    ids `[n]`, aux `[n, 3H]`, target_logits `[n, V]`, draft_ids `[Vd]` (target id of each draft id).
+    ids `[n]`, aux `[n, 3H]`, target_logits `[n, Vd]` (on the draft vocabulary), target_top `[n]` (the target's
+    greedy token), draft_ids `[Vd]` (target id of each draft id).
     """
     n = ids.shape[0]
     rows = n - 2  # row j: features j, token j+1 -> predicts token j+2 (target logits at j+1)
@@ -88,7 +91,7 @@ def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, draft_ids, tt
         return None, None
     emb = embed(ids[1 : 1 + rows].to(aux.device))[None]  # [1, rows, H]
     positions = torch.arange(rows, device=aux.device)[None]
-    target = F.softmax(target_logits[1 : 1 + rows][:, draft_ids], dim=-1)  # [rows, Vd], renormalized on Vd
+    target = F.softmax(target_logits[1 : 1 + rows], dim=-1)  # [rows, Vd], renormalized on the draft vocabulary
     fused_input, past = aux[None, :rows], None
     losses, agreement = [], None
     hidden = None
@@ -101,18 +104,20 @@ def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, draft_ids, tt
                 break
             hidden, _ = head.midlayer(emb[:, step : step + span], hidden[:, :span], positions[:, step : step + span])
             logits = head.lm_head(head.norm(hidden))
-            target = F.softmax(target_logits[1 + step : 1 + step + span][:, draft_ids], dim=-1)
+            target = F.softmax(target_logits[1 + step : 1 + step + span], dim=-1)
         logp = F.log_softmax(logits[0].float(), dim=-1)
         losses.append(-(target * logp).sum(-1).mean())
         if step == 0:
             draft_top = draft_ids[logits[0].argmax(-1)]
-            agreement = (draft_top == target_logits[1 : 1 + rows].argmax(-1)).float().mean()
+            agreement = (draft_top == target_top[1 : 1 + rows]).float().mean()
     return torch.stack(losses).mean(), agreement
 
 
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
-          save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None) -> dict:
-    """Train (or resume) a head for `model` into `out`; returns the final metrics."""
+          save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
+          cache_features=False) -> dict:
+    """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
+    once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = model.device
@@ -145,14 +150,23 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     embed = model.get_input_embeddings()
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=device))
     aux_ids = head.config.aux_hidden_state_ids
+    features = {}
+    if cache_features:
+        for i, ids in enumerate(_progress(train_ids, progress, "target features")):
+            aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
+            features[i] = (aux.to(torch.bfloat16), logits.to(torch.bfloat16), top)
 
     bar = _progress(range(start, steps), progress)
     for step in bar:
         optimizer.zero_grad()
         total = 0.0
-        for ids in rng.sample(train_ids, min(seq_per_step, len(train_ids))):
-            aux, logits = target_features(model, ids, aux_ids)
-            loss, _ = distill_loss(head, embed, ids.to(device), aux, logits, draft_ids, ttt)
+        for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
+            ids = train_ids[i]
+            if cache_features:
+                aux, logits, top = (t.float() if t.is_floating_point() else t for t in features[i])
+            else:
+                aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
+            loss, _ = distill_loss(head, embed, ids.to(device), aux, logits, top, draft_ids, ttt)
             if loss is not None:
                 (loss / seq_per_step).backward()
                 total += loss.item() / seq_per_step
@@ -177,8 +191,8 @@ def evaluate(head: Eagle3Head, model, texts) -> dict:
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=model.device))
     hits = total = 0.0
     for ids in texts:
-        aux, logits = target_features(model, ids, head.config.aux_hidden_state_ids)
-        _, agreement = distill_loss(head, embed, ids.to(model.device), aux, logits, draft_ids, ttt=1)
+        aux, logits, top = target_features(model, ids, head.config.aux_hidden_state_ids, draft_ids)
+        _, agreement = distill_loss(head, embed, ids.to(model.device), aux, logits, top, draft_ids, ttt=1)
         if agreement is not None:
             rows = ids.shape[0] - 2
             hits += agreement.item() * rows
@@ -191,13 +205,13 @@ def _save(head, optimizer, step, out: Path) -> None:
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, out / "trainer.pt")
 
 
-def _progress(iterable, enabled):
+def _progress(iterable, enabled, desc="eagle3"):
     if not enabled:
         return iterable
     try:
         from tqdm.auto import tqdm
 
-        return tqdm(iterable, desc="eagle3")
+        return tqdm(iterable, desc=desc)
     except ImportError:
         return iterable
 
@@ -214,6 +228,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--cache-features", action="store_true", help="run the target once per text (CPU-friendly)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.target != "smollm2":
@@ -223,7 +238,7 @@ def main():
     model, tokenizer = load_smollm2(device=args.device)
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
                     lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
-                    save_every=args.save_every, resume=args.resume)
+                    save_every=args.save_every, resume=args.resume, cache_features=args.cache_features)
     print(json.dumps(metrics))
 
 
