@@ -28,6 +28,8 @@ def main():
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--head", default=None, help="an EAGLE-3 head for SmolLM2 (directory): adds an eagle3 row")
+    parser.add_argument("--oracle", action="store_true",
+                        help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -36,15 +38,27 @@ def main():
     text = "\n\n".join(topics.topics.values())
     ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context].to(args.device)
     rows = []
-    modes = ["previous"] + (["eagle3"] if args.head else [])
-    for lookahead in modes:
+    modes = ["previous"] + (["eagle3"] if args.head else []) + (["eagle3-oracle"] if args.head and args.oracle else [])
+    truth = None
+    if "eagle3-oracle" in modes:  # the dense greedy continuation: what a perfect draft would propose
+        model.set_attn_implementation("sdpa")
+        truth = model.generate(input_ids=ids, max_new_tokens=args.steps + 1, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0]
+    for mode in modes:
+        lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, **draft)
+        if mode == "eagle3-oracle":
+            cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
                        pad_token_id=tok.eos_token_id)
         stats = cache.stats()
-        rows.append(dict(lookahead=lookahead, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
-                         blocks_selected_per_step=stats["blocks_selected_per_step"]))
+        row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
+                   blocks_selected_per_step=stats["blocks_selected_per_step"])
+        if mode == "eagle3-oracle":
+            hits, made = cache.ride_along.draft_hits
+            row["head_draft_accuracy"] = hits / max(made, 1)
+        rows.append(row)
     meta = dict(command="python eval/recall.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                                                          if k != "out"),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -52,7 +66,8 @@ def main():
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
     print(f"SmolLM2, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), {args.steps} steps")
     for r in rows:
-        print(f"  {r['lookahead']:10} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f})")
+        extra = f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps" if "head_draft_accuracy" in r else ""
+        print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

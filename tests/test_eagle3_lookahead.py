@@ -102,3 +102,18 @@ def test_eagle3_needs_a_head_and_full_attention_layers():
                         use_sliding_window=True)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         OasisCache(hybrid, token_budget=256, lookahead="eagle3", draft=head_for(hybrid))
+
+
+def test_oracle_draft_plumbing():
+    """An oracle (the true next token as the draft) replaces the head's guess and counts how often the head agreed;
+    the recall it reaches on real weights is checked in test_smollm2.py (a random tiny model has no locality)."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    ids = prompt_ids(600)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    truth = model.generate(input_ids=ids, past_key_values=dense_cache(model), **kw)[0]
+    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
+                       draft=head_for(model), measure=True)
+    cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
+    model.generate(input_ids=ids, past_key_values=cache, **kw)
+    assert cache.ride_along.draft_hits[1] == 15
+    assert 0.0 < cache.stats()["prediction_recall"] <= 1.0

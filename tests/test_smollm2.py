@@ -81,3 +81,26 @@ def test_sparse_decode_at_an_eighth_of_the_context_still_answers(smollm2):
     assert "sandwich" in answer and "Dolores Park" in answer, answer
     stats = cache.stats()
     assert stats["tokens_attended_per_step"] <= 256 and stats["seq_length"] > 1800
+
+
+def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
+    """The eagle3 mechanism on real weights: with the true next token as the draft, the blocks its queries choose
+    are nearly all those the next step's real query chooses — far more than `previous` (this step's query)."""
+    import pydoc_data.topics as topics
+
+    from oasis_cache.draft import Eagle3Config, Eagle3Head
+
+    model, tok = smollm2
+    ids = tok("\n\n".join(topics.topics.values()), return_tensors="pt")["input_ids"][:, :4000]
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    model.set_attn_implementation("sdpa")
+    truth = model.generate(input_ids=ids, **kw)[0]
+    budget = dict(token_budget=512, sink_tokens=16, recent_tokens=16)  # 1/8 of the context, K = 31 blocks
+    previous = OasisCache(model, lookahead="previous", measure=True, **budget)
+    model.generate(input_ids=ids, past_key_values=previous, **kw)
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=256))  # untrained: the oracle drafts
+    oracle = OasisCache(model, lookahead="eagle3", draft=head, measure=True, **budget)
+    oracle.ride_along.oracle = lambda position: truth[position].view(1, 1)
+    model.generate(input_ids=ids, past_key_values=oracle, **kw)
+    recall, baseline = oracle.stats()["prediction_recall"], previous.stats()["prediction_recall"]
+    assert recall > 0.9 and recall > baseline + 0.1, (recall, baseline)

@@ -41,6 +41,8 @@ class RideAlong:
         self._active = False  # this forward carries a draft row
         self._ours = False  # this forward uses our cache
         self._input_ids: torch.Tensor | None = None
+        self.oracle = None  # analysis: callable(position) -> [B, 1] target ids that replace the head's draft
+        self.draft_hits = [0, 0]  # analysis with an oracle: drafts equal to the oracle's token, drafts made
         self.handles = [
             decoder.register_forward_pre_hook(self._before, with_kwargs=True),
             decoder.register_forward_hook(self._after, with_kwargs=True),
@@ -154,4 +156,10 @@ class RideAlong:
     def _draft(self, token: torch.Tensor) -> torch.Tensor:
         """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`."""
         logits = self._head_rows(self._last_features[:, None], token)
-        return self.head.to_target_ids(logits.argmax(-1))[:, None]
+        draft = self.head.to_target_ids(logits.argmax(-1))[:, None]
+        if self.oracle is None:
+            return draft
+        true = self.oracle(self.cache().get_seq_length() + 1).to(draft.device)  # analysis only: syncs below
+        self.draft_hits[0] += int((draft == true).sum())
+        self.draft_hits[1] += draft.numel()
+        return true
