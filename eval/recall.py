@@ -1,6 +1,10 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
 excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's).
 
+All rows run with `exact=True` and `num_slots` = K: every step attends to the real query's top-K, so every row
+follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row drafts the
+token that trajectory actually produces next (read from a first `none` run): the ceiling of eagle3.
+
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
 Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`). Prints a table, writes JSON.
@@ -28,6 +32,8 @@ def main():
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--head", default=None, help="an EAGLE-3 head for SmolLM2 (directory): adds an eagle3 row")
+    parser.add_argument("--prompt", choices=["document", "chat"], default="document",
+                        help="continue the document, or answer a question about it as a chat turn")
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--out", default=None)
@@ -36,18 +42,26 @@ def main():
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics.values())
-    ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context].to(args.device)
+    ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context]
+    if args.prompt == "chat":
+        question = "\n\nExplain in detail what the text above describes, section by section."
+        chat = tok.apply_chat_template([{"role": "user", "content": tok.decode(ids[0]) + question}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(chat, return_tensors="pt")["input_ids"]
+    ids = ids.to(args.device)
     rows = []
     modes = ["previous"] + (["eagle3"] if args.head else []) + (["eagle3-oracle"] if args.head and args.oracle else [])
     truth = None
-    if "eagle3-oracle" in modes:  # the dense greedy continuation: what a perfect draft would propose
-        model.set_attn_implementation("sdpa")
+    if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(input_ids=ids, max_new_tokens=args.steps + 1, do_sample=False,
-                               pad_token_id=tok.eos_token_id)[0]
+                               pad_token_id=tok.eos_token_id,
+                               past_key_values=OasisCache(model, token_budget=args.budget))[0]
+    K = args.budget // 16 - 1
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
-        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, **draft)
+        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, exact=True, num_slots=K,
+                           measure=True, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
@@ -64,7 +78,8 @@ def main():
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
-    print(f"SmolLM2, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), {args.steps} steps")
+    print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
+          f"{args.steps} steps")
     for r in rows:
         extra = f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps" if "head_draft_accuracy" in r else ""
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")

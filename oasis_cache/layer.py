@@ -198,11 +198,10 @@ class OasisLayer(CacheLayerMixin):
         cache.streams.wait(self.layer_idx)  # the blocks prefetched for this step have landed
 
         real = query[:, :, : Qn - cache.draft_rows]  # a riding draft row attends, but does not choose this step
+        if cache.measure and cfg.lookahead != "none" and self.predicted:
+            self._measure_recall(real, view)  # the slots still hold the prediction made for this step
         approximate = cfg.lookahead != "none" and not cfg.exact and self.predicted
-        if approximate:  # attend to what the previous step predicted (slots and mask already placed)
-            if cache.measure:
-                self._measure_recall(real, view)
-        else:  # select with the real query; what is not resident moves now, on the critical path
+        if not approximate:  # select with the real query; what is not resident moves now, on the critical path
             block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
             placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))

@@ -123,3 +123,32 @@ def test_trainer_learns_and_resumes(tmp_path):
     head = load_eagle3(tmp_path / "head", target_model=model)
     texts = torch.load(tmp_path / "data.pt")
     assert evaluate(head, model, texts[:3])["top1_agreement"] >= 0.0
+
+
+def test_document_prompts_are_long_windows_with_a_question():
+    from oasis_cache.draft.train import DOCUMENT_QUESTIONS, document_prompts
+    from oasis_cache.loaders import load_smollm2
+
+    tokenizer = load_smollm2()[1]
+    prompts = document_prompts(tokenizer, 3, 300, seed=1)
+    assert prompts == document_prompts(tokenizer, 3, 300, seed=1) and len(set(prompts)) == 3
+    for prompt in prompts:
+        assert any(prompt.endswith(q) for q in DOCUMENT_QUESTIONS)
+        assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
+
+
+def test_head_attention_window_matches_between_full_and_incremental():
+    model = tiny_model("qwen3")
+    head = random_head(model)
+    head.config.attention_window = 3
+    c = head.config
+    g = torch.Generator().manual_seed(0)
+    aux, embeds = torch.randn(1, 7, 3 * c.target_hidden_size, generator=g), torch.randn(1, 7, c.hidden_size, generator=g)
+    positions = torch.arange(7)[None]
+    full, _, _ = head(aux, embeds, positions)
+    past, steps = None, []
+    for t in range(7):
+        logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
+        past = kv if past is None else (torch.cat((past[0], kv[0]), 2)[:, :, -3:], torch.cat((past[1], kv[1]), 2)[:, :, -3:])
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

@@ -39,6 +39,7 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     aux_hidden_state_ids: list[int] = field(default_factory=list)  # HF hidden_states indices, 3 of them
     norm_before_residual: bool = False  # residual from the normed fused hidden (vLLM/speculators option)
+    attention_window: int | None = 256  # rows the head attends back (training and inference alike); None = all
 
     def __post_init__(self):
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
@@ -118,6 +119,8 @@ class _Attention(nn.Module):
         keys_r, values_r = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         m = keys.shape[2] - n
         mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
+        if c.attention_window is not None:  # row i sees the `attention_window` rows up to itself
+            mask &= torch.ones_like(mask).triu(m - c.attention_window + 1)
         out = F.scaled_dot_product_attention(q, keys_r, values_r, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), (k, v)
 

@@ -38,6 +38,7 @@ def save_eagle3(head: Eagle3Head, directory, format: str = "eagle") -> Path:
         rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings, num_hidden_layers=1,
     )
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    llama["oasis_attention_window"] = c.attention_window  # how this head was trained to attend (ours)
     if format == "eagle":
         config = dict(llama, draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                       eagle_config=dict(eagle_aux_hidden_state_layer_ids=c.aux_hidden_state_ids),
@@ -85,6 +86,7 @@ def load_eagle3(source, target_model=None, device=None, dtype=None) -> Eagle3Hea
         rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=llama.get("rope_theta", 10000.0),
         max_position_embeddings=llama.get("max_position_embeddings", 8192), aux_hidden_state_ids=list(aux),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
+        attention_window=llama.get("oasis_attention_window"),  # published heads attend to all rows
     )
     if target_model is not None:
         check_fits(head_config, target_model, source)

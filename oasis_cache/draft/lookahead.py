@@ -10,7 +10,7 @@ Per decode forward (hooks on the model's decoder, active only for the OasisCache
    keys/values, and the real row's aux hidden states are kept for the next draft.
 After a prefill the head reads the prompt's aux hidden states once, filling its own keys/values.
 
-Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, rows, Dh]`.
+Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, <= window, Dh]`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from .eagle3 import Eagle3Head
 
 
 class RideAlong:
+    """The head's attention window (`Eagle3Config.attention_window`, as it was trained) also bounds its keys/values,
+    whatever the context; without one (published heads) they grow with the context."""
+
     def __init__(self, model, cache, head: Eagle3Head):
         self.head = head
+        self.window = head.config.attention_window
         self.cache = weakref.ref(cache)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.decoder = decoder
@@ -134,8 +138,10 @@ class RideAlong:
             return None
         if self._last_features is not None and ids.shape[1] >= 1:  # the first new token pairs with the old row
             self._head_rows(self._last_features[:, None], ids[:, :1])
-        if ids.shape[1] > 1:
-            self._head_rows(features[:, :-1], ids[:, 1:])
+        if ids.shape[1] > 1:  # only the last `window` rows can matter later
+            start = 0 if self.window is None else max(0, ids.shape[1] - 1 - self.window)
+            self._rows += start
+            self._head_rows(features[:, start:-1], ids[:, start + 1 :])
         self._last_features = features[:, -1]
         return None
 
@@ -148,8 +154,11 @@ class RideAlong:
         positions = torch.arange(self._rows, self._rows + n, device=features.device).expand(features.shape[0], n)
         logits, _, (k, v) = self.head(features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions,
                                       self._head_kv)
-        self._head_kv = (k, v) if self._head_kv is None else (torch.cat((self._head_kv[0], k), 2),
-                                                              torch.cat((self._head_kv[1], v), 2))
+        if self._head_kv is not None:
+            k, v = torch.cat((self._head_kv[0], k), 2), torch.cat((self._head_kv[1], v), 2)
+        if self.window is not None:
+            k, v = k[:, :, -self.window :], v[:, :, -self.window :]
+        self._head_kv = (k, v)
         self._rows += n
         return logits[:, -1]
 

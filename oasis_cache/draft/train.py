@@ -3,7 +3,9 @@
     python -m oasis_cache.draft.train --target smollm2 --out heads/smollm2 --steps 2000
 
 1. Data: the target generates its own responses to seed prompts shipped in `draft/seed_prompts.txt` (sampled), so
-   the head learns the distribution it will draft for. Generations are cached in `--out/data.pt`.
+   the head learns the distribution it will draft for; `--documents N` adds N long prompts (a window of Python's
+   documentation and a question) so that it also learns the target's features deep into long contexts, where
+   OasisCache drafts. Generations are cached in `--out/data.pt`.
 2. Draft vocabulary: the `--draft-vocab` most frequent target tokens of that data (d2t map).
 3. Features: one target forward per text gives the three aux hidden states and the target's next-token logits.
 4. Loss: soft cross-entropy of the draft's logits (draft vocab) against the target's distribution restricted to the
@@ -35,6 +37,29 @@ SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
 
 def seed_prompts() -> list[str]:
     return [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
+
+
+DOCUMENT_QUESTIONS = [
+    "Explain in detail what the text above describes, section by section.",
+    "Summarize the text above.",
+    "What are the most important points of the text above?",
+    "Write questions a student could ask about the text above, and answer them.",
+    "Continue the text above in the same style.",
+]
+
+
+def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
+    """`count` long prompts: a `tokens`-token window of Python's documentation (`pydoc_data.topics`, ships with
+    CPython) and a question about it, so that the head also sees the target's features deep into long contexts."""
+    import pydoc_data.topics as topics
+
+    ids = tokenizer("\n\n".join(topics.topics.values()))["input_ids"]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        start = rng.randrange(0, max(1, len(ids) - tokens))
+        prompts.append(tokenizer.decode(ids[start : start + tokens]) + "\n\n" + rng.choice(DOCUMENT_QUESTIONS))
+    return prompts
 
 
 @torch.no_grad()
@@ -115,7 +140,7 @@ def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, target_top, d
 
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
-          cache_features=False) -> dict:
+          cache_features=False, documents=0, document_tokens=2048, window=256) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU)."""
     out = Path(out)
@@ -125,7 +150,11 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if data_path.exists():
         texts = torch.load(data_path)
     else:
-        texts = generate_corpus(model, tokenizer, prompts or seed_prompts(), max_new_tokens=max_new_tokens, seed=seed)
+        prompts = list(prompts or seed_prompts())
+        if documents:
+            prompts += document_prompts(tokenizer, documents, document_tokens, seed)
+        texts = generate_corpus(model, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
+                                batch_size=4 if documents else 16)
         torch.save(texts, data_path)
     rng = random.Random(seed)
     order = list(range(len(texts)))
@@ -139,7 +168,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         state = torch.load(state_path)
         start = state["step"]
     else:
-        config = Eagle3Config.for_target(model.config, draft_vocab_size=min(draft_vocab, model.config.vocab_size))
+        config = Eagle3Config.for_target(model.config, draft_vocab_size=min(draft_vocab, model.config.vocab_size),
+                                         attention_window=window)
         head = Eagle3Head(config).to(device)
         head.set_vocab_map(draft_vocabulary(texts, model.config.vocab_size, config.draft_vocab_size).to(device))
         state, start = None, 0
@@ -229,6 +259,9 @@ def main():
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--cache-features", action="store_true", help="run the target once per text (CPU-friendly)")
+    parser.add_argument("--documents", type=int, default=0, help="also this many long-document prompts")
+    parser.add_argument("--document-tokens", type=int, default=2048)
+    parser.add_argument("--window", type=int, default=256, help="rows the head attends back")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.target != "smollm2":
@@ -238,7 +271,8 @@ def main():
     model, tokenizer = load_smollm2(device=args.device)
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
                     lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
-                    save_every=args.save_every, resume=args.resume, cache_features=args.cache_features)
+                    save_every=args.save_every, resume=args.resume, cache_features=args.cache_features,
+                    documents=args.documents, document_tokens=args.document_tokens, window=args.window)
     print(json.dumps(metrics))
 
 
