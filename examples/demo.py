@@ -67,7 +67,11 @@ def main():
     print(f"{'':8}{PRIMER + ' ...':62}  seconds")
     print(f"{'dense':8}{dense_text.strip()[:60]!r:62}  {dense_s:6.1f}")
     print(f"{'oasis':8}{oasis_text.strip()[:60]!r:62}  {oasis_s:6.1f}")
-    print("same answer" if dense_text == oasis_text else "the answers differ")
+    key = FACT.split(" is ", 1)[1].rstrip(".")  # "eat a sandwich and sit in Dolores Park on a sunny day"
+    for name, text in (("dense", dense_text), ("oasis", oasis_text)):
+        print(f"{name} answer contains the planted fact: {'yes' if key in text else 'no'}")
+    print("the two answers are identical" if dense_text == oasis_text else
+          "the two answers differ after some tokens (sparse attention is not bit-exact)")
     stats = cache.stats()
     print(f"\nOasisCache(token_budget={args.budget}) on a {n}-token prompt "
           f"({args.budget / n:.0%} of the context attended per step):")
