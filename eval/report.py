@@ -31,10 +31,17 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
+HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
+
+
 def make_cache(model, mode: str, budget: int | None):
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
+    if mode == "eagle3":
+        if HEAD is None:
+            raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
+        return OasisCache(model, token_budget=budget, lookahead="eagle3", draft=HEAD)
     return OasisCache(model, token_budget=budget, lookahead=mode)
 
 
@@ -64,7 +71,8 @@ def main():
     parser.add_argument("--tasks", nargs="+", default=["single_needle", "multi_needle", "multikey"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--modes", nargs="+", default=["none", "previous"])
+    parser.add_argument("--modes", nargs="+", default=["none", "previous"], help="none, previous, eagle3")
+    parser.add_argument("--head", default=None, help="EAGLE-3 head directory, for mode eagle3")
     parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
     parser.add_argument("--filler", default="pydoc")
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -81,6 +89,11 @@ def main():
         args.nll_prefill, args.nll_tokens, args.max_new_tokens = 512, 16, 8
     started = time.time()
     model, tokenizer = load(args)
+    if args.head:
+        from oasis_cache.draft import load_eagle3
+
+        global HEAD
+        HEAD = load_eagle3(args.head, target_model=model)
 
     rows = []
     for task in args.tasks:
