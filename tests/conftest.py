@@ -88,6 +88,19 @@ def generate(model, cache, inputs: dict, seed: int = 0, **kwargs):
     )
 
 
+def random_head(model, draft_vocab: int = 64, scale: float = 0.1, seed: int = 0):
+    """An untrained EAGLE-3 head shaped for `model` (random weights, random draft vocabulary)."""
+    from oasis_cache.draft import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, scale)
+    head.set_vocab_map(torch.randperm(model.config.vocab_size)[:draft_vocab])
+    return head
+
+
 def dense_cache(model):
     model.set_attn_implementation("sdpa")
     return DynamicCache(config=model.config)

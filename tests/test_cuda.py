@@ -201,10 +201,10 @@ def test_decode_steps_make_no_host_sync(mode):
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_eagle3_ride_along_on_cuda(exact):
-    from test_eagle3_lookahead import head_for
+    from conftest import random_head
 
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
-    head = head_for(model)
+    head = random_head(model)
     for inputs, kw in [
         ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
         (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),

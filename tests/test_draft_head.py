@@ -8,19 +8,14 @@ import json
 import pytest
 import torch
 
-from oasis_cache.draft import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+from oasis_cache.draft import load_eagle3, save_eagle3
 
+from conftest import random_head as _random_head
 from conftest import tiny_model
 
 
 def random_head(model, seed=0):
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=32))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2)
-    head.set_vocab_map(torch.randperm(model.config.vocab_size)[:32])
-    return head
+    return _random_head(model, draft_vocab=32, scale=0.2, seed=seed)
 
 
 def run(head, seed=1):
@@ -50,18 +45,23 @@ def test_checkpoint_roundtrip(tmp_path, fmt):
     assert loaded.t2d.sum() == 32 and loaded.t2d[head.to_target_ids(torch.arange(32))].all()
 
 
-def test_incremental_attention_equals_full():
-    """Feeding positions one by one with the returned (k, v) equals one causal pass (what lookahead relies on)."""
+@pytest.mark.parametrize("window", [None, 3])
+def test_incremental_attention_equals_full(window):
+    """Feeding rows one by one with the returned (k, v), trimmed to the head's attention window, equals one pass
+    over all rows (what the ride-along relies on)."""
     head = random_head(tiny_model("qwen3"))
+    head.config.attention_window = window
     c = head.config
     g = torch.Generator().manual_seed(0)
-    aux, embeds = torch.randn(1, 6, 3 * c.target_hidden_size, generator=g), torch.randn(1, 6, c.hidden_size, generator=g)
-    positions = torch.arange(6)[None]
+    aux, embeds = torch.randn(1, 7, 3 * c.target_hidden_size, generator=g), torch.randn(1, 7, c.hidden_size, generator=g)
+    positions = torch.arange(7)[None]
     full, _, _ = head(aux, embeds, positions)
     past, steps = None, []
-    for t in range(6):
+    for t in range(7):
         logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
-        past = kv if past is None else (torch.cat((past[0], kv[0]), 2), torch.cat((past[1], kv[1]), 2))
+        past = kv if past is None else tuple(torch.cat((a, b), 2) for a, b in zip(past, kv))
+        if window is not None:
+            past = tuple(x[:, :, -window:] for x in past)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
@@ -135,20 +135,3 @@ def test_document_prompts_are_long_windows_with_a_question():
     for prompt in prompts:
         assert any(prompt.endswith(q) for q in DOCUMENT_QUESTIONS)
         assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
-
-
-def test_head_attention_window_matches_between_full_and_incremental():
-    model = tiny_model("qwen3")
-    head = random_head(model)
-    head.config.attention_window = 3
-    c = head.config
-    g = torch.Generator().manual_seed(0)
-    aux, embeds = torch.randn(1, 7, 3 * c.target_hidden_size, generator=g), torch.randn(1, 7, c.hidden_size, generator=g)
-    positions = torch.arange(7)[None]
-    full, _, _ = head(aux, embeds, positions)
-    past, steps = None, []
-    for t in range(7):
-        logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
-        past = kv if past is None else (torch.cat((past[0], kv[0]), 2)[:, :, -3:], torch.cat((past[1], kv[1]), 2)[:, :, -3:])
-        steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

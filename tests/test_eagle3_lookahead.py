@@ -8,30 +8,18 @@ import pytest
 import torch
 
 from oasis_cache import OasisCache
-from oasis_cache.compute.reference import block_masked_attention
-from oasis_cache.draft import Eagle3Config, Eagle3Head
 from oasis_cache.layer import OasisLayer
 
-from conftest import dense_cache, generate, left_padded, prompt_ids, tiny_model
+from conftest import dense_cache, generate, left_padded, prompt_ids, random_head, tiny_model
 
 ATOL = 2e-4
-
-
-def head_for(model, seed=0):
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=64))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.1)
-    head.set_vocab_map(torch.randperm(model.config.vocab_size)[:64])
-    return head
 
 
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_full_budget_equals_dense(arch, exact):
     model = tiny_model(arch, num_hidden_layers=4)
-    head = head_for(model)
+    head = random_head(model)
     for inputs, kw in [
         ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
         (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),
@@ -57,7 +45,7 @@ def test_draft_keys_and_values_never_enter_the_pool():
     ref = dense_cache(model)
     model.generate(input_ids=ids, past_key_values=ref, max_new_tokens=30, do_sample=False, pad_token_id=0,
                    eos_token_id=None)
-    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head_for(model), host_chunk_blocks=3)
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model), host_chunk_blocks=3)
     model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=30, do_sample=False, pad_token_id=0,
                    eos_token_id=None)
     for layer, dense_layer in zip(cache.layers, ref.layers):
@@ -80,7 +68,7 @@ def test_small_budget_attends_what_the_draft_row_selected(monkeypatch):
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
     cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, lookahead="eagle3",
-                       draft=head_for(model), measure=True)
+                       draft=random_head(model), measure=True)
     cache.record_selection = True
     out = generate(model, cache, left_padded([300, 260]), max_new_tokens=8, do_sample=False)
     assert len(calls) == 7 * 4
@@ -97,11 +85,11 @@ def test_eagle3_needs_a_head_and_full_attention_layers():
     with pytest.raises(ValueError, match="needs a draft head"):
         OasisCache(model, token_budget=256, lookahead="eagle3")
     with pytest.raises(ValueError, match="used by lookahead='eagle3' only"):
-        OasisCache(model, token_budget=256, draft=head_for(model))
+        OasisCache(model, token_budget=256, draft=random_head(model))
     hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                         use_sliding_window=True)
     with pytest.raises(NotImplementedError, match="sliding-window"):
-        OasisCache(hybrid, token_budget=256, lookahead="eagle3", draft=head_for(hybrid))
+        OasisCache(hybrid, token_budget=256, lookahead="eagle3", draft=random_head(hybrid))
 
 
 def test_oracle_draft_plumbing():
@@ -112,7 +100,7 @@ def test_oracle_draft_plumbing():
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     truth = model.generate(input_ids=ids, past_key_values=dense_cache(model), **kw)[0]
     cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
-                       draft=head_for(model), measure=True)
+                       draft=random_head(model), measure=True)
     cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
     model.generate(input_ids=ids, past_key_values=cache, **kw)
     assert cache.ride_along.draft_hits[1] == 15
