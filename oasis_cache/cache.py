@@ -68,7 +68,7 @@ class OasisCache(Cache):
             **options,
         )
         text_config = _check_supported(model)
-        attention_modules = _attention_modules(model, text_config)
+        attention_modules = _attention_modules(model)
 
         layers = []
         for layer_idx, (layer_type, kwargs) in enumerate(compat.layer_types_and_kwargs(text_config)):
@@ -135,7 +135,7 @@ class OasisCache(Cache):
         """Per-forward bookkeeping, once, at the first full-attention layer."""
         Qn = key_states.shape[2] - self.draft_rows
         self._visibility = {}
-        if layer.is_initialized and layer.pool.num_blocks > 0 and Qn <= self.config.max_decode_tokens:
+        if layer.decodes(key_states.shape[2]):
             self.decode_clock += 1
             self.counters.decode_steps += 1
             self.counters.decode_tokens += Qn
@@ -295,7 +295,7 @@ def _check_supported(model):
     return text_config
 
 
-def _attention_modules(model, text_config) -> dict:
+def _attention_modules(model) -> dict:
     """`{layer_idx: attention module}` of the decoder."""
     found = {}
     for module in model.modules():

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import inspect
 
-import transformers
 from transformers import cache_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
 __all__ = [
     "ALL_ATTENTION_FUNCTIONS",

@@ -145,6 +145,11 @@ class OasisLayer(CacheLayerMixin):
     def check_module(self, module) -> None:
         self._cache.check_module(self.layer_idx, module)
 
+    def decodes(self, query_length: int) -> bool:
+        """Whether a forward of `query_length` new tokens (riding draft rows included) decodes sparsely: there are
+        complete blocks to select from and the forward is short; otherwise it attends densely."""
+        return self.is_initialized and self.pool.num_blocks > 0 and query_length <= self.config.max_decode_tokens
+
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None."""
         cfg = self.config
@@ -154,7 +159,7 @@ class OasisLayer(CacheLayerMixin):
                 f"attention_mask covers {visible.shape[-1]} tokens but the cache holds {self.get_seq_length()} "
                 "(past + new): pass the mask of the whole sequence."
             )
-        is_decode = self.pool.num_blocks > 0 and Qn <= cfg.max_decode_tokens
+        is_decode = self.decodes(Qn)
         if is_decode:
             out = self._attend_sparse(query, visible, scale)
         else:

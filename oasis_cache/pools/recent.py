@@ -68,7 +68,3 @@ class RecentTokens:
         else:
             self._overflow = kv.clone()
         self.num_tokens = n
-
-    def rebind(self, region: torch.Tensor) -> None:
-        """The working set was reallocated (batch reorder): its region is a new tensor."""
-        self.region = region
