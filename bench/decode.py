@@ -10,7 +10,11 @@ Each (context, batch, method): a fresh cache, one prefill of random tokens (in c
 synchronized before and after: the harness syncs, the cache does not), then for OasisCache `--measure-steps` more
 steps in measurement mode (exposed transfer wait, prediction recall). Writes JSON under bench/results/ and prints a
 table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
-(previous + miss repair, with `--exact-slots` slots).
+(previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
+else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
+depend on its weights, its recall does).
+
+    python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import load_model  # noqa: E402
 
-METHODS = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")
+METHODS = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")  # default; oasis-eagle3 on request
 
 
 def make_cache(method: str, model, args):
@@ -47,11 +51,28 @@ def make_cache(method: str, model, args):
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
+    if method == "oasis-eagle3":
+        return OasisCache(model, lookahead="eagle3", draft=draft_head(model, args), **options)
     if method == "oasis-exact":
         return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
     if method.startswith("oasis-"):
         return OasisCache(model, lookahead=method.split("-", 1)[1], **options)
     raise ValueError(method)
+
+
+def draft_head(model, args):
+    """The head for oasis-eagle3: `--head`, or an untrained one shaped for `model` (made once)."""
+    if args.head:
+        return args.head
+    if getattr(args, "_random_head", None) is None:
+        from oasis_cache.draft import Eagle3Config, Eagle3Head
+
+        torch.manual_seed(0)
+        config = Eagle3Config.for_target(model.config, draft_vocab_size=min(32000, model.config.vocab_size))
+        head = Eagle3Head(config)
+        head.set_vocab_map(torch.randperm(model.config.vocab_size)[: config.draft_vocab_size].sort().values)
+        args._random_head = head
+    return args._random_head
 
 
 def kv_bytes_on_device(cache, device) -> int:
@@ -155,6 +176,7 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--head", default=None, help="EAGLE-3 head directory for oasis-eagle3 (default: untrained)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure-steps", type=int, default=6, help="extra steps in measurement mode (oasis)")

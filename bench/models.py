@@ -17,7 +17,7 @@ SHAPES = {
         num_key_value_heads=8, rope_theta=5e5, max_position_embeddings=262144, rms_norm_eps=1e-5,
     ),
     "tiny": lambda: Qwen3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=262144,
     ),
 }

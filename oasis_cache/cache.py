@@ -36,8 +36,10 @@ class OasisCache(Cache):
             behaves like SDPA with any other cache).
         token_budget: tokens attended per decode step and KV head (sink, recent and selected blocks included).
             With `token_budget` >= context the result equals dense attention.
-        block_size, sink_tokens, recent_tokens, lookahead, num_slots, max_decode_tokens, host_chunk_blocks,
-        backend: see `OasisConfig`.
+        lookahead: "none", "previous" or "eagle3" (see `OasisConfig`). Left out: "eagle3" when `draft` is given or a
+            head bundled with the package was trained for `model` (`oasis_cache/draft/bundled.py`), else "none".
+        block_size, sink_tokens, recent_tokens, num_slots, max_decode_tokens, host_chunk_blocks, backend: see
+            `OasisConfig`.
         fetch_ratio: cap on newly fetched blocks per step, as a fraction of the context's blocks (see `OasisConfig`).
         draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
@@ -52,12 +54,15 @@ class OasisCache(Cache):
         block_size: int = 16,
         sink_tokens: int = 16,
         recent_tokens: int = 64,
-        lookahead: str = "none",
+        lookahead: str | None = None,
         fetch_ratio: float | None = None,
         draft=None,
         measure: bool = False,
         **options,
     ):
+        text_config = _check_supported(model)
+        if lookahead is None:
+            lookahead, draft = _default_lookahead(model, text_config, draft)
         self.config = OasisConfig(
             token_budget=token_budget,
             block_size=block_size,
@@ -67,7 +72,6 @@ class OasisCache(Cache):
             fetch_ratio=fetch_ratio,
             **options,
         )
-        text_config = _check_supported(model)
         attention_modules = _attention_modules(model)
 
         layers = []
@@ -249,6 +253,20 @@ class OasisCache(Cache):
             f"OasisCache(token_budget={cfg.token_budget}, block_size={cfg.block_size}, lookahead={cfg.lookahead!r}, "
             f"layers={len(self.layers)}, tokens={self.get_seq_length(self._first_oasis_layer)})"
         )
+
+
+def _default_lookahead(model, text_config, draft):
+    """`(lookahead, draft)` when the user named no lookahead: eagle3 with the given head or a matching bundled one
+    (full-attention models only), else none."""
+    if draft is not None:
+        return "eagle3", draft
+    if all(layer_type == "full_attention" for layer_type, _ in compat.layer_types_and_kwargs(text_config)):
+        from .draft.bundled import bundled_head_for
+
+        head = bundled_head_for(model)
+        if head is not None:
+            return "eagle3", head
+    return "none", None
 
 
 def _attach_draft(model, cache, draft):

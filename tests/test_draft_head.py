@@ -123,6 +123,9 @@ def test_trainer_learns_and_resumes(tmp_path):
     head = load_eagle3(tmp_path / "head", target_model=model)
     texts = torch.load(tmp_path / "data.pt")
     assert evaluate(head, model, texts[:3])["top1_agreement"] >= 0.0
+    # a time limit stops at a step boundary, still saves and evaluates
+    stopped = train(model, _Tok(), tmp_path / "limited", steps=50, time_limit=0.0, **kw)
+    assert stopped["steps"] == 0 and (tmp_path / "limited" / "head" / "model.safetensors").exists()
 
 
 def test_document_prompts_are_long_windows_with_a_question():

@@ -85,7 +85,7 @@ def test_eagle3_needs_a_head_and_full_attention_layers():
     with pytest.raises(ValueError, match="needs a draft head"):
         OasisCache(model, token_budget=256, lookahead="eagle3")
     with pytest.raises(ValueError, match="used by lookahead='eagle3' only"):
-        OasisCache(model, token_budget=256, draft=random_head(model))
+        OasisCache(model, token_budget=256, lookahead="previous", draft=random_head(model))
     hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                         use_sliding_window=True)
     with pytest.raises(NotImplementedError, match="sliding-window"):
@@ -105,3 +105,37 @@ def test_oracle_draft_plumbing():
     model.generate(input_ids=ids, past_key_values=cache, **kw)
     assert cache.ride_along.draft_hits[1] == 15
     assert 0.0 < cache.stats()["prediction_recall"] <= 1.0
+
+
+def test_default_lookahead_uses_a_matching_bundled_head(tmp_path, monkeypatch):
+    """No `lookahead` given: eagle3 with the bundled head trained for this model (also for a slightly perturbed,
+    e.g. quantized, copy of its weights), none for another model of the same shape; an explicit choice wins."""
+    from oasis_cache.draft import bundled, save_eagle3
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    save_eagle3(random_head(model), tmp_path / "tiny-head")
+    bundled.write_target(model, tmp_path / "tiny-head")
+    monkeypatch.setattr(bundled, "HEADS_DIR", tmp_path)
+
+    cache = OasisCache(model, token_budget=256)
+    assert cache.config.lookahead == "eagle3" and cache.ride_along is not None
+    cache.ride_along.remove()
+    assert OasisCache(model, token_budget=256, lookahead="previous").ride_along is None
+
+    quantized = tiny_model("llama", num_hidden_layers=4)
+    with torch.no_grad():
+        weight = quantized.get_input_embeddings().weight
+        weight.add_(0.05 * weight.abs().mean() * torch.randn_like(weight))
+    assert bundled.bundled_head_for(quantized) == tmp_path / "tiny-head"
+
+    other = tiny_model("llama", seed=1, num_hidden_layers=4)
+    assert bundled.bundled_head_for(other) is None
+    assert OasisCache(other, token_budget=256).config.lookahead == "none"
+    wider = tiny_model("llama", num_hidden_layers=4, num_attention_heads=8)
+    assert bundled.bundled_head_for(wider) is None
+
+
+def test_a_draft_without_lookahead_means_eagle3():
+    model = tiny_model("llama", num_hidden_layers=4)
+    cache = OasisCache(model, token_budget=256, draft=random_head(model))
+    assert cache.config.lookahead == "eagle3"

@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .bundled import write_target
 from .eagle3 import Eagle3Config, Eagle3Head
 from .loading import load_eagle3, save_eagle3
 
@@ -48,18 +50,30 @@ DOCUMENT_QUESTIONS = [
 ]
 
 
+# The first tokens of Python's documentation are held out of training: eval/recall.py measures the head there.
+HELD_OUT_DOCUMENT_TOKENS = 16384
+
+
 def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
     """`count` long prompts: a `tokens`-token window of Python's documentation (`pydoc_data.topics`, ships with
-    CPython) and a question about it, so that the head also sees the target's features deep into long contexts."""
+    CPython; the first `HELD_OUT_DOCUMENT_TOKENS` tokens excluded) and a question about it, so that the head also
+    sees the target's features deep into long contexts."""
     import pydoc_data.topics as topics
 
-    ids = tokenizer("\n\n".join(topics.topics.values()))["input_ids"]
+    ids = tokenizer("\n\n".join(topics.topics.values()))["input_ids"][HELD_OUT_DOCUMENT_TOKENS:]
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
         start = rng.randrange(0, max(1, len(ids) - tokens))
         prompts.append(tokenizer.decode(ids[start : start + tokens]) + "\n\n" + rng.choice(DOCUMENT_QUESTIONS))
     return prompts
+
+
+def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
+    """The first `tokens` tokens of Python's documentation (never trained on): the head's long-context check."""
+    import pydoc_data.topics as topics
+
+    return torch.tensor(tokenizer("\n\n".join(topics.topics.values()))["input_ids"][:tokens])
 
 
 @torch.no_grad()
@@ -140,9 +154,13 @@ def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, target_top, d
 
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
-          cache_features=False, documents=0, document_tokens=2048, window=256) -> dict:
+          cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
+          time_limit=None) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
-    once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU)."""
+    once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
+    prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
+    which training stops early (at a step boundary), saves and evaluates; the data generation counts too."""
+    started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = model.device
@@ -154,8 +172,10 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         if documents:
             prompts += document_prompts(tokenizer, documents, document_tokens, seed)
         texts = generate_corpus(model, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
-                                batch_size=4 if documents else 16)
+                                batch_size=generate_batch or (4 if documents else 16))
         torch.save(texts, data_path)
+        print(f"data: {len(texts)} texts, {sum(len(t) for t in texts)} tokens, {time.monotonic() - started:.0f} s",
+              flush=True)
     rng = random.Random(seed)
     order = list(range(len(texts)))
     rng.shuffle(order)
@@ -187,7 +207,12 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
             features[i] = (aux.to(torch.bfloat16), logits.to(torch.bfloat16), top)
 
     bar = _progress(range(start, steps), progress)
+    done = start
     for step in bar:
+        if time_limit is not None and time.monotonic() - started > time_limit:
+            print(f"time limit: stopping after {step} steps", flush=True)
+            _save(head, optimizer, step, out, model)
+            break
         optimizer.zero_grad()
         total = 0.0
         for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
@@ -204,10 +229,16 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         optimizer.step()
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.3f}")
-        if (step + 1) % save_every == 0 or step + 1 == steps:
-            _save(head, optimizer, step + 1, out)
+        done = step + 1
+        if done % save_every == 0 or done == steps:
+            _save(head, optimizer, done, out, model)
+            if not progress:
+                print(f"step {done}: loss {total:.3f}, {time.monotonic() - started:.0f} s", flush=True)
     metrics = evaluate(head, model, held)
-    metrics.update(steps=steps, ttt=ttt, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
+    if documents:
+        document = held_out_document(tokenizer, document_tokens)
+        metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
+    metrics.update(steps=done, ttt=ttt, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
@@ -215,7 +246,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
 
 @torch.no_grad()
 def evaluate(head: Eagle3Head, model, texts) -> dict:
-    """Held-out top-1 agreement of the draft's first token with the target's greedy next token."""
+    """Held-out top-1 agreement of the draft's first token with the target's greedy next token, over `texts`
+    (token tensors `[n]`, teacher-forced)."""
     head.eval()
     embed = model.get_input_embeddings()
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=model.device))
@@ -230,8 +262,9 @@ def evaluate(head: Eagle3Head, model, texts) -> dict:
     return {"top1_agreement": hits / max(total, 1)}
 
 
-def _save(head, optimizer, step, out: Path) -> None:
+def _save(head, optimizer, step, out: Path, model) -> None:
     save_eagle3(head, out / "head")
+    write_target(model, out / "head")  # what `OasisCache` matches a bundled head against
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, out / "trainer.pt")
 
 
@@ -262,6 +295,9 @@ def main():
     parser.add_argument("--documents", type=int, default=0, help="also this many long-document prompts")
     parser.add_argument("--document-tokens", type=int, default=2048)
     parser.add_argument("--window", type=int, default=256, help="rows the head attends back")
+    parser.add_argument("--generate-batch", type=int, default=None, help="prompts per generate call (data)")
+    parser.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars; a line per checkpoint")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.target != "smollm2":
@@ -272,7 +308,9 @@ def main():
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
                     lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
                     save_every=args.save_every, resume=args.resume, cache_features=args.cache_features,
-                    documents=args.documents, document_tokens=args.document_tokens, window=args.window)
+                    documents=args.documents, document_tokens=args.document_tokens, window=args.window,
+                    generate_batch=args.generate_batch, time_limit=args.time_limit,
+                    progress=not args.quiet)
     print(json.dumps(metrics))
 
 
