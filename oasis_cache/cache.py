@@ -36,7 +36,8 @@ class OasisCache(Cache):
             behaves like SDPA with any other cache).
         token_budget: tokens attended per decode step and KV head (sink, recent and selected blocks included).
             With `token_budget` >= context the result equals dense attention.
-        lookahead: "none", "previous" or "eagle3" (see `OasisConfig`). Left out: "eagle3" when `draft` is given or a
+        lookahead: "none", "previous" or "eagle3" (see `OasisConfig`). Left out: "eagle3" with `exact=True` (the draft
+            prefetches, the real query's top blocks are attended: the answers of "none") when `draft` is given or a
             head bundled with the package was trained for `model` (`oasis_cache/draft/bundled.py`), else "none".
         block_size, sink_tokens, recent_tokens, num_slots, max_decode_tokens, host_chunk_blocks, backend: see
             `OasisConfig`.
@@ -63,6 +64,8 @@ class OasisCache(Cache):
         text_config = _check_supported(model)
         if lookahead is None:
             lookahead, draft = _default_lookahead(model, text_config, draft)
+            if lookahead == "eagle3":  # picked for the user: the real query's choice is attended (quality first)
+                options.setdefault("exact", True)
         self.config = OasisConfig(
             token_budget=token_budget,
             block_size=block_size,

@@ -118,8 +118,9 @@ def test_default_lookahead_uses_a_matching_bundled_head(tmp_path, monkeypatch):
     monkeypatch.setattr(bundled, "HEADS_DIR", tmp_path)
 
     cache = OasisCache(model, token_budget=256)
-    assert cache.config.lookahead == "eagle3" and cache.ride_along is not None
+    assert cache.config.lookahead == "eagle3" and cache.config.exact and cache.ride_along is not None
     cache.ride_along.remove()
+    assert not OasisCache(model, token_budget=256, exact=False).config.exact
     assert OasisCache(model, token_budget=256, lookahead="previous").ride_along is None
 
     quantized = tiny_model("llama", num_hidden_layers=4)
