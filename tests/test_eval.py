@@ -68,3 +68,32 @@ def test_report_runs_at_ci_size(tmp_path):
     assert modes == {("dense", None), ("none", 256), ("previous", 256)}
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
     assert [r["mode"] for r in report["nll"]] == ["dense", "none", "previous"]
+
+
+def test_scorers_order_bound_half_bound_and_exact_max():
+    """The shipped min/max bound and the half-block bound are upper bounds of the exact max q.k, the finer one
+    tighter: exact max <= half_bound <= bound, block by block."""
+    from eval.scoring import SCORERS
+    from oasis_cache.control.selection import score_blocks
+
+    torch.manual_seed(0)
+    q, keys = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 5, 16, 8)  # [B, H, R, D], [B, H, NB, T, D]
+    exact = SCORERS["max"](q, keys)
+    brute = torch.stack([(q[:, :, :, None] * keys[:, :, n, None]).sum(-1).amax(-1).amax(-1) for n in range(5)], -1)
+    torch.testing.assert_close(exact, brute)
+    bound = score_blocks(q, keys.amin(-2), keys.amax(-2))
+    half = SCORERS["half_bound"](q, keys)
+    assert (exact <= half + 1e-5).all() and (half <= bound + 1e-5).all() and (half < bound - 1e-3).any()
+    mass = SCORERS["mass"](q, keys)
+    torch.testing.assert_close(mass.sum(-1), torch.full((2, 3), 4.0))  # each row's softmax sums to 1
+
+
+def test_scoring_comparison_runs_at_ci_size(tmp_path):
+    out = tmp_path / "scoring.json"
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "scoring.py"), "--tiny", "--model", "tiny",
+                          "--scorers", "bound", "max", "--out", str(out)], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scorer"] for r in rows] == ["dense", "bound", "max"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)

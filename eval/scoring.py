@@ -1,0 +1,155 @@
+"""Which block scorer keeps dense attention's answers? An analysis of the selection policy, not a speed path.
+
+OasisCache ranks blocks by the min/max bound of their keys (what fits on the device: `control/selection.py`). This
+script swaps that scorer for others and runs the same task samples with `lookahead="none"` at a budget of
+context / `--fraction`, reporting accuracy, retention of dense's correct answers and greedy agreement per scorer:
+
+- `bound`: the shipped scorer (per-block min/max, 16 tokens);
+- `half_bound`: the same bound over half blocks (summaries twice as large);
+- `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);
+- `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
+  every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
+
+The simulated scorers compute their summaries from the full keys on the fly; only the ranking changes, the rest of
+the decode path (slots, transfer, attention) is the real one.
+
+    python eval/scoring.py --task single_needle --length 4096 --samples 64 --fraction 8
+    python eval/scoring.py --tiny      # CI size (random weights: plumbing only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eval.report import agreement, load, run_generation  # noqa: E402
+from eval.tasks import generate_samples, score  # noqa: E402
+from oasis_cache.control.selection import all_blocks, top_blocks  # noqa: E402
+from oasis_cache.layer import OasisLayer  # noqa: E402
+
+
+def _half_bound(q, keys):
+    B, H, NB, T, D = keys.shape
+    halves = keys.view(B, H, NB, 2, T // 2, D)
+    kmin, kmax = halves.amin(-2), halves.amax(-2)  # [B, H, NB, 2, D]
+    bound = torch.einsum("bhrd,bhnsd->bhrns", q.clamp(min=0), kmax)
+    bound += torch.einsum("bhrd,bhnsd->bhrns", q.clamp(max=0), kmin)
+    return bound.amax(-1).amax(2)
+
+
+def _mass(q, keys):
+    logits = torch.einsum("bhrd,bhntd->bhrnt", q, keys) / q.shape[-1] ** 0.5  # [B, H, R, NB, T]
+    return torch.softmax(logits.flatten(-2), -1).view_as(logits).sum(-1).sum(2)
+
+
+# name -> scores [B, Hkv, NB] from the query rows q [B, Hkv, R, D] and the full keys [B, Hkv, NB, T, D] (fp32);
+# None: the shipped bound, unchanged.
+SCORERS = {
+    "bound": None,
+    "half_bound": _half_bound,
+    "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
+    "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
+    "mass": _mass,
+}
+
+
+@contextlib.contextmanager
+def scorer(name: str):
+    """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual)."""
+    score_fn = SCORERS[name]
+    if score_fn is None:
+        yield
+        return
+    shipped = OasisLayer._select
+
+    def _select(layer, query, view, k):
+        B, Hq, Qn, D = query.shape
+        H, NB = layer.num_kv_heads, layer.pool.num_blocks
+        if NB <= k:
+            return all_blocks(view.allowed, H)
+        keys = layer._cache.transfer.load_range(layer.pool, 0, NB)[0].float()  # [B, H, NB, T, D]
+        scores = score_fn(query.reshape(B, H, -1, D).float(), keys)
+        ranks = torch.where(view.forced[:, None], torch.inf, scores)
+        return top_blocks(torch.where(view.allowed[:, None], ranks, -torch.inf), k)
+
+    OasisLayer._select = _select
+    try:
+        yield
+    finally:
+        OasisLayer._select = shipped
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=["single_needle"])
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--fraction", type=int, default=8, help="budget = length / fraction")
+    parser.add_argument("--scorers", nargs="+", default=list(SCORERS), choices=list(SCORERS))
+    parser.add_argument("--filler", default="pydoc")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
+    parser.add_argument("--tiny", action="store_true", help="CI size: 2 samples at 512 tokens")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.tiny:
+        args.length, args.samples, args.fraction, args.max_new_tokens = 512, 2, 4, 6
+    started = time.time()
+    model, tokenizer = load(args)
+    budget = max(256, args.length // args.fraction)
+    rows = []
+    for task in args.tasks:
+        samples = generate_samples(tokenizer, task, args.length, args.samples, filler=args.filler)
+
+        def answers(mode):
+            outs = run_generation(model, tokenizer, samples, mode, None if mode == "dense" else budget,
+                                  args.max_new_tokens, args.batch_size)
+            return outs, [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
+                          for o, s in zip(outs, samples)]
+
+        dense, dense_scores = answers("dense")
+        solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
+        rows.append(dict(task=task, scorer="dense", accuracy=sum(dense_scores) / len(samples), retention=1.0,
+                         agreement=1.0, solved=len(solved)))
+        for name in args.scorers:
+            with scorer(name):
+                outs, scores = answers("none")
+            rows.append(dict(
+                task=task, scorer=name, accuracy=sum(scores) / len(samples),
+                retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
+                agreement=sum(agreement(a, b) for a, b in zip(outs, dense)) / len(samples), solved=len(solved),
+            ))
+            print(json.dumps(rows[-1]), flush=True)
+    meta = dict(
+        command="python " + " ".join(sys.argv),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU",
+        model=args.model, length=args.length, budget=budget, samples=args.samples,
+        seconds=round(time.time() - started, 1),
+    )
+    print(f"\n{meta['model']}, context {args.length}, budget {budget}, {args.samples} samples, {meta['machine']}")
+    print(f"{'task':16} {'scorer':11} {'accuracy':>8} {'retention':>9} {'agreement':>9}")
+    for r in rows:
+        retention = f"{r['retention']:9.3f}" if r["retention"] is not None else f"{'-':>9}"
+        print(f"{r['task']:16} {r['scorer']:11} {r['accuracy']:8.3f} {retention} {r['agreement']:9.3f}")
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"scoring-{args.model}-{'tiny-' if args.tiny else ''}{meta['date'][:10]}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
