@@ -6,12 +6,14 @@
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480), kept in /tmp/oasis-head, returned in bf16 under
 #             $OUT/head (the safetensors split in 15 MB parts: `cat part* > model.safetensors`)
-#   recall    eval/recall.py with that head (document and chat prompts);  report  eval/report.py, all modes
+#   recall    eval/recall.py with that head (document and chat prompts);  report  eval/report.py, all modes, 4K
+#   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, none, previous, eagle3 (the ride-along's cost)
 # Logs and JSON under $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HEAD=${HEAD:-oasis_cache/draft/heads/smollm2-135m-instruct}  # the shipped head; `train` switches to the new one
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for arg in "$@"; do
@@ -27,9 +29,10 @@ for arg in "$@"; do
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis-head')"
-      mkdir -p "$OUT/head" && cp /tmp/oasis-train/head/target.json /tmp/oasis-head/ && cp /tmp/oasis-head/config.json /tmp/oasis-head/target.json /tmp/oasis-train/metrics.json "$OUT/head/" && split -b 15000000 /tmp/oasis-head/model.safetensors "$OUT/head/part" ;;
-    recall) for prompt in document chat; do python3 eval/recall.py --head /tmp/oasis-head --oracle --prompt $prompt --context 4000 --budget 512 --steps 64 --out "$OUT/recall-$prompt.json" 2>&1 | grep -v Warning | tail -5; done ;;
-    report) python3 eval/report.py --tasks single_needle multi_needle multikey --lengths 4096 8192 --samples 64 --batch-size 32 --fractions 8 16 --modes none previous eagle3 --head /tmp/oasis-head --out "$OUT/report-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/report.log" | tail -30 ;;
+      mkdir -p "$OUT/head" && cp /tmp/oasis-train/head/target.json /tmp/oasis-head/ && cp /tmp/oasis-head/config.json /tmp/oasis-head/target.json /tmp/oasis-train/metrics.json "$OUT/head/" && split -b 15000000 /tmp/oasis-head/model.safetensors "$OUT/head/part"; HEAD=/tmp/oasis-head ;;
+    recall) for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget 512 --steps 64 --out "$OUT/recall-$prompt.json" 2>&1 | grep -v Warning | tail -5; done ;;
+    report) python3 eval/report.py --tasks single_needle multikey --lengths 4096 --samples 48 --batch-size 16 --fractions 8 16 --modes none previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/report.log" | tail -30 ;;
+    scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --out "$OUT/scoring-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     eagle3) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac

@@ -7,6 +7,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
 - `bound`: the shipped scorer (per-block min/max, 16 tokens);
 - `half_bound`: the same bound over half blocks (summaries twice as large);
 - `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);
+- `channels`: the exact max of q.k over 1/8 of the key channels, chosen per KV head by mean |k| (as many values
+  per block as min/max; Double Sparsity's idea at block granularity);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -47,6 +49,21 @@ def _half_bound(q, keys):
     return bound.amax(-1).amax(2)
 
 
+def _channels(q, keys, share=8):
+    """Exact max of q.k over a subset of key channels (Double Sparsity's "label channels"): the D/`share` channels
+    (rotary pairs kept together) with the largest mean |k| in each KV head. Stores D/share of each key: with
+    share = 8 and 16-token blocks, as many values per block as the min/max summaries."""
+    B, H, NB, T, D = keys.shape
+    half = D // 2
+    weight = keys.abs().mean(dim=(2, 3))  # [B, H, D]
+    pairs = weight[..., :half] + weight[..., half:]  # rotate-half layout: channel d pairs with d + D/2
+    top = pairs.topk(max(1, D // share // 2), dim=-1).indices
+    channels = torch.cat((top, top + half), dim=-1)  # [B, H, D/share]
+    qs = q.gather(-1, channels[:, :, None].expand(-1, -1, q.shape[2], -1))
+    ks = keys.gather(-1, channels[:, :, None, None].expand(-1, -1, NB, T, -1))
+    return torch.einsum("bhrd,bhntd->bhrnt", qs, ks).amax(-1).amax(2)
+
+
 def _mass(q, keys):
     logits = torch.einsum("bhrd,bhntd->bhrnt", q, keys) / q.shape[-1] ** 0.5  # [B, H, R, NB, T]
     return torch.softmax(logits.flatten(-2), -1).view_as(logits).sum(-1).sum(2)
@@ -57,6 +74,7 @@ def _mass(q, keys):
 SCORERS = {
     "bound": None,
     "half_bound": _half_bound,
+    "channels": _channels,
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,
