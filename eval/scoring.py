@@ -8,7 +8,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
 - `half_bound`: the same bound over half blocks (summaries twice as large);
 - `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);
 - `channels`: the exact max of q.k over 1/8 of the key channels, chosen per KV head by mean |k| (as many values
-  per block as min/max; Double Sparsity's idea at block granularity);
+  per block as min/max; Double Sparsity's idea at block granularity); `qk_channels`: chosen by mean |q| x mean |k|
+  with the current query (a ceiling for channels calibrated on the prompt's queries);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -49,13 +50,16 @@ def _half_bound(q, keys):
     return bound.amax(-1).amax(2)
 
 
-def _channels(q, keys, share=8):
+def _channels(q, keys, share=8, by_query=False):
     """Exact max of q.k over a subset of key channels (Double Sparsity's "label channels"): the D/`share` channels
-    (rotary pairs kept together) with the largest mean |k| in each KV head. Stores D/share of each key: with
-    share = 8 and 16-token blocks, as many values per block as the min/max summaries."""
+    (rotary pairs kept together) with the largest mean |k| in each KV head (`by_query`: the largest mean |q| x mean
+    |k|, i.e. contribution to q.k, chosen with this step's query — a ceiling for a choice calibrated at prefill).
+    Stores D/share of each key: with share = 8 and 16-token blocks, as many values per block as min/max."""
     B, H, NB, T, D = keys.shape
     half = D // 2
     weight = keys.abs().mean(dim=(2, 3))  # [B, H, D]
+    if by_query:
+        weight = weight * q.abs().mean(dim=2)
     pairs = weight[..., :half] + weight[..., half:]  # rotate-half layout: channel d pairs with d + D/2
     top = pairs.topk(max(1, D // share // 2), dim=-1).indices
     channels = torch.cat((top, top + half), dim=-1)  # [B, H, D/share]
@@ -75,6 +79,7 @@ SCORERS = {
     "bound": None,
     "half_bound": _half_bound,
     "channels": _channels,
+    "qk_channels": lambda q, keys: _channels(q, keys, by_query=True),
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,
