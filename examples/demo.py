@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 import oasis_cache  # noqa: F401  (registers the "oasis" attention)
 from oasis_cache import OasisCache
+from oasis_cache.compat import generate_cache_argument
 from oasis_cache.loaders import load_smollm2
 
 FACT = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -34,7 +35,8 @@ def long_document(tokenizer, n_tokens: int) -> str:
 
 def answer(model, tokenizer, inputs, cache, max_new_tokens):
     start = time.perf_counter()
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+    cache_argument = {generate_cache_argument(model): cache}  # `cache=` where generate takes it, else past_key_values
+    out = model.generate(**inputs, **cache_argument, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tokenizer.eos_token_id)
     seconds = time.perf_counter() - start
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True), seconds
@@ -73,7 +75,10 @@ def main():
     print("the two answers are identical" if dense_text == oasis_text else
           "the two answers differ after some tokens (sparse attention is not bit-exact)")
     stats = cache.stats()
-    print(f"\nOasisCache(token_budget={args.budget}) on a {n}-token prompt "
+    cfg = cache.config
+    print(f"\nOasisCache(token_budget={args.budget}) chose lookahead={cfg.lookahead!r}, exact={cfg.exact} "
+          "(eagle3 when a shipped draft head matches the model)")
+    print(f"on a {n}-token prompt "
           f"({args.budget / n:.0%} of the context attended per step):")
     for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched_per_step",
                 "hit_rate", "bytes_fetched", "device_bytes", "host_bytes", "backend"):
