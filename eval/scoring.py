@@ -10,6 +10,10 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
 - `channels`: the exact max of q.k over 1/8 of the key channels, chosen per KV head by mean |k| (as many values
   per block as min/max; Double Sparsity's idea at block granularity); `qk_channels`: chosen by mean |q| x mean |k|
   with the current query (a ceiling for channels calibrated on the prompt's queries);
+- `low_rank` / `low_rank16`: the exact max of q.k over keys projected on the top 8 / 16 principal directions of the
+  head's keys (8 per token = as many values per block as min/max);
+- `quant1` / `quant2`: the exact max of q.k over keys quantized to 1 / 2 bits per channel within the block's
+  min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -68,6 +72,31 @@ def _channels(q, keys, share=8, by_query=False):
     return torch.einsum("bhrd,bhntd->bhrnt", qs, ks).amax(-1).amax(2)
 
 
+def _low_rank(q, keys, rank=8):
+    """Exact max of q.k over each block's keys projected on the `rank` principal directions of the KV head's
+    (centered) keys — a per-head basis that a prefill could compute once; `rank` values per token, so rank 8 with
+    16-token blocks stores as many values per block as min/max (D = 64). The mean key's term is the same for every
+    block and is left out of the ranking."""
+    B, H, NB, T, D = keys.shape
+    flat = keys.reshape(B, H, NB * T, D)
+    centered = flat - flat.mean(dim=2, keepdim=True)
+    basis = torch.linalg.svd(centered, full_matrices=False).Vh[:, :, :rank]  # [B, H, rank, D]
+    kp = torch.einsum("bhnd,bhrd->bhnr", centered, basis).view(B, H, NB, T, rank)
+    qp = torch.einsum("bhqd,bhrd->bhqr", q, basis)
+    return torch.einsum("bhqr,bhntr->bhqnt", qp, kp).amax(-1).amax(2)
+
+
+def _quantized(q, keys, bits=2):
+    """Exact max of q.k over keys quantized to `bits` per channel within their block's [min, max] range (the
+    summaries already hold the range): `bits * D * T / 8` more bytes per block (bits = 1: half the min/max summary
+    in bf16; bits = 2: as much again)."""
+    kmin, kmax = keys.amin(-2, keepdim=True), keys.amax(-2, keepdim=True)  # [B, H, NB, 1, D]
+    steps = 2**bits - 1
+    span = (kmax - kmin).clamp(min=1e-12)
+    approx = kmin + torch.round((keys - kmin) / span * steps) / steps * span
+    return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
+
+
 def _mass(q, keys):
     logits = torch.einsum("bhrd,bhntd->bhrnt", q, keys) / q.shape[-1] ** 0.5  # [B, H, R, NB, T]
     return torch.softmax(logits.flatten(-2), -1).view_as(logits).sum(-1).sum(2)
@@ -80,6 +109,10 @@ SCORERS = {
     "half_bound": _half_bound,
     "channels": _channels,
     "qk_channels": lambda q, keys: _channels(q, keys, by_query=True),
+    "low_rank": _low_rank,
+    "low_rank16": lambda q, keys: _low_rank(q, keys, rank=16),
+    "quant1": lambda q, keys: _quantized(q, keys, bits=1),
+    "quant2": _quantized,
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,

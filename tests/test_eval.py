@@ -84,6 +84,9 @@ def test_scorers_order_bound_half_bound_and_exact_max():
     bound = score_blocks(q, keys.amin(-2), keys.amax(-2))
     half = SCORERS["half_bound"](q, keys)
     assert (exact <= half + 1e-5).all() and (half <= bound + 1e-5).all() and (half < bound - 1e-3).any()
+    from eval.scoring import _quantized
+
+    torch.testing.assert_close(_quantized(q, keys, bits=16), exact, atol=1e-3, rtol=0)  # fine codes: exact max
     mass = SCORERS["mass"](q, keys)
     torch.testing.assert_close(mass.sum(-1), torch.full((2, 3), 4.0))  # each row's softmax sums to 1
 
