@@ -35,14 +35,20 @@ HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 
 
 def make_cache(model, mode: str, budget: int | None):
+    """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
+    (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
-    if mode == "eagle3":
+    lookahead, _, variant = mode.partition("-")
+    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3"):
+        raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact")
+    options = dict(exact=variant == "exact")
+    if lookahead == "eagle3":
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
-        return OasisCache(model, token_budget=budget, lookahead="eagle3", draft=HEAD)
-    return OasisCache(model, token_budget=budget, lookahead=mode)
+        options["draft"] = HEAD
+    return OasisCache(model, token_budget=budget, lookahead=lookahead, **options)
 
 
 def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size):
@@ -71,7 +77,8 @@ def main():
     parser.add_argument("--tasks", nargs="+", default=["single_needle", "multi_needle", "multikey"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--modes", nargs="+", default=["none", "previous"], help="none, previous, eagle3")
+    parser.add_argument("--modes", nargs="+", default=["none", "previous"],
+                        help="none, previous, eagle3, previous-exact, eagle3-exact")
     parser.add_argument("--head", default=None, help="EAGLE-3 head directory, for mode eagle3")
     parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
     parser.add_argument("--filler", default="pydoc")
@@ -169,14 +176,14 @@ def nll_report(model, tokenizer, args) -> list:
 
 def print_table(rows, nll_rows, meta):
     print(f"\n{meta['model']}, {meta['samples']} samples per cell, {meta['machine']}, {meta['date']}")
-    print(f"{'task':18} {'length':>6} {'mode':9} {'budget':>6} {'accuracy':>8} {'retention':>9} {'agreement':>9}")
+    print(f"{'task':18} {'length':>6} {'mode':14} {'budget':>6} {'accuracy':>8} {'retention':>9} {'agreement':>9}")
     for r in rows:
         retention = f"{r['retention']:9.3f}" if r["retention"] is not None else f"{'-':>9}"
-        print(f"{r['task']:18} {r['length']:>6} {r['mode']:9} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
+        print(f"{r['task']:18} {r['length']:>6} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
               f"{retention} {r['agreement']:9.3f}")
-    print(f"\n{'decode-mode NLL':18} {'mode':9} {'budget':>6} {'nats':>8} {'delta':>8}")
+    print(f"\n{'decode-mode NLL':18} {'mode':14} {'budget':>6} {'nats':>8} {'delta':>8}")
     for r in nll_rows:
-        print(f"{'':18} {r['mode']:9} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
+        print(f"{'':18} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
 
 
 def plot(rows, nll_rows, meta, path):

@@ -140,3 +140,18 @@ def test_a_draft_without_lookahead_means_eagle3():
     model = tiny_model("llama", num_hidden_layers=4)
     cache = OasisCache(model, token_budget=256, draft=random_head(model))
     assert cache.config.lookahead == "eagle3"
+
+
+def test_exact_eagle3_attends_what_none_attends():
+    """With miss repair the draft only prefetches: at a small budget eagle3 + exact generates what "none" does (the
+    default that picks eagle3 sets exact for this reason)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    inputs = left_padded([300, 270])
+    kw = dict(max_new_tokens=10, do_sample=False)
+    base = generate(model, OasisCache(model, token_budget=128, lookahead="none"), inputs, **kw)
+    cache = OasisCache(model, token_budget=128, lookahead="eagle3", exact=True, draft=random_head(model))
+    drafted = generate(model, cache, inputs, **kw)
+    assert torch.equal(base.sequences, drafted.sequences)
+    for a, b in zip(base.logits, drafted.logits):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    assert cache.stats()["blocks_fetched_on_critical_path"] > 0  # an untrained draft misses: repaired, not attended

@@ -59,15 +59,15 @@ def test_decode_mode_nll_with_full_budget_equals_dense():
 def test_report_runs_at_ci_size(tmp_path):
     out = tmp_path / "report.json"
     run = subprocess.run([sys.executable, str(ROOT / "eval" / "report.py"), "--tiny", "--tasks", "single_needle",
-                          "--modes", "none", "previous", "--out", str(out)], capture_output=True, text=True,
+                          "--modes", "none", "previous-exact", "--out", str(out)], capture_output=True, text=True,
                          timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {"command", "date", "machine"} <= set(report["meta"])
     modes = {(r["mode"], r["budget"]) for r in report["tasks"]}
-    assert modes == {("dense", None), ("none", 256), ("previous", 256)}
+    assert modes == {("dense", None), ("none", 256), ("previous-exact", 256)}
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
-    assert [r["mode"] for r in report["nll"]] == ["dense", "none", "previous"]
+    assert [r["mode"] for r in report["nll"]] == ["dense", "none", "previous-exact"]
 
 
 def test_scorers_order_bound_half_bound_and_exact_max():
