@@ -112,6 +112,7 @@ class OasisCache(Cache):
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self._visibility: dict[int, StepVisibility] = {}  # this forward's, by number of complete blocks
+        self._causality: dict[tuple, torch.Tensor] = {}  # this forward's causal masks among new tokens
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
@@ -142,6 +143,7 @@ class OasisCache(Cache):
         """Per-forward bookkeeping, once, at the first full-attention layer."""
         Qn = key_states.shape[2] - self.draft_rows
         self._visibility = {}
+        self._causality = {}
         if layer.decodes(key_states.shape[2]):
             self.decode_clock += 1
             self.counters.decode_steps += 1
@@ -176,6 +178,15 @@ class OasisCache(Cache):
                 layer.device,
             )
         return self._visibility[num_blocks]
+
+    def new_token_causality(self, num_queries: int, length: int, end: int, device) -> torch.Tensor:
+        """`[Qn, L]` bool, built once per forward and shared by all layers: working-set token j is seen by new query
+        i iff j <= end - Qn + i (`compute/sparse.py`)."""
+        key = (num_queries, length, end, str(device))  # layers may sit on different devices
+        if key not in self._causality:
+            self._causality[key] = torch.ones((num_queries, length), dtype=torch.bool, device=device).tril(
+                end - num_queries)
+        return self._causality[key]
 
     def check_module(self, layer_idx: int, module) -> None:
         if self._modules.get(layer_idx) is not module:

@@ -221,7 +221,8 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
-        out = sparse_attention(query, keys, values, mask, S * T + n, scale)
+        causal = cache.new_token_causality(Qn, keys.shape[2], S * T + n, self.device) if Qn > 1 else None
+        out = sparse_attention(query, keys, values, mask, S * T + n, scale, causal)
         cache.counters.record_layer_step(B * H, n)
         return out
 

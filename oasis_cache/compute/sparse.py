@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 
 def sparse_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, end: int, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, end: int, scale: float,
+    causal: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     Args:
@@ -20,6 +21,8 @@ def sparse_attention(
         visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none at or after `end`).
         end: one past the last recent token.
         scale: softmax scale.
+        causal: `[Qn, L]` bool, token j seen by new query i iff j <= end - Qn + i (built here when None; the cache
+            builds it once per forward for all layers).
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -30,7 +33,8 @@ def sparse_attention(
     if Qn == 1:
         mask = visible[:, :, None, :]
     else:  # token j is seen by new query i iff j <= end - Qn + i
-        causal = torch.ones((Qn, L), dtype=torch.bool, device=query.device).tril(end - Qn)
+        if causal is None:
+            causal = torch.ones((Qn, L), dtype=torch.bool, device=query.device).tril(end - Qn)
         mask = (visible[:, :, None, :] & causal)[:, :, None].expand(B, Hkv, G, Qn, L).reshape(B, Hkv, G * Qn, L)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)
