@@ -52,7 +52,7 @@ def make_cache(method: str, model, args):
         return DynamicCache(config=model.config, offloading=True)
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if method == "oasis-eagle3":
-        return OasisCache(model, lookahead="eagle3", draft=draft_head(model, args), **options)
+        return OasisCache(model, lookahead="eagle3", draft=args.head, **options)
     if method == "oasis-exact":
         return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
     if method.startswith("oasis-"):
@@ -60,19 +60,15 @@ def make_cache(method: str, model, args):
     raise ValueError(method)
 
 
-def draft_head(model, args):
-    """The head for oasis-eagle3: `--head`, or an untrained one shaped for `model` (made once)."""
-    if args.head:
-        return args.head
-    if getattr(args, "_random_head", None) is None:
-        from oasis_cache.draft import Eagle3Config, Eagle3Head
+def untrained_head(model):
+    """An EAGLE-3 head shaped for `model` with random weights and a 32K draft vocabulary (as published heads have)."""
+    from oasis_cache.draft import Eagle3Config, Eagle3Head
 
-        torch.manual_seed(0)
-        config = Eagle3Config.for_target(model.config, draft_vocab_size=min(32000, model.config.vocab_size))
-        head = Eagle3Head(config)
-        head.set_vocab_map(torch.randperm(model.config.vocab_size)[: config.draft_vocab_size].sort().values)
-        args._random_head = head
-    return args._random_head
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(model.config, draft_vocab_size=min(32000, model.config.vocab_size))
+    head = Eagle3Head(config)
+    head.set_vocab_map(torch.randperm(model.config.vocab_size)[: config.draft_vocab_size].sort().values)
+    return head
 
 
 def kv_bytes_on_device(cache, device) -> int:
@@ -193,6 +189,9 @@ def main():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total)
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
+    head_meta = args.head or "untrained"
+    if "oasis-eagle3" in args.methods and not args.head:
+        args.head = untrained_head(model)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
@@ -214,6 +213,7 @@ def main():
         model=args.model,
         dtype=args.dtype,
         budget=args.budget,
+        head=head_meta if "oasis-eagle3" in args.methods else None,
         gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
     )

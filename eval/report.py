@@ -72,6 +72,22 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
 
 
+def score_outputs(tokenizer, outputs, samples) -> list[float]:
+    """Per sample, the share of its answers found in the generated text (RULER string_match_all)."""
+    return [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"]) for o, s in zip(outputs, samples)]
+
+
+def against_dense(outputs, scores, dense, dense_scores) -> dict:
+    """Accuracy, retention (of the samples dense answers fully, the share also answered fully) and greedy agreement
+    with dense's tokens, position by position."""
+    solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
+    return dict(
+        accuracy=sum(scores) / len(scores),
+        retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
+        agreement=sum(agreement(a, b) for a, b in zip(outputs, dense)) / len(outputs),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["single_needle", "multi_needle", "multikey"])
@@ -107,8 +123,7 @@ def main():
         for length in args.lengths:
             samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
             dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens, args.batch_size)
-            dense_scores = [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
-                            for o, s in zip(dense, samples)]
+            dense_scores = score_outputs(tokenizer, dense, samples)
             rows.append(dict(task=task, length=length, mode="dense", budget=None,
                              accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0))
             for mode in args.modes:
@@ -116,15 +131,9 @@ def main():
                     budget = max(256, length // fraction)
                     outs = run_generation(model, tokenizer, samples, mode, budget, args.max_new_tokens,
                                           args.batch_size)
-                    scores = [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
-                              for o, s in zip(outs, samples)]
-                    solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
-                    rows.append(dict(
-                        task=task, length=length, mode=mode, budget=budget, fraction=fraction,
-                        accuracy=sum(scores) / len(samples),
-                        retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
-                        agreement=sum(agreement(a, b) for a, b in zip(outs, dense)) / len(samples),
-                    ))
+                    scores = score_outputs(tokenizer, outs, samples)
+                    rows.append(dict(task=task, length=length, mode=mode, budget=budget, fraction=fraction,
+                                     **against_dense(outs, scores, dense, dense_scores)))
                     print(json.dumps(rows[-1]), flush=True)
 
     nll_rows = nll_report(model, tokenizer, args)

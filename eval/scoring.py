@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.report import agreement, load, run_generation  # noqa: E402
-from eval.tasks import generate_samples, score  # noqa: E402
+from eval.report import against_dense, load, run_generation, score_outputs  # noqa: E402
+from eval.tasks import generate_samples  # noqa: E402
 from oasis_cache.control.selection import all_blocks, top_blocks  # noqa: E402
 from oasis_cache.layer import OasisLayer  # noqa: E402
 
@@ -172,21 +172,16 @@ def main():
         def answers(mode):
             outs = run_generation(model, tokenizer, samples, mode, None if mode == "dense" else budget,
                                   args.max_new_tokens, args.batch_size)
-            return outs, [score(tokenizer.decode(o, skip_special_tokens=True), s["answers"])
-                          for o, s in zip(outs, samples)]
+            return outs, score_outputs(tokenizer, outs, samples)
 
         dense, dense_scores = answers("dense")
-        solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
+        solved = sum(x == 1.0 for x in dense_scores)
         rows.append(dict(task=task, scorer="dense", accuracy=sum(dense_scores) / len(samples), retention=1.0,
-                         agreement=1.0, solved=len(solved)))
+                         agreement=1.0, solved=solved))
         for name in args.scorers:
             with scorer(name):
                 outs, scores = answers("none")
-            rows.append(dict(
-                task=task, scorer=name, accuracy=sum(scores) / len(samples),
-                retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
-                agreement=sum(agreement(a, b) for a, b in zip(outs, dense)) / len(samples), solved=len(solved),
-            ))
+            rows.append(dict(task=task, scorer=name, solved=solved, **against_dense(outs, scores, dense, dense_scores)))
             print(json.dumps(rows[-1]), flush=True)
     meta = dict(
         command="python " + " ".join(sys.argv),

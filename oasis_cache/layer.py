@@ -222,7 +222,7 @@ class OasisLayer(CacheLayerMixin):
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
         causal = cache.new_token_causality(Qn, keys.shape[2], S * T + n, self.device) if Qn > 1 else None
-        out = sparse_attention(query, keys, values, mask, S * T + n, scale, causal)
+        out = sparse_attention(query, keys, values, mask, scale, causal)
         cache.counters.record_layer_step(B * H, n)
         return out
 

@@ -56,13 +56,17 @@ def test_decode_mode_nll_with_full_budget_equals_dense():
     assert not torch.allclose(sparse, dense)  # a small budget is measured, not hidden by a dense forward
 
 
-def test_report_runs_at_ci_size(tmp_path):
-    out = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, str(ROOT / "eval" / "report.py"), "--tiny", "--tasks", "single_needle",
-                          "--modes", "none", "previous-exact", "--out", str(out)], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
+def _run_eval_script(script: str, out, *args: str) -> dict:
+    """Run `eval/<script>` at CI size, writing `out`; its JSON."""
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / script), "--tiny", *args, "--out", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_report_runs_at_ci_size(tmp_path):
+    report = _run_eval_script("report.py", tmp_path / "report.json", "--tasks", "single_needle",
+                              "--modes", "none", "previous-exact")
     assert {"command", "date", "machine"} <= set(report["meta"])
     modes = {(r["mode"], r["budget"]) for r in report["tasks"]}
     assert modes == {("dense", None), ("none", 256), ("previous-exact", 256)}
@@ -73,7 +77,7 @@ def test_report_runs_at_ci_size(tmp_path):
 def test_scorers_order_bound_half_bound_and_exact_max():
     """The shipped min/max bound and the half-block bound are upper bounds of the exact max q.k, the finer one
     tighter: exact max <= half_bound <= bound, block by block."""
-    from eval.scoring import SCORERS
+    from eval.scoring import SCORERS, _quantized
     from oasis_cache.control.selection import score_blocks
 
     torch.manual_seed(0)
@@ -84,19 +88,13 @@ def test_scorers_order_bound_half_bound_and_exact_max():
     bound = score_blocks(q, keys.amin(-2), keys.amax(-2))
     half = SCORERS["half_bound"](q, keys)
     assert (exact <= half + 1e-5).all() and (half <= bound + 1e-5).all() and (half < bound - 1e-3).any()
-    from eval.scoring import _quantized
-
     torch.testing.assert_close(_quantized(q, keys, bits=16), exact, atol=1e-3, rtol=0)  # fine codes: exact max
     mass = SCORERS["mass"](q, keys)
     torch.testing.assert_close(mass.sum(-1), torch.full((2, 3), 4.0))  # each row's softmax sums to 1
 
 
 def test_scoring_comparison_runs_at_ci_size(tmp_path):
-    out = tmp_path / "scoring.json"
-    run = subprocess.run([sys.executable, str(ROOT / "eval" / "scoring.py"), "--tiny", "--model", "tiny",
-                          "--scorers", "bound", "max", "--out", str(out)], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_eval_script("scoring.py", tmp_path / "scoring.json", "--model", "tiny",
+                            "--scorers", "bound", "max")["rows"]
     assert [r["scorer"] for r in rows] == ["dense", "bound", "max"]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)

@@ -10,19 +10,19 @@ import torch.nn.functional as F
 
 
 def sparse_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, end: int, scale: float,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
     causal: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     Args:
-        query: `[B, Hq, Qn, D]`, tokens end-Qn .. end-1 of the L.
+        query: `[B, Hq, Qn, D]`, the newest Qn of the recent tokens.
         keys, values: `[B, Hkv, L, D]`, the slots then the recent-token region (the whole working set: a shape
             that does not change between steps, so attention backends keep their plans).
-        visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none at or after `end`).
-        end: one past the last recent token.
+        visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none past the last one).
         scale: softmax scale.
-        causal: `[Qn, L]` bool, token j seen by new query i iff j <= end - Qn + i (built here when None; the cache
-            builds it once per forward for all layers).
+        causal: `[Qn, L]` bool, token j seen by new query i iff j <= end - Qn + i (end: one past the last recent
+            token); needed when Qn > 1, None when Qn == 1 (the cache builds it once per forward for all layers:
+            `OasisCache.new_token_causality`).
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -32,9 +32,7 @@ def sparse_attention(
     grouped = query.reshape(B, Hkv, G * Qn, D)  # query head h*G + g uses KV head h: rows (g, i)
     if Qn == 1:
         mask = visible[:, :, None, :]
-    else:  # token j is seen by new query i iff j <= end - Qn + i
-        if causal is None:
-            causal = torch.ones((Qn, L), dtype=torch.bool, device=query.device).tril(end - Qn)
+    else:  # causality among the new tokens
         mask = (visible[:, :, None, :] & causal)[:, :, None].expand(B, Hkv, G, Qn, L).reshape(B, Hkv, G * Qn, L)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)

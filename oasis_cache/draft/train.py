@@ -54,13 +54,18 @@ DOCUMENT_QUESTIONS = [
 HELD_OUT_DOCUMENT_TOKENS = 16384
 
 
-def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
-    """`count` long prompts: a `tokens`-token window of Python's documentation (`pydoc_data.topics`, ships with
-    CPython; the first `HELD_OUT_DOCUMENT_TOKENS` tokens excluded) and a question about it, so that the head also
-    sees the target's features deep into long contexts."""
+def _documentation_ids(tokenizer) -> list[int]:
+    """Python's documentation (`pydoc_data.topics`, ships with CPython) as token ids."""
     import pydoc_data.topics as topics
 
-    ids = tokenizer("\n\n".join(topics.topics.values()))["input_ids"][HELD_OUT_DOCUMENT_TOKENS:]
+    return tokenizer("\n\n".join(topics.topics.values()))["input_ids"]
+
+
+def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[str]:
+    """`count` long prompts: a `tokens`-token window of Python's documentation (the first
+    `HELD_OUT_DOCUMENT_TOKENS` tokens excluded) and a question about it, so that the head also sees the target's
+    features deep into long contexts."""
+    ids = _documentation_ids(tokenizer)[HELD_OUT_DOCUMENT_TOKENS:]
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
@@ -71,9 +76,7 @@ def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0) -> list[
 
 def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
     """The first `tokens` tokens of Python's documentation (never trained on): the head's long-context check."""
-    import pydoc_data.topics as topics
-
-    return torch.tensor(tokenizer("\n\n".join(topics.topics.values()))["input_ids"][:tokens])
+    return torch.tensor(_documentation_ids(tokenizer)[:tokens])
 
 
 @torch.no_grad()
