@@ -12,7 +12,8 @@ steps in measurement mode (exposed transfer wait, prediction recall). Writes JSO
 table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
 (previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
-depend on its weights, its recall does).
+depend on its weights, its recall does). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+(default: the package's, bits), e.g. `oasis-previous@bound`.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
 """
@@ -50,7 +51,10 @@ def make_cache(method: str, model, args):
     if method == "offload":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
+    method, _, scorer = method.partition("@")
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
+    if scorer:
+        options["scorer"] = scorer
     if method == "oasis-eagle3":
         return OasisCache(model, lookahead="eagle3", draft=args.head, **options)
     if method == "oasis-exact":
@@ -228,14 +232,14 @@ def main():
 def print_table(rows, meta):
     print(f"\n{meta['model']} {meta['dtype']} on {meta['machine']}, torch {meta['torch']}, "
           f"transformers {meta['transformers']}, {meta['date']}")
-    header = (f"{'context':>8} {'batch':>5} {'method':<15} {'TPOT ms':>9} {'x dense':>8} {'x offload':>9} "
+    header = (f"{'context':>8} {'batch':>5} {'method':<21} {'TPOT ms':>9} {'x dense':>8} {'x offload':>9} "
               f"{'peak GiB':>9} {'KV GiB dev':>10} {'MB/step':>8} {'wait %':>7} {'recall':>7}")
     print(header)
     dense = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "dense"}
     offload = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "offload"}
     for r in rows:
         if "error" in r:
-            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<15} {r['error'][:60]}")
+            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<21} {r['error'][:60]}")
             continue
         base, off = dense.get((r["context"], r["batch"])), offload.get((r["context"], r["batch"]))
         ratio = f"{r['tpot_ms'] / base:8.2f}" if base else f"{'-':>8}"
@@ -244,7 +248,7 @@ def print_table(rows, meta):
         mb = f"{r['bytes_fetched_per_step'] / 1e6:8.1f}" if "bytes_fetched_per_step" in r else f"{'':>8}"
         wait = f"{r['exposed_wait_pct']:7.2f}" if "exposed_wait_pct" in r else f"{'':>7}"
         recall = f"{r['prediction_recall']:7.3f}" if r.get("prediction_recall") is not None else f"{'':>7}"
-        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<15} {r['tpot_ms']:9.1f} {ratio} {speedup} {peak:9.2f} "
+        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<21} {r['tpot_ms']:9.1f} {ratio} {speedup} {peak:9.2f} "
               f"{r['kv_device_gib']:10.3f} {mb} {wait} {recall}")
 
 

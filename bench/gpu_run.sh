@@ -7,8 +7,11 @@
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480; TRAIN_RESUME=1 continues /tmp/oasis-train),
 #             kept in /tmp/oasis-head, returned in bf16 under
 #             $OUT/head (the safetensors split in 15 MB parts: `cat part* > model.safetensors`)
-#   recall    eval/recall.py with that head (document and chat prompts);  report  eval/report.py, all modes, 4K
+#   recall    eval/recall.py with that head (document and chat prompts)
+#   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
+#   report8k  eval/report.py at 8K: needle, passkey, multikey tasks, budgets 1/8 and 1/16, NLL over 8K
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
+#   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, none, previous, eagle3 (the ride-along's cost)
 # Logs and JSON under $OUT (at most 8 files come back).
 set -uo pipefail
@@ -32,8 +35,10 @@ import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis-head')"
       mkdir -p "$OUT/head" && cp /tmp/oasis-train/head/target.json /tmp/oasis-head/ && cp /tmp/oasis-head/config.json /tmp/oasis-head/target.json /tmp/oasis-train/metrics.json "$OUT/head/" && split -b 15000000 /tmp/oasis-head/model.safetensors "$OUT/head/part"; HEAD=/tmp/oasis-head ;;
     recall) for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget 512 --steps 64 --out "$OUT/recall-$prompt.json" 2>&1 | grep -v Warning | tail -5; done ;;
-    report) python3 eval/report.py --tasks single_needle multikey --lengths 4096 --samples 48 --batch-size 16 --fractions 8 16 --modes none previous eagle3 eagle3-exact --head "$HEAD" --out "$OUT/report-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/report.log" | tail -30 ;;
-    scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bound quant1 quant2 half_bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
+    report) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking frequent_words --lengths 4096 --samples 32 --batch-size 16 --fractions 8 --modes none none@bound previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2-4k.json" 2>&1 | grep -v Warning | tee "$OUT/report-4k.log" | tail -45 ;;
+    report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
+    scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bound quant1 max --out "$OUT/scoring-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
+    scorers) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     eagle3) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac

@@ -36,14 +36,20 @@ HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 
 def make_cache(model, mode: str, budget: int | None):
     """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
-    (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches)."""
+    (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches), "@bound" / "@bits" for the
+    block scorer (default: the package's, bits)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
+    mode, _, scorer = mode.partition("@")
     lookahead, _, variant = mode.partition("-")
-    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3"):
-        raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact")
+    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or scorer not in (
+            "", "bits", "bound"):
+        raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
+                         "optionally with @bound or @bits (the block scorer)")
     options = dict(exact=variant == "exact")
+    if scorer:
+        options["scorer"] = scorer
     if lookahead == "eagle3":
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
@@ -94,7 +100,8 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--modes", nargs="+", default=["none", "previous"],
-                        help="none, previous, eagle3, previous-exact, eagle3-exact")
+                        help="none, previous, eagle3, previous-exact, eagle3-exact; a suffix @bound or @bits picks "
+                        "the block scorer (e.g. none@bound; default bits)")
     parser.add_argument("--head", default=None, help="EAGLE-3 head directory, for mode eagle3")
     parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
     parser.add_argument("--filler", default="pydoc")

@@ -1,10 +1,11 @@
 """Which block scorer keeps dense attention's answers? An analysis of the selection policy, not a speed path.
 
-OasisCache ranks blocks by the min/max bound of their keys (what fits on the device: `control/selection.py`). This
-script swaps that scorer for others and runs the same task samples with `lookahead="none"` at a budget of
+OasisCache ranks blocks by a small summary of their keys kept on the device (`control/selection.py`). This script
+swaps that scorer for others and runs the same task samples with `lookahead="none"` at a budget of
 context / `--fraction`, reporting accuracy, retention of dense's correct answers and greedy agreement per scorer:
 
-- `bound`: the shipped scorer (per-block min/max, 16 tokens);
+- `bits` and `bound`: the two shipped scorers (`OasisCache(..., scorer=...)`): keys snapped to their block's
+  min or max per channel (1 bit per channel), and the min/max upper bound (Quest's);
 - `half_bound`: the same bound over half blocks (summaries twice as large);
 - `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);
 - `channels`: the exact max of q.k over 1/8 of the key channels, chosen per KV head by mean |k| (as many values
@@ -13,7 +14,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
 - `low_rank` / `low_rank16`: the exact max of q.k over keys projected on the top 8 / 16 principal directions of the
   head's keys (8 per token = as many values per block as min/max);
 - `quant1` / `quant2`: the exact max of q.k over keys quantized to 1 / 2 bits per channel within the block's
-  min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16);
+  min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16); `quant1` is what `bits` ships,
+  simulated here;
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -103,8 +105,9 @@ def _mass(q, keys):
 
 
 # name -> scores [B, Hkv, NB] from the query rows q [B, Hkv, R, D] and the full keys [B, Hkv, NB, T, D] (fp32);
-# None: the shipped bound, unchanged.
+# None: a shipped scorer, unchanged.
 SCORERS = {
+    "bits": None,
     "bound": None,
     "half_bound": _half_bound,
     "channels": _channels,
@@ -121,10 +124,11 @@ SCORERS = {
 
 @contextlib.contextmanager
 def scorer(name: str):
-    """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual)."""
+    """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual); the mode to
+    run it with (a shipped scorer by name; the bound's summaries, unused, for a simulated one)."""
     score_fn = SCORERS[name]
     if score_fn is None:
-        yield
+        yield f"none@{name}"
         return
     shipped = OasisLayer._select
 
@@ -140,7 +144,7 @@ def scorer(name: str):
 
     OasisLayer._select = _select
     try:
-        yield
+        yield "none@bound"
     finally:
         OasisLayer._select = shipped
 
@@ -179,8 +183,8 @@ def main():
         rows.append(dict(task=task, scorer="dense", accuracy=sum(dense_scores) / len(samples), retention=1.0,
                          agreement=1.0, solved=solved))
         for name in args.scorers:
-            with scorer(name):
-                outs, scores = answers("none")
+            with scorer(name) as mode:
+                outs, scores = answers(mode)
             rows.append(dict(task=task, scorer=name, solved=solved, **against_dense(outs, scores, dense, dense_scores)))
             print(json.dumps(rows[-1]), flush=True)
     meta = dict(

@@ -210,6 +210,7 @@ class OasisCache(Cache):
             block_size=self.config.block_size,
             lookahead=self.config.lookahead,
             exact=self.config.exact,
+            scorer=self.config.scorer,
             backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),

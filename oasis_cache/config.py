@@ -23,6 +23,7 @@ from dataclasses import dataclass
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
+SCORERS = ("bits", "bound")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class OasisConfig:
             (triton on CUDA when available, else torch).
         gather_programs: programs of the gather kernel per K/V (None: one per block). Fewer programs occupy fewer
             SMs while they wait on PCIe, leaving the rest to the compute the prefetch hides behind.
+        scorer: how blocks are ranked (`control.selection`): "bits" (each key snapped channel by channel to its
+            block's min or max, 1 bit per channel kept on the device; a block scores its best token: close to the
+            exact max of q.k) or "bound" (the min/max upper bound of q.k, Quest's; a third less summary memory).
     """
 
     token_budget: int
@@ -68,6 +72,7 @@ class OasisConfig:
     host_chunk_blocks: int = 256
     backend: str = "auto"
     gather_programs: int | None = None
+    scorer: str = "bits"
 
     def __post_init__(self):
         T = self.block_size
@@ -107,6 +112,8 @@ class OasisConfig:
             raise ValueError(f"max_decode_tokens must be an int >= 1, got {self.max_decode_tokens!r}.")
         if not isinstance(self.host_chunk_blocks, int) or self.host_chunk_blocks < 1:
             raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

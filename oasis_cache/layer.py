@@ -49,7 +49,7 @@ class OasisLayer(CacheLayerMixin):
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
-        self.summaries = BlockSummaries(B, H, D, dtype, self.device)
+        self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits")
         self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
         self.recent = RecentTokens(self.working_set.recent_region)
         self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)
@@ -189,8 +189,8 @@ class OasisLayer(CacheLayerMixin):
         H, NB = self.num_kv_heads, self.pool.num_blocks
         if NB <= k:
             return all_blocks(view.allowed, H)
-        ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries.minmax, NB, view.forced, view.allowed,
-                            use_kernel=self.use_kernels)
+        ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries, view.forced, view.allowed,
+                            self.config.block_size, use_kernel=self.use_kernels)
         return top_blocks(ranks, k)
 
     def _attend_sparse(self, query, visible, scale):

@@ -11,7 +11,7 @@ from oasis_cache.control import rank_blocks
 from oasis_cache.kernels.block_scores import block_scores
 from oasis_cache.kernels.gather import gather_blocks
 from oasis_cache.memory import TransferEngine
-from oasis_cache.pools import HostKVPool, SlotMap, WorkingSet
+from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
 
 # (B, Hkv, T, D, S, NB, chunk_blocks, dtype)
 CASES = [
@@ -46,24 +46,30 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     return torch.equal(got, expected)
 
 
-# (B, Hkv, R, D, NB, dtype): R query rows per KV head (G * Qn), NB blocks
+# (B, Hkv, R, D, NB, T, dtype, scorer): R query rows per KV head (G * Qn), NB blocks of T tokens
 SCORE_CASES = [
-    (1, 2, 4, 64, 100, torch.float32),
-    (2, 3, 1, 128, 257, torch.bfloat16),
-    (2, 1, 20, 80, 33, torch.float16),  # R and D not powers of two
+    (1, 2, 4, 64, 100, 16, torch.float32, "bound"),
+    (2, 3, 1, 128, 257, 16, torch.bfloat16, "bound"),
+    (2, 1, 20, 80, 33, 16, torch.float16, "bound"),  # R and D not powers of two
+    (1, 2, 4, 64, 100, 16, torch.float32, "bits"),
+    (2, 3, 2, 128, 70, 16, torch.bfloat16, "bits"),
+    (2, 1, 20, 80, 33, 8, torch.float16, "bits"),
+    (1, 2, 3, 16, 9, 4, torch.float32, "bits"),  # T < 8: one byte, half used
 ]
 
 
-def check_scores(B, H, R, D, NB, dtype, device) -> bool:
+def check_scores(B, H, R, D, NB, T, dtype, scorer, device) -> bool:
     g = torch.Generator().manual_seed(NB)
-    keys = torch.randn(B, H, NB, 16, D, generator=g).to(dtype)
-    minmax = torch.zeros(2, B, H, NB + 7, D, dtype=dtype)  # capacity beyond NB
-    minmax[0, :, :, :NB], minmax[1, :, :, :NB] = keys.amin(3), keys.amax(3)
+    keys = torch.randn(B, H, NB, T, D, generator=g).to(dtype)
+    summaries = BlockSummaries(B, H, D, dtype, "cpu", T, key_bits=scorer == "bits")
+    summaries.append(keys)  # capacity beyond NB
     query = torch.randn(B, H, R, D, generator=g).to(dtype)
     forced = torch.rand(B, NB, generator=g) < 0.1
     allowed = torch.rand(B, NB, generator=g) < 0.9
-    expected = rank_blocks(query.float(), minmax.float(), NB, forced, allowed)
-    got = block_scores(query.to(device), minmax.to(device), NB, forced.to(device), allowed.to(device)).cpu()
+    expected = rank_blocks(query.float(), summaries, forced, allowed, T)
+    codes = None if summaries.codes is None else summaries.codes.to(device)
+    got = block_scores(query.to(device), summaries.minmax.to(device), NB, forced.to(device), allowed.to(device),
+                       codes, T).cpu()
     return torch.equal(torch.isinf(got), torch.isinf(expected)) and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)
 
 

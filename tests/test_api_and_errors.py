@@ -22,6 +22,7 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, lookahead="psychic"), "lookahead must be one of"),
         (dict(token_budget=256, num_slots=3), "num_slots"),
         (dict(token_budget=256, backend="carrier-pigeon"), "backend must be one of"),
+        (dict(token_budget=256, scorer="psychic"), "scorer must be one of"),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, message):
@@ -118,7 +119,7 @@ def test_stats_are_a_plain_dict_with_the_documented_fields():
     for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched",
                 "bytes_fetched", "hit_rate", "device_bytes", "host_bytes"):
         assert key in stats
-    assert stats["decode_steps"] == 10 and stats["prefill_tokens"] == 200
+    assert stats["decode_steps"] == 10 and stats["prefill_tokens"] == 200 and stats["scorer"] == "bits"
     assert stats["blocks_selected_per_step"] == cache.config.num_selected_blocks
     assert stats["tokens_attended_per_step"] <= 64
     assert stats["bytes_fetched"] == stats["blocks_fetched"] * 2 * 16 * 16 * 4  # K+V, T=16, D=16, fp32
@@ -151,10 +152,11 @@ def test_device_memory_does_not_grow_with_context_beyond_summaries():
     small, large = held[300], held[1200]
     assert small["working_set"] == large["working_set"]  # slots and the recent-token region: fixed
     assert large["recent_overflow"] == 0
-    # Summaries (min+max per block) and the block -> slot table grow with blocks, i.e. context / T.
+    # Summaries (min+max per block, 1 bit per key channel and token) and the block -> slot table grow with blocks,
+    # i.e. context / T.
     H, D, T, layers = 2, 16, 16, 2
     blocks = 1200 // T + 1
-    summary_bytes = 2 * H * D * 4 * layers  # per block
+    summary_bytes = (2 * H * D * 4 + H * T * D // 8) * layers  # per block
     table_bytes = H * 8 * layers  # per block
     assert large["summaries"] <= 2 * blocks * summary_bytes  # capacity doubles
     assert large["slot_map"] <= 2 * blocks * table_bytes + small["slot_map"]

@@ -7,6 +7,7 @@ import torch
 from oasis_cache.control import rank_blocks, score_blocks, step_visibility, top_blocks
 from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
+from oasis_cache.pools.summaries import unpack_key_bits
 
 
 def ids(*rows):
@@ -88,19 +89,62 @@ def test_score_is_an_upper_bound_of_every_key_in_the_block():
     )
 
 
+def summaries_of(keys: torch.Tensor, scorer: str) -> BlockSummaries:
+    """Summaries of `keys` `[B, H, NB, T, D]` for `scorer`."""
+    B, H, NB, T, D = keys.shape
+    s = BlockSummaries(B, H, D, keys.dtype, "cpu", T, key_bits=scorer == "bits")
+    s.append(keys)
+    return s
+
+
+def test_bits_score_is_the_best_coarse_key_of_each_block():
+    """Each channel snapped to the block's min or max by the nearer end; the block's score is its best token, never
+    above the bound; with two tokens per block the coarse keys are the keys themselves (so the score is exact)."""
+    torch.manual_seed(0)
+    B, H, R, NB, T, D = 2, 3, 4, 5, 16, 8
+    keys = torch.randn(B, H, NB, T, D)
+    query = torch.randn(B, H, R, D)
+    s = summaries_of(keys, "bits")
+    kmin, kmax = s.view()
+    coarse = torch.where(2 * keys > (kmin + kmax)[:, :, :, None], kmax[:, :, :, None], kmin[:, :, :, None])
+    expected = torch.einsum("bhrd,bhntd->bhrnt", query, coarse).amax(dim=(2, 4))
+    no_forced, all_allowed = torch.zeros(B, NB, dtype=torch.bool), torch.ones(B, NB, dtype=torch.bool)
+    got = rank_blocks(query, s, no_forced, all_allowed, T)
+    torch.testing.assert_close(got, expected)
+    assert (got <= score_blocks(query, kmin, kmax) + 1e-5).all()
+    pairs = keys[:, :, :, :2]
+    got = rank_blocks(query, summaries_of(pairs, "bits"), no_forced, all_allowed, 2)
+    torch.testing.assert_close(got, torch.einsum("bhrd,bhntd->bhrnt", query, pairs).amax(dim=(2, 4)))
+
+
+def test_bits_rank_the_block_holding_the_matching_key_first_where_the_bound_does_not():
+    """Block 0 spreads its keys over the channels (one large channel each: a high bound, no key near q); block 1
+    holds one key along q. The bound prefers block 0, the bits scorer block 1 — as exact attention would."""
+    D, T = 4, 4
+    q = torch.ones(1, 1, 1, D)
+    spread = 3.0 * torch.eye(D)  # bound 12, best key 3
+    needle = torch.zeros(T, D)
+    needle[1] = 2.0  # bound 8, best key 8
+    keys = torch.stack((spread, needle))[None, None]  # [1, 1, 2, T, D]
+    none, every = torch.zeros(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool)
+    assert rank_blocks(q, summaries_of(keys, "bound"), none, every, T).tolist() == [[[12.0, 8.0]]]
+    assert rank_blocks(q, summaries_of(keys, "bits"), none, every, T).tolist() == [[[3.0, 8.0]]]
+
+
 def test_selection_forced_first_never_disallowed():
     D = 4
-    # One query row of ones: a block's bound is the sum of its kmax; kmin = kmax - 1.
+    # One query row of ones: a block's bound is the sum of its kmax; every block's keys span [kmax - 1, kmax].
     kmax = torch.tensor([5.0, 1.0, 9.0, 3.0, 7.0, 8.0])[None, None, :, None].expand(1, 1, 6, D) / D
-    minmax = torch.stack((kmax - 1, kmax))
+    minmax = BlockSummaries(1, 1, D, torch.float32, "cpu", 2, key_bits=False)
+    minmax.append(torch.stack((kmax - 1, kmax), dim=3))
     query = torch.ones(1, 1, 1, D)
     forced = torch.tensor([[False, True, False, False, False, False]])
     allowed = torch.tensor([[True, True, True, True, True, False]])
-    ranks = rank_blocks(query, minmax, 6, forced, allowed)
+    ranks = rank_blocks(query, minmax, forced, allowed, 2)
     assert ranks.tolist() == [[[5.0, torch.inf, 9.0, 3.0, 7.0, -torch.inf]]]
     block_ids, top = top_blocks(ranks, 3)
     assert sorted(block_ids[0, 0].tolist()) == [1, 2, 4] and (top > -torch.inf).all()
-    ranks = rank_blocks(query, minmax, 6, forced, torch.tensor([[False, True, False, False, False, False]]))
+    ranks = rank_blocks(query, minmax, forced, torch.tensor([[False, True, False, False, False, False]]), 2)
     block_ids, top = top_blocks(ranks, 3)
     chosen = block_ids[0, 0][top[0, 0] > -torch.inf].tolist()
     assert chosen == [1]
@@ -155,7 +199,7 @@ def test_fetch_copies_exactly_the_flagged_blocks():
 
 
 def test_summaries_grow_and_truncate():
-    s = BlockSummaries(1, 2, 4, torch.float32, "cpu")
+    s = BlockSummaries(1, 2, 4, torch.float32, "cpu", 8, key_bits=False)
     blocks = torch.randn(1, 2, 40, 8, 4)
     s.append(blocks[:, :, :10])
     s.append(blocks[:, :, 10:])
@@ -163,3 +207,21 @@ def test_summaries_grow_and_truncate():
     assert torch.equal(kmin, blocks.amin(dim=3)) and torch.equal(kmax, blocks.amax(dim=3))
     s.truncate(7)
     assert s.view()[0].shape == (1, 2, 7, 4)
+
+
+def test_key_bits_follow_growth_truncation_and_batch_reorder():
+    B, H, T, D = 3, 2, 16, 5
+    blocks = torch.randn(B, H, 90, T, D)
+    s = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True)
+    for start in (0, 30, 80):  # grows past the first capacity (64 blocks)
+        s.append(blocks[:, :, start : start + (30 if start < 60 else 10)])
+    s.truncate(60)
+    s.append(blocks[:, :, 60:90])
+    assert s.num_blocks == 90 and s.codes.shape[2] >= 90
+    kmin, kmax = blocks.amin(dim=3), blocks.amax(dim=3)
+    nearer_max = 2 * blocks > (kmin + kmax)[:, :, :, None]
+    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), nearer_max)
+    order = torch.tensor([2, 0, 0])
+    s.index_batch(order)
+    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), nearer_max[order])
+    assert s.nbytes == s.minmax.numel() * 4 + s.codes.numel()

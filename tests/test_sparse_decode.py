@@ -136,3 +136,39 @@ def test_slot_map_stays_consistent_during_decode(monkeypatch):
                 assert torch.equal(layer.working_set.slots[0, 0, 0, s], keys[0, 0, block * T : block * T + T])
     stats = cache.stats()
     assert 0.0 < stats["hit_rate"] < 1.0
+
+
+@pytest.mark.parametrize("scorer", ["bits", "bound"])
+def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
+    """Each decode step attends the sink and recent blocks plus the best others by the scorer, recomputed here from
+    the pooled keys: the bound (relu(q).kmax + min(q,0).kmin) or the best coarse key (channels snapped to the
+    block's min or max by the nearer end), maximised over the KV head's query rows."""
+    model = tiny_model("qwen3")
+    cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer)
+    cache.record_selection = True
+    rec = Recorder(monkeypatch)
+    model.generate(input_ids=prompt_ids(300, batch=2), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                   pad_token_id=0, eos_token_id=None)
+    T, K = cache.config.block_size, cache.config.num_selected_blocks
+    checked = 0
+    for call in rec.attends:
+        if call["selection"] is None:
+            continue
+        NB = call["num_blocks"]
+        B, H = call["selection"].shape[:2]
+        blocks = call["kv"][0][:, :, : NB * T].reshape(B, H, NB, T, -1).double()
+        q = call["query"].reshape(B, H, -1, blocks.shape[-1]).double()  # [B, H, G, D]
+        kmin, kmax = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
+        if scorer == "bits":
+            coarse = torch.where(2 * blocks > kmin + kmax, kmax, kmin)
+            scores = torch.einsum("bhgd,bhntd->bhgnt", q, coarse).amax(dim=(2, 4))
+        else:
+            bound = q.clamp(min=0)[:, :, :, None] * kmax[:, :, None, :, 0] + q.clamp(max=0)[:, :, :, None] * kmin[
+                :, :, None, :, 0]
+            scores = bound.sum(-1).amax(dim=2)
+        forced = [0, NB - 2, NB - 1]  # the sink block and the two recent blocks
+        scores[..., forced] = torch.inf
+        expected = torch.zeros(B, H, NB, dtype=torch.bool).scatter_(-1, scores.topk(K, dim=-1).indices, True)
+        assert torch.equal(call["selection"], expected)
+        checked += 1
+    assert checked == 5 * 2

@@ -1,15 +1,25 @@
-"""Block selection: rank every complete block against the query with the min/max bound, keep the top K.
+"""Block selection: rank every complete block against the query by its summary, keep the top K.
 
-Bound (Quest, arXiv:2406.10774): for a block with elementwise key minimum `kmin` and maximum `kmax`, and any key k
-in it, q.k <= sum_d max(q_d * kmin_d, q_d * kmax_d) = relu(q).kmax + min(q, 0).kmin — two matrix products, no
-`[.., NB, D]` temporary. A KV head serves G query heads (GQA) and possibly several query tokens: a block's score is
-the maximum over those rows (it is selected if any of them may need it). Forced blocks (sink, recent) rank +inf,
-blocks without a visible token -inf.
+Two scorers (`OasisConfig.scorer`), both maximised over the rows that share a KV head (GQA groups, several query
+tokens: a block is selected if any of them may need it):
+
+- "bound" (Quest, arXiv:2406.10774): for a block with elementwise key minimum `kmin` and maximum `kmax`, and any key
+  k in it, q.k <= sum_d max(q_d * kmin_d, q_d * kmax_d) = relu(q).kmax + min(q, 0).kmin — two matrix products. An
+  upper bound: a block of keys spread over many channels ranks high though none of its keys is near q.
+- "bits": each key is snapped, channel by channel, to its block's min or max (1 bit per channel, the summaries'
+  `codes`); a block scores the best q.(coarse key) over its tokens. Close to the exact max of q.k per block, which
+  keeps dense attention's answers where the bound does not (docs/perf.md, "block scorers").
+
+Forced blocks (sink, recent) rank +inf, blocks without a visible token -inf.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..pools.summaries import unpack_key_bits
+
+SCORERS = ("bits", "bound")
 
 
 def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -27,23 +37,50 @@ def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     return bound.amax(dim=2)
 
 
-def rank_blocks(
-    query: torch.Tensor, minmax: torch.Tensor, num_blocks: int, forced: torch.Tensor, allowed: torch.Tensor,
-    use_kernel: bool = False,
-) -> torch.Tensor:
-    """Ranking scores `[B, Hkv, NB]`: the bound, +inf where `forced`, -inf where not `allowed`.
+def score_blocks_bits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+                      block_size: int, chunk_blocks: int = 512) -> torch.Tensor:
+    """Best q.(coarse key) per block, maximised over the rows that share a KV head.
 
     Args:
         query: `[B, Hkv, R, D]`.
-        minmax: `[2, B, Hkv, NBcap, D]` block summaries (blocks [0, NB) valid).
+        kmin, kmax: `[B, Hkv, NB, D]`; codes: `[B, Hkv, NB, ceil(T/8), D]` uint8 (`pools.summaries`).
+        chunk_blocks: blocks expanded at a time (the coarse keys of a chunk, `[B, Hkv, chunk, T, D]` fp32, are the
+            only large temporary).
+    Returns:
+        `[B, Hkv, NB]` float32.
+    """
+    q = query.float()
+    NB = kmin.shape[2]
+    scores = []
+    for start in range(0, NB, chunk_blocks):
+        end = min(NB, start + chunk_blocks)
+        bits = unpack_key_bits(codes[:, :, start:end], block_size)  # [B, Hkv, n, T, D]
+        coarse = torch.where(bits, kmax[:, :, start:end, None].float(), kmin[:, :, start:end, None].float())
+        per_token = torch.matmul(q, coarse.flatten(2, 3).transpose(-1, -2))  # [B, Hkv, R, n*T]
+        scores.append(per_token.unflatten(-1, (end - start, block_size)).amax(dim=-1).amax(dim=2))
+    return torch.cat(scores, dim=-1) if scores else q.new_zeros((*q.shape[:2], 0))
+
+
+def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: torch.Tensor,
+                block_size: int, use_kernel: bool = False) -> torch.Tensor:
+    """Ranking scores `[B, Hkv, NB]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
+
+    Args:
+        query: `[B, Hkv, R, D]`.
+        summaries: a `pools.BlockSummaries` (its `codes` present: the "bits" scorer; absent: the "bound").
         forced, allowed: `[B, NB]` bool.
         use_kernel: one Triton launch (CUDA) instead of the plain-PyTorch ops.
     """
+    NB = summaries.num_blocks
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
-        return block_scores(query, minmax, num_blocks, forced, allowed)
-    scores = score_blocks(query, minmax[0, :, :, :num_blocks], minmax[1, :, :, :num_blocks])
+        return block_scores(query, summaries.minmax, NB, forced, allowed, summaries.codes, block_size)
+    kmin, kmax = summaries.view()
+    if summaries.codes is None:
+        scores = score_blocks(query, kmin, kmax)
+    else:
+        scores = score_blocks_bits(query, kmin, kmax, summaries.codes[:, :, :NB], block_size)
     ranked = torch.where(forced[:, None], torch.inf, scores)
     return torch.where(allowed[:, None], ranked, -torch.inf)
 

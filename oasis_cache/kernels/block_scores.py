@@ -1,13 +1,18 @@
-"""Block scores in one launch: the min/max upper bound of q.k, maximised over a KV head's query rows, with forced
-blocks at +inf and blocks without a visible token at -inf (what `control.selection` computes in five ops).
+"""Block scores in one launch, maximised over a KV head's query rows, with forced blocks at +inf and blocks without a
+visible token at -inf (what `control.selection` computes in several ops). Two scorers (see `control.selection`):
+
+    bound  relu(q) . kmax + min(q, 0) . kmin, fp32 accumulation (exact products for bf16/fp16 keys)
+    bits   max over the block's tokens t of q . where(bit(t), kmax, kmin): one matrix product per token position,
+           on TF32 tensor cores for bf16/fp16 keys and queries (their values are exact in TF32, so are the products;
+           fp32 accumulation), IEEE fp32 for fp32 keys
 
 Shapes and strides (contiguous unless said; element type E = keys' dtype, scores fp32):
-    query        `[BH, R, D]`          R = G * Qn query rows of each (sequence, KV head)
-    minmax       `[2, BH, NBcap, D]`   0 = kmin, 1 = kmax; blocks [0, NB) used
-    forced       `[B, NB]` int8        allowed `[B, NB]` int8
+    query        `[BH, R, D]`                  R = G * Qn query rows of each (sequence, KV head)
+    minmax       `[2, BH, NBcap, D]`           0 = kmin, 1 = kmax; blocks [0, NB) used
+    codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
+    forced       `[B, NB]` int8                allowed `[B, NB]` int8
     scores (out) `[BH, NB]` fp32
 Program (bh, tile): blocks [tile*BLOCK_N, tile*BLOCK_N + BLOCK_N) of one (sequence, KV head).
-bound = relu(q) . kmax + min(q, 0) . kmin, computed with fp32 accumulation (exact products for bf16/fp16 keys).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ if triton is not None:
     def _block_scores_kernel(
         query,
         minmax,
+        codes,
         forced,
         allowed,
         scores,
@@ -35,6 +41,8 @@ if triton is not None:
         R_POW2: tl.constexpr,
         D_POW2: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
+        IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
     ):
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -43,15 +51,31 @@ if triton is not None:
         dims = tl.arange(0, D_POW2)
         blocks = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         in_blocks = blocks < NB
-        q = tl.load(query + (bh * R + rows[:, None]) * D + dims[None, :],
-                    mask=(rows[:, None] < R) & (dims[None, :] < D), other=0.0).to(tl.float32)
+        q_mask = (rows[:, None] < R) & (dims[None, :] < D)
+        q = tl.load(query + (bh * R + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0).to(tl.float32)
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
         kmin = tl.load(minmax + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         kmax = tl.load(minmax + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
-        bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
-        bound += tl.dot(tl.minimum(q, 0.0), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
-        bound = tl.where(rows[:, None] < R, bound, -float("inf"))
-        best = tl.max(bound, axis=0)  # [BLOCK_N]
+        kmin, kmax = kmin.to(tl.float32), kmax.to(tl.float32)
+        if TOKENS == 0:
+            score = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision="ieee")
+            score += tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), input_precision="ieee")
+        else:
+            BYTES: tl.constexpr = (TOKENS + 7) // 8
+            score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
+            for byte in tl.static_range(BYTES):
+                code = tl.load(codes + ((bh * NBcap + blocks[:, None]) * BYTES + byte) * D + dims[None, :],
+                               mask=kv_mask, other=0)
+                for bit in tl.static_range(8):
+                    if byte * 8 + bit < TOKENS:
+                        coarse = tl.where(((code >> bit) & 1) != 0, kmax, kmin)  # [BLOCK_N, D_POW2]
+                        if IEEE:
+                            token = tl.dot(q, tl.trans(coarse), input_precision="ieee")
+                        else:
+                            token = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+                        score = tl.maximum(score, token)
+        score = tl.where(rows[:, None] < R, score, -float("inf"))
+        best = tl.max(score, axis=0)  # [BLOCK_N]
         is_forced = tl.load(forced + b * NB + blocks, mask=in_blocks, other=0) != 0
         is_allowed = tl.load(allowed + b * NB + blocks, mask=in_blocks, other=0) != 0
         best = tl.where(is_forced, float("inf"), best)
@@ -65,17 +89,20 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 
 
 def block_scores(query: torch.Tensor, minmax: torch.Tensor, num_blocks: int, forced: torch.Tensor,
-                 allowed: torch.Tensor) -> torch.Tensor:
-    """`query` `[B, Hkv, R, D]`, `minmax` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool ->
-    `[B, Hkv, NB]` fp32 ranked scores (+inf forced, -inf not allowed)."""
+                 allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16) -> torch.Tensor:
+    """`query` `[B, Hkv, R, D]`, `minmax` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
+    `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer) -> `[B, Hkv, NB]` fp32 ranked scores
+    (+inf forced, -inf not allowed)."""
     B, H, R, D = query.shape
     NBcap = minmax.shape[3]
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
+    bits = codes is not None
     BLOCK_N = 64
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
-        query.contiguous(), minmax, _as_int8(forced), _as_int8(allowed), scores,
+        query.contiguous(), minmax, codes if bits else minmax, _as_int8(forced), _as_int8(allowed), scores,
         H, R, D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
+        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (minmax.dtype, query.dtype),
     )
     return scores
