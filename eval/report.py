@@ -34,7 +34,7 @@ from oasis_cache.compat import generate_cache_argument  # noqa: E402
 HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 
 
-def make_cache(model, mode: str, budget: int | None):
+def make_cache(model, mode: str, budget: int | None, **cache_options):
     """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
     (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches), "@bound" / "@bits" for the
     block scorer (default: the package's, bits)."""
@@ -47,7 +47,7 @@ def make_cache(model, mode: str, budget: int | None):
             "", "bits", "bound"):
         raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
                          "optionally with @bound or @bits (the block scorer)")
-    options = dict(exact=variant == "exact")
+    options = dict(exact=variant == "exact", **cache_options)
     if scorer:
         options["scorer"] = scorer
     if lookahead == "eagle3":
@@ -57,8 +57,8 @@ def make_cache(model, mode: str, budget: int | None):
     return OasisCache(model, token_budget=budget, lookahead=lookahead, **options)
 
 
-def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size):
-    """Generated token ids (lists) per sample, batches left-padded."""
+def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size, **cache_options):
+    """Generated token ids (lists) per sample, batches left-padded (`cache_options`: more OasisCache options)."""
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     outputs = []
@@ -66,7 +66,7 @@ def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batc
         batch = samples[i : i + batch_size]
         enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
         enc = {k: v.to(model.device) for k, v in enc.items()}
-        cache = make_cache(model, mode, budget)
+        cache = make_cache(model, mode, budget, **cache_options)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, **{generate_cache_argument(model): cache})
         outputs += out[:, enc["input_ids"].shape[1] :].tolist()

@@ -123,20 +123,20 @@ SCORERS = {
 
 
 @contextlib.contextmanager
-def scorer(name: str):
-    """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual); the mode to
-    run it with (a shipped scorer by name; the bound's summaries, unused, for a simulated one)."""
+def scorer(name: str, dense_layers=()):
+    """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual), and the
+    layers in `dense_layers` attend every block (their working set must hold them all: see `main`); yields the mode
+    to run (a shipped scorer by name; the bound's summaries, unused, for a simulated one)."""
     score_fn = SCORERS[name]
-    if score_fn is None:
-        yield f"none@{name}"
-        return
     shipped = OasisLayer._select
 
     def _select(layer, query, view, k):
         B, Hq, Qn, D = query.shape
         H, NB = layer.num_kv_heads, layer.pool.num_blocks
-        if NB <= k:
+        if NB <= k or layer.layer_idx in dense_layers:
             return all_blocks(view.allowed, H)
+        if score_fn is None:
+            return shipped(layer, query, view, k)
         keys = layer._cache.transfer.load_range(layer.pool, 0, NB)[0].float()  # [B, H, NB, T, D]
         scores = score_fn(query.reshape(B, H, -1, D).float(), keys)
         ranks = torch.where(view.forced[:, None], torch.inf, scores)
@@ -144,7 +144,7 @@ def scorer(name: str):
 
     OasisLayer._select = _select
     try:
-        yield "none@bound"
+        yield f"none@{name}" if score_fn is None else "none@bound"
     finally:
         OasisLayer._select = shipped
 
@@ -157,6 +157,8 @@ def main():
     parser.add_argument("--fraction", type=int, default=8, help="budget = length / fraction")
     parser.add_argument("--scorers", nargs="+", default=list(SCORERS), choices=list(SCORERS))
     parser.add_argument("--filler", default="pydoc")
+    parser.add_argument("--dense-layers", type=int, nargs="*", default=[],
+                        help="layers that attend every block (simulated: every layer's working set holds the context)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
@@ -173,9 +175,12 @@ def main():
     for task in args.tasks:
         samples = generate_samples(tokenizer, task, args.length, args.samples, filler=args.filler)
 
+        # Simulated dense layers need slots for every block (sparse layers still attend their top K only).
+        options = dict(num_slots=args.length // 16 + 64) if args.dense_layers else {}
+
         def answers(mode):
             outs = run_generation(model, tokenizer, samples, mode, None if mode == "dense" else budget,
-                                  args.max_new_tokens, args.batch_size)
+                                  args.max_new_tokens, args.batch_size, **({} if mode == "dense" else options))
             return outs, score_outputs(tokenizer, outs, samples)
 
         dense, dense_scores = answers("dense")
@@ -183,9 +188,10 @@ def main():
         rows.append(dict(task=task, scorer="dense", accuracy=sum(dense_scores) / len(samples), retention=1.0,
                          agreement=1.0, solved=solved))
         for name in args.scorers:
-            with scorer(name) as mode:
+            with scorer(name, set(args.dense_layers)) as mode:
                 outs, scores = answers(mode)
-            rows.append(dict(task=task, scorer=name, solved=solved, **against_dense(outs, scores, dense, dense_scores)))
+            rows.append(dict(task=task, scorer=name, dense_layers=args.dense_layers, solved=solved,
+                             **against_dense(outs, scores, dense, dense_scores)))
             print(json.dumps(rows[-1]), flush=True)
     meta = dict(
         command="python " + " ".join(sys.argv),
