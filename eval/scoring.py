@@ -15,7 +15,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
   head's keys (8 per token = as many values per block as min/max);
 - `quant1` / `quant2`: the exact max of q.k over keys quantized to 1 / 2 bits per channel within the block's
   min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16); `quant1` is what `bits` ships,
-  simulated here;
+  simulated here; `centroid1` / `centroid1_mid`: 1 bit per channel with the two levels at the means of the keys
+  above and below the block mean / the min-max midpoint (least-squares levels, same bytes as `bits`);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -99,6 +100,23 @@ def _quantized(q, keys, bits=2):
     return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
 
 
+def _centroids(q, keys, split="mean"):
+    """1 bit per token and channel as in `bits`, but each channel's two levels are the means of the keys on either
+    side of the split (the channel's block mean, or the midpoint of its min and max) instead of its min and max — the
+    least-squares 1-bit code (Lloyd-Max) at the same bytes: two values per channel and block, one bit per key."""
+    if split == "mean":
+        cut = keys.mean(-2, keepdim=True)
+    else:
+        cut = (keys.amin(-2, keepdim=True) + keys.amax(-2, keepdim=True)) / 2
+    high = keys > cut
+    n_high = high.sum(-2, keepdim=True)
+    n_low = keys.shape[-2] - n_high
+    mean_high = torch.where(high, keys, 0).sum(-2, keepdim=True) / n_high.clamp(min=1)
+    mean_low = torch.where(high, 0, keys).sum(-2, keepdim=True) / n_low.clamp(min=1)
+    approx = torch.where(high, mean_high, mean_low)
+    return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
+
+
 def _mass(q, keys):
     logits = torch.einsum("bhrd,bhntd->bhrnt", q, keys) / q.shape[-1] ** 0.5  # [B, H, R, NB, T]
     return torch.softmax(logits.flatten(-2), -1).view_as(logits).sum(-1).sum(2)
@@ -116,6 +134,8 @@ SCORERS = {
     "low_rank16": lambda q, keys: _low_rank(q, keys, rank=16),
     "quant1": lambda q, keys: _quantized(q, keys, bits=1),
     "quant2": _quantized,
+    "centroid1": _centroids,
+    "centroid1_mid": lambda q, keys: _centroids(q, keys, split="mid"),
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,

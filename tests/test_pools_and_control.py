@@ -97,21 +97,28 @@ def summaries_of(keys: torch.Tensor, scorer: str) -> BlockSummaries:
     return s
 
 
+def coarse_keys(keys: torch.Tensor) -> torch.Tensor:
+    """`[..., T, D]` -> each channel replaced by the mean of the block's values on its side of the block mean."""
+    above = keys > keys.mean(dim=-2, keepdim=True)
+    high = (keys * above).sum(-2, keepdim=True) / above.sum(-2, keepdim=True).clamp(min=1)
+    low = (keys * ~above).sum(-2, keepdim=True) / (~above).sum(-2, keepdim=True)
+    return torch.where(above, high, low)
+
+
 def test_bits_score_is_the_best_coarse_key_of_each_block():
-    """Each channel snapped to the block's min or max by the nearer end; the block's score is its best token, never
-    above the bound; with two tokens per block the coarse keys are the keys themselves (so the score is exact)."""
+    """Each channel coded by whether the key lies above the block mean and read back as the mean of its side; the
+    block's score is its best token, never above the bound; with two tokens per block the coarse keys are the keys
+    themselves (so the score is exact)."""
     torch.manual_seed(0)
     B, H, R, NB, T, D = 2, 3, 4, 5, 16, 8
     keys = torch.randn(B, H, NB, T, D)
     query = torch.randn(B, H, R, D)
     s = summaries_of(keys, "bits")
-    kmin, kmax = s.view()
-    coarse = torch.where(2 * keys > (kmin + kmax)[:, :, :, None], kmax[:, :, :, None], kmin[:, :, :, None])
-    expected = torch.einsum("bhrd,bhntd->bhrnt", query, coarse).amax(dim=(2, 4))
+    expected = torch.einsum("bhrd,bhntd->bhrnt", query, coarse_keys(keys)).amax(dim=(2, 4))
     no_forced, all_allowed = torch.zeros(B, NB, dtype=torch.bool), torch.ones(B, NB, dtype=torch.bool)
     got = rank_blocks(query, s, no_forced, all_allowed, T)
     torch.testing.assert_close(got, expected)
-    assert (got <= score_blocks(query, kmin, kmax) + 1e-5).all()
+    assert (got <= score_blocks(query, keys.amin(dim=3), keys.amax(dim=3)) + 1e-5).all()
     pairs = keys[:, :, :, :2]
     got = rank_blocks(query, summaries_of(pairs, "bits"), no_forced, all_allowed, 2)
     torch.testing.assert_close(got, torch.einsum("bhrd,bhntd->bhrnt", query, pairs).amax(dim=(2, 4)))
@@ -212,16 +219,25 @@ def test_summaries_grow_and_truncate():
 def test_key_bits_follow_growth_truncation_and_batch_reorder():
     B, H, T, D = 3, 2, 16, 5
     blocks = torch.randn(B, H, 90, T, D)
+    blocks[0, 0, 3] = 1.5  # a block of equal keys: no key above the mean, both levels equal
     s = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True)
     for start in (0, 30, 80):  # grows past the first capacity (64 blocks)
         s.append(blocks[:, :, start : start + (30 if start < 60 else 10)])
     s.truncate(60)
     s.append(blocks[:, :, 60:90])
     assert s.num_blocks == 90 and s.codes.shape[2] >= 90
-    kmin, kmax = blocks.amin(dim=3), blocks.amax(dim=3)
-    nearer_max = 2 * blocks > (kmin + kmax)[:, :, :, None]
-    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), nearer_max)
+    above = blocks > blocks.mean(dim=3, keepdim=True)
+    coarse = coarse_keys(blocks)
+    low, high = s.view()
+
+    def decoded():
+        return torch.where(unpack_key_bits(s.codes[:, :, :90], T), high[:, :, :, None], low[:, :, :, None])
+
+    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), above)
+    torch.testing.assert_close(decoded(), coarse)
     order = torch.tensor([2, 0, 0])
     s.index_batch(order)
-    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), nearer_max[order])
-    assert s.nbytes == s.minmax.numel() * 4 + s.codes.numel()
+    low, high = s.view()
+    assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), above[order])
+    torch.testing.assert_close(decoded(), coarse[order])
+    assert s.nbytes == s.levels.numel() * 4 + s.codes.numel()

@@ -107,8 +107,11 @@ def test_host_pool_holds_exactly_the_models_kv(monkeypatch):
         T, NB = cache.config.block_size, layer.pool.num_blocks
         assert NB == (150 + 29) // T
         blocks = keys[:, :, : NB * T].reshape(2, layer.num_kv_heads, NB, T, -1)
-        kmin, kmax = layer.summaries.view()
-        assert torch.equal(kmin, blocks.amin(dim=3)) and torch.equal(kmax, blocks.amax(dim=3))
+        low, high = layer.summaries.view()  # the bits scorer's levels: means of the keys below / above the block mean
+        above = blocks > blocks.mean(dim=3, keepdim=True)
+        torch.testing.assert_close(high, ((blocks * above).sum(3) / above.sum(3).clamp(min=1)).where(
+            above.any(3), low))
+        torch.testing.assert_close(low, (blocks * ~above).sum(3) / (~above).sum(3))
 
 
 def test_slot_map_stays_consistent_during_decode(monkeypatch):
@@ -141,8 +144,8 @@ def test_slot_map_stays_consistent_during_decode(monkeypatch):
 @pytest.mark.parametrize("scorer", ["bits", "bound"])
 def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
     """Each decode step attends the sink and recent blocks plus the best others by the scorer, recomputed here from
-    the pooled keys: the bound (relu(q).kmax + min(q,0).kmin) or the best coarse key (channels snapped to the
-    block's min or max by the nearer end), maximised over the KV head's query rows."""
+    the pooled keys: the bound (relu(q).kmax + min(q,0).kmin) or the best coarse key (each channel the mean of the
+    block's values on its side of the block mean), maximised over the KV head's query rows."""
     model = tiny_model("qwen3")
     cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer)
     cache.record_selection = True
@@ -160,7 +163,10 @@ def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
         q = call["query"].reshape(B, H, -1, blocks.shape[-1]).double()  # [B, H, G, D]
         kmin, kmax = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
         if scorer == "bits":
-            coarse = torch.where(2 * blocks > kmin + kmax, kmax, kmin)
+            above = blocks > blocks.mean(dim=3, keepdim=True)
+            high = (blocks * above).sum(3, keepdim=True) / above.sum(3, keepdim=True).clamp(min=1)
+            low = (blocks * ~above).sum(3, keepdim=True) / (~above).sum(3, keepdim=True)
+            coarse = torch.where(above, high, low)
             scores = torch.einsum("bhgd,bhntd->bhgnt", q, coarse).amax(dim=(2, 4))
         else:
             bound = q.clamp(min=0)[:, :, :, None] * kmax[:, :, None, :, 0] + q.clamp(max=0)[:, :, :, None] * kmin[

@@ -6,9 +6,10 @@ tokens: a block is selected if any of them may need it):
 - "bound" (Quest, arXiv:2406.10774): for a block with elementwise key minimum `kmin` and maximum `kmax`, and any key
   k in it, q.k <= sum_d max(q_d * kmin_d, q_d * kmax_d) = relu(q).kmax + min(q, 0).kmin — two matrix products. An
   upper bound: a block of keys spread over many channels ranks high though none of its keys is near q.
-- "bits": each key is snapped, channel by channel, to its block's min or max (1 bit per channel, the summaries'
-  `codes`); a block scores the best q.(coarse key) over its tokens. Close to the exact max of q.k per block, which
-  keeps dense attention's answers where the bound does not (docs/perf.md, "block scorers").
+- "bits": each key is coded with 1 bit per channel (above or below its block's mean; `pools.summaries`) and read
+  back as the mean of the keys on its side; a block scores the best q.(coarse key) over its tokens. It ranks like
+  the exact max of q.k per block, which keeps dense attention's answers where the bound does not (docs/perf.md,
+  "block scorers").
 
 Forced blocks (sink, recent) rank +inf, blocks without a visible token -inf.
 """
@@ -37,25 +38,26 @@ def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     return bound.amax(dim=2)
 
 
-def score_blocks_bits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, codes: torch.Tensor,
+def score_blocks_bits(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor, codes: torch.Tensor,
                       block_size: int, chunk_blocks: int = 512) -> torch.Tensor:
     """Best q.(coarse key) per block, maximised over the rows that share a KV head.
 
     Args:
         query: `[B, Hkv, R, D]`.
-        kmin, kmax: `[B, Hkv, NB, D]`; codes: `[B, Hkv, NB, ceil(T/8), D]` uint8 (`pools.summaries`).
+        low, high: `[B, Hkv, NB, D]` the two levels of each channel; codes: `[B, Hkv, NB, ceil(T/8), D]` uint8
+            (`pools.summaries`).
         chunk_blocks: blocks expanded at a time (the coarse keys of a chunk, `[B, Hkv, chunk, T, D]` fp32, are the
             only large temporary).
     Returns:
         `[B, Hkv, NB]` float32.
     """
     q = query.float()
-    NB = kmin.shape[2]
+    NB = low.shape[2]
     scores = []
     for start in range(0, NB, chunk_blocks):
         end = min(NB, start + chunk_blocks)
         bits = unpack_key_bits(codes[:, :, start:end], block_size)  # [B, Hkv, n, T, D]
-        coarse = torch.where(bits, kmax[:, :, start:end, None].float(), kmin[:, :, start:end, None].float())
+        coarse = torch.where(bits, high[:, :, start:end, None].float(), low[:, :, start:end, None].float())
         per_token = torch.matmul(q, coarse.flatten(2, 3).transpose(-1, -2))  # [B, Hkv, R, n*T]
         scores.append(per_token.unflatten(-1, (end - start, block_size)).amax(dim=-1).amax(dim=2))
     return torch.cat(scores, dim=-1) if scores else q.new_zeros((*q.shape[:2], 0))
@@ -75,12 +77,12 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
-        return block_scores(query, summaries.minmax, NB, forced, allowed, summaries.codes, block_size)
-    kmin, kmax = summaries.view()
+        return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size)
+    low, high = summaries.view()
     if summaries.codes is None:
-        scores = score_blocks(query, kmin, kmax)
+        scores = score_blocks(query, low, high)
     else:
-        scores = score_blocks_bits(query, kmin, kmax, summaries.codes[:, :, :NB], block_size)
+        scores = score_blocks_bits(query, low, high, summaries.codes[:, :, :NB], block_size)
     ranked = torch.where(forced[:, None], torch.inf, scores)
     return torch.where(allowed[:, None], ranked, -torch.inf)
 

@@ -2,13 +2,13 @@
 visible token at -inf (what `control.selection` computes in several ops). Two scorers (see `control.selection`):
 
     bound  relu(q) . kmax + min(q, 0) . kmin, fp32 accumulation (exact products for bf16/fp16 keys)
-    bits   max over the block's tokens t of q . where(bit(t), kmax, kmin): one matrix product per token position,
+    bits   max over the block's tokens t of q . where(bit(t), high, low): one matrix product per token position,
            on TF32 tensor cores for bf16/fp16 keys and queries (their values are exact in TF32, so are the products;
            fp32 accumulation), IEEE fp32 for fp32 keys
 
 Shapes and strides (contiguous unless said; element type E = keys' dtype, scores fp32):
     query        `[BH, R, D]`                  R = G * Qn query rows of each (sequence, KV head)
-    minmax       `[2, BH, NBcap, D]`           0 = kmin, 1 = kmax; blocks [0, NB) used
+    levels       `[2, BH, NBcap, D]`           bound: 0 = kmin, 1 = kmax; bits: the two levels; blocks [0, NB) used
     codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
     forced       `[B, NB]` int8                allowed `[B, NB]` int8
     scores (out) `[BH, NB]` fp32
@@ -27,7 +27,7 @@ if triton is not None:
     @triton.jit
     def _block_scores_kernel(
         query,
-        minmax,
+        levels,
         codes,
         forced,
         allowed,
@@ -54,12 +54,12 @@ if triton is not None:
         q_mask = (rows[:, None] < R) & (dims[None, :] < D)
         q = tl.load(query + (bh * R + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0).to(tl.float32)
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
-        kmin = tl.load(minmax + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
-        kmax = tl.load(minmax + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
-        kmin, kmax = kmin.to(tl.float32), kmax.to(tl.float32)
+        low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
+        high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
+        low, high = low.to(tl.float32), high.to(tl.float32)
         if TOKENS == 0:
-            score = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision="ieee")
-            score += tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), input_precision="ieee")
+            score = tl.dot(tl.maximum(q, 0.0), tl.trans(high), input_precision="ieee")
+            score += tl.dot(tl.minimum(q, 0.0), tl.trans(low), input_precision="ieee")
         else:
             BYTES: tl.constexpr = (TOKENS + 7) // 8
             score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
@@ -68,7 +68,7 @@ if triton is not None:
                                mask=kv_mask, other=0)
                 for bit in tl.static_range(8):
                     if byte * 8 + bit < TOKENS:
-                        coarse = tl.where(((code >> bit) & 1) != 0, kmax, kmin)  # [BLOCK_N, D_POW2]
+                        coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
                         if IEEE:
                             token = tl.dot(q, tl.trans(coarse), input_precision="ieee")
                         else:
@@ -88,21 +88,21 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
     return mask.contiguous().view(torch.int8)
 
 
-def block_scores(query: torch.Tensor, minmax: torch.Tensor, num_blocks: int, forced: torch.Tensor,
+def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16) -> torch.Tensor:
-    """`query` `[B, Hkv, R, D]`, `minmax` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
+    """`query` `[B, Hkv, R, D]`, `levels` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
     `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer) -> `[B, Hkv, NB]` fp32 ranked scores
     (+inf forced, -inf not allowed)."""
     B, H, R, D = query.shape
-    NBcap = minmax.shape[3]
+    NBcap = levels.shape[3]
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
     bits = codes is not None
     BLOCK_N = 64
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
-        query.contiguous(), minmax, codes if bits else minmax, _as_int8(forced), _as_int8(allowed), scores,
+        query.contiguous(), levels, codes if bits else levels, _as_int8(forced), _as_int8(allowed), scores,
         H, R, D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (minmax.dtype, query.dtype),
+        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
     )
     return scores

@@ -1,13 +1,17 @@
 """The summary pool: per complete block, what selection ranks it by, kept on the compute device. Keys are as cached
-(after RoPE).
+(after RoPE). Two kinds, one per scorer (`control.selection`):
 
-`minmax`: `[2, B, Hkv, NBcap, D]` (0 = min, 1 = max), the elementwise min and max of the block's keys; they bound
-    q.k over the block from above (the "bound" scorer, `control.selection`).
-`codes`: `[B, Hkv, NBcap, ceil(T/8), D]` uint8, only with `key_bits=True` (the "bits" scorer): one bit per token and
-    key channel, set when the key is nearer the block's max than its min in that channel (2k > kmin + kmax). Bit
-    `t % 8` of byte `t // 8` is token t. Snapping every channel to its block's min or max gives a coarse copy of each
-    key, so a block can be ranked by the best q.(coarse key) of its tokens instead of a bound over all of them.
-    T*D/8 bytes per block and KV head: half of `minmax` in bf16.
+bound (`key_bits=False`):
+    `levels` `[2, B, Hkv, NBcap, D]`: the elementwise min (0) and max (1) of the block's keys; they bound q.k over
+    the block from above.
+bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
+    `codes` `[B, Hkv, NBcap, ceil(T/8), D]` uint8: bit `t % 8` of byte `t // 8` is set when token t's key lies above
+        the block's mean key in that channel.
+    `levels` `[2, B, Hkv, NBcap, D]`: per channel, the mean of the keys below or at the block mean (0) and of those
+        above it (1) — the least-squares levels of a 1-bit code (Lloyd-Max), which measured far better than
+        snapping to the min and max (docs/perf.md). A channel with no key above its mean has both levels equal.
+    Token t's coarse key is `where(bit, levels[1], levels[0])`. T*D/8 more bytes per block and KV head than the
+    bound: half of `levels` in bf16.
 
 Blocks [0, num_blocks) are valid. Capacity grows by a quarter (at least 64 blocks) when full: the pool costs about
 2/T of the keys' size (1/16 of K+V at T=16; 3/32 with codes at bf16), with at most 25% slack, and is reallocated
@@ -19,26 +23,37 @@ from __future__ import annotations
 import torch
 
 
-def pack_key_bits(key_blocks: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """`key_blocks` `[..., T, D]`, `kmin`/`kmax` `[..., D]` -> codes `[..., ceil(T/8), D]` uint8 (see module doc)."""
-    *lead, T, D = key_blocks.shape
-    nearer_max = 2 * key_blocks.float() > (kmin.float() + kmax.float()).unsqueeze(-2)  # [..., T, D]
-    padded = torch.zeros((*lead, -(-T // 8) * 8, D), dtype=torch.uint8, device=key_blocks.device)
-    padded[..., :T, :] = nearer_max
-    weights = (1 << torch.arange(8, device=key_blocks.device)).to(torch.uint8)[:, None]  # [8, 1]
+def pack_key_bits(above: torch.Tensor) -> torch.Tensor:
+    """`above` `[..., T, D]` bool -> codes `[..., ceil(T/8), D]` uint8 (bit t % 8 of byte t // 8 is token t)."""
+    *lead, T, D = above.shape
+    padded = torch.zeros((*lead, -(-T // 8) * 8, D), dtype=torch.uint8, device=above.device)
+    padded[..., :T, :] = above
+    weights = (1 << torch.arange(8, device=above.device)).to(torch.uint8)[:, None]  # [8, 1]
     return (padded.view(*lead, -1, 8, D) * weights).sum(dim=-2, dtype=torch.uint8)
 
 
 def unpack_key_bits(codes: torch.Tensor, block_size: int) -> torch.Tensor:
-    """codes `[..., ceil(T/8), D]` uint8 -> `[..., T, D]` bool (token t's channels nearer the block's max)."""
+    """codes `[..., ceil(T/8), D]` uint8 -> `[..., T, D]` bool."""
     shifts = torch.arange(8, device=codes.device, dtype=torch.uint8)[:, None]  # [8, 1]
     bits = (codes.unsqueeze(-2) >> shifts) & 1  # [..., ceil(T/8), 8, D]
     return bits.flatten(-3, -2)[..., :block_size, :].bool()
 
 
+def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`key_blocks` `[..., T, D]` -> `(above [..., T, D] bool, low [..., D] fp32, high [..., D] fp32)`: which keys lie
+    above their block's mean in each channel, and the mean of the keys on each side."""
+    keys = key_blocks.float()
+    above = keys > keys.mean(dim=-2, keepdim=True)
+    n_above = above.sum(dim=-2)
+    total, high_sum = keys.sum(dim=-2), torch.where(above, keys, 0.0).sum(dim=-2)
+    low = (total - high_sum) / (keys.shape[-2] - n_above)  # at least one key is not above the mean
+    high = torch.where(n_above > 0, high_sum / n_above.clamp(min=1), low)
+    return above, low, high
+
+
 class BlockSummaries:
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool):
-        self.minmax = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.levels = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.codes = (
             torch.empty((batch_size, num_kv_heads, 0, -(-block_size // 8), head_dim), dtype=torch.uint8, device=device)
             if key_bits else None
@@ -47,7 +62,7 @@ class BlockSummaries:
 
     @property
     def capacity_blocks(self) -> int:
-        return self.minmax.shape[3]
+        return self.levels.shape[3]
 
     def append(self, key_blocks: torch.Tensor) -> None:
         """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device."""
@@ -55,14 +70,16 @@ class BlockSummaries:
         end = self.num_blocks + n
         if end > self.capacity_blocks:
             capacity = max(end, self.capacity_blocks * 5 // 4, self.capacity_blocks + 64)
-            self.minmax = self._grown(self.minmax, 3, capacity)
+            self.levels = self._grown(self.levels, 3, capacity)
             if self.codes is not None:
                 self.codes = self._grown(self.codes, 2, capacity)
-        kmin, kmax = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
-        self.minmax[0, :, :, self.num_blocks : end] = kmin
-        self.minmax[1, :, :, self.num_blocks : end] = kmax
-        if self.codes is not None:
-            self.codes[:, :, self.num_blocks : end] = pack_key_bits(key_blocks, kmin, kmax)
+        if self.codes is None:
+            low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
+        else:
+            above, low, high = one_bit_code(key_blocks)
+            self.codes[:, :, self.num_blocks : end] = pack_key_bits(above)
+        self.levels[0, :, :, self.num_blocks : end] = low
+        self.levels[1, :, :, self.num_blocks : end] = high
         self.num_blocks = end
 
     def _grown(self, pool: torch.Tensor, block_dim: int, capacity: int) -> torch.Tensor:
@@ -73,18 +90,18 @@ class BlockSummaries:
         return grown
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(kmin, kmax)`, each `[B, Hkv, NB, D]`."""
-        return self.minmax[0, :, :, : self.num_blocks], self.minmax[1, :, :, : self.num_blocks]
+        """`(levels[0], levels[1])` of the valid blocks, each `[B, Hkv, NB, D]` (the min and max for the bound)."""
+        return self.levels[0, :, :, : self.num_blocks], self.levels[1, :, :, : self.num_blocks]
 
     def truncate(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
     def index_batch(self, indices: torch.Tensor) -> None:
-        self.minmax = self.minmax.index_select(1, indices.to(self.minmax.device))
+        self.levels = self.levels.index_select(1, indices.to(self.levels.device))
         if self.codes is not None:
             self.codes = self.codes.index_select(0, indices.to(self.codes.device))
 
     @property
     def nbytes(self) -> int:
         codes = 0 if self.codes is None else self.codes.numel()
-        return self.minmax.numel() * self.minmax.element_size() + codes
+        return self.levels.numel() * self.levels.element_size() + codes
