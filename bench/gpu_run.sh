@@ -11,6 +11,8 @@
 #   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
 #   report8k  eval/report.py at 8K: needle, passkey, multikey tasks, budgets 1/8 and 1/16, NLL over 8K
 #   noise     eval/report.py at 4K on RULER's noise filler (where SmolLM2 finds the needle), budget 1/8, NLL over 8K
+#   full      the README's quality run: six tasks x 48 samples (288 documents) at 4K on the noise filler, budget 1/8,
+#             every mode and the bound scorer, NLL over 8K; budgets  the same at 1/4, 1/8, 1/16 for two tasks
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, none, previous, eagle3 (the ride-along's cost)
@@ -39,6 +41,8 @@ save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis
     report) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking frequent_words --lengths 4096 --samples 32 --batch-size 16 --fractions 8 --modes none none@bound previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2-4k.json" 2>&1 | grep -v Warning | tee "$OUT/report-4k.log" | tail -45 ;;
     report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
     noise) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-noise.json" 2>&1 | grep -v Warning | tee "$OUT/report-noise.log" | tail -20 ;;
+    full) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-full.json" 2>&1 | grep -v Warning | tee "$OUT/report-full.log" | tail -40 ;;
+    budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bound quant1 max --out "$OUT/scoring-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     scorers) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     eagle3) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("lm_eval", reason="lm-eval is a test extra: pip install -e '.[test]'")
 
 from eval.lm_eval_tasks.build import build  # noqa: E402
+from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.loaders import load_smollm2  # noqa: E402
 from oasis_cache.loaders.smollm2 import DEFAULT_CACHE_DIR  # noqa: E402
 
@@ -38,5 +39,12 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
     hf, hf_out = run(tmp_path, "hf", f"pretrained={DEFAULT_CACHE_DIR},dtype=float32", "hf")
     assert 0.0 <= oasis["string_match_all,none"] <= 1.0
     assert oasis_out == hf_out  # budget >= context: the same generations as HF's own model
-    sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256", "sparse")
+    import oasis_cache.integrations.lm_eval as integration
+
+    made = []
+    monkeypatch.setattr(integration, "OasisCache", lambda model, **options: made.append(options) or OasisCache(
+        model, **options))
+    sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256,scorer=bound,exact=True,lookahead=previous",
+                    "sparse")
     assert "string_match_all,none" in sparse
+    assert made and all(o == dict(token_budget=256, scorer="bound", exact=True, lookahead="previous") for o in made)
