@@ -15,6 +15,7 @@
 #             every mode and the bound scorer, NLL over 8K; budgets  the same at 1/4, 1/8, 1/16 for two tasks
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
+#   scorekernel  bench/score_kernel.py: the scoring kernel's variants timed at 32K x 4 and 128K x 1
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, none, previous, eagle3 (the ride-along's cost)
 # Logs and JSON under $OUT (at most 8 files come back).
 set -uo pipefail
@@ -43,6 +44,7 @@ save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis
     noise) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-noise.json" 2>&1 | grep -v Warning | tee "$OUT/report-noise.log" | tail -20 ;;
     full) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-full.json" 2>&1 | grep -v Warning | tee "$OUT/report-full.log" | tail -40 ;;
     budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
+    scorekernel) { python3 bench/score_kernel.py; python3 bench/score_kernel.py --batch 1 --blocks 8192; } 2>&1 | grep -v Warning | tee "$OUT/score-kernel.log" ;;
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bound quant1 max --out "$OUT/scoring-smollm2.json" 2>&1 | grep -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     scorers) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     eagle3) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;

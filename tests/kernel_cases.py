@@ -68,9 +68,13 @@ def check_scores(B, H, R, D, NB, T, dtype, scorer, device) -> bool:
     allowed = torch.rand(B, NB, generator=g) < 0.9
     expected = rank_blocks(query.float(), summaries, forced, allowed, T)
     codes = None if summaries.codes is None else summaries.codes.to(device)
-    got = block_scores(query.to(device), summaries.levels.to(device), NB, forced.to(device), allowed.to(device),
-                       codes, T).cpu()
-    return torch.equal(torch.isinf(got), torch.isinf(expected)) and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)
+    for per_program, one_dot in ((64, False), (16, False), (16, True)):
+        got = block_scores(query.to(device), summaries.levels.to(device), NB, forced.to(device), allowed.to(device),
+                           codes, T, per_program, one_dot=one_dot).cpu()
+        if not (torch.equal(torch.isinf(got), torch.isinf(expected))
+                and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)):
+            return False
+    return True
 
 
 # (B, Hkv, S, K, NB, steps, max_fetch)

@@ -43,6 +43,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
+        ONE_DOT: tl.constexpr,  # bits: one product over all BLOCK_N x TOKENS coarse keys (else one per token)
     ):
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -60,6 +61,19 @@ if triton is not None:
         if TOKENS == 0:
             score = tl.dot(tl.maximum(q, 0.0), tl.trans(high), input_precision="ieee")
             score += tl.dot(tl.minimum(q, 0.0), tl.trans(low), input_precision="ieee")
+        elif ONE_DOT:
+            BYTES: tl.constexpr = (TOKENS + 7) // 8
+            toks = tl.arange(0, TOKENS)
+            code = tl.load(codes + ((bh * NBcap + blocks[:, None, None]) * BYTES + (toks // 8)[None, :, None]) * D
+                           + dims[None, None, :], mask=kv_mask[:, None, :], other=0)  # [BLOCK_N, TOKENS, D_POW2]
+            bit = (code.to(tl.int32) >> (toks % 8)[None, :, None]) & 1
+            coarse = tl.where(bit != 0, high[:, None, :], low[:, None, :])
+            coarse = tl.reshape(coarse, (BLOCK_N * TOKENS, D_POW2))
+            if IEEE:
+                token = tl.dot(q, tl.trans(coarse), input_precision="ieee")  # [R_POW2, BLOCK_N * TOKENS]
+            else:
+                token = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+            score = tl.max(tl.reshape(token, (R_POW2, BLOCK_N, TOKENS)), axis=2)
         else:
             BYTES: tl.constexpr = (TOKENS + 7) // 8
             score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
@@ -89,20 +103,24 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 
 
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
-                 allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16) -> torch.Tensor:
+                 allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
+                 blocks_per_program: int = 64, num_warps: int = 4, one_dot: bool = False) -> torch.Tensor:
     """`query` `[B, Hkv, R, D]`, `levels` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
     `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer) -> `[B, Hkv, NB]` fp32 ranked scores
-    (+inf forced, -inf not allowed)."""
+    (+inf forced, -inf not allowed). `blocks_per_program` (a power of two >= 16), `num_warps` and `one_dot` (bits:
+    one product over a program's coarse keys instead of one per token position) are tuning knobs
+    (`bench/score_kernel.py` times them)."""
     B, H, R, D = query.shape
     NBcap = levels.shape[3]
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
     bits = codes is not None
-    BLOCK_N = 64
+    BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
         query.contiguous(), levels, codes if bits else levels, _as_int8(forced), _as_int8(allowed), scores,
         H, R, D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
+        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), ONE_DOT=one_dot,
+        num_warps=num_warps,
     )
     return scores

@@ -1,0 +1,76 @@
+"""Block-scoring kernel timing: the `bits` and `bound` scorers at a decode step's shape, by blocks per program and
+warps, against the plain-PyTorch scorer. One (sequence, KV head) row per query group, medians of CUDA-event timings.
+
+    python bench/score_kernel.py                       # Qwen3-8B shape, 32K x 4: B 4, Hkv 8, G 4, D 128, NB 2048
+    python bench/score_kernel.py --batch 1 --blocks 8192   # 128K x 1
+
+Prints one line per configuration (microseconds per call; per decode step multiply by the layers, e.g. 36).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from oasis_cache.control import rank_blocks  # noqa: E402
+from oasis_cache.kernels.block_scores import block_scores  # noqa: E402
+from oasis_cache.pools import BlockSummaries  # noqa: E402
+
+
+def time_us(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4, help="query rows per KV head (G x query tokens)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    B, H, R, D, NB, T = args.batch, args.kv_heads, args.group, args.head_dim, args.blocks, 16
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    keys = torch.randn(B, H, NB, T, D, device=device, dtype=torch.bfloat16)
+    query = torch.randn(B, H, R, D, device=device, dtype=torch.bfloat16)
+    forced = torch.zeros(B, NB, dtype=torch.bool, device=device)
+    allowed = torch.ones(B, NB, dtype=torch.bool, device=device)
+    print(f"B {B}, Hkv {H}, rows {R}, D {D}, blocks {NB}; microseconds per call, median of {args.repeats}")
+    for scorer in ("bound", "bits"):
+        s = BlockSummaries(B, H, D, torch.bfloat16, device, T, key_bits=scorer == "bits")
+        s.append(keys)
+        reference = rank_blocks(query, s, forced, allowed, T)
+        us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
+        print(f"{scorer:6} torch                    {us:9.1f}")
+        for one_dot in ((False, True) if scorer == "bits" else (False,)):
+            for per_program in (16, 32, 64):
+                for warps in (2, 4, 8):
+                    def call():
+                        return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
+                                            one_dot)
+                    ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
+                    us = time_us(call, args.repeats)
+                    print(f"{scorer:6} {'one dot ' if one_dot else ''}{per_program:3} blocks/program {warps} warps "
+                          f"{us:9.1f}{'' if ok else '  MISMATCH'}")
+
+
+if __name__ == "__main__":
+    main()
