@@ -1,5 +1,5 @@
 """Block-scoring kernel timing: the `bits` and `bound` scorers at a decode step's shape, by blocks per program and
-warps, against the plain-PyTorch scorer. One (sequence, KV head) row per query group, medians of CUDA-event timings.
+warps, against the plain-PyTorch scorer; medians of CUDA-event timings.
 
     python bench/score_kernel.py                       # Qwen3-8B shape, 32K x 4: B 4, Hkv 8, G 4, D 128, NB 2048
     python bench/score_kernel.py --batch 1 --blocks 8192   # 128K x 1
@@ -50,7 +50,7 @@ def main():
     device = torch.device("cuda")
     torch.manual_seed(0)
     keys = torch.randn(B, H, NB, T, D, device=device, dtype=torch.bfloat16)
-    query = torch.randn(B, H, R, D, device=device, dtype=torch.bfloat16)
+    query = torch.randn(B, H * R, 1, D, device=device, dtype=torch.bfloat16)  # one decode token, G = R heads per KV head
     forced = torch.zeros(B, NB, dtype=torch.bool, device=device)
     allowed = torch.ones(B, NB, dtype=torch.bool, device=device)
     print(f"B {B}, Hkv {H}, rows {R}, D {D}, blocks {NB}; microseconds per call, median of {args.repeats}")

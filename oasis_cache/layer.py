@@ -185,12 +185,11 @@ class OasisLayer(CacheLayerMixin):
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""
-        B, Hq, Qn, D = query.shape
         H, NB = self.num_kv_heads, self.pool.num_blocks
         if NB <= k:
             return all_blocks(view.allowed, H)
-        ranks = rank_blocks(query.reshape(B, H, -1, D), self.summaries, view.forced, view.allowed,
-                            self.config.block_size, use_kernel=self.use_kernels)
+        ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
+                            use_kernel=self.use_kernels)
         return top_blocks(ranks, k)
 
     def _attend_sparse(self, query, visible, scale):

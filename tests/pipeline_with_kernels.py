@@ -11,7 +11,7 @@ from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
 from oasis_cache.layer import OasisLayer
 
-from conftest import dense_cache, generate, left_padded, tiny_model
+from conftest import dense_cache, generate, left_padded, random_head, tiny_model
 
 
 def main():
@@ -46,7 +46,17 @@ def main():
         ref = block_masked_attention(query, keys, values, sel, visible, 16, scale)
         sparse_ok &= torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     print("sparse decode equals masked reference:", sparse_ok, f"({len(calls)} layer steps)")
-    sys.exit(0 if ok and sparse_ok else 1)
+
+    # A riding draft row: the kernels read the real and draft rows as strided slices of the two-row queries; with
+    # exact, the real rows' choice is attended, so the tokens are those of lookahead="none".
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    small = dict(token_budget=64, sink_tokens=16, recent_tokens=16, backend="triton")
+    none = generate(model, OasisCache(model, **small), inputs, **kw)
+    ridden = generate(model, OasisCache(model, lookahead="eagle3", exact=True, draft=random_head(model), **small),
+                      inputs, **kw)
+    ride_ok = torch.equal(none.sequences, ridden.sequences)
+    print("eagle3 exact equals none:", ride_ok)
+    sys.exit(0 if ok and sparse_ok and ride_ok else 1)
 
 
 if __name__ == "__main__":

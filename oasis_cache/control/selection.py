@@ -68,7 +68,7 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
     """Ranking scores `[B, Hkv, NB]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
 
     Args:
-        query: `[B, Hkv, R, D]`.
+        query: `[B, Hq, Qn, D]`, possibly a strided slice of a forward's queries (the kernel reads it in place).
         summaries: a `pools.BlockSummaries` (its `codes` present: the "bits" scorer; absent: the "bound").
         forced, allowed: `[B, NB]` bool.
         use_kernel: one Triton launch (CUDA) instead of the plain-PyTorch ops.
@@ -78,6 +78,8 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         from ..kernels.block_scores import block_scores
 
         return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size)
+    B, Hq, Qn, D = query.shape
+    query = query.reshape(B, summaries.levels.shape[2], -1, D)  # [B, Hkv, R = G * Qn, D]
     low, high = summaries.view()
     if summaries.codes is None:
         scores = score_blocks(query, low, high)

@@ -7,7 +7,7 @@ visible token at -inf (what `control.selection` computes in several ops). Two sc
            fp32 accumulation), IEEE fp32 for fp32 keys
 
 Shapes and strides (contiguous unless said; element type E = keys' dtype, scores fp32):
-    query        `[BH, R, D]`                  R = G * Qn query rows of each (sequence, KV head)
+    query        `[B, Hq, Qn, D]`, any strides  row r = g * Qn + i of KV head h is query head h * G + g, token i
     levels       `[2, BH, NBcap, D]`           bound: 0 = kmin, 1 = kmax; bits: the two levels; blocks [0, NB) used
     codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
     forced       `[B, NB]` int8                allowed `[B, NB]` int8
@@ -33,7 +33,12 @@ if triton is not None:
         allowed,
         scores,
         H,
-        R,
+        G,
+        QN,
+        stride_b,
+        stride_h,
+        stride_q,
+        stride_d,
         D,
         NB,
         NBcap,
@@ -48,12 +53,15 @@ if triton is not None:
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
         b = bh // H
+        R = G * QN
         rows = tl.arange(0, R_POW2)
         dims = tl.arange(0, D_POW2)
         blocks = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         in_blocks = blocks < NB
         q_mask = (rows[:, None] < R) & (dims[None, :] < D)
-        q = tl.load(query + (bh * R + rows[:, None]) * D + dims[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        heads = (bh % H) * G + rows // QN
+        q = tl.load(query + b * stride_b + heads[:, None] * stride_h + (rows % QN)[:, None] * stride_q
+                    + dims[None, :] * stride_d, mask=q_mask, other=0.0).to(tl.float32)
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
         low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
@@ -105,20 +113,21 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
                  blocks_per_program: int = 64, num_warps: int = 4, one_dot: bool = False) -> torch.Tensor:
-    """`query` `[B, Hkv, R, D]`, `levels` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
+    """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
     `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer) -> `[B, Hkv, NB]` fp32 ranked scores
     (+inf forced, -inf not allowed). `blocks_per_program` (a power of two >= 16), `num_warps` and `one_dot` (bits:
     one product over a program's coarse keys instead of one per token position) are tuning knobs
     (`bench/score_kernel.py` times them)."""
-    B, H, R, D = query.shape
-    NBcap = levels.shape[3]
+    B, Hq, Qn, D = query.shape
+    H, NBcap = levels.shape[2], levels.shape[3]
+    R = Hq // H * Qn
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
     bits = codes is not None
     BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
-        query.contiguous(), levels, codes if bits else levels, _as_int8(forced), _as_int8(allowed), scores,
-        H, R, D, num_blocks, NBcap, B * H,
+        query, levels, codes if bits else levels, _as_int8(forced), _as_int8(allowed), scores,
+        H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), ONE_DOT=one_dot,
         num_warps=num_warps,

@@ -57,6 +57,9 @@ class RecentTokens:
         self._set(torch.cat((kv.to(self.region.device), self.kv), dim=3))
 
     def truncate(self, num_tokens: int) -> None:
+        if self._overflow is None:  # the first tokens of the region stay where they are
+            self.num_tokens = min(num_tokens, self.num_tokens)
+            return
         self._set(self.kv[:, :, :, :num_tokens])
 
     def _set(self, kv: torch.Tensor) -> None:
