@@ -36,6 +36,7 @@ def main():
                         help="continue the document, or answer a question about it as a chat turn")
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
+    parser.add_argument("--scorer", choices=["bits", "bound"], default="bits", help="the block scorer (OasisConfig)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -55,13 +56,13 @@ def main():
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(input_ids=ids, max_new_tokens=args.steps + 1, do_sample=False,
                                pad_token_id=tok.eos_token_id,
-                               past_key_values=OasisCache(model, token_budget=args.budget))[0]
+                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer))[0]
     K = args.budget // 16 - 1
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, exact=True, num_slots=K,
-                           measure=True, **draft)
+                           measure=True, scorer=args.scorer, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
@@ -79,7 +80,7 @@ def main():
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
-          f"{args.steps} steps")
+          f"{args.steps} steps, {args.scorer} scorer")
     for r in rows:
         extra = f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps" if "head_draft_accuracy" in r else ""
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
