@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -74,8 +75,7 @@ def main():
             hits, made = cache.ride_along.draft_hits
             row["head_draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
-    meta = dict(command="python eval/recall.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                         if k != "out"),
+    meta = dict(command="python " + " ".join(sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
