@@ -17,6 +17,7 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
   min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16); `quant1` is what `bits` ships,
   simulated here; `centroid1` / `centroid1_mid`: 1 bit per channel with the two levels at the means of the keys
   above and below the block mean / the min-max midpoint (least-squares levels, same bytes as `bits`);
+  `centroid1_fp8`: `centroid1` with its levels rounded to fp8 (e4m3): codes + levels in the bytes of a bf16 min/max;
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -100,7 +101,7 @@ def _quantized(q, keys, bits=2):
     return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
 
 
-def _centroids(q, keys, split="mean"):
+def _centroids(q, keys, split="mean", level_dtype=None):
     """1 bit per token and channel as in `bits`, but each channel's two levels are the means of the keys on either
     side of the split (the channel's block mean, or the midpoint of its min and max) instead of its min and max — the
     least-squares 1-bit code (Lloyd-Max) at the same bytes: two values per channel and block, one bit per key."""
@@ -113,6 +114,8 @@ def _centroids(q, keys, split="mean"):
     n_low = keys.shape[-2] - n_high
     mean_high = torch.where(high, keys, 0).sum(-2, keepdim=True) / n_high.clamp(min=1)
     mean_low = torch.where(high, 0, keys).sum(-2, keepdim=True) / n_low.clamp(min=1)
+    if level_dtype is not None:  # levels stored in a narrower type (e.g. fp8: the codes and levels then take the
+        mean_high, mean_low = (x.to(level_dtype).float() for x in (mean_high, mean_low))  # bytes of bf16 min/max)
     approx = torch.where(high, mean_high, mean_low)
     return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
 
@@ -136,6 +139,7 @@ SCORERS = {
     "quant2": _quantized,
     "centroid1": _centroids,
     "centroid1_mid": lambda q, keys: _centroids(q, keys, split="mid"),
+    "centroid1_fp8": lambda q, keys: _centroids(q, keys, level_dtype=torch.float8_e4m3fn),
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,

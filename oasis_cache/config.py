@@ -55,9 +55,10 @@ class OasisConfig:
             (triton on CUDA when available, else torch).
         gather_programs: programs of the gather kernel per K/V (None: one per block). Fewer programs occupy fewer
             SMs while they wait on PCIe, leaving the rest to the compute the prefetch hides behind.
-        scorer: how blocks are ranked (`control.selection`): "bits" (each key snapped channel by channel to its
-            block's min or max, 1 bit per channel kept on the device; a block scores its best token: close to the
-            exact max of q.k) or "bound" (the min/max upper bound of q.k, Quest's; a third less summary memory).
+        scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
+            above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
+            best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
+            Quest's; a third less summary memory, much worse selection).
     """
 
     token_budget: int

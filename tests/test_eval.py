@@ -91,10 +91,18 @@ def test_scorers_order_bound_half_bound_and_exact_max():
     torch.testing.assert_close(_quantized(q, keys, bits=16), exact, atol=1e-3, rtol=0)  # fine codes: exact max
     mass = SCORERS["mass"](q, keys)
     torch.testing.assert_close(mass.sum(-1), torch.full((2, 3), 4.0))  # each row's softmax sums to 1
+    # The simulated 1-bit code with least-squares levels is what the shipped bits scorer computes.
+    from oasis_cache.control import rank_blocks
+    from oasis_cache.pools import BlockSummaries
+
+    summaries = BlockSummaries(2, 3, 8, torch.float32, "cpu", 16, key_bits=True)
+    summaries.append(keys)
+    shipped = rank_blocks(q, summaries, torch.zeros(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool), 16)
+    torch.testing.assert_close(SCORERS["centroid1"](q, keys), shipped)
 
 
 def test_scoring_comparison_runs_at_ci_size(tmp_path):
     rows = _run_eval_script("scoring.py", tmp_path / "scoring.json", "--model", "tiny",
-                            "--scorers", "bound", "max")["rows"]
-    assert [r["scorer"] for r in rows] == ["dense", "bound", "max"]
+                            "--scorers", "bits", "bound", "max")["rows"]
+    assert [r["scorer"] for r in rows] == ["dense", "bits", "bound", "max"]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)

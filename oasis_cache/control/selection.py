@@ -20,8 +20,6 @@ import torch
 
 from ..pools.summaries import unpack_key_bits
 
-SCORERS = ("bits", "bound")
-
 
 def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Upper bound of q.k per block, maximised over the rows that share a KV head.
