@@ -54,21 +54,22 @@ def main():
     forced = torch.zeros(B, NB, dtype=torch.bool, device=device)
     allowed = torch.ones(B, NB, dtype=torch.bool, device=device)
     print(f"B {B}, Hkv {H}, rows {R}, D {D}, blocks {NB}; microseconds per call, median of {args.repeats}")
-    for scorer in ("bound", "bits"):
-        s = BlockSummaries(B, H, D, torch.bfloat16, device, T, key_bits=scorer == "bits")
+    for scorer in ("bound", "bits", "bits-fp8"):
+        s = BlockSummaries(B, H, D, torch.bfloat16, device, T, key_bits=scorer != "bound",
+                           fp8_levels=scorer == "bits-fp8")
         s.append(keys)
         reference = rank_blocks(query, s, forced, allowed, T)
         us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
-        print(f"{scorer:6} torch                    {us:9.1f}")
-        for one_dot in ((False, True) if scorer == "bits" else (False,)):
+        print(f"{scorer:8} torch                    {us:9.1f}")
+        for one_dot in ((False, True) if scorer != "bound" else (False,)):
             for per_program in (16, 32, 64):
                 for warps in (2, 4, 8):
                     def call():
                         return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
-                                            one_dot)
+                                            one_dot, s.scales)
                     ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
                     us = time_us(call, args.repeats)
-                    print(f"{scorer:6} {'one dot ' if one_dot else ''}{per_program:3} blocks/program {warps} warps "
+                    print(f"{scorer:8} {'one dot ' if one_dot else ''}{per_program:3} blocks/program {warps} warps "
                           f"{us:9.1f}{'' if ok else '  MISMATCH'}")
 
 

@@ -4,8 +4,8 @@ OasisCache ranks blocks by a small summary of their keys kept on the device (`co
 swaps that scorer for others and runs the same task samples with `lookahead="none"` at a budget of
 context / `--fraction`, reporting accuracy, retention of dense's correct answers and greedy agreement per scorer:
 
-- `bits` and `bound`: the two shipped scorers (`OasisCache(..., scorer=...)`): keys snapped to their block's
-  min or max per channel (1 bit per channel), and the min/max upper bound (Quest's);
+- `bits`, `bound`, `bits_fp8`: the shipped scorers (`OasisCache(..., scorer=..., fp8_levels=...)`): 1-bit key
+  codes with least-squares levels (in fp8 for `bits_fp8`), and the min/max upper bound (Quest's);
 - `half_bound`: the same bound over half blocks (summaries twice as large);
 - `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);
 - `channels`: the exact max of q.k over 1/8 of the key channels, chosen per KV head by mean |k| (as many values
@@ -14,10 +14,10 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
 - `low_rank` / `low_rank16`: the exact max of q.k over keys projected on the top 8 / 16 principal directions of the
   head's keys (8 per token = as many values per block as min/max);
 - `quant1` / `quant2`: the exact max of q.k over keys quantized to 1 / 2 bits per channel within the block's
-  min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16); `quant1` is what `bits` ships,
-  simulated here; `centroid1` / `centroid1_mid`: 1 bit per channel with the two levels at the means of the keys
-  above and below the block mean / the min-max midpoint (least-squares levels, same bytes as `bits`);
-  `centroid1_fp8`: `centroid1` with its levels rounded to fp8 (e4m3): codes + levels in the bytes of a bf16 min/max;
+  min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16; `quant1` was the first `bits`);
+  `centroid1` / `centroid1_mid`: 1 bit per channel with the two levels at the means of the keys above and below the
+  block mean / the min-max midpoint (`centroid1` is what `bits` ships, simulated); `centroid1_fp8`: its levels cast
+  to fp8 (e4m3) without a scale (`bits_fp8` ships them with a power-of-two scale per block);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -125,11 +125,13 @@ def _mass(q, keys):
     return torch.softmax(logits.flatten(-2), -1).view_as(logits).sum(-1).sum(2)
 
 
+# The shipped scorers: name -> OasisCache options.
+SHIPPED = {"bits": dict(scorer="bits"), "bound": dict(scorer="bound"), "bits_fp8": dict(scorer="bits", fp8_levels=True)}
+
 # name -> scores [B, Hkv, NB] from the query rows q [B, Hkv, R, D] and the full keys [B, Hkv, NB, T, D] (fp32);
 # None: a shipped scorer, unchanged.
 SCORERS = {
-    "bits": None,
-    "bound": None,
+    **{name: None for name in SHIPPED},
     "half_bound": _half_bound,
     "channels": _channels,
     "qk_channels": lambda q, keys: _channels(q, keys, by_query=True),
@@ -149,8 +151,8 @@ SCORERS = {
 @contextlib.contextmanager
 def scorer(name: str, dense_layers=()):
     """Within the block, OasisLayer ranks blocks with SCORERS[name] (forced and hidden blocks as usual), and the
-    layers in `dense_layers` attend every block (their working set must hold them all: see `main`); yields the mode
-    to run (a shipped scorer by name; the bound's summaries, unused, for a simulated one)."""
+    layers in `dense_layers` attend every block (their working set must hold them all: see `main`); yields the
+    OasisCache options to run with (a shipped scorer's; the bound's summaries, unused, for a simulated one)."""
     score_fn = SCORERS[name]
     shipped = OasisLayer._select
 
@@ -168,7 +170,7 @@ def scorer(name: str, dense_layers=()):
 
     OasisLayer._select = _select
     try:
-        yield f"none@{name}" if score_fn is None else "none@bound"
+        yield SHIPPED.get(name, SHIPPED["bound"])
     finally:
         OasisLayer._select = shipped
 
@@ -202,9 +204,10 @@ def main():
         # Simulated dense layers need slots for every block (sparse layers still attend their top K only).
         options = dict(num_slots=args.length // 16 + 64) if args.dense_layers else {}
 
-        def answers(mode):
+        def answers(mode, scorer_options=None):
             outs = run_generation(model, tokenizer, samples, mode, None if mode == "dense" else budget,
-                                  args.max_new_tokens, args.batch_size, **({} if mode == "dense" else options))
+                                  args.max_new_tokens, args.batch_size,
+                                  **({} if mode == "dense" else {**options, **scorer_options}))
             return outs, score_outputs(tokenizer, outs, samples)
 
         dense, dense_scores = answers("dense")
@@ -212,8 +215,8 @@ def main():
         rows.append(dict(task=task, scorer="dense", accuracy=sum(dense_scores) / len(samples), retention=1.0,
                          agreement=1.0, solved=solved))
         for name in args.scorers:
-            with scorer(name, set(args.dense_layers)) as mode:
-                outs, scores = answers(mode)
+            with scorer(name, set(args.dense_layers)) as scorer_options:
+                outs, scores = answers("none", scorer_options)
             rows.append(dict(task=task, scorer=name, dense_layers=args.dense_layers, solved=solved,
                              **against_dense(outs, scores, dense, dense_scores)))
             print(json.dumps(rows[-1]), flush=True)

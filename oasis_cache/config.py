@@ -59,6 +59,8 @@ class OasisConfig:
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
             Quest's; a third less summary memory, much worse selection).
+        fp8_levels: with the bits scorer, keep its levels in fp8 (e4m3) with a power-of-two scale per block and KV
+            head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32.
     """
 
     token_budget: int
@@ -74,6 +76,7 @@ class OasisConfig:
     backend: str = "auto"
     gather_programs: int | None = None
     scorer: str = "bits"
+    fp8_levels: bool = False
 
     def __post_init__(self):
         T = self.block_size
@@ -115,6 +118,8 @@ class OasisConfig:
             raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}.")
+        if self.fp8_levels and self.scorer != "bits":
+            raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

@@ -46,7 +46,8 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     return torch.equal(got, expected)
 
 
-# (B, Hkv, G, Qn, D, NB, T, dtype, scorer): G query heads per KV head, Qn query tokens, NB blocks of T tokens
+# (B, Hkv, G, Qn, D, NB, T, dtype, scorer): G query heads per KV head, Qn query tokens, NB blocks of T tokens;
+# scorer "bits-fp8": the bits scorer with fp8 levels
 SCORE_CASES = [
     (1, 2, 4, 1, 64, 100, 16, torch.float32, "bound"),
     (2, 3, 1, 1, 128, 257, 16, torch.bfloat16, "bound"),
@@ -55,13 +56,15 @@ SCORE_CASES = [
     (2, 3, 2, 1, 128, 70, 16, torch.bfloat16, "bits"),
     (2, 1, 5, 4, 80, 33, 8, torch.float16, "bits"),
     (1, 2, 3, 1, 16, 9, 4, torch.float32, "bits"),  # T < 8: one byte, half used
+    (2, 3, 2, 1, 128, 70, 16, torch.bfloat16, "bits-fp8"),
+    (1, 2, 4, 1, 64, 100, 16, torch.float32, "bits-fp8"),
 ]
 
 
 def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     g = torch.Generator().manual_seed(NB)
     keys = torch.randn(B, H, NB, T, D, generator=g).to(dtype)
-    summaries = BlockSummaries(B, H, D, dtype, "cpu", T, key_bits=scorer == "bits")
+    summaries = BlockSummaries(B, H, D, dtype, "cpu", T, key_bits=scorer != "bound", fp8_levels=scorer == "bits-fp8")
     summaries.append(keys)  # capacity beyond NB
     # The forward's queries with one more token: the kernel reads the strided slice of the first Qn in place.
     queries = torch.randn(B, H * G, Qn + 1, D, generator=g).to(dtype)
@@ -70,9 +73,10 @@ def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     expected = rank_blocks(queries[:, :, :Qn].float(), summaries, forced, allowed, T)
     query = queries.to(device)[:, :, :Qn]
     codes = None if summaries.codes is None else summaries.codes.to(device)
+    scales = None if summaries.scales is None else summaries.scales.to(device)
     for per_program, one_dot in ((64, False), (16, False), (16, True)):
         got = block_scores(query, summaries.levels.to(device), NB, forced.to(device), allowed.to(device),
-                           codes, T, per_program, one_dot=one_dot).cpu()
+                           codes, T, per_program, one_dot=one_dot, scales=scales).cpu()
         if not (torch.equal(torch.isinf(got), torch.isinf(expected))
                 and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)):
             return False

@@ -241,3 +241,24 @@ def test_key_bits_follow_growth_truncation_and_batch_reorder():
     assert torch.equal(unpack_key_bits(s.codes[:, :, :90], T), above[order])
     torch.testing.assert_close(decoded(), coarse[order])
     assert s.nbytes == s.levels.numel() * 4 + s.codes.numel()
+
+
+def test_fp8_levels_are_scaled_powers_of_two_within_fp8_rounding():
+    """fp8 levels: each block's scale is a power of two that brings its largest level to at most 448; the levels
+    read back within fp8's rounding (2^-4 relative) of the exact ones, through growth and batch reorder."""
+    B, H, T, D = 2, 3, 16, 8
+    blocks = torch.randn(B, H, 80, T, D) * torch.logspace(-3, 3, 80)[None, None, :, None, None]  # scales vary
+    s = BlockSummaries(B, H, D, torch.bfloat16, "cpu", T, key_bits=True, fp8_levels=True)
+    s.append(blocks[:, :, :50].bfloat16())
+    s.append(blocks[:, :, 50:].bfloat16())
+    exact = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True)
+    exact.append(blocks.bfloat16().float())
+    assert s.levels.dtype == torch.float8_e4m3fn and torch.equal(s.codes[:, :, :80], exact.codes[:, :, :80])
+    scales = s.scales[:, :, :80]
+    assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
+    assert (s.levels[:, :, :, :80].float().abs() <= 448).all()
+    for got, want in zip(s.view(), exact.view()):
+        assert ((got - want).abs() <= want.abs() * 2**-4 + scales[..., None] * 2**-9).all()
+    s.index_batch(torch.tensor([1, 1]))
+    torch.testing.assert_close(s.view()[1][0], s.view()[1][1])
+    assert s.nbytes == s.levels.numel() + s.codes.numel() + s.scales.numel() * 4

@@ -141,13 +141,22 @@ def test_slot_map_stays_consistent_during_decode(monkeypatch):
     assert 0.0 < stats["hit_rate"] < 1.0
 
 
-@pytest.mark.parametrize("scorer", ["bits", "bound"])
+def fp8_rounded(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels `[..., D]` as fp8 (e4m3) times a power of two per block that keeps them within +-448."""
+    largest = torch.maximum(low.abs().amax(-1, keepdim=True), high.abs().amax(-1, keepdim=True))
+    scale = 2.0 ** torch.ceil(torch.log2(largest / 448))
+    return tuple((x / scale).to(torch.float8_e4m3fn).double() * scale for x in (low, high))
+
+
+@pytest.mark.parametrize("scorer", ["bits", "bound", "bits-fp8"])
 def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
     """Each decode step attends the sink and recent blocks plus the best others by the scorer, recomputed here from
     the pooled keys: the bound (relu(q).kmax + min(q,0).kmin) or the best coarse key (each channel the mean of the
-    block's values on its side of the block mean), maximised over the KV head's query rows."""
+    block's values on its side of the block mean; "bits-fp8": those levels rounded to fp8 with a power-of-two scale
+    per block), maximised over the KV head's query rows."""
     model = tiny_model("qwen3")
-    cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer)
+    cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer[:5].strip("-"),
+                            fp8_levels=scorer == "bits-fp8")
     cache.record_selection = True
     rec = Recorder(monkeypatch)
     model.generate(input_ids=prompt_ids(300, batch=2), past_key_values=cache, max_new_tokens=6, do_sample=False,
@@ -162,10 +171,13 @@ def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
         blocks = call["kv"][0][:, :, : NB * T].reshape(B, H, NB, T, -1).double()
         q = call["query"].reshape(B, H, -1, blocks.shape[-1]).double()  # [B, H, G, D]
         kmin, kmax = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
-        if scorer == "bits":
+        if scorer.startswith("bits"):
             above = blocks > blocks.mean(dim=3, keepdim=True)
             high = (blocks * above).sum(3, keepdim=True) / above.sum(3, keepdim=True).clamp(min=1)
+            high = torch.where(above.any(3, keepdim=True), high, blocks.mean(dim=3, keepdim=True))
             low = (blocks * ~above).sum(3, keepdim=True) / (~above).sum(3, keepdim=True)
+            if scorer == "bits-fp8":
+                low, high = fp8_rounded(low.float(), high.float())
             coarse = torch.where(above, high, low)
             scores = torch.einsum("bhgd,bhntd->bhgnt", q, coarse).amax(dim=(2, 4))
         else:

@@ -75,7 +75,8 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
-        return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size)
+        return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size,
+                            scales=summaries.scales)
     B, Hq, Qn, D = query.shape
     query = query.reshape(B, summaries.levels.shape[2], -1, D)  # [B, Hkv, R = G * Qn, D]
     low, high = summaries.view()

@@ -10,6 +10,7 @@ Shapes and strides (contiguous unless said; element type E = keys' dtype, scores
     query        `[B, Hq, Qn, D]`, any strides  row r = g * Qn + i of KV head h is query head h * G + g, token i
     levels       `[2, BH, NBcap, D]`           bound: 0 = kmin, 1 = kmax; bits: the two levels; blocks [0, NB) used
     codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
+    scales       `[BH, NBcap]` fp32            fp8 levels only: level = fp8 value * scale (a power of two)
     forced       `[B, NB]` int8                allowed `[B, NB]` int8
     scores (out) `[BH, NB]` fp32
 Program (bh, tile): blocks [tile*BLOCK_N, tile*BLOCK_N + BLOCK_N) of one (sequence, KV head).
@@ -29,6 +30,7 @@ if triton is not None:
         query,
         levels,
         codes,
+        scales,
         forced,
         allowed,
         scores,
@@ -49,6 +51,7 @@ if triton is not None:
         TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
         ONE_DOT: tl.constexpr,  # bits: one product over all BLOCK_N x TOKENS coarse keys (else one per token)
+        SCALED: tl.constexpr,  # fp8 levels with a scale per block
     ):
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -66,6 +69,9 @@ if triton is not None:
         low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         low, high = low.to(tl.float32), high.to(tl.float32)
+        if SCALED:
+            scale = tl.load(scales + bh * NBcap + blocks, mask=in_blocks, other=1.0)[:, None]
+            low, high = low * scale, high * scale
         if TOKENS == 0:
             score = tl.dot(tl.maximum(q, 0.0), tl.trans(high), input_precision="ieee")
             score += tl.dot(tl.minimum(q, 0.0), tl.trans(low), input_precision="ieee")
@@ -112,9 +118,11 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
-                 blocks_per_program: int = 64, num_warps: int = 4, one_dot: bool = False) -> torch.Tensor:
+                 blocks_per_program: int = 64, num_warps: int = 4, one_dot: bool = False,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`, `forced`/`allowed` `[B, NB]` bool, `codes`
-    `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer) -> `[B, Hkv, NB]` fp32 ranked scores
+    `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8
+    levels, else None -> `[B, Hkv, NB]` fp32 ranked scores
     (+inf forced, -inf not allowed). `blocks_per_program` (a power of two >= 16), `num_warps` and `one_dot` (bits:
     one product over a program's coarse keys instead of one per token position) are tuning knobs
     (`bench/score_kernel.py` times them)."""
@@ -126,10 +134,12 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     _block_scores_kernel[grid](
-        query, levels, codes if bits else levels, _as_int8(forced), _as_int8(allowed), scores,
+        query, levels, codes if bits else levels, scales if scales is not None else scores, _as_int8(forced),
+        _as_int8(allowed), scores,
         H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
         R_POW2=max(16, triton.next_power_of_2(R)), D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), ONE_DOT=one_dot,
+        SCALED=scales is not None,
         num_warps=num_warps,
     )
     return scores

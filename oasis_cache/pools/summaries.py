@@ -12,6 +12,9 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
         snapping to the min and max (docs/perf.md). A channel with no key above its mean has both levels equal.
     Token t's coarse key is `where(bit, levels[1], levels[0])`. T*D/8 more bytes per block and KV head than the
     bound: half of `levels` in bf16.
+    With `fp8_levels=True`, `levels` are float8 (e4m3) and `scales` `[B, Hkv, NBcap]` fp32 holds a power of two per
+    block and KV head (level = fp8 value * scale; the largest level maps to at most 448, fp8's range): codes and
+    levels then take the bytes of a bf16 min/max. Products of such levels with bf16 queries stay exact in TF32.
 
 Blocks [0, num_blocks) are valid. Capacity grows by a quarter (at least 64 blocks) when full: the pool costs about
 2/T of the keys' size (1/16 of K+V at T=16; 3/32 with codes at bf16), with at most 25% slack, and is reallocated
@@ -21,6 +24,9 @@ O(log N) times over a sequence.
 from __future__ import annotations
 
 import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def pack_key_bits(above: torch.Tensor) -> torch.Tensor:
@@ -51,9 +57,19 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return above, low, high
 
 
+def fp8_scales(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """`low`, `high` `[..., D]` fp32 -> `[...]` the smallest powers of two that bring every level within fp8's range."""
+    largest = torch.maximum(low.abs().amax(dim=-1), high.abs().amax(dim=-1))
+    return torch.exp2(torch.ceil(torch.log2(largest.clamp(min=2.0**-100) / FP8_MAX)))
+
+
 class BlockSummaries:
-    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool):
-        self.levels = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=device)
+    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
+                 fp8_levels: bool = False):
+        self.levels = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=FP8 if fp8_levels else dtype,
+                                  device=device)
+        self.scales = (torch.empty((batch_size, num_kv_heads, 0), dtype=torch.float32, device=device)
+                       if fp8_levels else None)
         self.codes = (
             torch.empty((batch_size, num_kv_heads, 0, -(-block_size // 8), head_dim), dtype=torch.uint8, device=device)
             if key_bits else None
@@ -73,11 +89,17 @@ class BlockSummaries:
             self.levels = self._grown(self.levels, 3, capacity)
             if self.codes is not None:
                 self.codes = self._grown(self.codes, 2, capacity)
+            if self.scales is not None:
+                self.scales = self._grown(self.scales, 2, capacity)
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
         else:
             above, low, high = one_bit_code(key_blocks)
             self.codes[:, :, self.num_blocks : end] = pack_key_bits(above)
+        if self.scales is not None:
+            scale = fp8_scales(low, high)  # [B, Hkv, n]
+            self.scales[:, :, self.num_blocks : end] = scale
+            low, high = low / scale[..., None], high / scale[..., None]
         self.levels[0, :, :, self.num_blocks : end] = low
         self.levels[1, :, :, self.num_blocks : end] = high
         self.num_blocks = end
@@ -90,8 +112,13 @@ class BlockSummaries:
         return grown
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(levels[0], levels[1])` of the valid blocks, each `[B, Hkv, NB, D]` (the min and max for the bound)."""
-        return self.levels[0, :, :, : self.num_blocks], self.levels[1, :, :, : self.num_blocks]
+        """`(levels[0], levels[1])` of the valid blocks, each `[B, Hkv, NB, D]` (the min and max for the bound; fp32,
+        scaled back, for fp8 levels)."""
+        low, high = self.levels[0, :, :, : self.num_blocks], self.levels[1, :, :, : self.num_blocks]
+        if self.scales is None:
+            return low, high
+        scale = self.scales[:, :, : self.num_blocks, None]
+        return low.float() * scale, high.float() * scale
 
     def truncate(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -100,8 +127,11 @@ class BlockSummaries:
         self.levels = self.levels.index_select(1, indices.to(self.levels.device))
         if self.codes is not None:
             self.codes = self.codes.index_select(0, indices.to(self.codes.device))
+        if self.scales is not None:
+            self.scales = self.scales.index_select(0, indices.to(self.scales.device))
 
     @property
     def nbytes(self) -> int:
         codes = 0 if self.codes is None else self.codes.numel()
-        return self.levels.numel() * self.levels.element_size() + codes
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return self.levels.numel() * self.levels.element_size() + codes + scales
