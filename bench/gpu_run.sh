@@ -33,7 +33,7 @@ for arg in "$@"; do
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep -v Warning | grep -A 22 "==" ;;
-    train) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-train --documents 400 --document-tokens 4096 --generate-batch 32 --cache-features --steps 20000 --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} --quiet 2>&1 | grep -v Warning | tee "$OUT/train.log" | tail -8
+    train) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-train --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps 20000 --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} --quiet 2>&1 | grep -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis-head')"
