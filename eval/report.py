@@ -84,12 +84,14 @@ def score_outputs(tokenizer, outputs, samples) -> list[float]:
 
 
 def against_dense(outputs, scores, dense, dense_scores) -> dict:
-    """Accuracy, retention (of the samples dense answers fully, the share also answered fully) and greedy agreement
-    with dense's tokens, position by position."""
+    """Accuracy, retention (of the `dense_solved` samples dense answers fully, the share also answered fully: `kept`)
+    and greedy agreement with dense's tokens, position by position."""
     solved = [i for i, x in enumerate(dense_scores) if x == 1.0]
+    kept = sum(scores[i] == 1.0 for i in solved)
     return dict(
         accuracy=sum(scores) / len(scores),
-        retention=sum(scores[i] == 1.0 for i in solved) / len(solved) if solved else None,
+        retention=kept / len(solved) if solved else None,
+        kept=kept, dense_solved=len(solved),
         agreement=sum(agreement(a, b) for a, b in zip(outputs, dense)) / len(outputs),
     )
 
@@ -192,11 +194,13 @@ def nll_report(model, tokenizer, args) -> list:
 
 def print_table(rows, nll_rows, meta):
     print(f"\n{meta['model']}, {meta['samples']} samples per cell, {meta['machine']}, {meta['date']}")
-    print(f"{'task':18} {'length':>6} {'mode':14} {'budget':>6} {'accuracy':>8} {'retention':>9} {'agreement':>9}")
+    print(f"{'task':18} {'length':>6} {'mode':14} {'budget':>6} {'accuracy':>8} {'retention':>9} {'kept':>7} "
+          f"{'agreement':>9}")
     for r in rows:
         retention = f"{r['retention']:9.3f}" if r["retention"] is not None else f"{'-':>9}"
+        kept = f"{r['kept']}/{r['dense_solved']}" if "kept" in r else "-"
         print(f"{r['task']:18} {r['length']:>6} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
-              f"{retention} {r['agreement']:9.3f}")
+              f"{retention} {kept:>7} {r['agreement']:9.3f}")
     print(f"\n{'decode-mode NLL':18} {'mode':14} {'budget':>6} {'nats':>8} {'delta':>8}")
     for r in nll_rows:
         print(f"{'':18} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
