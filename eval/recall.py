@@ -1,9 +1,9 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
 excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's).
 
-All rows run with `exact=True` and `num_slots` = K: every step attends to the real query's top-K, so every row
-follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row drafts the
-token that trajectory actually produces next (read from a first `none` run): the ceiling of eagle3.
+All rows run with `exact=True` and `num_slots` = K (`--slots`): every step attends to the real query's top-K, so
+every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row
+drafts the token that trajectory actually produces next (read from a first `none` run): the ceiling of eagle3.
 
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
@@ -38,6 +38,9 @@ def main():
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--scorer", choices=["bits", "bound"], default="bits", help="the block scorer (OasisConfig)")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="working-set slots the prediction fills (0: K, the recall of a top-K prediction; 2K is "
+                             "what exact=True uses by default: the share of the real top-K already resident)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -62,8 +65,8 @@ def main():
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
-        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, exact=True, num_slots=K,
-                           measure=True, scorer=args.scorer, **draft)
+        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, exact=True,
+                           num_slots=args.slots or K, measure=True, scorer=args.scorer, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
@@ -75,7 +78,7 @@ def main():
             hits, made = cache.ride_along.draft_hits
             row["head_draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
-    meta = dict(command="python " + " ".join(sys.argv),
+    meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
