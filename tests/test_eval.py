@@ -106,3 +106,19 @@ def test_scoring_comparison_runs_at_ci_size(tmp_path):
                             "--scorers", "bits", "bound", "max")["rows"]
     assert [r["scorer"] for r in rows] == ["dense", "bits", "bound", "max"]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+
+
+def test_recall_runs_at_ci_size(tmp_path):
+    """eval/recall.py on SmolLM2 with the shipped head, a short context: every row measured, the oracle's draft
+    accuracy counted."""
+    out = tmp_path / "recall.json"
+    head = ROOT / "oasis_cache" / "draft" / "heads" / "smollm2-135m-instruct"
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "recall.py"), "--device", "cpu", "--context", "800",
+                          "--budget", "256", "--steps", "3", "--head", str(head), "--oracle", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["lookahead"] for r in result["rows"]] == ["previous", "eagle3", "eagle3-oracle"]
+    assert all(0.0 <= r["recall"] <= 1.0 for r in result["rows"])
+    assert 0.0 <= result["rows"][2]["head_draft_accuracy"] <= 1.0
+    assert result["meta"]["slots"] == result["meta"]["K"] == 15
