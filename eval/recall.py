@@ -1,5 +1,6 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
-excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's).
+excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's; `none`:
+no prediction — its attended set is the real top-K, so 1.000, a check of the measure).
 
 All rows run with `exact=True` and `num_slots` = K (`--slots`): every step attends to the real query's top-K, so
 every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row
@@ -55,7 +56,8 @@ def main():
         ids = tok(chat, return_tensors="pt")["input_ids"]
     ids = ids.to(args.device)
     rows = []
-    modes = ["previous"] + (["eagle3"] if args.head else []) + (["eagle3-oracle"] if args.head and args.oracle else [])
+    modes = ["none", "previous"] + (["eagle3"] if args.head else []) + (
+        ["eagle3-oracle"] if args.head and args.oracle else [])
     truth = None
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(input_ids=ids, max_new_tokens=args.steps + 1, do_sample=False,
@@ -65,8 +67,9 @@ def main():
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
-        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, exact=True,
-                           num_slots=args.slots or K, measure=True, scorer=args.scorer, **draft)
+        predicting = dict(exact=True, num_slots=args.slots or K) if lookahead != "none" else {}
+        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
+                           **predicting, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
         model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,

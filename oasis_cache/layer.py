@@ -211,6 +211,8 @@ class OasisLayer(CacheLayerMixin):
             placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
+            if cache.measure and cfg.lookahead == "none":  # a check of the measure: 1.0 unless a fetch cap bites
+                self._measure_recall(real, view)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
         ws.set_recent_visible(n, view.recent)

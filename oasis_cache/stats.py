@@ -72,7 +72,8 @@ class CacheStats:
             "bytes_fetched": fetched_bytes,
             "bytes_fetched_per_step": fetched_bytes / steps,  # all layers and heads of one step
             "bytes_fetched_on_critical_path_per_step": critical * self.block_bytes / steps,
-            "prediction_recall": recall,  # measurement mode, lookahead="previous" without exact
+            "prediction_recall": recall,  # measurement mode: the real top-K's share resident before the step
+            # (lookahead "none": after its fetch — 1.0 unless a fetch cap drops blocks, a check of the measure)
             "bytes_offloaded": self.bytes_offloaded,
             "hit_rate": counts["blocks_hit"] / counts["blocks_selected"] if counts["blocks_selected"] else 0.0,
         }
