@@ -41,8 +41,8 @@ def make_cache(model, mode: str, budget: int | None, **cache_options):
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
-    mode, _, scorer = mode.partition("@")
-    lookahead, _, variant = mode.partition("-")
+    prediction, _, scorer = mode.partition("@")
+    lookahead, _, variant = prediction.partition("-")
     if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or scorer not in (
             "", "bits", "bound"):
         raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
@@ -194,16 +194,16 @@ def nll_report(model, tokenizer, args) -> list:
 
 def print_table(rows, nll_rows, meta):
     print(f"\n{meta['model']}, {meta['samples']} samples per cell, {meta['machine']}, {meta['date']}")
-    print(f"{'task':18} {'length':>6} {'mode':14} {'budget':>6} {'accuracy':>8} {'retention':>9} {'kept':>7} "
+    print(f"{'task':18} {'length':>6} {'mode':18} {'budget':>6} {'accuracy':>8} {'retention':>9} {'kept':>7} "
           f"{'agreement':>9}")
     for r in rows:
         retention = f"{r['retention']:9.3f}" if r["retention"] is not None else f"{'-':>9}"
         kept = f"{r['kept']}/{r['dense_solved']}" if "kept" in r else "-"
-        print(f"{r['task']:18} {r['length']:>6} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
+        print(f"{r['task']:18} {r['length']:>6} {r['mode']:18} {str(r['budget'] or '-'):>6} {r['accuracy']:8.3f} "
               f"{retention} {kept:>7} {r['agreement']:9.3f}")
-    print(f"\n{'decode-mode NLL':18} {'mode':14} {'budget':>6} {'nats':>8} {'delta':>8}")
+    print(f"\n{'decode-mode NLL':18} {'mode':18} {'budget':>6} {'nats':>8} {'delta':>8}")
     for r in nll_rows:
-        print(f"{'':18} {r['mode']:14} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
+        print(f"{'':18} {r['mode']:18} {str(r['budget'] or '-'):>6} {r['nll']:8.4f} {r['delta']:+8.4f}")
 
 
 def plot(rows, nll_rows, meta, path):
