@@ -49,11 +49,15 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     """`key_blocks` `[..., T, D]` -> `(above [..., T, D] bool, low [..., D] fp32, high [..., D] fp32)`: which keys lie
     above their block's mean in each channel, and the mean of the keys on each side."""
     keys = key_blocks.float()
-    above = keys > keys.mean(dim=-2, keepdim=True)
+    mean = keys.mean(dim=-2, keepdim=True)
+    above = keys > mean
     n_above = above.sum(dim=-2)
-    total, high_sum = keys.sum(dim=-2), torch.where(above, keys, 0.0).sum(dim=-2)
-    low = (total - high_sum) / (keys.shape[-2] - n_above)  # at least one key is not above the mean
-    high = torch.where(n_above > 0, high_sum / n_above.clamp(min=1), low)
+    n_low = keys.shape[-2] - n_above
+    high_sum = torch.where(above, keys, 0.0).sum(dim=-2)
+    low_sum = keys.sum(dim=-2) - high_sum
+    mean = mean.squeeze(-2)  # a side without keys (all equal, or rounding) takes the mean
+    high = torch.where(n_above > 0, high_sum / n_above.clamp(min=1), mean)
+    low = torch.where(n_low > 0, low_sum / n_low.clamp(min=1), mean)
     return above, low, high
 
 
