@@ -96,6 +96,17 @@ def against_dense(outputs, scores, dense, dense_scores) -> dict:
     )
 
 
+def add_run_arguments(parser, max_new_tokens: int, tiny: str) -> None:
+    """The options every eval script over generated samples shares (`tiny`: what --tiny means for it)."""
+    parser.add_argument("--filler", default="pydoc")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
+    parser.add_argument("--tiny", action="store_true", help="CI size: " + tiny)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["single_needle", "multi_needle", "multikey"])
@@ -106,15 +117,9 @@ def main():
                         "the block scorer (e.g. none@bound; default bits)")
     parser.add_argument("--head", default=None, help="EAGLE-3 head directory, for mode eagle3")
     parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
-    parser.add_argument("--filler", default="pydoc")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--nll-prefill", type=int, default=7168)
     parser.add_argument("--nll-tokens", type=int, default=256)
-    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
-    parser.add_argument("--tiny", action="store_true", help="CI size: 2 samples at 512 tokens, budget 1/4, small NLL")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None)
+    add_run_arguments(parser, max_new_tokens=24, tiny="2 samples at 512 tokens, budget 1/4, small NLL")
     args = parser.parse_args()
     if args.tiny:
         args.lengths, args.samples, args.fractions = [512], 2, [4]

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.report import against_dense, load, run_generation, score_outputs  # noqa: E402
+from eval.report import add_run_arguments, against_dense, load, run_generation, score_outputs  # noqa: E402
 from eval.tasks import generate_samples  # noqa: E402
 from oasis_cache.control.selection import all_blocks, top_blocks  # noqa: E402
 from oasis_cache.layer import OasisLayer  # noqa: E402
@@ -182,15 +182,9 @@ def main():
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--fraction", type=int, default=8, help="budget = length / fraction")
     parser.add_argument("--scorers", nargs="+", default=list(SCORERS), choices=list(SCORERS))
-    parser.add_argument("--filler", default="pydoc")
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[],
                         help="layers that attend every block (simulated: every layer's working set holds the context)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
-    parser.add_argument("--tiny", action="store_true", help="CI size: 2 samples at 512 tokens")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None)
+    add_run_arguments(parser, max_new_tokens=16, tiny="2 samples at 512 tokens")
     args = parser.parse_args()
     if args.tiny:
         args.length, args.samples, args.fraction, args.max_new_tokens = 512, 2, 4, 6

@@ -26,6 +26,16 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _coarse_dot(q, coarse, IEEE: tl.constexpr):
+        """`q` `[R_POW2, D_POW2]` . `coarse` `[N, D_POW2]`^T in fp32: IEEE products for fp32 inputs, else TF32 (exact
+        for bf16/fp16 values)."""
+        if IEEE:
+            product = tl.dot(q, tl.trans(coarse), input_precision="ieee")
+        else:
+            product = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+        return product
+
+    @triton.jit
     def _block_scores_kernel(
         query,
         levels,
@@ -84,12 +94,9 @@ if triton is not None:
             bit = (code.to(tl.int32) >> (toks % 8)[None, :, None]) & 1
             coarse = tl.where(bit != 0, high[:, None, :], low[:, None, :])
             coarse = tl.reshape(coarse, (BLOCK_N * TOKENS, D_POW2))
-            if IEEE:
-                token = tl.dot(q, tl.trans(coarse), input_precision="ieee")  # [R_POW2, BLOCK_N * TOKENS]
-            else:
-                token = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+            token = _coarse_dot(q, coarse, IEEE)  # [R_POW2, BLOCK_N * TOKENS]
             score = tl.max(tl.reshape(token, (R_POW2, BLOCK_N, TOKENS)), axis=2)
-        elif FORM == 2:
+        else:  # one token position at a time: a tensor-core product (FORM 0) or broadcast multiply and sum (FORM 2)
             BYTES: tl.constexpr = (TOKENS + 7) // 8
             score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
             for byte in tl.static_range(BYTES):
@@ -98,21 +105,10 @@ if triton is not None:
                 for bit in tl.static_range(8):
                     if byte * 8 + bit < TOKENS:
                         coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
-                        token = tl.sum(q[:, None, :] * coarse[None, :, :], axis=2)  # [R_POW2, BLOCK_N]
-                        score = tl.maximum(score, token)
-        else:
-            BYTES: tl.constexpr = (TOKENS + 7) // 8
-            score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
-            for byte in tl.static_range(BYTES):
-                code = tl.load(codes + ((bh * NBcap + blocks[:, None]) * BYTES + byte) * D + dims[None, :],
-                               mask=kv_mask, other=0)
-                for bit in tl.static_range(8):
-                    if byte * 8 + bit < TOKENS:
-                        coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
-                        if IEEE:
-                            token = tl.dot(q, tl.trans(coarse), input_precision="ieee")
+                        if FORM == 2:
+                            token = tl.sum(q[:, None, :] * coarse[None, :, :], axis=2)  # [R_POW2, BLOCK_N]
                         else:
-                            token = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+                            token = _coarse_dot(q, coarse, IEEE)
                         score = tl.maximum(score, token)
         score = tl.where(rows[:, None] < R, score, -float("inf"))
         best = tl.max(score, axis=0)  # [BLOCK_N]
@@ -121,6 +117,9 @@ if triton is not None:
         best = tl.where(is_forced, float("inf"), best)
         best = tl.where(is_allowed, best, -float("inf"))
         tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
+
+
+FORMS = ("per_token", "one_dot", "fma")  # the bits scorer's kernel forms (FORM = index)
 
 
 def _as_int8(mask: torch.Tensor) -> torch.Tensor:
@@ -143,9 +142,8 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     R = Hq // H * Qn
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
     bits = codes is not None
-    forms = ("per_token", "one_dot", "fma")
-    if form not in forms:
-        raise ValueError(f"form must be one of {forms}, got {form!r}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     rows = triton.next_power_of_2(R)
@@ -155,7 +153,7 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
         H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
         R_POW2=rows if bits and form == "fma" else max(16, rows),  # tensor-core products need 16 rows
         D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), FORM=forms.index(form),
+        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), FORM=FORMS.index(form),
         SCALED=scales is not None, num_warps=num_warps,
     )
     return scores
