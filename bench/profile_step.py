@@ -1,5 +1,6 @@
 """Where a decode step's time goes: torch profiler over a few decode steps, dense vs an OasisCache mode, one process.
-Prints the top CUDA kernels by total device time and the CPU-side totals per step.
+Prints the wall time per step (without the profiler), the top CUDA kernels by total device time and the CPU-side
+totals per step: a wall time far above the device time means the step is bound by Python and launches.
 
     python bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --method oasis-previous
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,9 +18,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from decode import make_cache  # noqa: E402
+from decode import make_cache, untrained_head  # noqa: E402
 from models import load_model  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main():
@@ -35,6 +42,7 @@ def main():
     args = parser.parse_args()
     args.gather_programs, args.exact_slots = 0, 0
     model, vocab = load_model(args.model, args.device, torch.bfloat16)
+    args.head = untrained_head(model) if "oasis-eagle3" in args.methods else None
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
     for method in args.methods:
         cache = make_cache(method, model, args)
@@ -44,24 +52,32 @@ def main():
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(3):  # warm-up
                 token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
+            start = time.perf_counter()  # wall time per step, outside the profiler
+            for _ in range(args.steps):
+                token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
+            sync()
+            wall_ms = (time.perf_counter() - start) * 1000 / args.steps
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps):
                     token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
+                sync()
         events = prof.key_averages()
         device_us = sum(e.self_device_time_total for e in events) / args.steps
         cpu_us = sum(e.self_cpu_time_total for e in events) / args.steps
         table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60)
-        summary = (f"== {method}, {args.context} x {args.batch}: device time {device_us / 1000:.1f} ms/step, "
+        summary = (f"== {method}, {args.context} x {args.batch}: wall {wall_ms:.1f} ms/step, "
+                   f"device time {device_us / 1000:.1f} ms/step, "
                    f"CPU time {cpu_us / 1000:.1f} ms/step, "
                    f"kernel launches {sum(e.count for e in events if e.device_type.name == 'CUDA') // args.steps}"
                    f"/step")
+        cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
         print(summary)
         print(table)
+        print(cpu_table)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"profile-{method}.txt").write_text(summary + "\n" + table)
+            (Path(args.out) / f"profile-{method}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
         del cache, out
 
 

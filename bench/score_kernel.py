@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oasis_cache.control import rank_blocks  # noqa: E402
-from oasis_cache.kernels.block_scores import block_scores  # noqa: E402
+from oasis_cache.kernels.block_scores import FORMS, block_scores  # noqa: E402
 from oasis_cache.pools import BlockSummaries  # noqa: E402
 
 
@@ -52,6 +52,10 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--scorers", nargs="+", default=["bound", "bits"], choices=["bound", "bits", "bits-fp8"])
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS), help="the bits kernel's forms")
+    parser.add_argument("--per-program", nargs="+", type=int, default=[16, 32, 64], help="blocks per program")
+    parser.add_argument("--warps", nargs="+", type=int, default=[4], help="warps per program")
     args = parser.parse_args()
     B, H, R, D, NB, T = args.batch, args.kv_heads, args.group, args.head_dim, args.blocks, 16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1 smoke run
@@ -61,16 +65,16 @@ def main():
     forced = torch.zeros(B, NB, dtype=torch.bool, device=device)
     allowed = torch.ones(B, NB, dtype=torch.bool, device=device)
     print(f"B {B}, Hkv {H}, rows {R}, D {D}, blocks {NB}; microseconds per call, median of {args.repeats}")
-    for scorer in ("bound", "bits", "bits-fp8"):
+    for scorer in args.scorers:
         s = BlockSummaries(B, H, D, torch.bfloat16, device, T, key_bits=scorer != "bound",
                            fp8_levels=scorer == "bits-fp8")
         s.append(keys)
         reference = rank_blocks(query, s, forced, allowed, T)
         us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
         print(f"{scorer:8} torch                              {us:9.1f}")
-        for form in (("per_token", "one_dot", "fma") if scorer != "bound" else ("per_token",)):
-            for per_program in (16, 32, 64):
-                for warps in (4, 8):
+        for form in (args.forms if scorer != "bound" else FORMS[:1]):
+            for per_program in args.per_program:
+                for warps in args.warps:
                     def call():
                         return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
                                             form, s.scales)
