@@ -8,7 +8,9 @@
 Each (context, batch, method): a fresh cache, one prefill of random tokens (in chunks with --prefill-chunk),
 `--warmup` untimed decode steps, `--steps` timed decode steps (host clock around each `model(...)` call, the device
 synchronized before and after: the harness syncs, the cache does not), then for OasisCache `--measure-steps` more
-steps in measurement mode (exposed transfer wait, prediction recall). Writes JSON under bench/results/ and prints a
+steps in measurement mode (exposed transfer wait, prediction recall). With `--interleave` every method is prefilled
+first and their decode steps then take turns, so that the machine's drift over a run (measured on the H200: the same
+method 20-40% apart at the start and the end of one process) does not favour one method. Writes JSON under bench/results/ and prints a
 table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
 (previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
@@ -91,80 +93,151 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_one(model, vocab, method, context, batch, args):
-    device = args.device
-    cuda = torch.device(device).type == "cuda"
-    g = torch.Generator().manual_seed(context + batch)
-    ids = torch.randint(0, vocab, (batch, context), generator=g).to(device)
-    cache = make_cache(method, model, args)
-    kw = {generate_cache_argument(model): cache, "use_cache": True}
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    sync(device)
-    t0 = time.perf_counter()
-    chunk = args.prefill_chunk or context
-    with torch.no_grad():
-        for start in range(0, context, chunk):
-            out = model(input_ids=ids[:, start : start + chunk], logits_to_keep=1, **kw)
-    sync(device)
-    prefill_s = time.perf_counter() - t0
-    prefill_peak = torch.cuda.max_memory_allocated() if cuda else 0
-    token = out.logits[:, -1:].argmax(-1)
-    del out
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    with torch.no_grad():
-        for step in range(args.warmup + args.steps):
-            sync(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=token, **kw)
-            sync(device)
-            if step >= args.warmup:
-                times.append(time.perf_counter() - t0)
-            token = out.logits[:, -1:].argmax(-1)
-    measured = {}
-    if isinstance(cache, OasisCache) and args.measure_steps:
-        timed_stats = cache.stats()
-        cache.measure = cache.streams.measure = True
-        before = cache.counters.decode_steps
+class MethodRun:
+    """One method's cache for one (context, batch): prefilled once, then decoded step by step (`step`), alone or
+    taking turns with other methods' runs (`--interleave`); `row()` gives the table row. Peak memory is this run's
+    own: the model's bytes + what this cache holds after its prefill + the largest rise within one of its calls,
+    so other runs alive in the process do not count."""
+
+    def __init__(self, model, vocab, method, context, batch, args, weight_bytes):
+        self.model, self.method, self.context, self.batch, self.args = model, method, context, batch, args
+        self.cuda = torch.device(args.device).type == "cuda"
+        self.weight_bytes = weight_bytes
+        g = torch.Generator().manual_seed(context + batch)
+        ids = torch.randint(0, vocab, (batch, context), generator=g).to(args.device)
+        if self.cuda:
+            torch.cuda.empty_cache()
+        sync(args.device)
+        base = self._allocated()  # the model and other runs' caches
+        self._reset_peak()
+        self.cache = make_cache(method, model, args)
+        self.kw = {generate_cache_argument(model): self.cache, "use_cache": True}
+        t0 = time.perf_counter()
+        chunk = args.prefill_chunk or context
         with torch.no_grad():
-            for _ in range(args.measure_steps):
-                out = model(input_ids=token, **kw)
-                token = out.logits[:, -1:].argmax(-1)
-        stats = cache.stats()
-        steps = cache.counters.decode_steps - before
-        measured = dict(
-            exposed_wait_ms_per_step=stats.get("exposed_wait_ms_total", 0.0) / max(1, steps),
-            prediction_recall=stats["prediction_recall"],
+            for start in range(0, context, chunk):
+                out = model(input_ids=ids[:, start : start + chunk], logits_to_keep=1, **self.kw)
+        sync(args.device)
+        self.prefill_s = time.perf_counter() - t0
+        self.prefill_peak = weight_bytes + self._peak() - base
+        self.token = out.logits[:, -1:].argmax(-1)
+        del out
+        self.own_bytes = self._allocated() - base  # what this cache holds on the device after its prefill
+        self.step_rise = 0
+        self.steps_done = 0
+        self.times: list[float] = []
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def _peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def _reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def step(self) -> None:
+        """One decode step, timed after `--warmup` steps (the device synchronized before and after)."""
+        sync(self.args.device)
+        before = self._allocated()
+        self._reset_peak()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model(input_ids=self.token, **self.kw)
+        sync(self.args.device)
+        elapsed = time.perf_counter() - t0
+        self.step_rise = max(self.step_rise, self._peak() - before)
+        if self.steps_done >= self.args.warmup:
+            self.times.append(elapsed)
+        self.steps_done += 1
+        self.token = out.logits[:, -1:].argmax(-1)
+
+    def row(self) -> dict:
+        """The table row; for OasisCache, `--measure-steps` more steps in measurement mode first."""
+        cache, args = self.cache, self.args
+        measured = {}
+        if isinstance(cache, OasisCache) and args.measure_steps:
+            timed_stats = cache.stats()
+            cache.measure = cache.streams.measure = True
+            before = cache.counters.decode_steps
+            with torch.no_grad():
+                for _ in range(args.measure_steps):
+                    out = self.model(input_ids=self.token, **self.kw)
+                    self.token = out.logits[:, -1:].argmax(-1)
+            stats = cache.stats()
+            steps = cache.counters.decode_steps - before
+            measured = dict(
+                exposed_wait_ms_per_step=stats.get("exposed_wait_ms_total", 0.0) / max(1, steps),
+                prediction_recall=stats["prediction_recall"],
+            )
+        times = self.times
+        row = dict(
+            method=self.method,
+            context=self.context,
+            batch=self.batch,
+            tpot_ms=1000 * statistics.median(times),
+            tpot_ms_min=1000 * min(times),
+            tok_per_s=self.batch / statistics.median(times),
+            prefill_s=self.prefill_s,
+            prefill_peak_gib=self.prefill_peak / 2**30,
+            decode_peak_gib=(self.weight_bytes + self.own_bytes + self.step_rise) / 2**30 if self.cuda else 0.0,
+            kv_device_gib=kv_bytes_on_device(cache, args.device) / 2**30,
         )
-    row = dict(
-        method=method,
-        context=context,
-        batch=batch,
-        tpot_ms=1000 * statistics.median(times),
-        tpot_ms_min=1000 * min(times),
-        tok_per_s=batch / statistics.median(times),
-        prefill_s=prefill_s,
-        prefill_peak_gib=prefill_peak / 2**30,
-        decode_peak_gib=(torch.cuda.max_memory_allocated() / 2**30) if cuda else 0.0,
-        kv_device_gib=kv_bytes_on_device(cache, device) / 2**30,
-    )
-    if isinstance(cache, OasisCache):
-        stats = timed_stats if measured else cache.stats()
-        row.update(
-            bytes_fetched_per_step=stats["bytes_fetched_per_step"],
-            bytes_on_critical_path_per_step=stats["bytes_fetched_on_critical_path_per_step"],
-            hit_rate=stats["hit_rate"],
-            tokens_attended_per_step=stats["tokens_attended_per_step"],
-            backend=stats["backend"],
-            host_gib=stats["host_bytes"] / 2**30,
-            **measured,
-        )
-        row["exposed_wait_pct"] = 100 * row.get("exposed_wait_ms_per_step", 0.0) / row["tpot_ms"]
-    del cache, out
-    return row
+        if isinstance(cache, OasisCache):
+            stats = timed_stats if measured else cache.stats()
+            row.update(
+                bytes_fetched_per_step=stats["bytes_fetched_per_step"],
+                bytes_on_critical_path_per_step=stats["bytes_fetched_on_critical_path_per_step"],
+                hit_rate=stats["hit_rate"],
+                tokens_attended_per_step=stats["tokens_attended_per_step"],
+                backend=stats["backend"],
+                host_gib=stats["host_bytes"] / 2**30,
+                **measured,
+            )
+            row["exposed_wait_pct"] = 100 * row.get("exposed_wait_ms_per_step", 0.0) / row["tpot_ms"]
+        return row
+
+    def close(self) -> None:
+        del self.cache, self.kw
+
+
+def run_setting(model, vocab, context, batch, args, weight_bytes) -> list[dict]:
+    """Every method at one (context, batch). Without `--interleave`: one method after the other (one cache alive at
+    a time). With it: every method is prefilled, then their decode steps take turns (A B C, C B A, ...), so a drift of
+    the machine over time (clocks, host memory, other tenants) falls on all methods alike."""
+    rows, runs = [], []
+
+    def failed(method, e):
+        torch.cuda.empty_cache()
+        return dict(method=method, context=context, batch=batch, error=f"OOM: {str(e)[:120]}")
+
+    total = args.warmup + args.steps
+    for method in args.methods:
+        try:
+            run = MethodRun(model, vocab, method, context, batch, args, weight_bytes)
+            if not args.interleave:
+                for _ in range(total):
+                    run.step()
+                rows.append(run.row())
+                run.close()
+                print(json.dumps(rows[-1]), flush=True)
+            else:
+                runs.append(run)
+        except torch.OutOfMemoryError as e:
+            rows.append(failed(method, e))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.interleave:
+        for round_ in range(total):
+            for run in (runs if round_ % 2 == 0 else runs[::-1]):  # A B C, C B A, ...: no method always follows one
+                run.step()
+        for run in runs:
+            rows.append(run.row())
+            run.close()
+            print(json.dumps(rows[-1]), flush=True)
+        order = {m: i for i, m in enumerate(args.methods)}
+        rows.sort(key=lambda r: order[r["method"]])
+    return rows
 
 
 def main():
@@ -184,6 +257,8 @@ def main():
     parser.add_argument("--gather-programs", type=int, default=0, help="programs of the gather kernel (0: one per block)")
     parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
     parser.add_argument("--memory-cap-gib", type=float, default=0, help="cap this process's GPU memory (a smaller card)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="prefill every method, then alternate their decode steps (needs room for all caches)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
     args = parser.parse_args()
 
@@ -193,20 +268,14 @@ def main():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total)
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
+    weight_bytes = torch.cuda.memory_allocated() if torch.device(args.device).type == "cuda" else 0
     head_meta = args.head or "untrained"
     if "oasis-eagle3" in args.methods and not args.head:
         args.head = untrained_head(model)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            for method in args.methods:
-                try:
-                    row = run_one(model, vocab, method, context, batch, args)
-                except torch.OutOfMemoryError as e:
-                    row = dict(method=method, context=context, batch=batch, error=f"OOM: {str(e)[:120]}")
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            rows += run_setting(model, vocab, context, batch, args, weight_bytes)
 
     meta = dict(
         command=" ".join(sys.argv),
@@ -220,6 +289,7 @@ def main():
         head=head_meta if "oasis-eagle3" in args.methods else None,
         gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
+        interleave=args.interleave,
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"decode-{args.model}-{meta['date'][:10]}.json"

@@ -18,6 +18,7 @@
 #   scorekernel  bench/score_kernel.py: the scoring kernel's variants timed at 32K x 4 and 128K x 1
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, none, previous, eagle3 (the ride-along's cost)
+# Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
 # Logs and JSON under $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -28,11 +29,11 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 for arg in "$@"; do
   case "$arg" in
     tests) python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
-    bench) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --out "$OUT/decode-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-32k.log" | tail -14 ;;
-    bench128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
+    bench) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --out "$OUT/decode-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-32k.log" | tail -14 ;;
+    bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
     capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
-    programs) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
+    programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-train --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps 20000 --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
@@ -47,9 +48,9 @@ save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis
     budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
     scorekernel) { python3 bench/score_kernel.py; python3 bench/score_kernel.py --batch 1 --blocks 8192 --per-program 32 64; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/score-kernel.log" ;;
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
-    scorers) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
+    scorers) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     profile3) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous oasis-eagle3 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep --line-buffered "==" ;;
-    eagle3) python3 bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
+    eagle3) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-none oasis-previous oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac
 done
