@@ -179,13 +179,13 @@ class OasisCache(Cache):
             )
         return self._visibility[num_blocks]
 
-    def new_token_causality(self, num_queries: int, length: int, end: int, device) -> torch.Tensor:
-        """`[Qn, L]` bool, built once per forward and shared by all layers: working-set token j is seen by new query
-        i iff j <= end - Qn + i (`compute/sparse.py`)."""
-        key = (num_queries, length, end, str(device))  # layers may sit on different devices
+    def new_token_causality(self, num_queries: int, group: int, length: int, end: int, device) -> torch.Tensor:
+        """`[G * Qn, L]` bool, built once per forward and shared by all layers: row `g * Qn + i` (query head g of a
+        KV head's group, new token i) sees working-set token j iff j <= end - Qn + i (`compute/sparse.py`)."""
+        key = (num_queries, group, length, end, str(device))  # layers may sit on different devices
         if key not in self._causality:
-            self._causality[key] = torch.ones((num_queries, length), dtype=torch.bool, device=device).tril(
-                end - num_queries)
+            rows = torch.ones((num_queries, length), dtype=torch.bool, device=device).tril(end - num_queries)
+            self._causality[key] = rows.repeat(group, 1)
         return self._causality[key]
 
     def check_module(self, layer_idx: int, module) -> None:

@@ -223,7 +223,7 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
-        causal = cache.new_token_causality(Qn, keys.shape[2], S * T + n, self.device) if Qn > 1 else None
+        causal = cache.new_token_causality(Qn, Hq // H, keys.shape[2], S * T + n, self.device) if Qn > 1 else None
         out = sparse_attention(query, keys, values, mask, scale, causal)
         cache.counters.record_layer_step(B * H, n)
         return out

@@ -45,10 +45,11 @@ def test_checkpoint_roundtrip(tmp_path, fmt):
     assert loaded.t2d.sum() == 32 and loaded.t2d[head.to_target_ids(torch.arange(32))].all()
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_incremental_attention_equals_full(window):
-    """Feeding rows one by one with the returned (k, v), trimmed to the head's attention window, equals one pass
-    over all rows (what the ride-along relies on)."""
+@pytest.mark.parametrize("window, keep", [(None, None), (3, 3), (3, 2), (1, 0)])
+def test_incremental_attention_equals_full(window, keep):
+    """Feeding rows one by one with the returned (k, v), trimmed to the last `keep` rows, equals one pass over all
+    rows: with `window - 1` kept (what the ride-along keeps) a decode row attends without a mask, with `window`
+    kept the mask drops the oldest row."""
     head = random_head(tiny_model("qwen3"))
     head.config.attention_window = window
     c = head.config
@@ -60,8 +61,8 @@ def test_incremental_attention_equals_full(window):
     for t in range(7):
         logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
         past = kv if past is None else tuple(torch.cat((a, b), 2) for a, b in zip(past, kv))
-        if window is not None:
-            past = tuple(x[:, :, -window:] for x in past)
+        if keep is not None:
+            past = tuple(x[:, :, max(0, x.shape[2] - keep) :] for x in past)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 

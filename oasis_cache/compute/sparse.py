@@ -20,9 +20,9 @@ def sparse_attention(
             that does not change between steps, so attention backends keep their plans).
         visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none past the last one).
         scale: softmax scale.
-        causal: `[Qn, L]` bool, token j seen by new query i iff j <= end - Qn + i (end: one past the last recent
-            token); needed when Qn > 1, None when Qn == 1 (the cache builds it once per forward for all layers:
-            `OasisCache.new_token_causality`).
+        causal: `[G * Qn, L]` bool, row `g * Qn + i`: token j seen by new query i iff j <= end - Qn + i (end: one
+            past the last recent token); needed when Qn > 1, None when Qn == 1 (the cache builds it once per forward
+            for all layers: `OasisCache.new_token_causality`).
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -30,9 +30,8 @@ def sparse_attention(
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     grouped = query.reshape(B, Hkv, G * Qn, D)  # query head h*G + g uses KV head h: rows (g, i)
-    if Qn == 1:
-        mask = visible[:, :, None, :]
-    else:  # causality among the new tokens
-        mask = (visible[:, :, None, :] & causal)[:, :, None].expand(B, Hkv, G, Qn, L).reshape(B, Hkv, G * Qn, L)
+    mask = visible[:, :, None, :]  # [B, Hkv, 1, L]
+    if Qn > 1:  # causality among the new tokens: [B, Hkv, G * Qn, L] in one operation
+        mask = mask & causal
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)

@@ -80,11 +80,8 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x):  # normalized in fp32, then scaled in the input's dtype (as the Llama family does)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def _rotate_half(x):
@@ -112,16 +109,19 @@ class _Attention(nn.Module):
         k = self.k_proj(x).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         angles = positions[:, None, :, None].float() * self.inv_freq
-        cos, sin = torch.cat((angles, angles), -1).cos().to(x.dtype), torch.cat((angles, angles), -1).sin().to(x.dtype)
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
-        G = c.num_attention_heads // c.num_key_value_heads
-        keys_r, values_r = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         m = keys.shape[2] - n
-        mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
-        if c.attention_window is not None:  # row i sees the `attention_window` rows up to itself
-            mask &= torch.ones_like(mask).triu(m - c.attention_window + 1)
-        out = F.scaled_dot_product_attention(q, keys_r, values_r, attn_mask=mask)
+        window = c.attention_window
+        if n == 1 and (window is None or m < window):  # one row that sees every key (a decode step): no mask
+            mask = None
+        else:
+            mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
+            if window is not None:  # row i sees the `attention_window` rows up to itself
+                mask &= torch.ones_like(mask).triu(m - window + 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), (k, v)
 
 

@@ -10,7 +10,7 @@ Per decode forward (hooks on the model's decoder, active only for the OasisCache
    keys/values, and the real row's aux hidden states are kept for the next draft.
 After a prefill the head reads the prompt's aux hidden states once, filling its own keys/values.
 
-Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, <= window, Dh]`.
+Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, < window, Dh]`.
 """
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ class RideAlong:
                                       self._head_kv)
         if self._head_kv is not None:
             k, v = torch.cat((self._head_kv[0], k), 2), torch.cat((self._head_kv[1], v), 2)
-        if self.window is not None:
-            k, v = k[:, :, -self.window :], v[:, :, -self.window :]
+        if self.window is not None:  # the next row sees itself and the `window - 1` rows before it
+            start = max(0, k.shape[2] - (self.window - 1))
+            k, v = k[:, :, start:], v[:, :, start:]
         self._head_kv = (k, v)
         self._rows += n
         return logits[:, -1]
