@@ -190,3 +190,40 @@ def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
         assert torch.equal(call["selection"], expected)
         checked += 1
     assert checked == 5 * 2
+
+
+def test_host_pools_grow_ahead_at_staggered_steps():
+    """Layers take their next host chunk at different decode steps (pinning memory is slow: the layers should not all
+    pay in one step), each before it is needed and at most HOST_GROWTH_SPREAD blocks early; what the pools hold is what
+    a pool that never grows holds."""
+    from oasis_cache import OasisCache
+    from oasis_cache.layer import HOST_GROWTH_SPREAD
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt_ids(8 * 16)  # 8 blocks: two chunks exactly
+
+    def run(chunk_blocks, check):
+        cache = OasisCache(model, token_budget=128, lookahead="none", host_chunk_blocks=chunk_blocks)
+        with torch.no_grad():
+            token = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            check(cache)
+            for _ in range(6 * 16):
+                token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                check(cache)
+        return [layer.full_kv() for layer in cache.layers]
+
+    grew_at: dict[int, list[int]] = {i: [] for i in range(4)}
+    capacity = {}
+
+    def check(cache):
+        for i, layer in enumerate(cache.layers):
+            pool = layer.pool
+            assert pool.num_blocks < pool.capacity_blocks <= pool.num_blocks + 4 + HOST_GROWTH_SPREAD
+            if i in capacity and pool.capacity_blocks > capacity[i]:
+                grew_at[i].append(pool.num_blocks)
+            capacity[i] = pool.capacity_blocks
+
+    staggered = run(4, check)
+    assert len({steps[0] for steps in grew_at.values()}) == 4, grew_at  # each layer grew at another block count
+    for (k, v), (k_ref, v_ref) in zip(staggered, run(256, lambda cache: None)):
+        assert k.shape[2] == 8 * 16 + 6 * 16 and torch.equal(k, k_ref) and torch.equal(v, v_ref)
