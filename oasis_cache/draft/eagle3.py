@@ -116,12 +116,15 @@ class _Attention(nn.Module):
         m = keys.shape[2] - n
         window = c.attention_window
         if n == 1 and (window is None or m < window):  # one row that sees every key (a decode step): no mask
-            mask = None
-        else:
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        else:  # many rows (a prompt, training): masked, K/V heads repeated (with a mask or in fp32, SDPA's GQA path
+            # falls back to the math kernel, which materializes every head's scores)
             mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
             if window is not None:  # row i sees the `attention_window` rows up to itself
                 mask &= torch.ones_like(mask).triu(m - window + 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            G = c.num_attention_heads // c.num_key_value_heads
+            out = F.scaled_dot_product_attention(q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1),
+                                                 attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), (k, v)
 
 
