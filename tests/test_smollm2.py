@@ -104,3 +104,20 @@ def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
     model.generate(input_ids=ids, past_key_values=oracle, **kw)
     recall, baseline = oracle.stats()["prediction_recall"], previous.stats()["prediction_recall"]
     assert recall > 0.9 and recall > baseline + 0.1, (recall, baseline)
+
+
+def test_readme_demo_runs(tmp_path):
+    """The README's first command ends in `python examples/demo.py`: it runs (a shorter document here), dense finds
+    the planted fact, and OasisCache picks the shipped head."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "examples" / "demo.py"), "--context", "1500", "--budget", "256",
+                          "--max-new-tokens", "20", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "dense answer contains the planted fact: yes" in run.stdout, run.stdout
+    assert "chose lookahead='eagle3', exact=True" in run.stdout, run.stdout
+    assert "oasis answer contains the planted fact:" in run.stdout
