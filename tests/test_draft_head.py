@@ -139,3 +139,21 @@ def test_document_prompts_are_long_windows_with_a_question():
     for prompt in prompts:
         assert any(prompt.endswith(q) for q in DOCUMENT_QUESTIONS)
         assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
+
+
+def test_head_kv_ring_gives_the_last_rows_in_order():
+    """`HeadKV` with a window of 4: after a prompt and single-row writes that wrap the ring, `past()` is the last 3
+    rows in order and `valid` marks what is filled (the new row itself last)."""
+    from oasis_cache.draft.head_window import HeadKV
+
+    rows = torch.arange(20.0).view(1, 1, 20, 1)  # row i holds the value i
+    kv = HeadKV(window=4)
+    kv.store(rows[:, :, :2], -rows[:, :, :2])  # a 2-row prompt: the ring is not full
+    assert kv.past()[0].flatten().tolist() == [0, 1] and kv.valid.tolist() == [[True, True, False, True]]
+    for i in range(2, 9):
+        kv.write_one(rows[:, :, i : i + 1], -rows[:, :, i : i + 1])
+        assert kv.past()[0].flatten().tolist() == list(range(max(0, i - 2), i + 1))
+        assert torch.equal(kv.past()[1], -kv.past()[0])
+    assert kv.valid.all()
+    kv.store(rows[:, :, 9:11], -rows[:, :, 9:11])  # an extend of two rows
+    assert kv.past()[0].flatten().tolist() == [8, 9, 10]

@@ -155,3 +155,52 @@ def test_exact_eagle3_attends_what_none_attends():
     for a, b in zip(base.logits, drafted.logits):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
     assert cache.stats()["blocks_fetched_on_critical_path"] > 0  # an untrained draft misses: repaired, not attended
+
+
+class _OrderedHeadKV:
+    """Reference for `HeadKV`: the rows in order, the last `window - 1` kept by concatenating and slicing."""
+
+    has_ring = False
+
+    def __init__(self, window):
+        self.window, self.kv = window, None
+
+    def reset(self):
+        self.kv = None
+
+    def past(self):
+        return self.kv
+
+    def store(self, k, v):
+        if self.kv is not None:
+            k, v = torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2)
+        start = max(0, k.shape[2] - (self.window - 1))
+        self.kv = (k[:, :, start:], v[:, :, start:])
+
+    def index_batch(self, indices):
+        if self.kv is not None:
+            self.kv = tuple(t.index_select(0, indices) for t in self.kv)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_head_ring_drafts_what_ordered_rows_draft(window):
+    """The head's keys/values in a ring of `window - 1` rows (static shapes for a decode step) give the drafts that
+    the rows kept in order give, through prompt, many wraps of the ring, and a second prompt (an extend)."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    head = random_head(model, scale=0.5)
+    head.config.attention_window = window
+    prompt, extend = prompt_ids(90), prompt_ids(40, seed=3)
+    runs = []
+    for reference in (False, True):
+        cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head)
+        ride = cache.ride_along
+        if reference:
+            ride._head_kv = _OrderedHeadKV(window)
+        drafts, draft = [], ride._draft
+        ride._draft = lambda token: drafts.append(draft(token)) or drafts[-1]
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+        first = model.generate(input_ids=prompt, past_key_values=cache, **kw)
+        model.generate(input_ids=torch.cat((first, extend), 1), past_key_values=cache, **kw)
+        runs.append(torch.cat(drafts, 1))
+    assert runs[0].shape[1] == 22 and torch.equal(runs[0], runs[1])
+    assert len(set(runs[0][0].tolist())) > 3  # the head drafts varied tokens: the comparison means something

@@ -100,9 +100,10 @@ class _Attention(nn.Module):
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x, positions, past=None):
-        """x `[B, n, 2H]`, positions `[B, n]`, past `(k, v)` each `[B, Hkv, m, Dh]` or None (then causal over n).
-        Returns the output `[B, n, H]` and this call's `(k, v)`."""
+    def forward(self, x, positions, past=None, past_mask=None):
+        """x `[B, n, 2H]`, positions `[B, n]`, past `(k, v)` each `[B, Hkv, m, Dh]` or None (then causal over n);
+        `past_mask` `[1, m + 1]` bool for one row (n = 1) over keys that are not all valid (a ring being filled:
+        `head_window.HeadKV`), else None. Returns the output `[B, n, H]` and this call's `(k, v)`."""
         c = self.c
         B, n, _ = x.shape
         q = self.q_proj(x).view(B, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -115,13 +116,16 @@ class _Attention(nn.Module):
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
         m = keys.shape[2] - n
         window = c.attention_window
-        if n == 1 and (window is None or m < window):  # one row that sees every key (a decode step): no mask
+        if n == 1 and past_mask is None and (window is None or m < window):  # one row that sees every key
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-        else:  # many rows (a prompt, training): masked, K/V heads repeated (with a mask or in fp32, SDPA's GQA path
-            # falls back to the math kernel, which materializes every head's scores)
-            mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
-            if window is not None:  # row i sees the `attention_window` rows up to itself
-                mask &= torch.ones_like(mask).triu(m - window + 1)
+        else:  # masked, K/V heads repeated (with a mask or in fp32, SDPA's GQA path falls back to the math kernel,
+            # which materializes every head's scores: fine for one row, not for a prompt)
+            if past_mask is not None:
+                mask = past_mask
+            else:  # rows in order: causal, within the window
+                mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
+                if window is not None:  # row i sees the `attention_window` rows up to itself
+                    mask &= torch.ones_like(mask).triu(m - window + 1)
             G = c.num_attention_heads // c.num_key_value_heads
             out = F.scaled_dot_product_attention(q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1),
                                                  attn_mask=mask)
@@ -149,11 +153,11 @@ class _MidLayer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, embeds, fused, positions, past=None):
+    def forward(self, embeds, fused, positions, past=None, past_mask=None):
         normed = self.hidden_norm(fused)
         residual = normed if self.c.norm_before_residual else fused
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
-        attn, kv = self.self_attn(x, positions, past)
+        attn, kv = self.self_attn(x, positions, past, past_mask)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -179,12 +183,13 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
-    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past=None):
+    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past=None,
+                past_mask=None):
         """`aux_hidden` `[B, n, 3*Ht]`, `embeds` `[B, n, H]`, `positions` `[B, n]` (those of the *next* tokens the
-        rows predict), past `(k, v)` of earlier rows. Returns draft-vocab logits `[B, n, Vd]`, the last hidden
-        `[B, n, H]` (fed back in training-time test), and `(k, v)`."""
+        rows predict), past `(k, v)` of earlier rows (`past_mask`: see `_Attention.forward`). Returns draft-vocab
+        logits `[B, n, Vd]`, the last hidden `[B, n, H]` (fed back in training-time test), and `(k, v)`."""
         fused = self.fc(aux_hidden)
-        h, kv = self.midlayer(embeds, fused, positions, past)
+        h, kv = self.midlayer(embeds, fused, positions, past, past_mask)
         return self.lm_head(self.norm(h)), h, kv
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

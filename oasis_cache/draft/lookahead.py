@@ -10,7 +10,7 @@ Per decode forward (hooks on the model's decoder, active only for the OasisCache
    keys/values, and the real row's aux hidden states are kept for the next draft.
 After a prefill the head reads the prompt's aux hidden states once, filling its own keys/values.
 
-Shapes: aux features `[B, n, 3H]`, head keys/values `[B, Hkv_head, < window, Dh]`.
+Shapes: aux features `[B, n, 3H]`; the head's keys/values: `head_window.HeadKV`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from ..layer import OasisLayer
 from .eagle3 import Eagle3Head
+from .head_window import HeadKV
 
 
 class RideAlong:
@@ -40,7 +41,7 @@ class RideAlong:
             raise ValueError(f"the head reads hidden states {self.aux_ids}; the model has {len(layers)} layers")
         self._aux: dict[int, torch.Tensor] = {}
         self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
-        self._head_kv = None  # (k, v), [B, Hkv_head, rows, Dh]
+        self._head_kv = HeadKV(self.window)  # the head's keys/values (a ring of window - 1 rows)
         self._rows = 0  # head rows so far (its positions)
         self._active = False  # this forward carries a draft row
         self._ours = False  # this forward uses our cache
@@ -59,15 +60,15 @@ class RideAlong:
             handle.remove()
 
     def reset(self) -> None:
-        self._last_features, self._head_kv, self._rows = None, None, 0
+        self._last_features, self._rows = None, 0
+        self._head_kv.reset()
 
     def index_batch(self, indices: torch.Tensor) -> None:
         """Sequence i becomes old sequence `indices[i]` (beam search)."""
         if self._last_features is not None:
             indices = indices.to(self._last_features.device)
             self._last_features = self._last_features.index_select(0, indices)
-        if self._head_kv is not None:
-            self._head_kv = tuple(t.index_select(0, indices.to(t.device)) for t in self._head_kv)
+        self._head_kv.index_batch(indices)
 
     def repeat_interleave(self, repeats: int) -> None:
         if self._last_features is not None:
@@ -152,14 +153,15 @@ class RideAlong:
         the last row's draft-vocab logits `[B, Vd]`."""
         n = features.shape[1]
         positions = torch.arange(self._rows, self._rows + n, device=features.device).expand(features.shape[0], n)
-        logits, _, (k, v) = self.head(features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions,
-                                      self._head_kv)
-        if self._head_kv is not None:
-            k, v = torch.cat((self._head_kv[0], k), 2), torch.cat((self._head_kv[1], v), 2)
-        if self.window is not None:  # the next row sees itself and the `window - 1` rows before it
-            start = max(0, k.shape[2] - (self.window - 1))
-            k, v = k[:, :, start:], v[:, :, start:]
-        self._head_kv = (k, v)
+        rows = features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions
+        kv = self._head_kv
+        if n == 1 and kv.has_ring and kv.k.shape[0] == features.shape[0]:  # a decode step: static shapes
+            ring_k, ring_v, valid = kv.ring()
+            logits, _, (k, v) = self.head(*rows, (ring_k, ring_v), past_mask=valid)
+            kv.write_one(k, v)
+        else:
+            logits, _, (k, v) = self.head(*rows, kv.past())
+            kv.store(k, v)
         self._rows += n
         return logits[:, -1]
 
