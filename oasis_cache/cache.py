@@ -111,8 +111,7 @@ class OasisCache(Cache):
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
-        self._visibility: dict[int, StepVisibility] = {}  # this forward's, by number of complete blocks
-        self._causality: dict[tuple, torch.Tensor] = {}  # this forward's causal masks among new tokens
+        self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
@@ -142,8 +141,7 @@ class OasisCache(Cache):
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
         Qn = key_states.shape[2] - self.draft_rows
-        self._visibility = {}
-        self._causality = {}
+        self._forward_memo = {}
         if layer.decodes(key_states.shape[2]):
             self.decode_clock += 1
             self.counters.decode_steps += 1
@@ -167,26 +165,39 @@ class OasisCache(Cache):
     def backend_for(self, device: torch.device) -> str:
         return resolve_backend(self.config.backend, device)
 
+    def _shared(self, key: tuple, build):
+        """A value every layer of the current forward uses: built by the first layer that asks (`key` names it and
+        includes the device: layers may sit on different devices)."""
+        value = self._forward_memo.get(key)
+        if value is None:
+            value = self._forward_memo[key] = build()
+        return value
+
     def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
-        """Block visibility of the current forward, computed once per number of complete blocks (before and after
-        this forward's offload) and shared by all layers."""
-        num_blocks = layer.pool.num_blocks
-        if num_blocks not in self._visibility:
-            cfg = self.config
-            self._visibility[num_blocks] = step_visibility(
-                visible, layer.batch_size, num_blocks, cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
-                layer.device,
-            )
-        return self._visibility[num_blocks]
+        """Block visibility of the current forward, once per number of complete blocks (before and after this
+        forward's offload)."""
+        cfg, num_blocks = self.config, layer.pool.num_blocks
+        return self._shared(("visibility", num_blocks, str(layer.device)), lambda: step_visibility(
+            visible, layer.batch_size, num_blocks, cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
+            layer.device))
 
     def new_token_causality(self, num_queries: int, group: int, length: int, end: int, device) -> torch.Tensor:
-        """`[G * Qn, L]` bool, built once per forward and shared by all layers: row `g * Qn + i` (query head g of a
-        KV head's group, new token i) sees working-set token j iff j <= end - Qn + i (`compute/sparse.py`)."""
-        key = (num_queries, group, length, end, str(device))  # layers may sit on different devices
-        if key not in self._causality:
-            rows = torch.ones((num_queries, length), dtype=torch.bool, device=device).tril(end - num_queries)
-            self._causality[key] = rows.repeat(group, 1)
-        return self._causality[key]
+        """`[G * Qn, L]` bool: row `g * Qn + i` (query head g of a KV head's group, new token i) sees working-set
+        token j iff j <= end - Qn + i (`compute/sparse.py`)."""
+        return self._shared(("causality", num_queries, group, length, end, str(device)), lambda: torch.ones(
+            (num_queries, length), dtype=torch.bool, device=device).tril(end - num_queries).repeat(group, 1))
+
+    def recent_visibility(self, view: StepVisibility, num_recent: int, capacity: int, device) -> torch.Tensor:
+        """`[B or 1, 1, R]` bool, the mask of the recent-token region (`R` = `capacity`): its first `num_recent`
+        tokens, and of those the ones `view.recent` `[B, num_recent]` marks, when given (padding)."""
+        def build():
+            row = torch.arange(capacity, device=device) < num_recent
+            if view.recent is None:
+                return row[None, None]
+            row = row.expand(view.recent.shape[0], capacity).clone()
+            row[:, :num_recent] &= view.recent
+            return row[:, None]
+        return self._shared(("recent", view.num_blocks, num_recent, capacity, str(device)), build)
 
     def check_module(self, layer_idx: int, module) -> None:
         if self._modules.get(layer_idx) is not module:
@@ -260,7 +271,7 @@ class OasisCache(Cache):
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0
-        self._visibility = {}
+        self._forward_memo = {}
 
     def __repr__(self):
         cfg = self.config

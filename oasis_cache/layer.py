@@ -217,7 +217,7 @@ class OasisLayer(CacheLayerMixin):
                 self._measure_recall(real, view)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
-        ws.set_recent_visible(n, view.recent)
+        ws.set_recent_visible(cache.recent_visibility(view, n, ws.recent_capacity, self.device))
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]

@@ -21,7 +21,6 @@ class WorkingSet:
         length = self.slot_tokens + recent_capacity
         self.kv = torch.zeros((2, batch_size, num_kv_heads, length, head_dim), dtype=dtype, device=device)
         self.visible = torch.zeros((batch_size, num_kv_heads, length), dtype=torch.bool, device=device)
-        self._recent_positions = torch.arange(recent_capacity, device=device)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -33,12 +32,14 @@ class WorkingSet:
         """`[2, B, Hkv, R, D]` view of the recent-token region."""
         return self.kv[:, :, :, self.slot_tokens :]
 
-    def set_recent_visible(self, num_recent: int, recent_visible: torch.Tensor | None) -> None:
-        """Mask of the recent region: its first `num_recent` tokens (where `recent_visible` `[B, n]`, if given)."""
-        region = self.visible[:, :, self.slot_tokens :]
-        region.copy_((self._recent_positions < num_recent).expand_as(region))
-        if recent_visible is not None:
-            region[:, :, :num_recent] &= recent_visible[:, None]
+    @property
+    def recent_capacity(self) -> int:
+        return self.visible.shape[-1] - self.slot_tokens
+
+    def set_recent_visible(self, mask: torch.Tensor) -> None:
+        """Mask of the recent region, `[B or 1, 1, R]` bool (`OasisCache.recent_visibility`: the same for every
+        layer of a forward)."""
+        self.visible[:, :, self.slot_tokens :].copy_(mask)  # broadcast over sequences and KV heads
 
     def attendable(self):
         """`(keys, values, visible)` over the whole working set, `[B, Hkv, L, D]` twice and `[B, Hkv, L]`."""
