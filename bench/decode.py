@@ -14,7 +14,8 @@ method 20-40% apart at the start and the end of one process) does not favour one
 table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
 (previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
-depend on its weights, its recall does). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+depend on its weights, its recall does), oasis-eagle3-graph (the same, the head's decode call replayed as a CUDA
+graph). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
@@ -57,8 +58,11 @@ def make_cache(method: str, model, args):
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if scorer:
         options["scorer"] = scorer
-    if method == "oasis-eagle3":
-        return OasisCache(model, lookahead="eagle3", draft=args.head, **options)
+    if method in ("oasis-eagle3", "oasis-eagle3-graph"):
+        cache = OasisCache(model, lookahead="eagle3", draft=args.head, **options)
+        if method.endswith("-graph"):  # the head's decode call replayed as a CUDA graph (draft/head_step.py)
+            cache.ride_along.static_head = "graph" if torch.device(args.device).type == "cuda" else "eager"
+        return cache
     if method == "oasis-exact":
         return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
     if method.startswith("oasis-"):
@@ -270,7 +274,7 @@ def main():
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
     weight_bytes = torch.cuda.memory_allocated() if torch.device(args.device).type == "cuda" else 0
     head_meta = args.head or "untrained"
-    if "oasis-eagle3" in args.methods and not args.head:
+    if any(m.startswith("oasis-eagle3") for m in args.methods) and not args.head:
         args.head = untrained_head(model)
     rows = []
     for context in args.contexts:
@@ -286,7 +290,7 @@ def main():
         model=args.model,
         dtype=args.dtype,
         budget=args.budget,
-        head=head_meta if "oasis-eagle3" in args.methods else None,
+        head=head_meta if any(m.startswith("oasis-eagle3") for m in args.methods) else None,
         gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
         interleave=args.interleave,

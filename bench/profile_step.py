@@ -42,7 +42,7 @@ def main():
     args = parser.parse_args()
     args.gather_programs, args.exact_slots = 0, 0
     model, vocab = load_model(args.model, args.device, torch.bfloat16)
-    args.head = untrained_head(model) if "oasis-eagle3" in args.methods else None
+    args.head = untrained_head(model) if any(m.startswith("oasis-eagle3") for m in args.methods) else None
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
     for method in args.methods:
         cache = make_cache(method, model, args)

@@ -101,6 +101,18 @@ def random_head(model, draft_vocab: int = 64, scale: float = 0.1, seed: int = 0)
     return head
 
 
+def drafts_of_two_generates(model, cache, prompt: torch.Tensor, extend: torch.Tensor) -> torch.Tensor:
+    """Generate 12 tokens after `prompt`, then 12 more after (that + `extend`), through `cache` (eagle3): the drafts
+    the ride-along made at the 22 decode steps, `[B, 22]`."""
+    ride = cache.ride_along
+    drafts, draft = [], ride._draft
+    ride._draft = lambda token: drafts.append(draft(token).clone()) or drafts[-1]
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    first = model.generate(input_ids=prompt, past_key_values=cache, **kw)
+    model.generate(input_ids=torch.cat((first, extend), 1), past_key_values=cache, **kw)
+    return torch.cat(drafts, 1)
+
+
 def dense_cache(model):
     model.set_attn_implementation("sdpa")
     return DynamicCache(config=model.config)

@@ -216,3 +216,24 @@ def test_eagle3_ride_along_on_cuda(exact):
         assert torch.equal(dense.sequences, oasis.sequences)
         for a, b in zip(dense.logits, oasis.logits):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_head_graph_drafts_what_the_plain_call_drafts(batch):
+    """The head's decode call replayed as a CUDA graph (`RideAlong.static_head = "graph"`, `draft/head_step.py`)
+    drafts what the plain call drafts, through wraps of its ring and an extend (which recaptures)."""
+    from conftest import drafts_of_two_generates, random_head
+
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    head = random_head(model, scale=0.5)
+    head.config.attention_window = 5
+    prompt, extend = prompt_ids(90, batch=batch).cuda(), prompt_ids(40, batch=batch, seed=3).cuda()
+    runs = []
+    for static in (None, "graph"):
+        cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head)
+        ride = cache.ride_along
+        ride.static_head = static
+        runs.append(drafts_of_two_generates(model, cache, prompt, extend))
+        if static:
+            assert ride._static is not None and ride._static.graph is not None
+    assert runs[0].shape == (batch, 22) and torch.equal(runs[0], runs[1])

@@ -10,7 +10,7 @@ import torch
 from oasis_cache import OasisCache
 from oasis_cache.layer import OasisLayer
 
-from conftest import dense_cache, generate, left_padded, prompt_ids, random_head, tiny_model
+from conftest import dense_cache, drafts_of_two_generates, generate, left_padded, prompt_ids, random_head, tiny_model
 
 ATOL = 2e-4
 
@@ -182,10 +182,12 @@ class _OrderedHeadKV:
             self.kv = tuple(t.index_select(0, indices) for t in self.kv)
 
 
+@pytest.mark.parametrize("static", [None, "eager"])
 @pytest.mark.parametrize("window", [1, 2, 5])
-def test_head_ring_drafts_what_ordered_rows_draft(window):
+def test_head_ring_drafts_what_ordered_rows_draft(window, static):
     """The head's keys/values in a ring of `window - 1` rows (static shapes for a decode step) give the drafts that
-    the rows kept in order give, through prompt, many wraps of the ring, and a second prompt (an extend)."""
+    the rows kept in order give, through prompt, many wraps of the ring, and a second prompt (an extend); so does
+    the decode call on static buffers (`head_step.py`, what a CUDA graph replays; here run eagerly)."""
     model = tiny_model("qwen3", num_hidden_layers=4)
     head = random_head(model, scale=0.5)
     head.config.attention_window = window
@@ -196,11 +198,11 @@ def test_head_ring_drafts_what_ordered_rows_draft(window):
         ride = cache.ride_along
         if reference:
             ride._head_kv = _OrderedHeadKV(window)
-        drafts, draft = [], ride._draft
-        ride._draft = lambda token: drafts.append(draft(token)) or drafts[-1]
-        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
-        first = model.generate(input_ids=prompt, past_key_values=cache, **kw)
-        model.generate(input_ids=torch.cat((first, extend), 1), past_key_values=cache, **kw)
-        runs.append(torch.cat(drafts, 1))
+        else:
+            ride.static_head = static
+        runs.append(drafts_of_two_generates(model, cache, prompt, extend))
+        if not reference:
+            static_used = ride._static is not None  # the last draft of the run went through the static call
     assert runs[0].shape[1] == 22 and torch.equal(runs[0], runs[1])
+    assert static_used == (static is not None and window > 1)
     assert len(set(runs[0][0].tolist())) > 3  # the head drafts varied tokens: the comparison means something

@@ -63,6 +63,15 @@ class HeadKV:
         self.valid[0, :kept] = True
         self.filled, self.slot = kept, kept % rows if rows else 0
 
+    @property
+    def full(self) -> bool:
+        """A ring of at least one row, every slot filled: a one-row call's shapes and path no longer change."""
+        return self.has_ring and self.k.shape[2] > 0 and self.filled == self.k.shape[2]
+
+    def advance(self) -> None:
+        """The host's copy of the slot after a full ring's row was written on the device (`head_step.py`)."""
+        self.slot = (self.slot + 1) % self.k.shape[2]
+
     def ring(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For a one-row call: `(k, v, valid)`, the whole ring and its `[1, W]` visibility (the row itself last), None
         once every slot is filled (the call then needs no mask)."""

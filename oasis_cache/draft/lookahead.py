@@ -21,6 +21,7 @@ import torch
 
 from ..layer import OasisLayer
 from .eagle3 import Eagle3Head
+from .head_step import StaticDraftStep
 from .head_window import HeadKV
 
 
@@ -42,6 +43,11 @@ class RideAlong:
         self._aux: dict[int, torch.Tensor] = {}
         self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
         self._head_kv = HeadKV(self.window)  # the head's keys/values (a ring of window - 1 rows)
+        # Opt-in: "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer
+        # call eagerly (tests); None: the plain call. Beam search (reordered rows) always takes the plain call.
+        self.static_head: str | None = None
+        self._static: StaticDraftStep | None = None
+        self._reordered = False
         self._rows = 0  # head rows so far (its positions)
         self._active = False  # this forward carries a draft row
         self._ours = False  # this forward uses our cache
@@ -62,6 +68,7 @@ class RideAlong:
     def reset(self) -> None:
         self._last_features, self._rows = None, 0
         self._head_kv.reset()
+        self._static, self._reordered = None, False
 
     def index_batch(self, indices: torch.Tensor) -> None:
         """Sequence i becomes old sequence `indices[i]` (beam search)."""
@@ -69,6 +76,7 @@ class RideAlong:
             indices = indices.to(self._last_features.device)
             self._last_features = self._last_features.index_select(0, indices)
         self._head_kv.index_batch(indices)
+        self._static, self._reordered = None, True
 
     def repeat_interleave(self, repeats: int) -> None:
         if self._last_features is not None:
@@ -151,6 +159,7 @@ class RideAlong:
     def _head_rows(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Run the head over rows (features `[B, n, 3H]`, next tokens `[B, n]`), keeping its keys/values; returns
         the last row's draft-vocab logits `[B, Vd]`."""
+        self._static = None  # its device-side position and slot would go stale
         n = features.shape[1]
         positions = torch.arange(self._rows, self._rows + n, device=features.device).expand(features.shape[0], n)
         rows = features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions
@@ -167,8 +176,15 @@ class RideAlong:
 
     def _draft(self, token: torch.Tensor) -> torch.Tensor:
         """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`."""
-        logits = self._head_rows(self._last_features[:, None], token)
-        draft = self.head.to_target_ids(logits.argmax(-1))[:, None]
+        kv, B = self._head_kv, token.shape[0]
+        if self.static_head and kv.full and kv.k.shape[0] == B and not self._reordered:
+            if self._static is None:
+                self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, self.static_head == "graph")
+            draft = self._static(self._last_features[:, None], token)
+            self._rows += 1
+        else:
+            logits = self._head_rows(self._last_features[:, None], token)
+            draft = self.head.to_target_ids(logits.argmax(-1))[:, None]
         if self.oracle is None:
             return draft
         true = self.oracle(self.cache().get_seq_length() + 1).to(draft.device)  # analysis only: syncs below

@@ -1,0 +1,67 @@
+"""The head's decode call on static buffers, replayable as one CUDA graph.
+
+Once the head's ring of keys/values is full (`head_window.HeadKV`), a decode step's call has fixed shapes: features
+`[B, 1, 3Ht]` and token `[B, 1]` are copied into buffers, the call reads the whole ring without a mask, writes its
+own key/value into the ring at a slot kept on the device, advances that slot and its position on the device, and
+leaves the draft (target ids) in `draft` `[B, 1]`. On CUDA the call is captured once and replayed (one launch
+instead of ~60); `use_graph=False` runs the same function eagerly (CPU, tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .eagle3 import Eagle3Head
+from .head_window import HeadKV
+
+
+class StaticDraftStep:
+    def __init__(self, head: Eagle3Head, embed, kv: HeadKV, position: int, use_graph: bool):
+        """`position`: the head position of the next row (`RideAlong._rows`); `kv` must hold a full ring."""
+        self.head, self.embed, self.kv = head, embed, kv
+        B, device = kv.k.shape[0], kv.k.device
+        self.features = torch.zeros((B, 1, 3 * head.config.target_hidden_size), dtype=head.fc.weight.dtype,
+                                    device=device)
+        self.token = torch.zeros((B, 1), dtype=torch.long, device=device)
+        self.position = torch.full((B, 1), position, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), kv.slot, dtype=torch.long, device=device)
+        self.draft: torch.Tensor | None = None
+        self.graph = None
+        if use_graph:
+            self._capture()
+
+    @property
+    def batch_size(self) -> int:
+        return self.token.shape[0]
+
+    @torch.no_grad()
+    def _run(self, write: bool = True) -> torch.Tensor:
+        logits, _, (k, v) = self.head(self.features, self.embed(self.token), self.position, (self.kv.k, self.kv.v))
+        draft = self.head.to_target_ids(logits[:, -1].argmax(-1))[:, None]
+        if write:  # the new row replaces the oldest one; slot and position advance on the device
+            self.kv.k.index_copy_(2, self.slot, k)
+            self.kv.v.index_copy_(2, self.slot, v)
+            self.slot.add_(1).remainder_(self.kv.k.shape[2])
+            self.position.add_(1)
+        return draft
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(self.token.device)
+        side.wait_stream(torch.cuda.current_stream(self.token.device))
+        with torch.cuda.stream(side):
+            self._run(write=False)  # warm-up (library handles, workspaces), the ring untouched
+        torch.cuda.current_stream(self.token.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.draft = self._run()
+
+    def __call__(self, features: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """features `[B, 1, 3Ht]`, token `[B, 1]` -> the draft `[B, 1]` (a buffer the next call overwrites)."""
+        self.features.copy_(features)
+        self.token.copy_(token)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.draft = self._run()
+        self.kv.advance()  # the host's copy of the ring slot
+        return self.draft
