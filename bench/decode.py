@@ -115,6 +115,7 @@ class MethodRun:
         base = self._allocated()  # the model and other runs' caches
         self._reset_peak()
         self.cache = make_cache(method, model, args)
+        self.attention = model.config._attn_implementation  # "sdpa" for HF's caches, "oasis" for OasisCache
         self.kw = {generate_cache_argument(model): self.cache, "use_cache": True}
         t0 = time.perf_counter()
         chunk = args.prefill_chunk or context
@@ -143,6 +144,8 @@ class MethodRun:
 
     def step(self) -> None:
         """One decode step, timed after `--warmup` steps (the device synchronized before and after)."""
+        if self.model.config._attn_implementation != self.attention:  # runs take turns: each keeps its own path
+            self.model.set_attn_implementation(self.attention)
         sync(self.args.device)
         before = self._allocated()
         self._reset_peak()
@@ -161,6 +164,8 @@ class MethodRun:
         """The table row; for OasisCache, `--measure-steps` more steps in measurement mode first."""
         cache, args = self.cache, self.args
         measured = {}
+        if self.model.config._attn_implementation != self.attention:
+            self.model.set_attn_implementation(self.attention)
         if isinstance(cache, OasisCache) and args.measure_steps:
             timed_stats = cache.stats()
             cache.measure = cache.streams.measure = True
