@@ -4,8 +4,8 @@ A head trained with an attention window W (`Eagle3Config.attention_window`) lets
 before it, so W - 1 rows are all that is kept, in a ring `[B, Hkv, W - 1, Dh]`: rotary is applied before a key is
 stored, so attention does not depend on where in the ring it sits. `valid` `[1, W]` marks the filled slots, then the
 new row itself (always visible). A one-row call (a decode step) reads the whole ring, with that mask until the ring
-is full, so once full its shapes and its path never change (what a CUDA graph of the head's call needs). Calls of several rows (a prompt, a long extend) get the
-rows in their order (`past`) and hand back all of them (`store`).
+is full, so once full its shapes and its path never change (what a CUDA graph of the head's call needs). Calls of
+several rows (a prompt, a long extend) get the rows in their order (`past`) and hand back all of them (`store`).
 
 Without a window (published heads attend to every row) the keys/values grow by concatenation.
 """
@@ -38,8 +38,7 @@ class HeadKV:
             return self.k, self.v
         if self.filled < self.k.shape[2]:
             return self.k[:, :, : self.filled], self.v[:, :, : self.filled]
-        order = torch.cat((torch.arange(self.slot, self.filled), torch.arange(0, self.slot))).to(self.k.device)
-        return self.k.index_select(2, order), self.v.index_select(2, order)
+        return self.k.roll(-self.slot, 2), self.v.roll(-self.slot, 2)  # oldest (at `slot`) first
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """After a call over `past()`: keep the past rows and this call's `k`, `v` (`[B, Hkv, n, Dh]`, in order)."""
