@@ -1,6 +1,6 @@
 """Operators launched per decode step, by lookahead mode: a CPU-side proxy for the launch-bound cost of each mode.
 
-    python bench/op_count.py --layers 8 --modes previous eagle3
+    python bench/op_count.py --layers 8 --modes previous eagle3 eagle3-exact
 
 Runs a tiny random Qwen3 (CPU), prefills `--context` tokens, decodes a few steps, then records one decode step
 with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly). Prints the
@@ -25,9 +25,11 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
-def count_ops(model, ids, lookahead: str, head, budget: int) -> collections.Counter:
+def count_ops(model, ids, mode: str, head, budget: int) -> collections.Counter:
+    """`mode`: a lookahead, optionally with `-exact` (miss repair), e.g. `eagle3-exact` (the default with a head)."""
+    lookahead, _, exact = mode.partition("-")
     draft = dict(draft=head) if lookahead == "eagle3" else {}
-    cache = OasisCache(model, token_budget=budget, lookahead=lookahead, **draft)
+    cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", **draft)
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     with torch.no_grad():
         out = model(input_ids=ids, **kw)
