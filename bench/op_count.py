@@ -1,6 +1,7 @@
 """Operators launched per decode step, by lookahead mode: a CPU-side proxy for the launch-bound cost of each mode.
 
     python bench/op_count.py --layers 8 --modes previous eagle3 eagle3-exact
+    TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes previous eagle3-exact
 
 Runs a tiny random Qwen3 (CPU), prefills `--context` tokens, decodes a few steps, then records one decode step
 with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly). Prints the
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -25,11 +27,30 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
-def count_ops(model, ids, mode: str, head, budget: int) -> collections.Counter:
-    """`mode`: a lookahead, optionally with `-exact` (miss repair), e.g. `eagle3-exact` (the default with a head)."""
+KERNEL = "triton kernel"
+
+
+def count_kernels_as_launches() -> None:
+    """Wrap the package's Triton kernel launches in a profiler range each, so that what Triton's interpreter runs
+    inside them counts as the one launch it is on a GPU."""
+    import oasis_cache.kernels.block_scores as scores
+    import oasis_cache.kernels.slot_assign as assign
+    import oasis_cache.memory.transfer as transfer
+
+    for module, name in ((scores, "block_scores"), (assign, "slot_assign"), (transfer, "gather_blocks")):
+        def launch(*args, _fn=getattr(module, name), _name=name, **kwargs):
+            with record_function(f"{KERNEL} {_name}"):
+                return _fn(*args, **kwargs)
+        setattr(module, name, launch)
+
+
+def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") -> collections.Counter:
+    """`mode`: a lookahead, optionally with `-exact` (miss repair), e.g. `eagle3-exact` (the default with a head).
+    `backend="triton"` (under `TRITON_INTERPRET=1`): the CUDA path's operators, each kernel launch counted once."""
     lookahead, _, exact = mode.partition("-")
     draft = dict(draft=head) if lookahead == "eagle3" else {}
-    cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", **draft)
+    cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
+                       **draft)
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     with torch.no_grad():
         out = model(input_ids=ids, **kw)
@@ -41,8 +62,15 @@ def count_ops(model, ids, mode: str, head, budget: int) -> collections.Counter:
             model(input_ids=token, **kw)
     counts = collections.Counter()
     for event in prof.events():
+        ancestors = []
         parent = event.cpu_parent
-        if event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        if any(name.startswith(KERNEL) for name in ancestors):
+            continue  # inside an interpreted Triton kernel: one launch on a GPU, counted below
+        if event.name.startswith(KERNEL) or (event.name.startswith("aten::") and not (
+                ancestors and ancestors[0].startswith("aten::"))):
             counts[event.name] += 1
     return counts
 
@@ -53,11 +81,19 @@ def main():
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["none", "previous", "eagle3"])
+    parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                        help="triton: the CUDA path's operators, run with TRITON_INTERPRET=1 on CPU")
     args = parser.parse_args()
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--backend triton runs on CPU through Triton's interpreter: prefix the command with "
+                     "TRITON_INTERPRET=1")
+    if args.backend == "triton":
+        count_kernels_as_launches()
     model = tiny_model("qwen3", num_hidden_layers=args.layers)
     head, ids = random_head(model), prompt_ids(args.context)
-    counts = {mode: count_ops(model, ids, mode, head, args.budget) for mode in args.modes}
-    print(f"outermost aten ops in one decode step, {args.layers} layers, context {args.context}:")
+    counts = {mode: count_ops(model, ids, mode, head, args.budget, args.backend) for mode in args.modes}
+    print(f"outermost aten ops in one decode step, {args.layers} layers, context {args.context}, "
+          f"{args.backend} backend:")
     for mode, c in counts.items():
         print(f"  {mode:10} {sum(c.values()):6}  ({sum(c.values()) / args.layers:.1f} per layer)")
     first, last = args.modes[0], args.modes[-1]
