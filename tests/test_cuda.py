@@ -178,12 +178,25 @@ def test_prefill_device_memory_is_about_one_layer():
     assert dense - no_cache >= (layers - 1) * layer_kv  # the contrast: every layer stays
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+EAGLE3_MODES = [dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True),
+                dict(lookahead="eagle3", exact=True, static_head="graph")]
+
+
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_decode_steps_make_no_host_sync(mode):
     """The decode hot path issues no synchronizing CUDA call (`.item()`, blocking copies, ...): checked with
-    PyTorch's sync debug mode over decode steps that select, fetch, prefetch and offload blocks."""
+    PyTorch's sync debug mode over decode steps that select, fetch, prefetch and offload blocks (and, with eagle3,
+    draft and ride along; the head's graph is captured during the warm-up steps)."""
+    from conftest import random_head
+
     model = tiny_model("qwen3").cuda()
+    mode = dict(mode)
+    static_head = mode.pop("static_head", None)
+    if mode["lookahead"] == "eagle3":
+        mode["draft"] = random_head(model)
     cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4, **mode)
+    if static_head:
+        cache.ride_along.static_head = static_head
     ids = prompt_ids(400).cuda()
     with torch.no_grad():
         token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
