@@ -10,8 +10,8 @@ Each (context, batch, method): a fresh cache, one prefill of random tokens (in c
 synchronized before and after: the harness syncs, the cache does not), then for OasisCache `--measure-steps` more
 steps in measurement mode (exposed transfer wait, prediction recall). With `--interleave` every method is prefilled
 first and their decode steps then take turns, so that the machine's drift over a run (measured on the H200: the same
-method 20-40% apart at the start and the end of one process) does not favour one method. Writes JSON under bench/results/ and prints a
-table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
+method 20-40% apart at the start and the end of one process) does not favour one method. Writes JSON under
+bench/results/ and prints a table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
 (previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
 depend on its weights, its recall does), oasis-eagle3-graph (the same, the head's decode call replayed as a CUDA
@@ -68,6 +68,11 @@ def make_cache(method: str, model, args):
     if method.startswith("oasis-"):
         return OasisCache(model, lookahead=method.split("-", 1)[1], **options)
     raise ValueError(method)
+
+
+def needs_head(methods) -> bool:
+    """Whether a method rides a draft along (oasis-eagle3, oasis-eagle3-graph)."""
+    return any(m.startswith("oasis-eagle3") for m in methods)
 
 
 def untrained_head(model):
@@ -142,10 +147,14 @@ class MethodRun:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
+    def _use_own_attention(self) -> None:
+        """Runs take turns on one model: each keeps its own attention path (HF's sdpa, or "oasis")."""
+        if self.model.config._attn_implementation != self.attention:
+            self.model.set_attn_implementation(self.attention)
+
     def step(self) -> None:
         """One decode step, timed after `--warmup` steps (the device synchronized before and after)."""
-        if self.model.config._attn_implementation != self.attention:  # runs take turns: each keeps its own path
-            self.model.set_attn_implementation(self.attention)
+        self._use_own_attention()
         sync(self.args.device)
         before = self._allocated()
         self._reset_peak()
@@ -164,8 +173,7 @@ class MethodRun:
         """The table row; for OasisCache, `--measure-steps` more steps in measurement mode first."""
         cache, args = self.cache, self.args
         measured = {}
-        if self.model.config._attn_implementation != self.attention:
-            self.model.set_attn_implementation(self.attention)
+        self._use_own_attention()
         if isinstance(cache, OasisCache) and args.measure_steps:
             timed_stats = cache.stats()
             cache.measure = cache.streams.measure = True
@@ -279,7 +287,7 @@ def main():
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
     weight_bytes = torch.cuda.memory_allocated() if torch.device(args.device).type == "cuda" else 0
     head_meta = args.head or "untrained"
-    if any(m.startswith("oasis-eagle3") for m in args.methods) and not args.head:
+    if needs_head(args.methods) and not args.head:
         args.head = untrained_head(model)
     rows = []
     for context in args.contexts:
@@ -295,7 +303,7 @@ def main():
         model=args.model,
         dtype=args.dtype,
         budget=args.budget,
-        head=head_meta if any(m.startswith("oasis-eagle3") for m in args.methods) else None,
+        head=head_meta if needs_head(args.methods) else None,
         gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
         interleave=args.interleave,

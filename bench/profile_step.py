@@ -18,14 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from decode import make_cache, untrained_head  # noqa: E402
+from decode import make_cache, needs_head, sync, untrained_head  # noqa: E402
 from models import load_model  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main():
@@ -42,7 +37,7 @@ def main():
     args = parser.parse_args()
     args.gather_programs, args.exact_slots = 0, 0
     model, vocab = load_model(args.model, args.device, torch.bfloat16)
-    args.head = untrained_head(model) if any(m.startswith("oasis-eagle3") for m in args.methods) else None
+    args.head = untrained_head(model) if needs_head(args.methods) else None
     ids = torch.randint(0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
     for method in args.methods:
         cache = make_cache(method, model, args)
@@ -52,16 +47,16 @@ def main():
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(3):  # warm-up
                 token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
-            sync()
+            sync(args.device)
             start = time.perf_counter()  # wall time per step, outside the profiler
             for _ in range(args.steps):
                 token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
-            sync()
+            sync(args.device)
             wall_ms = (time.perf_counter() - start) * 1000 / args.steps
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps):
                     token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
-                sync()
+                sync(args.device)
         events = prof.key_averages()
         device_us = sum(e.self_device_time_total for e in events) / args.steps
         cpu_us = sum(e.self_cpu_time_total for e in events) / args.steps
