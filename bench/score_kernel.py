@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oasis_cache.control import rank_blocks  # noqa: E402
-from oasis_cache.kernels.block_scores import FORMS, block_scores  # noqa: E402
+from oasis_cache.kernels.block_scores import block_scores  # noqa: E402
 from oasis_cache.pools import BlockSummaries  # noqa: E402
 
 
@@ -53,7 +53,6 @@ def main():
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--scorers", nargs="+", default=["bound", "bits"], choices=["bound", "bits", "bits-fp8"])
-    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS), help="the bits kernel's forms")
     parser.add_argument("--per-program", nargs="+", type=int, default=[16, 32, 64], help="blocks per program")
     parser.add_argument("--warps", nargs="+", type=int, default=[4], help="warps per program")
     args = parser.parse_args()
@@ -72,21 +71,19 @@ def main():
         reference = rank_blocks(query, s, forced, allowed, T)
         us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
         print(f"{scorer:8} torch                              {us:9.1f}")
-        for form in (args.forms if scorer != "bound" else FORMS[:1]):
-            for per_program in args.per_program:
-                for warps in args.warps:
-                    def call():
-                        return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
-                                            form, s.scales)
-                    variant = form if scorer != "bound" else ""
-                    label = f"{scorer:8} {variant:9} {per_program:3} blocks/program {warps} warps"
-                    try:  # a large tile may not compile (registers, shared memory): say so and go on
-                        ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
-                        us = time_us(call, args.repeats)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"{label} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                        continue
-                    print(f"{label} {us:9.1f}{'' if ok else '  MISMATCH'}", flush=True)
+        for per_program in args.per_program:
+            for warps in args.warps:
+                def call():
+                    return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
+                                        scales=s.scales)
+                label = f"{scorer:8} kernel    {per_program:3} blocks/program {warps} warps"
+                try:  # a large tile may not compile (registers, shared memory): say so and go on
+                    ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
+                    us = time_us(call, args.repeats)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{label} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                print(f"{label} {us:9.1f}{'' if ok else '  MISMATCH'}", flush=True)
 
 
 if __name__ == "__main__":

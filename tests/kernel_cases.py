@@ -74,9 +74,9 @@ def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     query = queries.to(device)[:, :, :Qn]
     codes = None if summaries.codes is None else summaries.codes.to(device)
     scales = None if summaries.scales is None else summaries.scales.to(device)
-    for per_program, form in ((64, "per_token"), (16, "per_token"), (16, "one_dot"), (32, "fma")):
+    for per_program in (64, 16, 32):
         got = block_scores(query, summaries.levels.to(device), NB, forced.to(device), allowed.to(device),
-                           codes, T, per_program, form=form, scales=scales).cpu()
+                           codes, T, per_program, scales=scales).cpu()
         if not (torch.equal(torch.isinf(got), torch.isinf(expected))
                 and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)):
             return False

@@ -60,8 +60,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
-        FORM: tl.constexpr,  # bits: 0 one product per token, 1 one product over all BLOCK_N x TOKENS coarse keys,
-        #                      2 no tensor cores: broadcast multiply and sum per token (query rows not padded to 16)
         SCALED: tl.constexpr,  # fp8 levels with a scale per block
     ):
         bh = tl.program_id(0).to(tl.int64)
@@ -86,17 +84,7 @@ if triton is not None:
         if TOKENS == 0:
             score = tl.dot(tl.maximum(q, 0.0), tl.trans(high), input_precision="ieee")
             score += tl.dot(tl.minimum(q, 0.0), tl.trans(low), input_precision="ieee")
-        elif FORM == 1:
-            BYTES: tl.constexpr = (TOKENS + 7) // 8
-            toks = tl.arange(0, TOKENS)
-            code = tl.load(codes + ((bh * NBcap + blocks[:, None, None]) * BYTES + (toks // 8)[None, :, None]) * D
-                           + dims[None, None, :], mask=kv_mask[:, None, :], other=0)  # [BLOCK_N, TOKENS, D_POW2]
-            bit = (code.to(tl.int32) >> (toks % 8)[None, :, None]) & 1
-            coarse = tl.where(bit != 0, high[:, None, :], low[:, None, :])
-            coarse = tl.reshape(coarse, (BLOCK_N * TOKENS, D_POW2))
-            token = _coarse_dot(q, coarse, IEEE)  # [R_POW2, BLOCK_N * TOKENS]
-            score = tl.max(tl.reshape(token, (R_POW2, BLOCK_N, TOKENS)), axis=2)
-        else:  # one token position at a time: a tensor-core product (FORM 0) or broadcast multiply and sum (FORM 2)
+        else:  # one tensor-core product per token position
             BYTES: tl.constexpr = (TOKENS + 7) // 8
             score = tl.full((R_POW2, BLOCK_N), -float("inf"), tl.float32)
             for byte in tl.static_range(BYTES):
@@ -105,11 +93,7 @@ if triton is not None:
                 for bit in tl.static_range(8):
                     if byte * 8 + bit < TOKENS:
                         coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
-                        if FORM == 2:
-                            token = tl.sum(q[:, None, :] * coarse[None, :, :], axis=2)  # [R_POW2, BLOCK_N]
-                        else:
-                            token = _coarse_dot(q, coarse, IEEE)
-                        score = tl.maximum(score, token)
+                        score = tl.maximum(score, _coarse_dot(q, coarse, IEEE))
         score = tl.where(rows[:, None] < R, score, -float("inf"))
         best = tl.max(score, axis=0)  # [BLOCK_N]
         is_forced = tl.load(forced + b * NB + blocks, mask=in_blocks, other=0) != 0
@@ -119,9 +103,6 @@ if triton is not None:
         tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
 
 
-FORMS = ("per_token", "one_dot", "fma")  # the bits scorer's kernel forms (FORM = index)
-
-
 def _as_int8(mask: torch.Tensor) -> torch.Tensor:
     """A bool mask read as int8 (same bytes: no copy, no launch, when contiguous)."""
     return mask.contiguous().view(torch.int8)
@@ -129,21 +110,18 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
-                 blocks_per_program: int = 64, num_warps: int = 4, form: str = "per_token",
+                 blocks_per_program: int = 64, num_warps: int = 4,
                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`,
     `forced`/`allowed` `[B, NB]` bool, `codes` `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound
     scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8 levels, else None -> `[B, Hkv, NB]` fp32 ranked scores (+inf
-    forced, -inf not allowed). `blocks_per_program` (a power of two >= 16), `num_warps` and the bits scorer's
-    `form` — "per_token" (one tensor-core product per token position), "one_dot" (one product over a program's
-    coarse keys), "fma" (no tensor cores; query rows not padded) — are tuning knobs (`bench/score_kernel.py`)."""
+    forced, -inf not allowed). `blocks_per_program` (a power of two >= 16) and `num_warps` are tuning knobs
+    (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
     B, Hq, Qn, D = query.shape
     H, NBcap = levels.shape[2], levels.shape[3]
     R = Hq // H * Qn
     scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
     bits = codes is not None
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     rows = triton.next_power_of_2(R)
@@ -151,9 +129,9 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
         query, levels, codes if bits else levels, scales if scales is not None else scores, _as_int8(forced),
         _as_int8(allowed), scores,
         H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
-        R_POW2=rows if bits and form == "fma" else max(16, rows),  # tensor-core products need 16 rows
+        R_POW2=max(16, rows),  # tensor-core products need 16 rows
         D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype), FORM=FORMS.index(form),
+        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
         SCALED=scales is not None, num_warps=num_warps,
     )
     return scores
