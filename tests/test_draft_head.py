@@ -124,6 +124,12 @@ def test_trainer_learns_and_resumes(tmp_path):
     head = load_eagle3(tmp_path / "head", target_model=model)
     texts = torch.load(tmp_path / "data.pt")
     assert evaluate(head, model, texts[:3])["top1_agreement"] >= 0.0
+    # a run started from that head on that data (copied, not generated again) begins where the head is
+    start = train(model, _Tok(), tmp_path / "init", steps=0, init_head=tmp_path / "head", data=tmp_path / "data.pt",
+                  **kw)
+    assert start["top1_agreement"] == pytest.approx(resumed["top1_agreement"])
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "init" / "data.pt"), texts))
+    assert torch.equal(load_eagle3(tmp_path / "init" / "head", target_model=model).d2t, head.d2t)
     # a time limit stops at a step boundary, still saves and evaluates
     stopped = train(model, _Tok(), tmp_path / "limited", steps=50, time_limit=0.0, **kw)
     assert stopped["steps"] == 0 and (tmp_path / "limited" / "head" / "model.safetensors").exists()
