@@ -1,10 +1,11 @@
 """Operators launched per decode step, by lookahead mode: a CPU-side proxy for the launch-bound cost of each mode.
 
-    python bench/op_count.py --layers 8 --modes previous eagle3 eagle3-exact
+    python bench/op_count.py --layers 8 --modes dense previous eagle3 eagle3-exact
     TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes previous eagle3-exact
 
 Runs a tiny random Qwen3 (CPU), prefills `--context` tokens, decodes a few steps, then records one decode step
-with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly). Prints the
+with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly); `dense` is HF's
+SDPA + DynamicCache step, the baseline. Prints the
 totals and, for the last mode against the first, the operators whose counts differ. The head for eagle3 is
 untrained (counts do not depend on weights).
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -47,10 +49,14 @@ def count_kernels_as_launches() -> None:
 def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") -> collections.Counter:
     """`mode`: a lookahead, optionally with `-exact` (miss repair), e.g. `eagle3-exact` (the default with a head).
     `backend="triton"` (under `TRITON_INTERPRET=1`): the CUDA path's operators, each kernel launch counted once."""
-    lookahead, _, exact = mode.partition("-")
-    draft = dict(draft=head) if lookahead == "eagle3" else {}
-    cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
-                       **draft)
+    if mode == "dense":  # the baseline: what HF's own step launches (SDPA + DynamicCache)
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+    else:
+        lookahead, _, exact = mode.partition("-")
+        draft = dict(draft=head) if lookahead == "eagle3" else {}
+        cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
+                           **draft)
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     with torch.no_grad():
         out = model(input_ids=ids, **kw)

@@ -189,7 +189,7 @@ def test_decode_steps_make_no_host_sync(mode):
     draft and ride along; the head's graph is captured during the warm-up steps)."""
     from conftest import random_head
 
-    model = tiny_model("qwen3").cuda()
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()  # a head reads three of its layers' hidden states
     mode = dict(mode)
     static_head = mode.pop("static_head", None)
     if mode["lookahead"] == "eagle3":
