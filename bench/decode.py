@@ -14,8 +14,9 @@ method 20-40% apart at the start and the end of one process) does not favour one
 bench/results/ and prints a table. Methods: dense, offload (HF `DynamicCache(offloading=True)`), oasis-none, oasis-previous, oasis-exact
 (previous + miss repair, with `--exact-slots` slots), oasis-eagle3 (the draft token rides along: `--head DIR`, or
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
-depend on its weights, its recall does), oasis-eagle3-graph (the same, the head's decode call replayed as a CUDA
-graph). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+depend on its weights, its recall does; the package's default: on CUDA the head's decode call is replayed as a CUDA
+graph), oasis-eagle3-plain (the head's call run op by op, as before 2026-11-30), oasis-eagle3-graph (the graph
+forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
@@ -58,10 +59,12 @@ def make_cache(method: str, model, args):
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if scorer:
         options["scorer"] = scorer
-    if method in ("oasis-eagle3", "oasis-eagle3-graph"):
+    if method in ("oasis-eagle3", "oasis-eagle3-graph", "oasis-eagle3-plain"):
         cache = OasisCache(model, lookahead="eagle3", draft=args.head, **options)
         if method.endswith("-graph"):  # the head's decode call replayed as a CUDA graph (draft/head_step.py)
             cache.ride_along.static_head = "graph" if torch.device(args.device).type == "cuda" else "eager"
+        if method.endswith("-plain"):
+            cache.ride_along.static_head = None
         return cache
     if method == "oasis-exact":
         return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
@@ -71,7 +74,7 @@ def make_cache(method: str, model, args):
 
 
 def needs_head(methods) -> bool:
-    """Whether a method rides a draft along (oasis-eagle3, oasis-eagle3-graph)."""
+    """Whether a method rides a draft along (oasis-eagle3 and its -plain / -graph forms)."""
     return any(m.startswith("oasis-eagle3") for m in methods)
 
 

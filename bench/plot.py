@@ -25,19 +25,23 @@ def main():
         meta = meta or data["meta"]
         rows += [r for r in data["rows"] if "tpot_ms" in r]
     settings = sorted({(r["context"], r["batch"]) for r in rows})
-    methods = [m for m in ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")
-               if any(r["method"] == m for r in rows)]
+    present = list(dict.fromkeys(r["method"] for r in rows))  # first-seen order, then the usual order below
+    usual = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact", "oasis-eagle3-plain", "oasis-eagle3",
+             "oasis-eagle3-graph")
+    methods = [m for m in usual if m in present] + [m for m in present if m not in usual]
     fig, ax = plt.subplots(figsize=(2.2 * len(settings) + 2, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        values = [next((r["tpot_ms"] for r in rows if r["method"] == method and (r["context"], r["batch"]) == s), 0)
-                  for s in settings]
+        values = [next((r["tpot_ms"] for r in rows if r["method"] == method and (r["context"], r["batch"]) == s),
+                       float("nan")) for s in settings]  # nan: not run at that setting (no bar, no label)
         bars = ax.bar([x + i * width for x in range(len(settings))], values, width, label=method)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in values], fontsize=7)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(settings))])
     ax.set_xticklabels([f"{c // 1024}K x {b}" for c, b in settings])
     ax.set_ylabel("TPOT (ms, median)")
-    ax.set_yscale("log")
+    measured = [r["tpot_ms"] for r in rows if r["method"] in methods]
+    if max(measured) > 10 * min(measured):  # a log axis only where the spread needs it (offload vs the rest)
+        ax.set_yscale("log")
     ax.set_title(f"{meta['model']} {meta['dtype']}, {meta['machine']}, budget {meta.get('budget', '?')}, {meta['date'][:10]}",
                  fontsize=9)
     ax.legend(fontsize=8)

@@ -4,7 +4,8 @@ Once the head's ring of keys/values is full (`head_window.HeadKV`), a decode ste
 `[B, 1, 3Ht]` and token `[B, 1]` are copied into buffers, the call reads the whole ring without a mask, writes its
 own key/value into the ring at a slot kept on the device, advances that slot and its position on the device, and
 leaves the draft (target ids) in `draft` `[B, 1]`. On CUDA the call is captured once and replayed (one launch
-instead of ~60); `use_graph=False` runs the same function eagerly (CPU, tests).
+instead of ~60; the default on CUDA, `RideAlong.static_head`); `use_graph=False` runs the same function eagerly
+(CPU, tests). Capturing synchronizes the device once (when the ring first fills), never in later steps.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ class StaticDraftStep:
             self._run(write=False)  # warm-up (library handles, workspaces), the ring untouched
         torch.cuda.current_stream(self.token.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.draft = self._run()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.draft = self._run()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"Capturing the draft head's decode step as a CUDA graph failed ({error}). Run it without a graph: "
+                "`cache.ride_along.static_head = None` (or \"eager\")."
+            ) from error
 
     def __call__(self, features: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """features `[B, 1, 3Ht]`, token `[B, 1]` -> the draft `[B, 1]` (a buffer the next call overwrites)."""

@@ -43,9 +43,10 @@ class RideAlong:
         self._aux: dict[int, torch.Tensor] = {}
         self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
         self._head_kv = HeadKV(self.window)  # the head's keys/values (a ring of window - 1 rows)
-        # Opt-in: "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer
-        # call eagerly (tests); None: the plain call. Beam search (reordered rows) always takes the plain call.
-        self.static_head: str | None = None
+        # "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer call
+        # eagerly (tests); None: the plain call; "auto" (default): "graph" on CUDA, else None. Beam search
+        # (reordered rows) always takes the plain call.
+        self.static_head: str | None = "auto"
         self._static: StaticDraftStep | None = None
         self._reordered = False
         self._rows = 0  # head rows so far (its positions)
@@ -177,9 +178,12 @@ class RideAlong:
     def _draft(self, token: torch.Tensor) -> torch.Tensor:
         """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`."""
         kv, B = self._head_kv, token.shape[0]
-        if self.static_head and kv.full and kv.k.shape[0] == B and not self._reordered:
+        static = self.static_head
+        if static == "auto":
+            static = "graph" if token.device.type == "cuda" else None
+        if static and kv.full and kv.k.shape[0] == B and not self._reordered:
             if self._static is None:
-                self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, self.static_head == "graph")
+                self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, static == "graph")
             draft = self._static(self._last_features[:, None], token)
             self._rows += 1
         else:
