@@ -5,7 +5,8 @@
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480; TRAIN_RESUME=1 continues /tmp/oasis-train;
-#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA=FILE reuses an earlier run's data.pt),
+#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA=FILE reuses an earlier run's data.pt;
+#             TRAIN_SOURCE=docs|docstrings|mixed: where the long windows come from, default docs),
 #             kept in /tmp/oasis-head, returned in bf16 under $OUT/head with its data.pt (the safetensors split in
 #             15 MB parts: `cat part* > model.safetensors`); run it alone in a call (8 files come back)
 #   recall    eval/recall.py with that head (document and chat prompts)
@@ -38,7 +39,7 @@ for arg in "$@"; do
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
-    train) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-train --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps 20000 --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data "$TRAIN_DATA"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
+    train) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-train --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps 20000 --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data "$TRAIN_DATA"} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis-head')"

@@ -4,6 +4,7 @@ another target is refused with the reason."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +146,42 @@ def test_document_prompts_are_long_windows_with_a_question():
     for prompt in prompts:
         assert any(prompt.endswith(q) for q in DOCUMENT_QUESTIONS)
         assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
+
+
+class _CharTokenizer:
+    """One id per character: enough for the document corpus functions."""
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_document_sources_are_large_distinct_and_deterministic():
+    from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, _documentation_ids, document_ids, document_prompts
+    from oasis_cache.draft.train import stdlib_docstrings
+
+    tok = _CharTokenizer()
+    docs, docstrings, mixed = (document_ids(tok, source) for source in ("docs", "docstrings", "mixed"))
+    assert docs == _documentation_ids(tok)[HELD_OUT_DOCUMENT_TOKENS:]  # the held-out start stays out
+    assert mixed == docs + docstrings
+    texts = stdlib_docstrings()
+    assert len(docstrings) > len(docs) and all(len(t) >= 200 for t in texts)  # more text than the documentation
+    import sysconfig
+
+    tests = Path(sysconfig.get_paths()["stdlib"]) / "test" / "support" / "__init__.py"
+    if tests.exists():  # the regression tests' own docstrings stay out
+        import ast
+
+        own = [ast.get_docstring(n) for n in ast.walk(ast.parse(tests.read_text())) if isinstance(
+            n, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(n) and len(ast.get_docstring(n)) >= 200]
+        assert own and not set(own) & set(texts)
+    prompts = document_prompts(tok, 4, 500, seed=2, source="docstrings")
+    assert prompts == document_prompts(tok, 4, 500, seed=2, source="docstrings") and len(set(prompts)) == 4
+    assert all(p[:500] in tok.decode(docstrings) for p in prompts)
+    with pytest.raises(ValueError, match="document source"):
+        document_ids(tok, "web")
 
 
 def test_head_kv_ring_gives_the_last_rows_in_order():
