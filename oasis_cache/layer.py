@@ -57,6 +57,7 @@ class OasisLayer(CacheLayerMixin):
         self.recent = RecentTokens(self.working_set.recent_region)
         self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)
         self.predicted = False  # the working set holds a prediction for the next decode step
+        self._draft_ranks = None  # (NB, `[B, Hkv, NB]`): the draft row's ranking, scored with the real rows'
         self.is_initialized = True
 
     def reset(self) -> None:
@@ -163,6 +164,7 @@ class OasisLayer(CacheLayerMixin):
                 "(past + new): pass the mask of the whole sequence."
             )
         is_decode = self.decodes(Qn)
+        self._draft_ranks = None
         if is_decode:
             out = self._attend_sparse(query, visible, scale)
         else:
@@ -195,6 +197,19 @@ class OasisLayer(CacheLayerMixin):
                             use_kernel=self.use_kernels)
         return top_blocks(ranks, k)
 
+    def _select_with_draft(self, query, view, k: int):
+        """`_select` of the real rows (all but the last of `query`), when a draft rides along and will also choose
+        the next step's `slots` blocks (exact mode): both rows are ranked in one pass over the summaries and the
+        draft's ranking is kept for `_prefetch_next` (used there unless a block completes in between)."""
+        NB, slots = self.pool.num_blocks, self.config.slots
+        if NB <= slots:  # the draft's prefetch will not rank anything (all blocks fit): rank the real rows alone
+            return self._select(query[:, :, :-1], view, k)
+        ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
+                            use_kernel=self.use_kernels, split_last=True)  # [B, H, 2, NB]
+        real, draft = ranks.unbind(2)
+        self._draft_ranks = (NB, draft)
+        return top_blocks(real, k)
+
     def _attend_sparse(self, query, visible, scale):
         cache, cfg = self._cache, self.config
         B, Hq, Qn, D = query.shape
@@ -209,7 +224,10 @@ class OasisLayer(CacheLayerMixin):
             self._measure_recall(real, view)  # the slots still hold the prediction made for this step
         approximate = cfg.lookahead != "none" and not cfg.exact and self.predicted
         if not approximate:  # select with the real query; what is not resident moves now, on the critical path
-            block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
+            if cache.draft_rows == 1 and cfg.exact:  # the draft row is ranked in the same pass, for the prefetch
+                block_ids, ranks = self._select_with_draft(query, view, cfg.num_selected_blocks)
+            else:
+                block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
             placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
@@ -237,7 +255,11 @@ class OasisLayer(CacheLayerMixin):
         cache, cfg = self._cache, self.config
         view = cache.step_visibility(visible, self)  # the blocks completed by this forward are candidates too
         k = cfg.slots if cfg.exact else cfg.num_selected_blocks
-        block_ids, ranks = self._select(query, view, k)
+        ranked, self._draft_ranks = self._draft_ranks, None
+        if ranked is not None and ranked[0] == self.pool.num_blocks:  # ranked before attention, same blocks since
+            block_ids, ranks = top_blocks(ranked[1], k)
+        else:
+            block_ids, ranks = self._select(query, view, k)
         max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots
         placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, self.working_set.visible,
                                       cache.counters.device_counts(self.device)[1], cfg.block_size, max_fetch)

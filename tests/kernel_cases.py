@@ -57,7 +57,7 @@ SCORE_CASES = [
     (2, 1, 5, 4, 80, 33, 8, torch.float16, "bits"),
     (1, 2, 3, 1, 16, 9, 4, torch.float32, "bits"),  # T < 8: one byte, half used
     (2, 3, 2, 1, 128, 70, 16, torch.bfloat16, "bits-fp8"),
-    (1, 2, 4, 1, 64, 100, 16, torch.float32, "bits-fp8"),
+    (1, 2, 4, 2, 64, 100, 16, torch.float32, "bits-fp8"),  # Qn = 2: also the split ranking
 ]
 
 
@@ -74,11 +74,21 @@ def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     query = queries.to(device)[:, :, :Qn]
     codes = None if summaries.codes is None else summaries.codes.to(device)
     scales = None if summaries.scales is None else summaries.scales.to(device)
+    levels, forced_d, allowed_d = summaries.levels.to(device), forced.to(device), allowed.to(device)
+
+    def same(got, expected):
+        return torch.equal(torch.isinf(got), torch.isinf(expected)) and torch.allclose(got, expected, atol=1e-3,
+                                                                                         rtol=1e-4)
+
     for per_program in (64, 16, 32):
-        got = block_scores(query, summaries.levels.to(device), NB, forced.to(device), allowed.to(device),
-                           codes, T, per_program, scales=scales).cpu()
-        if not (torch.equal(torch.isinf(got), torch.isinf(expected))
-                and torch.allclose(got, expected, atol=1e-3, rtol=1e-4)):
+        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, per_program, scales=scales).cpu()
+        if not same(got, expected):
+            return False
+    if Qn >= 2:  # the last token ranked apart from the others (a riding draft), from the same pass
+        split = torch.stack([rank_blocks(part.float(), summaries, forced, allowed, T)
+                             for part in (queries[:, :, : Qn - 1], queries[:, :, Qn - 1 : Qn])], dim=2)
+        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, scales=scales, split_last=True).cpu()
+        if got.shape != (B, H, 2, NB) or not same(got, split):
             return False
     return True
 

@@ -157,6 +157,42 @@ def test_exact_eagle3_attends_what_none_attends():
     assert cache.stats()["blocks_fetched_on_critical_path"] > 0  # an untrained draft misses: repaired, not attended
 
 
+def test_draft_ranked_with_the_real_rows_prefetches_what_it_ranked_alone(monkeypatch):
+    """In exact mode the real rows and the draft row are ranked in one pass over the summaries (`rank_blocks(...,
+    split_last=True)`, one kernel launch on CUDA); the next step's prefetch then uses the draft's ranking, unless a
+    block completed in between. It must prefetch exactly what ranking the draft row alone prefetches: same fetches,
+    same hits, same tokens — with fewer rankings."""
+    import oasis_cache.layer as layer_module
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    inputs = left_padded([300, 270])
+    kw = dict(max_new_tokens=20, do_sample=False)  # crosses block boundaries: the fallback runs too
+    calls = []
+    rank = layer_module.rank_blocks
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("split_last", False))
+        return rank(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "rank_blocks", counting)
+    runs = []
+    for joint in (True, False):
+        if not joint:  # the real rows ranked alone; the draft ranked again after attention
+            monkeypatch.setattr(OasisLayer, "_select_with_draft",
+                                lambda self, query, view, k: self._select(query[:, :, :-1], view, k))
+        calls.clear()
+        cache = OasisCache(model, token_budget=128, lookahead="eagle3", exact=True, num_slots=9,
+                           draft=random_head(model))
+        out = generate(model, cache, inputs, **kw)
+        runs.append((out, cache.stats(), list(calls)))
+    (joint_out, joint_stats, joint_calls), (alone_out, alone_stats, alone_calls) = runs
+    assert torch.equal(joint_out.sequences, alone_out.sequences)
+    for key in ("blocks_fetched", "blocks_fetched_on_critical_path", "hit_rate", "bytes_fetched"):
+        assert joint_stats[key] == alone_stats[key], key
+    assert any(joint_calls) and not any(alone_calls)
+    assert len(joint_calls) < len(alone_calls)  # one pass instead of two on the steps where no block completed
+
+
 class _OrderedHeadKV:
     """Reference for `HeadKV`: the rows in order, the last `window - 1` kept by concatenating and slicing."""
 

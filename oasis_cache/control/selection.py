@@ -62,7 +62,7 @@ def score_blocks_bits(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 
 
 def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: torch.Tensor,
-                block_size: int, use_kernel: bool = False) -> torch.Tensor:
+                block_size: int, use_kernel: bool = False, split_last: bool = False) -> torch.Tensor:
     """Ranking scores `[B, Hkv, NB]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
 
     Args:
@@ -70,13 +70,18 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         summaries: a `pools.BlockSummaries` (its `codes` present: the "bits" scorer; absent: the "bound").
         forced, allowed: `[B, NB]` bool.
         use_kernel: one Triton launch (CUDA) instead of the plain-PyTorch ops.
+        split_last: rank the last query token apart (a riding draft): `[B, Hkv, 2, NB]`, 0 = the first Qn - 1
+            tokens, 1 = the last one. The kernel reads the summaries once for both.
     """
     NB = summaries.num_blocks
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
         return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size,
-                            scales=summaries.scales)
+                            scales=summaries.scales, split_last=split_last)
+    if split_last:
+        return torch.stack([rank_blocks(part, summaries, forced, allowed, block_size)
+                            for part in (query[:, :, :-1], query[:, :, -1:])], dim=2)
     B, Hq, Qn, D = query.shape
     query = query.reshape(B, summaries.levels.shape[2], -1, D)  # [B, Hkv, R = G * Qn, D]
     low, high = summaries.view()

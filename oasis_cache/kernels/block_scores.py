@@ -12,7 +12,9 @@ Shapes and strides (contiguous unless said; element type E = keys' dtype, scores
     codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
     scales       `[BH, NBcap]` fp32            fp8 levels only: level = fp8 value * scale (a power of two)
     forced       `[B, NB]` int8                allowed `[B, NB]` int8
-    scores (out) `[BH, NB]` fp32
+    scores (out) `[BH, NB]` fp32, or `[BH, 2, NB]` with `split_last`: 0 = the rows of tokens [0, Qn - 1) (the real
+                 tokens beside a riding draft), 1 = the rows of token Qn - 1 (the draft) — two rankings from one
+                 read of the summaries
 Program (bh, tile): blocks [tile*BLOCK_N, tile*BLOCK_N + BLOCK_N) of one (sequence, KV head).
 """
 
@@ -61,6 +63,7 @@ if triton is not None:
         TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
         SCALED: tl.constexpr,  # fp8 levels with a scale per block
+        SPLIT_LAST: tl.constexpr,  # two outputs: the rows of tokens [0, QN - 1), and those of token QN - 1
     ):
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -94,13 +97,20 @@ if triton is not None:
                     if byte * 8 + bit < TOKENS:
                         coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
                         score = tl.maximum(score, _coarse_dot(q, coarse, IEEE))
-        score = tl.where(rows[:, None] < R, score, -float("inf"))
-        best = tl.max(score, axis=0)  # [BLOCK_N]
         is_forced = tl.load(forced + b * NB + blocks, mask=in_blocks, other=0) != 0
         is_allowed = tl.load(allowed + b * NB + blocks, mask=in_blocks, other=0) != 0
-        best = tl.where(is_forced, float("inf"), best)
-        best = tl.where(is_allowed, best, -float("inf"))
-        tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
+        if SPLIT_LAST:
+            last = (rows % QN) == QN - 1
+            real = tl.max(tl.where(((rows < R) & (last == 0))[:, None], score, -float("inf")), axis=0)
+            real = tl.where(is_allowed, tl.where(is_forced, float("inf"), real), -float("inf"))
+            tl.store(scores + (2 * bh) * NB + blocks, real, mask=in_blocks)
+            draft = tl.max(tl.where(((rows < R) & last)[:, None], score, -float("inf")), axis=0)
+            draft = tl.where(is_allowed, tl.where(is_forced, float("inf"), draft), -float("inf"))
+            tl.store(scores + (2 * bh + 1) * NB + blocks, draft, mask=in_blocks)
+        else:
+            best = tl.max(tl.where(rows[:, None] < R, score, -float("inf")), axis=0)  # [BLOCK_N]
+            best = tl.where(is_allowed, tl.where(is_forced, float("inf"), best), -float("inf"))
+            tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
 
 
 def _as_int8(mask: torch.Tensor) -> torch.Tensor:
@@ -111,16 +121,20 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
                  blocks_per_program: int = 64, num_warps: int = 4,
-                 scales: torch.Tensor | None = None) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, split_last: bool = False) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`,
     `forced`/`allowed` `[B, NB]` bool, `codes` `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound
     scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8 levels, else None -> `[B, Hkv, NB]` fp32 ranked scores (+inf
-    forced, -inf not allowed). `blocks_per_program` (a power of two >= 16) and `num_warps` are tuning knobs
+    forced, -inf not allowed); with `split_last` (Qn >= 2) `[B, Hkv, 2, NB]`: the first Qn - 1 tokens' ranking, then
+    the last token's. `blocks_per_program` (a power of two >= 16) and `num_warps` are tuning knobs
     (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
     B, Hq, Qn, D = query.shape
     H, NBcap = levels.shape[2], levels.shape[3]
     R = Hq // H * Qn
-    scores = torch.empty((B, H, num_blocks), dtype=torch.float32, device=query.device)
+    if split_last and Qn < 2:
+        raise ValueError("split_last ranks the last query token apart from the others: it needs Qn >= 2")
+    shape = (B, H, 2, num_blocks) if split_last else (B, H, num_blocks)
+    scores = torch.empty(shape, dtype=torch.float32, device=query.device)
     bits = codes is not None
     BLOCK_N = blocks_per_program
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
@@ -132,6 +146,6 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
         R_POW2=max(16, rows),  # tensor-core products need 16 rows
         D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
-        SCALED=scales is not None, num_warps=num_warps,
+        SCALED=scales is not None, SPLIT_LAST=split_last, num_warps=num_warps,
     )
     return scores
