@@ -16,7 +16,8 @@ bench/results/ and prints a table. Methods: dense, offload (HF `DynamicCache(off
 else an untrained head of the real shape, 32K draft vocabulary as in published EAGLE-3 heads — speed does not
 depend on its weights, its recall does; the package's default: on CUDA the head's decode call is replayed as a CUDA
 graph), oasis-eagle3-plain (the head's call run op by op, as before 2026-11-30), oasis-eagle3-graph (the graph
-forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-exact (with miss repair: what
+`OasisCache(model)` picks with a head; compare with oasis-exact). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -59,8 +61,8 @@ def make_cache(method: str, model, args):
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if scorer:
         options["scorer"] = scorer
-    if method in ("oasis-eagle3", "oasis-eagle3-graph", "oasis-eagle3-plain"):
-        cache = OasisCache(model, lookahead="eagle3", draft=args.head, **options)
+    if method in ("oasis-eagle3", "oasis-eagle3-graph", "oasis-eagle3-plain", "oasis-eagle3-exact"):
+        cache = OasisCache(model, lookahead="eagle3", draft=args.head, exact=method.endswith("-exact"), **options)
         if method.endswith("-graph"):  # the head's decode call replayed as a CUDA graph (draft/head_step.py)
             cache.ride_along.static_head = "graph" if torch.device(args.device).type == "cuda" else "eager"
         if method.endswith("-plain"):
@@ -74,7 +76,7 @@ def make_cache(method: str, model, args):
 
 
 def needs_head(methods) -> bool:
-    """Whether a method rides a draft along (oasis-eagle3 and its -plain / -graph forms)."""
+    """Whether a method rides a draft along (oasis-eagle3 and its -plain / -graph / -exact forms)."""
     return any(m.startswith("oasis-eagle3") for m in methods)
 
 
@@ -300,7 +302,8 @@ def main():
     meta = dict(
         command=" ".join(sys.argv),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else platform.processor(),
+        machine=(torch.cuda.get_device_name() if torch.device(args.device).type == "cuda"
+                 else f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"),
         torch=torch.__version__,
         transformers=transformers.__version__,
         model=args.model,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, one device call: `bash bench/gpu_run.sh tests bench ...` runs the named parts in order.
 #   tests     CUDA tests (SmolLM2 included when its GGUF is at $OASIS_SMOLLM2_GGUF)
+#   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
@@ -55,6 +56,7 @@ save_eagle3(load_eagle3('/tmp/oasis-train/head').to(torch.bfloat16), '/tmp/oasis
     scorers) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     profile3) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous oasis-eagle3 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep --line-buffered "==" ;;
     eagle3) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-previous oasis-eagle3-plain oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
+    eagle3exact) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-exact oasis-eagle3-exact --out "$OUT/decode-qwen3-8b-32k-eagle3-exact.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3-exact.log" | tail -8 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac
 done
