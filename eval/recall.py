@@ -77,7 +77,9 @@ def main():
         stats = cache.stats()
         row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"])
-        if mode == "eagle3-oracle":
+        if mode == "eagle3":  # the head's own drafts against the tokens that came (`stats()`)
+            row["head_draft_accuracy"] = stats["draft_accuracy"]
+        if mode == "eagle3-oracle":  # the head's drafts against the oracle's (the same trajectory)
             hits, made = cache.ride_along.draft_hits
             row["head_draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
@@ -88,7 +90,8 @@ def main():
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
           f"{args.steps} steps, {args.scorer} scorer")
     for r in rows:
-        extra = f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps" if "head_draft_accuracy" in r else ""
+        extra = (f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps"
+                 if r.get("head_draft_accuracy") is not None else "")
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -227,6 +227,8 @@ class OasisCache(Cache):
             device_bytes=sum(self.device_nbytes().values()),
             host_bytes=self.host_nbytes(),
         )
+        if self.ride_along is not None:
+            out.update(self.ride_along.stats())
         return out
 
     def device_nbytes(self) -> dict:

@@ -157,6 +157,33 @@ def test_exact_eagle3_attends_what_none_attends():
     assert cache.stats()["blocks_fetched_on_critical_path"] > 0  # an untrained draft misses: repaired, not attended
 
 
+def test_stats_report_how_often_the_draft_was_the_next_token():
+    """`stats()["draft_accuracy"]`: each one-token decode step checks the draft made at the step before against the
+    token that came (a device counter). Drafts forced right on even steps and wrong on odd ones give exactly 1/2."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    inputs = left_padded([40, 33])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    tokens = generate(model, dense_cache(model), inputs, **kw).sequences[:, inputs["input_ids"].shape[1]:]  # [B, 12]
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model))
+    assert cache.stats()["draft_accuracy"] is None
+    ride, made = cache.ride_along, []
+    draft = ride._draft
+
+    def forced(token):  # decode step k is fed token k and guesses token k + 1
+        k = len(made)
+        head = draft(token)  # the head still runs (its rows, its ring)
+        right = tokens[:, k + 1 : k + 2].to(head.device)
+        made.append(right if k % 2 == 0 else (right + 1) % model.config.vocab_size)
+        return made[-1]
+
+    ride._draft = forced
+    out = generate(model, cache, inputs, **kw)
+    assert torch.equal(out.sequences[:, inputs["input_ids"].shape[1]:], tokens)  # budget >= context: dense's tokens
+    stats = cache.stats()
+    assert len(made) == 11 and stats["drafts_checked"] == 2 * 10  # the last draft has no next step to check
+    assert stats["draft_accuracy"] == pytest.approx(0.5)
+
+
 def test_draft_ranked_with_the_real_rows_prefetches_what_it_ranked_alone(monkeypatch):
     """In exact mode the real rows and the draft row are ranked in one pass over the summaries (`rank_blocks(...,
     split_last=True)`, one kernel launch on CUDA); the next step's prefetch then uses the draft's ranking, unless a

@@ -55,6 +55,11 @@ class RideAlong:
         self._input_ids: torch.Tensor | None = None
         self.oracle = None  # analysis: callable(position) -> [B, 1] target ids that replace the head's draft
         self.draft_hits = [0, 0]  # analysis with an oracle: drafts equal to the oracle's token, drafts made
+        # The head's accuracy in use: each one-token decode step checks the draft made at the step before against
+        # the token that came (device counter, read by `stats()`).
+        self._made: torch.Tensor | None = None  # [B, 1]: the last one-token step's draft
+        self._hits: torch.Tensor | None = None  # int64 scalar on the device
+        self._checked = 0  # drafts checked
         self.handles = [
             decoder.register_forward_pre_hook(self._before, with_kwargs=True),
             decoder.register_forward_hook(self._after, with_kwargs=True),
@@ -67,7 +72,7 @@ class RideAlong:
             handle.remove()
 
     def reset(self) -> None:
-        self._last_features, self._rows = None, 0
+        self._last_features, self._rows, self._made = None, 0, None
         self._head_kv.reset()
         self._static, self._reordered = None, False
 
@@ -77,7 +82,7 @@ class RideAlong:
             indices = indices.to(self._last_features.device)
             self._last_features = self._last_features.index_select(0, indices)
         self._head_kv.index_batch(indices)
-        self._static, self._reordered = None, True
+        self._static, self._reordered, self._made = None, True, None
 
     def repeat_interleave(self, repeats: int) -> None:
         if self._last_features is not None:
@@ -104,9 +109,15 @@ class RideAlong:
         q = input_ids.shape[1]
         decoding = self._last_features is not None and cache.get_seq_length() > 0 and \
             q + 1 <= cache.config.max_decode_tokens
+        made, self._made = self._made, None
         if not decoding:
             return None
-        draft = self._draft(input_ids[:, -1:])  # [B, 1]
+        token = input_ids[:, -1:]
+        if made is not None and q == 1:
+            self._count_hit(made, token)
+        draft = self._draft(token)  # [B, 1]
+        if q == 1 and self.oracle is None:
+            self._made = draft  # (a buffer the next draft overwrites: compared before that, in stream order)
         kwargs = dict(kwargs)
         if args:
             args = ()
@@ -120,6 +131,17 @@ class RideAlong:
         self._active = True
         cache.draft_rows = 1
         return args, kwargs
+
+    def _count_hit(self, made: torch.Tensor, token: torch.Tensor) -> None:
+        hits = (made == token).sum()
+        self._hits = hits if self._hits is None else self._hits.add_(hits)
+        self._checked += made.numel()
+
+    def stats(self) -> dict:
+        """`draft_accuracy`: the share of one-token decode steps (per sequence) whose draft, made at the step before,
+        equals the token that came — what the prefetch's recall follows (`eval/recall.py`); None before any."""
+        hits = 0 if self._hits is None else int(self._hits)
+        return {"draft_accuracy": hits / self._checked if self._checked else None, "drafts_checked": self._checked}
 
     def _capture(self, index: int):
         def hook(module, args, kwargs):
