@@ -212,9 +212,9 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
     which training stops early (at a step boundary), saves and evaluates; the data generation counts too.
-    `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt` from an earlier run, copied
-    to `out` and used instead of generating texts. `document_source`: where the `documents` windows come from
-    (`document_ids`)."""
+    `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt`
+    from an earlier run, copied to `out` and used instead of generating texts. `document_source`: where the
+    `documents` windows come from (`document_ids`)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     data_path = out / "data.pt"
     if data is not None and Path(data).resolve() != data_path.resolve():
         shutil.copyfile(data, data_path)
-    if data_path.exists():
+    generated = not data_path.exists()  # texts made by this call (else by an earlier one: their source unknown)
+    if not generated:
         texts = [t.long() for t in torch.load(data_path)]
     else:
         prompts = list(prompts or seed_prompts())
@@ -301,7 +302,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
     metrics.update(steps=done, ttt=ttt, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
-                   held_out=len(held), document_source=document_source if documents and data is None else None)
+                   held_out=len(held), document_source=document_source if documents and generated else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
 
