@@ -148,6 +148,53 @@ def test_document_prompts_are_long_windows_with_a_question():
         assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
 
 
+def _save_tiny_target(directory: Path) -> None:
+    """A tiny random Llama and a word-level tokenizer (no chat template: a base model), saved as a model directory
+    as `transformers` writes one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from oasis_cache.draft.train import seed_prompts
+
+    words = sorted({w for p in seed_prompts() for w in p.lower().split()})[: 96 - 3]
+    vocab = {"[UNK]": 0, "[PAD]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    tokenizer.save_pretrained(directory)
+    model = tiny_model("llama", num_hidden_layers=4)
+    model.config.eos_token_id, model.config.pad_token_id = 2, 1
+    model.save_pretrained(directory)
+
+
+def test_trainer_command_trains_a_head_for_a_model_directory(tmp_path):
+    """`python -m oasis_cache.draft.train --target DIR`: any causal LM saved as a directory (here a tiny random one
+    with a base tokenizer: the prompts are continued as they are), offline; the head it writes loads for that model
+    and records it as its target."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from oasis_cache.draft import bundled
+
+    target, out = tmp_path / "model", tmp_path / "head-run"
+    _save_tiny_target(target)
+    run = subprocess.run([sys.executable, "-m", "oasis_cache.draft.train", "--target", str(target), "--out", str(out),
+                          "--steps", "3", "--max-new-tokens", "4", "--draft-vocab", "32", "--device", "cpu", "--quiet"],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads(run.stdout.strip().splitlines()[-1])
+    assert metrics["steps"] == 3 and 0.0 <= metrics["top1_agreement"] <= 1.0
+    model = AutoModelForCausalLM.from_pretrained(target)
+    head = load_eagle3(out / "head", target_model=model)
+    assert head.config.draft_vocab_size == 32
+    assert bundled.matches(json.loads((out / "head" / "target.json").read_text()), model)
+    bad = subprocess.run([sys.executable, "-m", "oasis_cache.draft.train", "--target", str(tmp_path / "missing"),
+                          "--out", str(out), "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "a local directory with config.json" in bad.stderr
+
+
 class _CharTokenizer:
     """One id per character: enough for the document corpus functions."""
 

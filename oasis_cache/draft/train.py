@@ -1,6 +1,7 @@
 """Train an EAGLE-3 head for a target model, offline, by self-distillation.
 
     python -m oasis_cache.draft.train --target smollm2 --out heads/smollm2 --steps 2000
+    python -m oasis_cache.draft.train --target /models/Llama-3.1-8B-Instruct --out heads/llama --documents 400
 
 1. Data: the target generates its own responses to seed prompts shipped in `draft/seed_prompts.txt` (sampled), so
    the head learns the distribution it will draft for; `--documents N` adds N long prompts (a window of Python's
@@ -130,14 +131,17 @@ def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0) -> list[torch.Tensor]:
-    """The target's own chat transcripts (prompt + sampled response), one token tensor each."""
+    """The target's own chat transcripts (prompt + sampled response), one token tensor each. A tokenizer without a
+    chat template (a base model) continues the plain prompts."""
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    chat = getattr(tokenizer, "chat_template", None) is not None
     texts = []
     for i in range(0, len(prompts), batch_size):
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts[i : i + batch_size]]
+                                               add_generation_prompt=True) if chat else p
+                 for p in prompts[i : i + batch_size]]
         enc = tokenizer(chats, return_tensors="pt", padding=True).to(model.device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7, top_p=0.95,
                              pad_token_id=tokenizer.pad_token_id)
@@ -342,9 +346,35 @@ def _progress(iterable, enabled, desc="eagle3"):
         return iterable
 
 
+def load_target(target: str, device: str, dtype: str = "auto"):
+    """`(model, tokenizer)`: "smollm2" (the offline GGUF, `loaders.load_smollm2`), or a local model directory /
+    hub id for `transformers.AutoModelForCausalLM` (with its tokenizer). `dtype` "auto": bfloat16 on CUDA, float32
+    elsewhere."""
+    if target == "smollm2":
+        from ..loaders import load_smollm2
+
+        return load_smollm2(device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"--target {target!r}: could not load a causal LM and its tokenizer ({error}). Give 'smollm2' (offline), "
+            "a local directory with config.json, weights and tokenizer files, or a hub id when online."
+        ) from error
+    return model.to(device).eval(), tokenizer
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--target", default="smollm2",
+                        help="'smollm2' (offline GGUF), or a local model directory / hub id (transformers)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the target's dtype for a directory / hub id (auto: bfloat16 on CUDA, else float32)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--draft-vocab", type=int, default=8192)
@@ -367,11 +397,7 @@ def main():
     parser.add_argument("--quiet", action="store_true", help="no progress bars; a line per checkpoint")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    if args.target != "smollm2":
-        raise SystemExit("only --target smollm2 is available offline")
-    from ..loaders import load_smollm2
-
-    model, tokenizer = load_smollm2(device=args.device)
+    model, tokenizer = load_target(args.target, args.device, args.dtype)
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
                     lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
                     save_every=args.save_every, resume=args.resume, cache_features=args.cache_features,
