@@ -110,6 +110,36 @@ class _Tok:
         })
 
 
+def test_batched_distillation_loss_is_the_mean_of_each_text_alone():
+    """The trainer runs a step's texts as one right-padded batch: its loss, gradients and agreement are those of
+    the texts run one by one (each text's rows only see its own earlier rows), training-time test steps included."""
+    from oasis_cache.draft.train import distill_loss
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = _random_head(model, draft_vocab=32, scale=0.3)
+    head.config.attention_window = 6  # shorter than the texts: the window's mask is exercised too
+    embed = model.get_input_embeddings()
+    draft_ids = head.to_target_ids(torch.arange(32))
+    H = model.config.hidden_size
+    texts = [(torch.randint(0, model.config.vocab_size, (n,)), torch.randn(n, 3 * H), torch.randn(n, 32),
+              torch.randint(0, model.config.vocab_size, (n,))) for n in (11, 4, 17, 2)]  # the last has no row
+    for ttt in (1, 3):
+        head.zero_grad()
+        loss, hits, rows = distill_loss(head, embed, texts, draft_ids, ttt)
+        loss.backward()
+        batched = [p.grad.clone() for p in head.parameters()]
+        head.zero_grad()
+        alone = [distill_loss(head, embed, [t], draft_ids, ttt) for t in texts[:3]]
+        assert distill_loss(head, embed, [texts[3]], draft_ids, ttt) == (None, None, 0)
+        mean = torch.stack([a[0] for a in alone]).mean()
+        mean.backward()
+        torch.testing.assert_close(loss, mean, atol=1e-5, rtol=1e-5)
+        for a, b in zip(batched, (p.grad for p in head.parameters())):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert rows == 9 + 2 + 15 and int(hits) == sum(int(a[1]) for a in alone)
+
+
 def test_trainer_learns_and_resumes(tmp_path):
     from oasis_cache.draft.train import evaluate, train
 

@@ -174,38 +174,53 @@ def target_features(model, ids: torch.Tensor, aux_ids: list[int], draft_ids: tor
     return aux.float(), logits[:, draft_ids].float(), logits.argmax(-1)
 
 
-def distill_loss(head: Eagle3Head, embed, ids, aux, target_logits, target_top, draft_ids, ttt: int):
-    """Mean soft CE over `ttt` unrolled steps, and top-1 agreement at step 0 (draft argmax == target argmax).
+def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
+    """Soft cross-entropy of the head against the target over a batch of texts, unrolled over `ttt` steps.
 
-    ids `[n]`, aux `[n, 3H]`, target_logits `[n, Vd]` (on the draft vocabulary), target_top `[n]` (the target's
-    greedy token), draft_ids `[Vd]` (target id of each draft id).
+    Args:
+        texts: `(ids [n], aux [n, 3H], target_logits [n, Vd], target_top [n])` per text (target logits on the draft
+            vocabulary, the target's greedy tokens over its whole vocabulary); texts under 3 tokens have no row.
+            They are right-padded into one batch: row j of a text (features j, token j+1, predicting token j+2) only
+            sees rows <= j, so padding after a text's last row changes nothing of it.
+        draft_ids: `[Vd]`, the target id of each draft id.
+    Returns:
+        `(loss, hits, rows)`: the mean over texts of the mean over the text's steps of its rows' cross-entropy (as
+        if each text were run alone); step 0's top-1 agreements with the target's greedy token (a 0-d tensor) and
+        the rows they were counted over. `(None, None, 0)` when no text has a row.
     """
-    n = ids.shape[0]
-    rows = n - 2  # row j: features j, token j+1 -> predicts token j+2 (target logits at j+1)
-    if rows < 1:
-        return None, None
-    emb = embed(ids[1 : 1 + rows].to(aux.device))[None]  # [1, rows, H]
-    positions = torch.arange(rows, device=aux.device)[None]
-    target = F.softmax(target_logits[1 : 1 + rows], dim=-1)  # [rows, Vd], renormalized on the draft vocabulary
-    fused_input, past = aux[None, :rows], None
-    losses, agreement = [], None
-    hidden = None
+    texts = [t for t in texts if t[0].shape[0] >= 3]
+    if not texts:
+        return None, None, 0
+    device = texts[0][1].device
+    lengths = [t[0].shape[0] - 2 for t in texts]  # rows per text
+    R = max(lengths)
+    pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # noqa: E731
+    emb = embed(pad([t[0][1 : 1 + r].to(device) for t, r in zip(texts, lengths)]))  # [B, R, H], tokens j+1
+    aux = pad([t[1][:r] for t, r in zip(texts, lengths)])  # [B, R, 3H]
+    target_logits = pad([t[2][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R, Vd], the target at j+1
+    target_top = pad([t[3][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R]
+    rows = torch.tensor(lengths, device=device)
+    positions = torch.arange(R, device=device).expand(len(texts), R)
+    loss_sum, steps_run, hits, hidden = 0.0, 0.0, None, None
     for step in range(ttt):
+        span = R - step
+        if span < 1:
+            break
         if step == 0:
-            logits, hidden, _ = head(fused_input, emb, positions)
+            logits, hidden, _ = head(aux, emb, positions)
         else:  # training-time test: the head's own hidden states stand in for the target's features
-            span = rows - step
-            if span < 1:
-                break
-            hidden, _ = head.midlayer(emb[:, step : step + span], hidden[:, :span], positions[:, step : step + span])
+            hidden, _ = head.midlayer(emb[:, step:], hidden[:, :span], positions[:, step:])
             logits = head.lm_head(head.norm(hidden))
-            target = F.softmax(target_logits[1 + step : 1 + step + span], dim=-1)
-        logp = F.log_softmax(logits[0].float(), dim=-1)
-        losses.append(-(target * logp).sum(-1).mean())
+        target = F.softmax(target_logits[:, step:].float(), dim=-1)  # renormalized on the draft vocabulary
+        cross = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, span]
+        valid = positions[:, :span] < (rows - step)[:, None]  # [B, span]: the text's own rows at this step
+        counted = valid.sum(-1)
+        ran = counted > 0
+        loss_sum = loss_sum + torch.where(ran, (cross * valid).sum(-1) / counted.clamp(min=1), 0.0)
+        steps_run = steps_run + ran
         if step == 0:
-            draft_top = draft_ids[logits[0].argmax(-1)]
-            agreement = (draft_top == target_top[1 : 1 + rows]).float().mean()
-    return torch.stack(losses).mean(), agreement
+            hits = ((draft_ids[logits.argmax(-1)] == target_top) & valid).sum()
+    return (loss_sum / steps_run).mean(), hits, sum(lengths)
 
 
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
@@ -278,17 +293,19 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
             print(f"time limit: stopping after {step} steps", flush=True)
             break
         optimizer.zero_grad()
-        total = 0.0
+        batch = []  # the step's texts in one padded batch: one head forward/backward (launch-bound otherwise)
         for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
             ids = train_ids[i]
             if cache_features:
                 aux, logits, top = (t.float() if t.is_floating_point() else t for t in features[i])
             else:
                 aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
-            loss, _ = distill_loss(head, embed, ids.to(device), aux, logits, top, draft_ids, ttt)
-            if loss is not None:
-                (loss / seq_per_step).backward()
-                total += loss.item() / seq_per_step
+            batch.append((ids, aux, logits, top))
+        loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt)
+        total = 0.0
+        if loss is not None:
+            loss.backward()
+            total = loss.item()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         if hasattr(bar, "set_postfix"):
@@ -318,13 +335,12 @@ def evaluate(head: Eagle3Head, model, texts) -> dict:
     head.eval()
     embed = model.get_input_embeddings()
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=model.device))
-    hits = total = 0.0
+    hits = total = 0
     for ids in texts:
         aux, logits, top = target_features(model, ids, head.config.aux_hidden_state_ids, draft_ids)
-        _, agreement = distill_loss(head, embed, ids.to(model.device), aux, logits, top, draft_ids, ttt=1)
-        if agreement is not None:
-            rows = ids.shape[0] - 2
-            hits += agreement.item() * rows
+        _, found, rows = distill_loss(head, embed, [(ids, aux, logits, top)], draft_ids, ttt=1)
+        if rows:
+            hits += int(found)
             total += rows
     return {"top1_agreement": hits / max(total, 1)}
 
