@@ -126,7 +126,8 @@ def _mass(q, keys):
 
 
 # The shipped scorers: name -> OasisCache options.
-SHIPPED = {"bits": dict(scorer="bits"), "bound": dict(scorer="bound"), "bits_fp8": dict(scorer="bits", fp8_levels=True)}
+SHIPPED = {"bits": dict(scorer="bits", fp8_levels=False), "bound": dict(scorer="bound"),
+           "bits_fp8": dict(scorer="bits", fp8_levels=True)}
 
 # name -> scores [B, Hkv, NB] from the query rows q [B, Hkv, R, D] and the full keys [B, Hkv, NB, T, D] (fp32);
 # None: a shipped scorer, unchanged.

@@ -222,6 +222,7 @@ class OasisCache(Cache):
             lookahead=self.config.lookahead,
             exact=self.config.exact,
             scorer=self.config.scorer,
+            fp8_levels=self._levels_in_fp8(),
             backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
@@ -230,6 +231,13 @@ class OasisCache(Cache):
         if self.ride_along is not None:
             out.update(self.ride_along.stats())
         return out
+
+    def _levels_in_fp8(self) -> bool | None:
+        """Whether the bits levels are kept in fp8 (resolved per device when a layer initializes; None before)."""
+        for layer in self.layers:
+            if isinstance(layer, OasisLayer) and layer.is_initialized:
+                return layer.summaries.scales is not None
+        return None
 
     def device_nbytes(self) -> dict:
         """Bytes held on the compute device by all OasisLayers, by pool."""

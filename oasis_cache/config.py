@@ -60,7 +60,9 @@ class OasisConfig:
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
             Quest's; a third less summary memory, much worse selection).
         fp8_levels: with the bits scorer, keep its levels in fp8 (e4m3) with a power-of-two scale per block and KV
-            head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32.
+            head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32. None
+            (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
+            capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
     """
 
     token_budget: int
@@ -76,7 +78,7 @@ class OasisConfig:
     backend: str = "auto"
     gather_programs: int | None = None
     scorer: str = "bits"
-    fp8_levels: bool = False
+    fp8_levels: bool | None = None
 
     def __post_init__(self):
         T = self.block_size
@@ -118,6 +120,8 @@ class OasisConfig:
             raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
         if self.scorer not in SCORERS:
             raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}.")
+        if self.fp8_levels not in (None, True, False):
+            raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
         if self.backend not in BACKENDS:

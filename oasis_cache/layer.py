@@ -23,6 +23,7 @@ from .compute.dense import dense_causal_attention
 from .compute.sparse import sparse_attention
 from .control import all_blocks, rank_blocks, top_blocks
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
+from .pools.summaries import fp8_levels_for
 
 HOST_GROWTH_SPREAD = 16  # blocks: layers take their host pool's next chunk at up to this many different block steps
 
@@ -51,8 +52,8 @@ class OasisLayer(CacheLayerMixin):
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
-        self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits",
-                                        fp8_levels=cfg.fp8_levels)
+        fp8 = fp8_levels_for(cfg.fp8_levels, cfg.scorer, self.device, self.use_kernels)
+        self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits", fp8_levels=fp8)
         self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
         self.recent = RecentTokens(self.working_set.recent_region)
         self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)

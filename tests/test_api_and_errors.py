@@ -24,6 +24,7 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, backend="carrier-pigeon"), "backend must be one of"),
         (dict(token_budget=256, scorer="psychic"), "scorer must be one of"),
         (dict(token_budget=256, scorer="bound", fp8_levels=True), "fp8_levels=True is for scorer='bits'"),
+        (dict(token_budget=256, fp8_levels="yes"), "fp8_levels must be None"),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oasis_cache.control import rank_blocks, score_blocks, step_visibility, top_blocks
@@ -262,3 +263,32 @@ def test_fp8_levels_are_scaled_powers_of_two_within_fp8_rounding():
     s.index_batch(torch.tensor([1, 1]))
     torch.testing.assert_close(s.view()[1][0], s.view()[1][1])
     assert s.nbytes == s.levels.numel() + s.codes.numel() + s.scales.numel() * 4
+
+
+def test_fp8_levels_by_default_where_they_run(monkeypatch):
+    """`fp8_levels=None` (the default): fp8 levels with the bits scorer, except where the Triton kernels meet a GPU
+    that cannot convert fp8 (compute capability < 8.9: bf16 levels there, and True is an error naming the ways out);
+    the bound never. `stats()` says which."""
+    from oasis_cache import OasisCache
+    from oasis_cache.pools.summaries import fp8_levels_for
+
+    from conftest import prompt_ids, tiny_model
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert fp8_levels_for(None, "bits", cpu, use_kernels=False)
+    assert not fp8_levels_for(None, "bound", cpu, use_kernels=False)
+    assert not fp8_levels_for(False, "bits", cpu, use_kernels=False)
+    for capability, fp8 in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_levels_for(None, "bits", cuda, use_kernels=True) == fp8
+        assert fp8_levels_for(None, "bits", cuda, use_kernels=False)  # the torch path converts anywhere
+        if not fp8:
+            with pytest.raises(ValueError, match="cannot convert fp8 on this GPU.*backend='torch'"):
+                fp8_levels_for(True, "bits", cuda, use_kernels=True)
+    model = tiny_model("llama")
+    for kwargs, expected in ((dict(), True), (dict(fp8_levels=False), False), (dict(scorer="bound"), False)):
+        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)
+        assert cache.stats()["fp8_levels"] is None  # not resolved before a layer has seen its device
+        with torch.no_grad():
+            model(input_ids=prompt_ids(100), past_key_values=cache, use_cache=True)
+        assert cache.stats()["fp8_levels"] is expected

@@ -67,6 +67,27 @@ def fp8_scales(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(largest.clamp(min=2.0**-100) / FP8_MAX)))
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # Triton converts fp8 e4m3 on Ada / Hopper and later
+
+
+def fp8_levels_for(requested: bool | None, scorer: str, device: torch.device, use_kernels: bool) -> bool:
+    """Whether a layer keeps its bits levels in fp8: `requested` (`OasisConfig.fp8_levels`) when given, else fp8
+    wherever it runs (the bits scorer on CPU, on CUDA with the torch path, or with the Triton kernels on compute
+    capability >= 8.9; CPU measurements: the same retention as bf16 levels, `docs/perf.md`)."""
+    kernels_cannot = (use_kernels and device.type == "cuda"
+                      and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY)
+    if requested is None:
+        return scorer == "bits" and not kernels_cannot
+    if requested and kernels_cannot:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"fp8_levels=True: the Triton kernels cannot convert fp8 on this GPU (compute capability {major}.{minor}, "
+            f"needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}). Use fp8_levels=None or False, or "
+            "backend='torch'."
+        )
+    return requested
+
+
 class BlockSummaries:
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
                  fp8_levels: bool = False):
