@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, one device call: `bash bench/gpu_run.sh tests bench ...` runs the named parts in order.
 #   tests     CUDA tests (SmolLM2 included when its GGUF is at $OASIS_SMOLLM2_GGUF)
-#   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
@@ -21,8 +20,9 @@
 #   scorekernel  bench/score_kernel.py: the scoring kernel's variants timed at 32K x 4 and 128K x 1
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)
 #   eagle3    decode benchmark at 32K x {1, 4}: dense, previous, eagle3-plain, eagle3 (the ride-along's cost, without
-#             and with the head's CUDA graph; interleaved,
-#             so every oasis method holds its own host pool: 18 GiB each at 32K x 4)
+#             and with the head's CUDA graph; interleaved, so every oasis method holds its own host pool: 18 GiB each
+#             at 32K x 4)
+#   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
 # Logs and JSON under $OUT (at most 8 files come back).
 set -uo pipefail
