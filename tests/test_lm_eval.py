@@ -44,7 +44,8 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
     made = []
     monkeypatch.setattr(integration, "OasisCache", lambda model, **options: made.append(options) or OasisCache(
         model, **options))
-    sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256,scorer=bound,exact=True,lookahead=previous",
-                    "sparse")
+    sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256,scorer=bits,fp8_levels=False,exact=True,"
+                    "lookahead=previous", "sparse")
     assert "string_match_all,none" in sparse
-    assert made and all(o == dict(token_budget=256, scorer="bound", exact=True, lookahead="previous") for o in made)
+    assert made and all(o == dict(token_budget=256, scorer="bits", fp8_levels=False, exact=True, lookahead="previous")
+                        for o in made)

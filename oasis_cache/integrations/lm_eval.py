@@ -7,7 +7,7 @@ a launcher that registers it, then runs lm-eval's own command line.
 
 `pretrained=smollm2` loads SmolLM2-135M-Instruct offline (`oasis_cache.loaders`); any other value goes to `hf`.
 OasisCache options in `model_args`: token_budget (required), lookahead, exact, fetch_ratio, block_size,
-sink_tokens, recent_tokens, num_slots, backend, scorer. Only generation (`generate_until` tasks) goes through the cache;
+sink_tokens, recent_tokens, num_slots, backend, scorer, fp8_levels, draft (a head directory). Only generation (`generate_until` tasks) goes through the cache;
 log-likelihood tasks score whole sequences in one dense forward, as with `hf`.
 """
 
@@ -23,7 +23,7 @@ from ..cache import OasisCache
 from ..compat import generate_cache_argument
 
 CACHE_OPTIONS = ("token_budget", "lookahead", "exact", "fetch_ratio", "block_size", "sink_tokens", "recent_tokens",
-                 "num_slots", "backend", "scorer")
+                 "num_slots", "backend", "scorer", "fp8_levels", "draft")
 
 
 @register_model("oasis")
