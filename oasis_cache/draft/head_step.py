@@ -31,10 +31,6 @@ class StaticDraftStep:
         if use_graph:
             self._capture()
 
-    @property
-    def batch_size(self) -> int:
-        return self.token.shape[0]
-
     @torch.no_grad()
     def _run(self, write: bool = True) -> torch.Tensor:
         logits, _, (k, v) = self.head(self.features, self.embed(self.token), self.position, (self.kv.k, self.kv.v))

@@ -38,6 +38,13 @@ if triton is not None:
         return product
 
     @triton.jit
+    def _ranked(score, rows_used, is_forced, is_allowed):
+        """The best of `score` `[R_POW2, BLOCK_N]` over the rows where `rows_used` `[R_POW2]`, per block: +inf where
+        forced, -inf where not allowed."""
+        best = tl.max(tl.where(rows_used[:, None], score, -float("inf")), axis=0)  # [BLOCK_N]
+        return tl.where(is_allowed, tl.where(is_forced, float("inf"), best), -float("inf"))
+
+    @triton.jit
     def _block_scores_kernel(
         query,
         levels,
@@ -101,16 +108,12 @@ if triton is not None:
         is_allowed = tl.load(allowed + b * NB + blocks, mask=in_blocks, other=0) != 0
         if SPLIT_LAST:
             last = (rows % QN) == QN - 1
-            real = tl.max(tl.where(((rows < R) & (last == 0))[:, None], score, -float("inf")), axis=0)
-            real = tl.where(is_allowed, tl.where(is_forced, float("inf"), real), -float("inf"))
+            real = _ranked(score, (rows < R) & (last == 0), is_forced, is_allowed)
             tl.store(scores + (2 * bh) * NB + blocks, real, mask=in_blocks)
-            draft = tl.max(tl.where(((rows < R) & last)[:, None], score, -float("inf")), axis=0)
-            draft = tl.where(is_allowed, tl.where(is_forced, float("inf"), draft), -float("inf"))
+            draft = _ranked(score, (rows < R) & last, is_forced, is_allowed)
             tl.store(scores + (2 * bh + 1) * NB + blocks, draft, mask=in_blocks)
         else:
-            best = tl.max(tl.where(rows[:, None] < R, score, -float("inf")), axis=0)  # [BLOCK_N]
-            best = tl.where(is_allowed, tl.where(is_forced, float("inf"), best), -float("inf"))
-            tl.store(scores + bh * NB + blocks, best, mask=in_blocks)
+            tl.store(scores + bh * NB + blocks, _ranked(score, rows < R, is_forced, is_allowed), mask=in_blocks)
 
 
 def _as_int8(mask: torch.Tensor) -> torch.Tensor:
