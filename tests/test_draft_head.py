@@ -166,6 +166,26 @@ def test_trainer_learns_and_resumes(tmp_path):
     assert stopped["steps"] == 0 and (tmp_path / "limited" / "head" / "model.safetensors").exists()
 
 
+def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):
+    from oasis_cache.draft.train import split_texts, train
+
+    a = [torch.full((5,), i) for i in range(40)]
+    b = [torch.full((5,), 40 + i % 50) for i in range(60)]
+    held_a, train_a = split_texts([a], 0.05, seed=0)
+    held, train_ids = split_texts([a, b], 0.05, seed=0)
+    assert len(held_a) == 2 and held[:2] == held_a and train_ids[:38] == train_a
+    assert len(held) == 2 + 3 and len(train_ids) == 38 + 57 and all(int(t[0]) >= 40 for t in held[2:])
+    # the trainer reads several data files that way
+    torch.save([t.to(torch.int32) for t in a], tmp_path / "a.pt")
+    torch.save([t.to(torch.int32) for t in b], tmp_path / "b.pt")
+    model = tiny_model("llama", num_hidden_layers=4)
+    metrics = train(model, _Tok(), tmp_path / "out", steps=0, draft_vocab=48, progress=False,
+                    data=[tmp_path / "a.pt", tmp_path / "b.pt"])
+    assert metrics["held_out"] == 5 and metrics["sequences"] == 95
+    with pytest.raises(ValueError, match="documents"):
+        train(model, _Tok(), tmp_path / "none", steps=0, draft_vocab=48, progress=False, chats=False)
+
+
 def test_document_prompts_are_long_windows_with_a_question():
     from oasis_cache.draft.train import DOCUMENT_QUESTIONS, document_prompts
     from oasis_cache.loaders import load_smollm2

@@ -223,41 +223,61 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
     return (loss_sum / steps_run).mean(), hits, sum(lengths)
 
 
+def split_texts(parts, held_out: float, seed: int):
+    """`(held, train)` texts: each part (one run's texts) holds out its own `held_out` share (at least one), drawn
+    with `seed` — the same texts whichever other parts come with it."""
+    held, train_ids = [], []
+    for part in parts:
+        order = list(range(len(part)))
+        random.Random(seed).shuffle(order)
+        n_held = max(1, int(len(part) * held_out))
+        held += [part[i] for i in order[:n_held]]
+        train_ids += [part[i] for i in order[n_held:]]
+    return held, train_ids
+
+
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
-          time_limit=None, init_head=None, data=None, document_source="docs") -> dict:
+          time_limit=None, init_head=None, data=None, document_source="docs", chats=True) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
     which training stops early (at a step boundary), saves and evaluates; the data generation counts too.
     `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt`
-    from an earlier run, copied to `out` and used instead of generating texts. `document_source`: where the
-    `documents` windows come from (`document_ids`)."""
+    from an earlier run (copied to `out`), or a list of them (each split into train / held-out texts on its own),
+    used instead of generating texts. `document_source`: where the
+    `documents` windows come from (`document_ids`). `chats=False`: no seed-prompt transcripts, only the documents
+    (more data for an earlier run's texts, with another `seed`)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = model.device
     data_path = out / "data.pt"
-    if data is not None and Path(data).resolve() != data_path.resolve():
-        shutil.copyfile(data, data_path)
-    generated = not data_path.exists()  # texts made by this call (else by an earlier one: their source unknown)
-    if not generated:
-        texts = [t.long() for t in torch.load(data_path)]
+    sources = [Path(d) for d in ([data] if isinstance(data, (str, Path)) else data or [])]
+    if len(sources) == 1 and sources[0].resolve() != data_path.resolve():
+        shutil.copyfile(sources[0], data_path)
+    generated = not sources and not data_path.exists()  # texts made by this call (else by an earlier one)
+    if len(sources) > 1:  # several runs' texts: each keeps its own held-out split (a head trained on one of them
+        parts = [[t.long() for t in torch.load(d)] for d in sources]  # never sees its texts in the evaluation)
+    elif not generated:
+        parts = [[t.long() for t in torch.load(data_path)]]
     else:
-        prompts = list(prompts or seed_prompts())
+        prompts = list(prompts or seed_prompts()) if chats else []
         if documents:
             prompts += document_prompts(tokenizer, documents, document_tokens, seed, document_source)
+        if not prompts:
+            raise ValueError("no prompts to make texts from: give `documents` (--documents N) or keep the chats")
         texts = generate_corpus(model, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
                                 batch_size=generate_batch or (4 if documents else 16))
         torch.save([t.to(torch.int32) for t in texts], data_path)  # half the bytes of int64: easy to carry
         print(f"data: {len(texts)} texts, {sum(len(t) for t in texts)} tokens, {time.monotonic() - started:.0f} s",
               flush=True)
+        parts = [texts]
+    held, train_ids = split_texts(parts, held_out, seed)
+    texts = [t for part in parts for t in part]
     rng = random.Random(seed)
-    order = list(range(len(texts)))
-    rng.shuffle(order)
-    n_held = max(1, int(len(texts) * held_out))
-    held, train_ids = [texts[i] for i in order[:n_held]], [texts[i] for i in order[n_held:]]
+    rng.shuffle(list(range(len(texts))))  # (the draw the split once took: the same sampling order as before)
 
     state_path = out / "trainer.pt"
     if resume and state_path.exists():
@@ -401,12 +421,17 @@ def main():
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-head", default=None, help="start from this trained head (weights + draft vocabulary)")
-    parser.add_argument("--data", default=None, help="a data.pt from an earlier run (skips generating the texts)")
+    parser.add_argument("--data", nargs="+", default=None,
+                        help="data.pt files from earlier runs (skips generating the texts; each keeps its held-out "
+                             "split)")
     parser.add_argument("--cache-features", action="store_true", help="run the target once per text (CPU-friendly)")
     parser.add_argument("--documents", type=int, default=0, help="also this many long-document prompts")
     parser.add_argument("--document-tokens", type=int, default=2048)
     parser.add_argument("--document-source", choices=DOCUMENT_SOURCES, default="docs",
                         help="long windows from Python's documentation, the stdlib's docstrings, or both")
+    parser.add_argument("--no-chats", action="store_true",
+                        help="no seed-prompt transcripts: only the --documents prompts (e.g. more data for --data)")
+    parser.add_argument("--seed", type=int, default=0, help="the data's sampling and document windows, the split")
     parser.add_argument("--window", type=int, default=256, help="rows the head attends back")
     parser.add_argument("--generate-batch", type=int, default=None, help="prompts per generate call (data)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
@@ -420,7 +445,7 @@ def main():
                     documents=args.documents, document_tokens=args.document_tokens, window=args.window,
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
-                    progress=not args.quiet)
+                    chats=not args.no_chats, seed=args.seed, progress=not args.quiet)
     print(json.dumps(metrics))
 
 
