@@ -140,6 +140,40 @@ def test_batched_distillation_loss_is_the_mean_of_each_text_alone():
         assert rows == 9 + 2 + 15 and int(hits) == sum(int(a[1]) for a in alone)
 
 
+def test_a_cropped_text_trains_its_rows_as_the_whole_text_does():
+    """`crop_text`: with the head's attention window as the crop's history, the counted rows' loss and agreement are
+    those of the same rows in the whole text (the head sees no further back); the history rows are not counted."""
+    import random
+
+    from oasis_cache.draft.train import crop_text, distill_loss
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = _random_head(model, draft_vocab=32, scale=0.3)
+    head.config.attention_window = 6
+    embed = model.get_input_embeddings()
+    draft_ids = head.to_target_ids(torch.arange(32))
+    H, n = model.config.hidden_size, 40
+    text = (torch.randint(0, model.config.vocab_size, (n,)), torch.randn(n, 3 * H), torch.randn(n, 32),
+            torch.randint(0, model.config.vocab_size, (n,)))
+    for end_share, seed in ((1.0, 0), (0.0, 3)):
+        crop = crop_text(text, 10, 6, random.Random(seed), end_share)
+        start_skip = crop[4]
+        kept = crop[0].shape[0] - 2  # rows in the crop
+        assert kept - start_skip == 10 and start_skip == 6
+        # the same rows counted in the whole text: the text up to the crop's end, its earlier rows not counted
+        offset = next(o for o in range(n) if torch.equal(text[1][o : o + kept + 2], crop[1]))
+        if end_share == 1.0:
+            assert offset + kept == n - 2
+        whole = (*(t[: offset + kept + 2] for t in text), offset + start_skip)
+        loss_crop, hits_crop, rows_crop = distill_loss(head, embed, [crop], draft_ids, 1)
+        loss_whole, hits_whole, rows_whole = distill_loss(head, embed, [whole], draft_ids, 1)
+        torch.testing.assert_close(loss_crop, loss_whole, atol=1e-5, rtol=1e-5)
+        assert rows_crop == rows_whole == 10 and int(hits_crop) == int(hits_whole)
+        assert distill_loss(head, embed, [crop], draft_ids, 2)[0].isfinite()
+    assert crop_text(text, 50, 6, random.Random(0))[4] == 0  # a text shorter than the crop stays whole
+
+
 def test_trainer_learns_and_resumes(tmp_path):
     from oasis_cache.draft.train import evaluate, train
 

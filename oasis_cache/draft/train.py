@@ -179,7 +179,9 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
 
     Args:
         texts: `(ids [n], aux [n, 3H], target_logits [n, Vd], target_top [n])` per text (target logits on the draft
-            vocabulary, the target's greedy tokens over its whole vocabulary); texts under 3 tokens have no row.
+            vocabulary, the target's greedy tokens over its whole vocabulary), optionally a fifth item: how many
+            first rows only give the later ones their history (a crop's context, `crop_text`), not counted in the
+            loss; texts under 3 tokens have no row.
             They are right-padded into one batch: row j of a text (features j, token j+1, predicting token j+2) only
             sees rows <= j, so padding after a text's last row changes nothing of it.
         draft_ids: `[Vd]`, the target id of each draft id.
@@ -200,6 +202,7 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
     target_logits = pad([t[2][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R, Vd], the target at j+1
     target_top = pad([t[3][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R]
     rows = torch.tensor(lengths, device=device)
+    skip = torch.tensor([t[4] if len(t) > 4 else 0 for t in texts], device=device)[:, None]  # [B, 1]
     positions = torch.arange(R, device=device).expand(len(texts), R)
     loss_sum, steps_run, hits, hidden = 0.0, 0.0, None, None
     for step in range(ttt):
@@ -213,14 +216,29 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
             logits = head.lm_head(head.norm(hidden))
         target = F.softmax(target_logits[:, step:].float(), dim=-1)  # renormalized on the draft vocabulary
         cross = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, span]
-        valid = positions[:, :span] < (rows - step)[:, None]  # [B, span]: the text's own rows at this step
+        # [B, span]: entry j predicts for the text's row j + step; rows past the text's end or in its context are out
+        valid = (positions[:, :span] < (rows - step)[:, None]) & (positions[:, :span] + step >= skip)
         counted = valid.sum(-1)
         ran = counted > 0
         loss_sum = loss_sum + torch.where(ran, (cross * valid).sum(-1) / counted.clamp(min=1), 0.0)
         steps_run = steps_run + ran
         if step == 0:
             hits = ((draft_ids[logits.argmax(-1)] == target_top) & valid).sum()
-    return (loss_sum / steps_run).mean(), hits, sum(lengths)
+    return (loss_sum / steps_run).mean(), hits, int((rows - skip[:, 0]).clamp(min=0).sum())
+
+
+def crop_text(text, rows: int, context: int, rng: random.Random, end_share: float = 0.5):
+    """A window of `text` = `(ids, aux, logits, top)` (each `[n, ...]`, `distill_loss`'s alignment) with at most
+    `rows` counted rows and up to `context` rows before them that only serve as the head's history (its attention
+    window: the head sees nothing further back at inference either). With probability `end_share` the window ends
+    at the text's end — where a long prompt's answer is — else anywhere. Returns `distill_loss`'s 5-tuple."""
+    ids = text[0]
+    n_rows = ids.shape[0] - 2
+    if n_rows <= rows:
+        return (*text, 0)
+    last = n_rows if rng.random() < end_share else rng.randint(rows, n_rows)  # one past the last counted row
+    start = max(0, last - rows - context)
+    return (*(t[start : last + 2] for t in text), last - rows - start)
 
 
 def split_texts(parts, held_out: float, seed: int):
@@ -239,7 +257,7 @@ def split_texts(parts, held_out: float, seed: int):
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
-          time_limit=None, init_head=None, data=None, document_source="docs", chats=True) -> dict:
+          time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -248,7 +266,9 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     from an earlier run (copied to `out`), or a list of them (each split into train / held-out texts on its own),
     used instead of generating texts. `document_source`: where the
     `documents` windows come from (`document_ids`). `chats=False`: no seed-prompt transcripts, only the documents
-    (more data for an earlier run's texts, with another `seed`)."""
+    (more data for an earlier run's texts, with another `seed`). `crop`: train each text on a window of at most this
+    many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
+    step's rows weigh answers more than the long documents they follow, and steps get cheaper."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +320,9 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     embed = model.get_input_embeddings()
     draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=device))
     aux_ids = head.config.aux_hidden_state_ids
+    window_rows = head.config.attention_window or 0  # a crop's history (no window: the crop alone)
+    if crop is not None and crop < 1:
+        raise ValueError(f"crop must be a positive number of rows, got {crop}")
     features = {}
     if cache_features:
         for i, ids in enumerate(_progress(train_ids, progress, "target features")):
@@ -320,7 +343,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
                 aux, logits, top = (t.float() if t.is_floating_point() else t for t in features[i])
             else:
                 aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
-            batch.append((ids, aux, logits, top))
+            text = (ids, aux, logits, top)
+            batch.append(crop_text(text, crop, window_rows, rng) if crop else text)
         loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt)
         total = 0.0
         if loss is not None:
@@ -431,6 +455,8 @@ def main():
                         help="long windows from Python's documentation, the stdlib's docstrings, or both")
     parser.add_argument("--no-chats", action="store_true",
                         help="no seed-prompt transcripts: only the --documents prompts (e.g. more data for --data)")
+    parser.add_argument("--crop", type=int, default=None,
+                        help="train on windows of at most this many rows per text, half of them at its end (answers)")
     parser.add_argument("--seed", type=int, default=0, help="the data's sampling and document windows, the split")
     parser.add_argument("--window", type=int, default=256, help="rows the head attends back")
     parser.add_argument("--generate-batch", type=int, default=None, help="prompts per generate call (data)")
@@ -445,7 +471,7 @@ def main():
                     documents=args.documents, document_tokens=args.document_tokens, window=args.window,
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
-                    chats=not args.no_chats, seed=args.seed, progress=not args.quiet)
+                    chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet)
     print(json.dumps(metrics))
 
 
