@@ -201,7 +201,7 @@ def test_trainer_learns_and_resumes(tmp_path):
 
 
 def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):
-    from oasis_cache.draft.train import split_texts, train
+    from oasis_cache.draft.train import load_texts, split_texts, train
 
     a = [torch.full((5,), i) for i in range(40)]
     b = [torch.full((5,), 40 + i % 50) for i in range(60)]
@@ -216,6 +216,14 @@ def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):
     metrics = train(model, _Tok(), tmp_path / "out", steps=0, draft_vocab=48, progress=False,
                     data=[tmp_path / "a.pt", tmp_path / "b.pt"])
     assert metrics["held_out"] == 5 and metrics["sequences"] == 95
+    # their texts are kept as two parts: the same split when the run is resumed (or its data.pt reused)
+    parts = load_texts(tmp_path / "out" / "data.pt")
+    assert [len(part) for part in parts] == [40, 60] and torch.equal(parts[1][7], b[7])
+    again = train(model, _Tok(), tmp_path / "again", steps=0, draft_vocab=48, progress=False,
+                  data=tmp_path / "out" / "data.pt")
+    assert again["held_out"] == 5 and again["sequences"] == 95
+    held_again = split_texts(load_texts(tmp_path / "again" / "data.pt"), 0.05, seed=0)[0]
+    assert len(held_again) == 5 and all(torch.equal(x, y) for x, y in zip(held_again, held))
     with pytest.raises(ValueError, match="documents"):
         train(model, _Tok(), tmp_path / "none", steps=0, draft_vocab=48, progress=False, chats=False)
 

@@ -202,7 +202,8 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
     target_logits = pad([t[2][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R, Vd], the target at j+1
     target_top = pad([t[3][1 : 1 + r] for t, r in zip(texts, lengths)])  # [B, R]
     rows = torch.tensor(lengths, device=device)
-    skip = torch.tensor([t[4] if len(t) > 4 else 0 for t in texts], device=device)[:, None]  # [B, 1]
+    skips = [t[4] if len(t) > 4 else 0 for t in texts]
+    skip = torch.tensor(skips, device=device)[:, None]  # [B, 1]
     positions = torch.arange(R, device=device).expand(len(texts), R)
     loss_sum, steps_run, hits, hidden = 0.0, 0.0, None, None
     for step in range(ttt):
@@ -224,7 +225,7 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
         steps_run = steps_run + ran
         if step == 0:
             hits = ((draft_ids[logits.argmax(-1)] == target_top) & valid).sum()
-    return (loss_sum / steps_run).mean(), hits, int((rows - skip[:, 0]).clamp(min=0).sum())
+    return (loss_sum / steps_run).mean(), hits, sum(max(0, n - k) for n, k in zip(lengths, skips))
 
 
 def crop_text(text, rows: int, context: int, rng: random.Random, end_share: float = 0.5):
@@ -239,6 +240,14 @@ def crop_text(text, rows: int, context: int, rng: random.Random, end_share: floa
     last = n_rows if rng.random() < end_share else rng.randint(rows, n_rows)  # one past the last counted row
     start = max(0, last - rows - context)
     return (*(t[start : last + 2] for t in text), last - rows - start)
+
+
+def load_texts(path) -> list[list[torch.Tensor]]:
+    """A `data.pt`'s texts as parts, one per run that made them: a run's file holds its token tensors `[n]`; a run on
+    several files (`train(data=[...])`) keeps a list per file, each of which `split_texts` splits on its own."""
+    saved = torch.load(path)
+    parts = saved if saved and isinstance(saved[0], list) else [saved]
+    return [[t.long() for t in part] for part in parts]
 
 
 def split_texts(parts, held_out: float, seed: int):
@@ -263,8 +272,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
     which training stops early (at a step boundary), saves and evaluates; the data generation counts too.
     `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt`
-    from an earlier run (copied to `out`), or a list of them (each split into train / held-out texts on its own),
-    used instead of generating texts. `document_source`: where the
+    from an earlier run, or a list of them (each split into train / held-out texts on its own), saved to `out`
+    and used instead of generating texts. `document_source`: where the
     `documents` windows come from (`document_ids`). `chats=False`: no seed-prompt transcripts, only the documents
     (more data for an earlier run's texts, with another `seed`). `crop`: train each text on a window of at most this
     many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
@@ -277,11 +286,11 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     sources = [Path(d) for d in ([data] if isinstance(data, (str, Path)) else data or [])]
     if len(sources) == 1 and sources[0].resolve() != data_path.resolve():
         shutil.copyfile(sources[0], data_path)
-    generated = not sources and not data_path.exists()  # texts made by this call (else by an earlier one)
-    if len(sources) > 1:  # several runs' texts: each keeps its own held-out split (a head trained on one of them
-        parts = [[t.long() for t in torch.load(d)] for d in sources]  # never sees its texts in the evaluation)
-    elif not generated:
-        parts = [[t.long() for t in torch.load(data_path)]]
+    elif len(sources) > 1:  # several runs' texts, kept as parts (`load_texts`) so that a resumed run splits alike
+        torch.save([[t.to(torch.int32) for t in part] for d in sources for part in load_texts(d)], data_path)
+    generated = not data_path.exists()  # texts made by this call (else by an earlier one: their source unknown)
+    if not generated:
+        parts = load_texts(data_path)
     else:
         prompts = list(prompts or seed_prompts()) if chats else []
         if documents:
@@ -297,7 +306,6 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     held, train_ids = split_texts(parts, held_out, seed)
     texts = [t for part in parts for t in part]
     rng = random.Random(seed)
-    rng.shuffle(list(range(len(texts))))  # (the draw the split once took: the same sampling order as before)
 
     state_path = out / "trainer.pt"
     if resume and state_path.exists():
