@@ -8,7 +8,9 @@ drafts the token that trajectory actually produces next (read from a first `none
 
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
-Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`). Prints a table, writes JSON.
+Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`): its first
+`HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained on. `--sequences N` decodes N disjoint windows of
+that region as one batch (N times the samples of one window; at most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 import oasis_cache  # noqa: F401
 from oasis_cache import OasisCache
+from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS
 from oasis_cache.loaders import load_smollm2
 
 
@@ -42,27 +45,37 @@ def main():
     parser.add_argument("--slots", type=int, default=0,
                         help="working-set slots the prediction fills (0: K, the recall of a top-K prediction; 2K is "
                              "what exact=True uses by default: the share of the real top-K already resident)")
+    parser.add_argument("--sequences", type=int, default=1,
+                        help="disjoint windows of the held-out documentation decoded as one batch")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics.values())
-    ids = tok(text, return_tensors="pt")["input_ids"][:, : args.context]
+    held_out = tok(text, return_tensors="pt")["input_ids"][0, :HELD_OUT_DOCUMENT_TOKENS]
+    if args.sequences < 1 or args.sequences * args.context > held_out.shape[0]:
+        raise SystemExit(f"--sequences {args.sequences} windows of {args.context} tokens do not fit the "
+                         f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // args.context}")
+    windows = held_out[: args.sequences * args.context].view(args.sequences, args.context)  # [N, context]
+    tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.eos_token
     if args.prompt == "chat":
         question = "\n\nExplain in detail what the text above describes, section by section."
-        chat = tok.apply_chat_template([{"role": "user", "content": tok.decode(ids[0]) + question}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok(chat, return_tensors="pt")["input_ids"]
-    ids = ids.to(args.device)
+        chats = [tok.apply_chat_template([{"role": "user", "content": tok.decode(w) + question}], tokenize=False,
+                                         add_generation_prompt=True) for w in windows]
+        inputs = tok(chats, return_tensors="pt", padding=True)
+    else:
+        inputs = {"input_ids": windows, "attention_mask": torch.ones_like(windows)}
+    inputs = {k: v.to(args.device) for k, v in inputs.items()}
     rows = []
     modes = ["none", "previous"] + (["eagle3"] if args.head else []) + (
         ["eagle3-oracle"] if args.head and args.oracle else [])
     truth = None
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
-        truth = model.generate(input_ids=ids, max_new_tokens=args.steps + 1, do_sample=False,
-                               pad_token_id=tok.eos_token_id,
-                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer))[0]
+        truth = model.generate(**inputs, max_new_tokens=args.steps + 1, do_sample=False,
+                               pad_token_id=tok.pad_token_id,
+                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer))
     K = args.budget // 16 - 1
     for mode in modes:
         lookahead = mode.split("-")[0]
@@ -71,9 +84,9 @@ def main():
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            **predicting, **draft)
         if mode == "eagle3-oracle":
-            cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
-        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
-                       pad_token_id=tok.eos_token_id)
+            cache.ride_along.oracle = lambda position: truth[:, position, None]  # [N, 1]
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
         stats = cache.stats()
         row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"])
@@ -83,12 +96,12 @@ def main():
             hits, made = cache.ride_along.draft_hits
             row["head_draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
-    meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K,
+    meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K, sequences=args.sequences,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
-          f"{args.steps} steps, {args.scorer} scorer")
+          f"{args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:
         extra = (f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps"
                  if r.get("head_draft_accuracy") is not None else "")

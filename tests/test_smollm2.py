@@ -138,3 +138,29 @@ def test_readme_demo_runs(tmp_path):
     assert "dense answer contains the planted fact: yes" in run.stdout, run.stdout
     assert "chose lookahead='eagle3', exact=True" in run.stdout, run.stdout
     assert "oasis answer contains the planted fact:" in run.stdout
+
+
+def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path):
+    """`eval/recall.py --sequences 2`: two windows of the held-out documentation decoded as one batch (chat prompts,
+    so left-padded); `none` is 1.000 by definition, the head drafts some tokens right in both of its rows; too many
+    windows for the held-out region are refused."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "eval" / "recall.py"
+    head = Path(__file__).resolve().parent.parent / "oasis_cache" / "draft" / "heads" / "smollm2-135m-instruct"
+    out = tmp_path / "recall.json"
+    args = [sys.executable, str(script), "--context", "400", "--budget", "192", "--steps", "6", "--head", str(head),
+            "--oracle", "--prompt", "chat", "--device", "cpu"]
+    run = subprocess.run(args + ["--sequences", "2", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["lookahead"]: r for r in result["rows"]}
+    assert result["meta"]["sequences"] == 2 and set(rows) == {"none", "previous", "eagle3", "eagle3-oracle"}
+    assert rows["none"]["recall"] == 1.0
+    assert all(0.0 < r["recall"] <= 1.0 for r in rows.values())
+    assert all(0.0 < rows[m]["head_draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-oracle"))
+    refused = subprocess.run(args + ["--sequences", "50"], capture_output=True, text=True, timeout=900)
+    assert refused.returncode != 0 and "at most" in refused.stderr
