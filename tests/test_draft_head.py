@@ -195,6 +195,11 @@ def test_trainer_learns_and_resumes(tmp_path):
     assert start["top1_agreement"] == pytest.approx(resumed["top1_agreement"])
     assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "init" / "data.pt"), texts))
     assert torch.equal(load_eagle3(tmp_path / "init" / "head", target_model=model).d2t, head.d2t)
+    # cropped texts train too (windows of 8 rows with the head's window as history); a crop under one row is refused
+    cropped = train(model, _Tok(), tmp_path / "crop", steps=3, crop=8, data=tmp_path / "data.pt", **kw)
+    assert cropped["steps"] == 3 and 0.0 <= cropped["top1_agreement"] <= 1.0
+    with pytest.raises(ValueError, match="crop"):
+        train(model, _Tok(), tmp_path / "crop0", steps=1, crop=0, data=tmp_path / "data.pt", **kw)
     # a time limit stops at a step boundary, still saves and evaluates
     stopped = train(model, _Tok(), tmp_path / "limited", steps=50, time_limit=0.0, **kw)
     assert stopped["steps"] == 0 and (tmp_path / "limited" / "head" / "model.safetensors").exists()
