@@ -26,7 +26,7 @@ import torch
 
 import oasis_cache  # noqa: F401
 from oasis_cache import OasisCache
-from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS
+from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import load_smollm2
 
 
@@ -50,10 +50,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
-    import pydoc_data.topics as topics
-
-    text = "\n\n".join(topics.topics.values())
-    held_out = tok(text, return_tensors="pt")["input_ids"][0, :HELD_OUT_DOCUMENT_TOKENS]
+    held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)  # [16384]: what no shipped head was trained on
     if args.sequences < 1 or args.sequences * args.context > held_out.shape[0]:
         raise SystemExit(f"--sequences {args.sequences} windows of {args.context} tokens do not fit the "
                          f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // args.context}")

@@ -194,3 +194,7 @@ class Eagle3Head(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def greedy_draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft of one row: draft-vocab logits `[B, Vd]` -> its most likely token as target ids `[B, 1]`."""
+        return self.to_target_ids(logits.argmax(-1))[:, None]

@@ -34,7 +34,7 @@ class StaticDraftStep:
     @torch.no_grad()
     def _run(self, write: bool = True) -> torch.Tensor:
         logits, _, (k, v) = self.head(self.features, self.embed(self.token), self.position, (self.kv.k, self.kv.v))
-        draft = self.head.to_target_ids(logits[:, -1].argmax(-1))[:, None]
+        draft = self.head.greedy_draft(logits[:, -1])
         if write:  # the new row replaces the oldest one; slot and position advance on the device
             self.kv.k.index_copy_(2, self.slot, k)
             self.kv.v.index_copy_(2, self.slot, v)

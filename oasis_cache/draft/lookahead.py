@@ -210,7 +210,7 @@ class RideAlong:
             self._rows += 1
         else:
             logits = self._head_rows(self._last_features[:, None], token)
-            draft = self.head.to_target_ids(logits.argmax(-1))[:, None]
+            draft = self.head.greedy_draft(logits)
         if self.oracle is None:
             return draft
         true = self.oracle(self.cache().get_seq_length() + 1).to(draft.device)  # analysis only: syncs below
