@@ -5,7 +5,7 @@
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480; TRAIN_RESUME=1 continues /tmp/oasis-train;
-#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA=FILE reuses an earlier run's data.pt;
+#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
 #             TRAIN_SOURCE=docs|docstrings|mixed: where the long windows come from, default docs; TRAIN_CROP=ROWS:
 #             train each text on a window of at most ROWS rows, half at its end),
 #             kept in /tmp/oasis-head, returned in bf16 under $OUT/head with its data.pt (the safetensors split in

@@ -109,7 +109,8 @@ def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
 def test_shipped_head_drafts_the_next_token_often(smollm2):
     """`OasisCache(model)` picks the head shipped for SmolLM2 (eagle3 with exact), and that head drafts SmolLM2's
     next token often (`stats()["draft_accuracy"]`; 55-87% on 4K documents on the H200; on short chats like this one,
-    CPU, 60 tokens, four seeds: 38-45% for this head and the one before it; an untrained head ~0%), while the tokens
+    CPU, this test's generate with `document(tok, 600, seed)` for seeds 0-3 and 60 new tokens: 38-45% for this head
+    and the one before it; an untrained head ~0%), while the tokens
     stay those of dense attention (exact: the draft only prefetches; budget >= context here)."""
     model, tok = smollm2
     inputs = chat(tok, [document(tok, 600, seed=2)])
