@@ -200,9 +200,25 @@ def test_trainer_learns_and_resumes(tmp_path):
     assert cropped["steps"] == 3 and 0.0 <= cropped["top1_agreement"] <= 1.0
     with pytest.raises(ValueError, match="crop"):
         train(model, _Tok(), tmp_path / "crop0", steps=1, crop=0, data=tmp_path / "data.pt", **kw)
+    # a cosine schedule ends near 0 (the last step's rate is what the saved optimizer holds); a wrong name fails
+    cosine = train(model, _Tok(), tmp_path / "cosine", steps=10, lr_schedule="cosine", data=tmp_path / "data.pt",
+                   **kw)
+    last = torch.load(tmp_path / "cosine" / "trainer.pt")["optimizer"]["param_groups"][0]["lr"]
+    assert cosine["lr_schedule"] == "cosine" and 0.0 < last < 0.01 * kw["lr"]
+    with pytest.raises(ValueError, match="schedule"):
+        train(model, _Tok(), tmp_path / "bad", steps=1, lr_schedule="linear", data=tmp_path / "data.pt", **kw)
     # a time limit stops at a step boundary, still saves and evaluates
     stopped = train(model, _Tok(), tmp_path / "limited", steps=50, time_limit=0.0, **kw)
     assert stopped["steps"] == 0 and (tmp_path / "limited" / "head" / "model.safetensors").exists()
+
+
+def test_learning_rate_schedules():
+    from oasis_cache.draft.train import learning_rate
+
+    assert learning_rate(1e-3, "constant", 0.7, 3) == 1e-3
+    rates = [learning_rate(1.0, "cosine", p, s) for p, s in [(0.0, 0), (0.0, 49), (0.5, 500), (1.0, 1000), (2.0, 9)]]
+    assert rates[0] == pytest.approx(1 / 50) and rates[1] == pytest.approx(1.0)  # the warm-up, then the peak
+    assert rates[2] == pytest.approx(0.5) and rates[3] == pytest.approx(0.0, abs=1e-12) and rates[4] < 1e-12
 
 
 def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import random
 import shutil
 import time
@@ -242,6 +243,21 @@ def crop_text(text, rows: int, context: int, rng: random.Random, end_share: floa
     return (*(t[start : last + 2] for t in text), last - rows - start)
 
 
+def learning_rate(peak: float, schedule: str, progress: float, step: int, warmup: int = 50) -> float:
+    """The learning rate at `step` (counted from this run's start) and `progress` in [0, 1] (the share of the run
+    done: of its steps, or of its time when a time limit ends it first): "constant" is `peak` throughout; "cosine"
+    rises linearly over `warmup` steps (a fresh optimizer's first moves, e.g. from `init_head`, stay small) and
+    then falls along a half cosine to 0 at the run's end."""
+    if schedule == "constant":
+        return peak
+    if schedule != "cosine":
+        raise ValueError(f"learning-rate schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    return peak * min(1.0, (step + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
 def load_texts(path) -> list[list[torch.Tensor]]:
     """A `data.pt`'s texts as parts, one per run that made them: a run's file holds its token tensors `[n]`; a run on
     several files (`train(data=[...])`) keeps a list per file, each of which `split_texts` splits on its own."""
@@ -266,7 +282,8 @@ def split_texts(parts, held_out: float, seed: int):
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
-          time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None) -> dict:
+          time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
+          lr_schedule="constant") -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -277,7 +294,9 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     `documents` windows come from (`document_ids`). `chats=False`: no seed-prompt transcripts, only the documents
     (more data for an earlier run's texts, with another `seed`). `crop`: train each text on a window of at most this
     many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
-    step's rows weigh answers more than the long documents they follow, and steps get cheaper."""
+    step's rows weigh answers more than the long documents they follow, and steps get cheaper. `lr_schedule`:
+    "constant" or "cosine" (`learning_rate`: warm-up, then down to 0 at `steps` or at `time_limit`, whichever
+    comes first)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +350,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     window_rows = head.config.attention_window or 0  # a crop's history (no window: the crop alone)
     if crop is not None and crop < 1:
         raise ValueError(f"crop must be a positive number of rows, got {crop}")
+    learning_rate(lr, lr_schedule, 0.0, 0)  # a wrong schedule's name fails before the features are made
     features = {}
     if cache_features:
         for i, ids in enumerate(_progress(train_ids, progress, "target features")):
@@ -339,10 +359,17 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
 
     bar = _progress(range(start, steps), progress)
     done = saved = start
+    loop_started = time.monotonic()
     for step in bar:
-        if time_limit is not None and time.monotonic() - started > time_limit:
+        now = time.monotonic()
+        if time_limit is not None and now - started > time_limit:
             print(f"time limit: stopping after {step} steps", flush=True)
             break
+        share = (step - start) / max(1, steps - start)
+        if time_limit is not None:  # the time left when the loop began is this run's length too
+            share = max(share, (now - loop_started) / max(1e-9, time_limit - (loop_started - started)))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(lr, lr_schedule, share, step - start)
         optimizer.zero_grad()
         batch = []  # the step's texts in one padded batch: one head forward/backward (launch-bound otherwise)
         for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
@@ -374,7 +401,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if documents:
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, ttt=ttt, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
+    metrics.update(steps=done, ttt=ttt, lr=lr, lr_schedule=lr_schedule, crop=crop,
+                   draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held), document_source=document_source if documents and generated else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
@@ -447,7 +475,9 @@ def main():
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="cosine: 50 warm-up steps, then down to 0 at --steps or --time-limit")
     parser.add_argument("--seq-per-step", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=500)
@@ -479,7 +509,8 @@ def main():
                     documents=args.documents, document_tokens=args.document_tokens, window=args.window,
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
-                    chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet)
+                    chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet,
+                    lr_schedule=args.lr_schedule)
     print(json.dumps(metrics))
 
 
