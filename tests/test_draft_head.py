@@ -259,6 +259,43 @@ def test_document_prompts_are_long_windows_with_a_question():
     for prompt in prompts:
         assert any(prompt.endswith(q) for q in DOCUMENT_QUESTIONS)
         assert 290 <= len(tokenizer(prompt)["input_ids"]) <= 340
+    # to be continued as plain text: the same windows, no question
+    plain = document_prompts(tokenizer, 3, 300, seed=1, question=False)
+    for window, prompt in zip(plain, prompts):
+        assert prompt.startswith(window + "\n\n") and not any(window.endswith(q) for q in DOCUMENT_QUESTIONS)
+
+
+def test_documents_continued_as_plain_text(tmp_path, monkeypatch):
+    """`continue_documents`: the long windows (no question) are continued without a chat turn; the seed prompts stay
+    chats. Without it, windows with a question are chats among the seed prompts."""
+    import oasis_cache.draft.train as trainer
+
+    class ChatTok(_Tok):
+        chat_template = "#"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            return "#" + messages[0]["content"]  # a chat turn starts with '#': token 3 + ord('#') % 90
+
+    calls = []
+    real = trainer.generate_corpus
+
+    def spy(model, tokenizer, prompts, chat=None, **kw):
+        calls.append((list(prompts), chat))
+        return real(model, tokenizer, prompts, chat=chat, **kw)
+
+    monkeypatch.setattr(trainer, "generate_corpus", spy)
+    monkeypatch.setattr(trainer, "held_out_document", lambda tokenizer, tokens: torch.arange(3, 40))
+    monkeypatch.setattr(trainer, "document_prompts", lambda tokenizer, count, tokens, seed, source, question=True: [
+        f"window {i}" + (" ask" if question else "") for i in range(count)])
+    model = tiny_model("llama", num_hidden_layers=4)
+    kw = dict(steps=0, draft_vocab=48, progress=False, documents=2, prompts=["p one", "p two"], max_new_tokens=4)
+    trainer.train(model, ChatTok(), tmp_path / "plain", continue_documents=True, **kw)
+    assert calls == [(["p one", "p two"], None), (["window 0", "window 1"], False)]
+    texts = torch.load(tmp_path / "plain" / "data.pt")
+    assert [int(t[0]) for t in texts] == [3 + ord("#") % 90] * 2 + [3 + ord("w") % 90] * 2
+    calls.clear()
+    trainer.train(model, ChatTok(), tmp_path / "chat", **kw)
+    assert calls == [(["p one", "p two", "window 0 ask", "window 1 ask"], None)]
 
 
 def _save_tiny_target(directory: Path) -> None:

@@ -113,15 +113,18 @@ def document_ids(tokenizer, source: str = "docs") -> list[int]:
     return ids
 
 
-def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0, source: str = "docs") -> list[str]:
-    """`count` long prompts: a `tokens`-token window of `document_ids(tokenizer, source)` and a question about it, so
-    that the head also sees the target's features deep into long contexts."""
+def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0, source: str = "docs",
+                     question: bool = True) -> list[str]:
+    """`count` long prompts: a `tokens`-token window of `document_ids(tokenizer, source)` and a question about it
+    (`question=False`: the window alone, to be continued as plain text), so that the head also sees the target's
+    features deep into long contexts."""
     ids = document_ids(tokenizer, source)
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
         start = rng.randrange(0, max(1, len(ids) - tokens))
-        prompts.append(tokenizer.decode(ids[start : start + tokens]) + "\n\n" + rng.choice(DOCUMENT_QUESTIONS))
+        ask = rng.choice(DOCUMENT_QUESTIONS)  # drawn either way: the same windows for a seed
+        prompts.append(tokenizer.decode(ids[start : start + tokens]) + ("\n\n" + ask if question else ""))
     return prompts
 
 
@@ -131,13 +134,15 @@ def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0) -> list[torch.Tensor]:
+def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0,
+                    chat=None) -> list[torch.Tensor]:
     """The target's own chat transcripts (prompt + sampled response), one token tensor each. A tokenizer without a
-    chat template (a base model) continues the plain prompts."""
+    chat template (a base model), or `chat=False`, continues the plain prompts."""
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
     texts = []
     for i in range(0, len(prompts), batch_size):
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -283,7 +288,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
           time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
-          lr_schedule="constant") -> dict:
+          lr_schedule="constant", continue_documents=False) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -296,7 +301,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
     step's rows weigh answers more than the long documents they follow, and steps get cheaper. `lr_schedule`:
     "constant" or "cosine" (`learning_rate`: warm-up, then down to 0 at `steps` or at `time_limit`, whichever
-    comes first)."""
+    comes first). `continue_documents`: the `documents` windows come without a question and
+    the target continues them as plain text (no chat turn): what it drafts for when a long text is continued."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -312,12 +318,18 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         parts = load_texts(data_path)
     else:
         prompts = list(prompts or seed_prompts()) if chats else []
-        if documents:
-            prompts += document_prompts(tokenizer, documents, document_tokens, seed, document_source)
-        if not prompts:
+        windows = document_prompts(tokenizer, documents, document_tokens, seed, document_source,
+                                   question=not continue_documents) if documents else []
+        if not continue_documents:
+            prompts, windows = prompts + windows, []
+        if not prompts and not windows:
             raise ValueError("no prompts to make texts from: give `documents` (--documents N) or keep the chats")
+        batch = generate_batch or (4 if documents else 16)
         texts = generate_corpus(model, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
-                                batch_size=generate_batch or (4 if documents else 16))
+                                batch_size=batch) if prompts else []
+        if windows:  # continued as plain text
+            texts += generate_corpus(model, tokenizer, windows, max_new_tokens=max_new_tokens, seed=seed,
+                                     batch_size=batch, chat=False)
         torch.save([t.to(torch.int32) for t in texts], data_path)  # half the bytes of int64: easy to carry
         print(f"data: {len(texts)} texts, {sum(len(t) for t in texts)} tokens, {time.monotonic() - started:.0f} s",
               flush=True)
@@ -491,6 +503,8 @@ def main():
     parser.add_argument("--document-tokens", type=int, default=2048)
     parser.add_argument("--document-source", choices=DOCUMENT_SOURCES, default="docs",
                         help="long windows from Python's documentation, the stdlib's docstrings, or both")
+    parser.add_argument("--continue-documents", action="store_true",
+                        help="the --documents windows without a question, continued as plain text (no chat turn)")
     parser.add_argument("--no-chats", action="store_true",
                         help="no seed-prompt transcripts: only the --documents prompts (e.g. more data for --data)")
     parser.add_argument("--crop", type=int, default=None,
@@ -510,7 +524,7 @@ def main():
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
                     chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet,
-                    lr_schedule=args.lr_schedule)
+                    lr_schedule=args.lr_schedule, continue_documents=args.continue_documents)
     print(json.dumps(metrics))
 
 
