@@ -8,7 +8,8 @@
 #             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
 #             TRAIN_SOURCE=docs|docstrings|mixed: where the long windows come from, default docs; TRAIN_CROP=ROWS:
 #             train each text on a window of at most ROWS rows, half at its end; TRAIN_TTT, TRAIN_LR,
-#             TRAIN_SCHEDULE=constant|cosine, TRAIN_STEPS (default 20000): the trainer's options; TRAIN_DIR, default
+#             TRAIN_SCHEDULE=constant|cosine, TRAIN_STEPS (default 20000), TRAIN_LAYERS (a deeper head; from $HEAD:
+#             the added layers start as the identity): the trainer's options; TRAIN_DIR, default
 #             /tmp/oasis-train),
 #             kept in $HEAD_OUT (default /tmp/oasis-head), returned in bf16 under $OUT/head: metrics.json, the
 #             safetensors split in 15 MB parts (`cat part* > model.safetensors`), config and target unless it
@@ -50,11 +51,12 @@ for arg in "$@"; do
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
-      python3 -m oasis_cache.draft.train --target smollm2 --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
+      python3 -m oasis_cache.draft.train --target smollm2 --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       mkdir -p "$OUT/head" && cp "$TD/head/target.json" "$HO/" && cp "$TD/metrics.json" "$OUT/head/" && split -b 15000000 "$HO/model.safetensors" "$OUT/head/part"
+      [ -n "${TRAIN_LAYERS:-}" ] && cp "$HO/config.json" "$OUT/head/"  # a deeper head: its own config
       [ -z "${TRAIN_INIT:-}" ] && cp "$HO/config.json" "$HO/target.json" "$OUT/head/"  # from $HEAD: its config and target
       [ -z "${TRAIN_DATA:-}" ] && cp "$TD/data.pt" "$OUT/head/"; HEAD=$HO ;;
     gendata) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-gen --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3

@@ -231,14 +231,20 @@ def test_eagle3_ride_along_on_cuda(exact):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_head_graph_drafts_what_the_plain_call_drafts(batch):
+@pytest.mark.parametrize("batch, layers", [(1, 1), (3, 1), (3, 2)])
+def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
     """The head's decode call replayed as a CUDA graph (`RideAlong.static_head = "graph"`, `draft/head_step.py`)
-    drafts what the plain call drafts, through wraps of its ring and an extend (which recaptures)."""
+    drafts what the plain call drafts, through wraps of its ring and an extend (which recaptures); a deeper head
+    (ours) too."""
     from conftest import drafts_of_two_generates, random_head
 
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     head = random_head(model, scale=0.5)
+    if layers > 1:
+        head = head.deepen(layers)
+        with torch.no_grad():
+            for p in head.post_layers.parameters():
+                p.normal_(0, 0.5)
     head.config.attention_window = 5
     prompt, extend = prompt_ids(90, batch=batch).cuda(), prompt_ids(40, batch=batch, seed=3).cuda()
     runs = []

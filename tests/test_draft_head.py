@@ -46,12 +46,15 @@ def test_checkpoint_roundtrip(tmp_path, fmt):
     assert loaded.t2d.sum() == 32 and loaded.t2d[head.to_target_ids(torch.arange(32))].all()
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("window, keep", [(None, None), (3, 3), (3, 2), (1, 0)])
-def test_incremental_attention_equals_full(window, keep):
-    """Feeding rows one by one with the returned (k, v), trimmed to the last `keep` rows, equals one pass over all
-    rows: with `window - 1` kept (what the ride-along keeps) a decode row attends without a mask, with `window`
-    kept the mask drops the oldest row."""
+def test_incremental_attention_equals_full(window, keep, layers):
+    """Feeding rows one by one with the returned (k, v) (`[L, B, Hkv, rows, Dh]`), trimmed to the last `keep` rows,
+    equals one pass over all rows: with `window - 1` kept (what the ride-along keeps) a decode row attends without
+    a mask, with `window` kept the mask drops the oldest row. A deeper head (ours) alike."""
     head = random_head(tiny_model("qwen3"))
+    if layers > 1:
+        head = _deepened(head, layers)
     head.config.attention_window = window
     c = head.config
     g = torch.Generator().manual_seed(0)
@@ -61,11 +64,48 @@ def test_incremental_attention_equals_full(window, keep):
     past, steps = None, []
     for t in range(7):
         logits, _, kv = head(aux[:, t : t + 1], embeds[:, t : t + 1], positions[:, t : t + 1], past)
-        past = kv if past is None else tuple(torch.cat((a, b), 2) for a, b in zip(past, kv))
+        assert kv[0].shape[:2] == (layers, 1) and kv[0].shape[-2] == 1
+        past = kv if past is None else tuple(torch.cat((a, b), -2) for a, b in zip(past, kv))
         if keep is not None:
-            past = tuple(x[:, :, max(0, x.shape[2] - keep) :] for x in past)
+            past = tuple(x[..., max(0, x.shape[-2] - keep) :, :] for x in past)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def _deepened(head, layers, scale=0.2, seed=3):
+    """`head` deepened to `layers` decoder layers, the new ones random (not the identity)."""
+    deeper = head.deepen(layers)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in deeper.post_layers.parameters():
+            p.normal_(0, scale)
+    return deeper
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_a_deeper_head_starts_as_its_source_and_round_trips(tmp_path, fmt):
+    """`deepen` adds layers that change nothing until trained; a deeper head's checkpoint (ours: `post_layers.*`,
+    speculators `layers.1.*`) loads back to the same function with its layer count; fewer layers are refused."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    head = random_head(model)
+    deeper = head.deepen(3)
+    assert deeper.config.num_hidden_layers == 3 and head.config.num_hidden_layers == 1
+    for a, b in zip(run(head), run(deeper)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="cannot deepen"):
+        deeper.deepen(2)
+    deeper = _deepened(head, 3)
+    save_eagle3(deeper, tmp_path, fmt)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config.get("transformer_layer_config") or config)["num_hidden_layers"] == 3
+    if fmt == "speculators":
+        from safetensors.torch import load_file
+
+        assert any(k.startswith("layers.2.") for k in load_file(str(tmp_path / "model.safetensors")))
+    loaded = load_eagle3(tmp_path, target_model=model)
+    assert loaded.config.num_hidden_layers == 3
+    for a, b in zip(run(deeper), run(loaded)):
+        torch.testing.assert_close(a, b)
 
 
 def test_head_for_another_target_is_refused(tmp_path):
@@ -195,6 +235,12 @@ def test_trainer_learns_and_resumes(tmp_path):
     assert start["top1_agreement"] == pytest.approx(resumed["top1_agreement"])
     assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "init" / "data.pt"), texts))
     assert torch.equal(load_eagle3(tmp_path / "init" / "head", target_model=model).d2t, head.d2t)
+    # deepened from that head: the same drafts before training; two layers train (training-time test included)
+    deep = train(model, _Tok(), tmp_path / "deep", steps=0, init_head=tmp_path / "head", data=tmp_path / "data.pt",
+                 layers=2, **kw)
+    assert deep["layers"] == 2 and deep["top1_agreement"] == pytest.approx(resumed["top1_agreement"])
+    deep = train(model, _Tok(), tmp_path / "deep", steps=3, resume=True, layers=2, **kw)
+    assert deep["steps"] == 3 and load_eagle3(tmp_path / "deep" / "head").config.num_hidden_layers == 2
     # cropped texts train too (windows of 8 rows with the head's window as history); a crop under one row is refused
     cropped = train(model, _Tok(), tmp_path / "crop", steps=3, crop=8, data=tmp_path / "data.pt", **kw)
     assert cropped["steps"] == 3 and 0.0 <= cropped["top1_agreement"] <= 1.0

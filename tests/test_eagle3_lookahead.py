@@ -15,11 +15,23 @@ from conftest import dense_cache, drafts_of_two_generates, generate, left_padded
 ATOL = 2e-4
 
 
+def _deeper(head, layers):
+    """`head` with `layers` decoder layers, the added ones random (`Eagle3Head.deepen` starts them as the identity)."""
+    if layers == 1:
+        return head
+    deeper = head.deepen(layers)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in deeper.post_layers.parameters():
+            p.normal_(0, 0.5)
+    return deeper
+
+
 @pytest.mark.parametrize("exact", [False, True])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_full_budget_equals_dense(arch, exact):
+@pytest.mark.parametrize("arch, layers", [("llama", 1), ("qwen3", 1), ("qwen3", 2)])
+def test_full_budget_equals_dense(arch, layers, exact):
     model = tiny_model(arch, num_hidden_layers=4)
-    head = random_head(model)
+    head = _deeper(random_head(model), layers)
     for inputs, kw in [
         ({"input_ids": prompt_ids(70)}, dict(max_new_tokens=20, do_sample=False)),
         (left_padded([61, 37, 50]), dict(max_new_tokens=16, do_sample=False, prefill_chunk_size=32)),
@@ -236,23 +248,24 @@ class _OrderedHeadKV:
 
     def store(self, k, v):
         if self.kv is not None:
-            k, v = torch.cat((self.kv[0], k), 2), torch.cat((self.kv[1], v), 2)
-        start = max(0, k.shape[2] - (self.window - 1))
-        self.kv = (k[:, :, start:], v[:, :, start:])
+            k, v = torch.cat((self.kv[0], k), -2), torch.cat((self.kv[1], v), -2)  # [L, B, Hkv, rows, Dh]
+        start = max(0, k.shape[-2] - (self.window - 1))
+        self.kv = (k[..., start:, :], v[..., start:, :])
 
     def index_batch(self, indices):
         if self.kv is not None:
-            self.kv = tuple(t.index_select(0, indices) for t in self.kv)
+            self.kv = tuple(t.index_select(-4, indices) for t in self.kv)
 
 
 @pytest.mark.parametrize("static", [None, "eager"])
-@pytest.mark.parametrize("window", [1, 2, 5])
-def test_head_ring_drafts_what_ordered_rows_draft(window, static):
+@pytest.mark.parametrize("window, layers", [(1, 1), (2, 1), (5, 1), (5, 2)])
+def test_head_ring_drafts_what_ordered_rows_draft(window, layers, static):
     """The head's keys/values in a ring of `window - 1` rows (static shapes for a decode step) give the drafts that
     the rows kept in order give, through prompt, many wraps of the ring, and a second prompt (an extend); so does
-    the decode call on static buffers (`head_step.py`, what a CUDA graph replays; here run eagerly)."""
+    the decode call on static buffers (`head_step.py`, what a CUDA graph replays; here run eagerly). A deeper head
+    (ours) keeps every layer's rows in one ring."""
     model = tiny_model("qwen3", num_hidden_layers=4)
-    head = random_head(model, scale=0.5)
+    head = _deeper(random_head(model, scale=0.5), layers)
     head.config.attention_window = window
     prompt, extend = prompt_ids(90), prompt_ids(40, seed=3)
     runs = []

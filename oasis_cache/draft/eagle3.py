@@ -8,8 +8,11 @@ embedding `[.., H]` of the token at that position (the target's embedding table,
     x     = cat(input_layernorm(embed), hidden_norm(fused))        [.., 2H]
     h     = fused + o_proj(attention(q/k/v_proj(x)))               (one Llama decoder layer; q/k/v take 2H)
     h     = h + mlp(post_attention_layernorm(h))
+    h     = layer(h) for each of `num_hidden_layers - 1` more Llama decoder layers (ours; published heads have none)
     logits_draft = lm_head(norm(h))                   [.., Vd]     (reduced draft vocabulary)
     target_id = draft_id + d2t[draft_id]
+
+Keys/values of every layer travel together, `(k, v)` each `[L, B, Hkv, rows, Dh]` (L = `num_hidden_layers`).
 
 The layer-numbering convention is stored (`aux_hidden_state_ids` are HF `hidden_states` indices); EAGLE's and vLLM's
 layer ids i map to the same index i (both capture the input of decoder layer i).
@@ -40,8 +43,11 @@ class Eagle3Config:
     aux_hidden_state_ids: list[int] = field(default_factory=list)  # HF hidden_states indices, 3 of them
     norm_before_residual: bool = False  # residual from the normed fused hidden (vLLM/speculators option)
     attention_window: int | None = 256  # rows the head attends back (training and inference alike); None = all
+    num_hidden_layers: int = 1  # decoder layers: EAGLE-3's one over [embedding ; fused], then plain ones (ours)
 
     def __post_init__(self):
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"an EAGLE-3 head has at least one decoder layer, got {self.num_hidden_layers}")
         self.target_hidden_size = self.target_hidden_size or self.hidden_size
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if len(self.aux_hidden_state_ids) != 3:
@@ -90,18 +96,18 @@ def _rotate_half(x):
 
 
 class _Attention(nn.Module):
-    def __init__(self, c: Eagle3Config):
+    def __init__(self, c: Eagle3Config, inputs: int):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.q_proj = nn.Linear(inputs, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(inputs, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(inputs, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x, positions, past=None, past_mask=None):
-        """x `[B, n, 2H]`, positions `[B, n]`, past `(k, v)` each `[B, Hkv, m, Dh]` or None (then causal over n);
+        """x `[B, n, inputs]`, positions `[B, n]`, past `(k, v)` each `[B, Hkv, m, Dh]` or None (then causal over n);
         `past_mask` `[1, m + 1]` bool for one row (n = 1) over keys that are not all valid (a ring being filled:
         `head_window.HeadKV`), else None. Returns the output `[B, n, H]` and this call's `(k, v)`."""
         c = self.c
@@ -149,7 +155,7 @@ class _MidLayer(nn.Module):
         self.c = c
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = _Attention(c)
+        self.self_attn = _Attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
@@ -162,15 +168,33 @@ class _MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
+class _DecoderLayer(nn.Module):
+    """A plain Llama decoder layer over the head's hidden `[B, n, H]` (the layers after the first)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c, c.hidden_size)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+    def forward(self, h, positions, past=None, past_mask=None):
+        attn, kv = self.self_attn(self.input_layernorm(h), positions, past, past_mask)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
 class Eagle3Head(nn.Module):
     """The draft head. Parameter names follow the EAGLE checkpoint format (`fc`, `midlayer.*`, `norm`, `lm_head`,
-    buffers `d2t`, `t2d`), so `state_dict()` is an EAGLE/SpecForge checkpoint."""
+    buffers `d2t`, `t2d`), so `state_dict()` is an EAGLE/SpecForge checkpoint; a deeper head (ours) adds
+    `post_layers.{i}.*`."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
         c = self.config = config
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
+        self.post_layers = nn.ModuleList(_DecoderLayer(c) for _ in range(c.num_hidden_layers - 1))
         self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))  # target = draft + d2t
@@ -186,11 +210,39 @@ class Eagle3Head(nn.Module):
     def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, past=None,
                 past_mask=None):
         """`aux_hidden` `[B, n, 3*Ht]`, `embeds` `[B, n, H]`, `positions` `[B, n]` (those of the *next* tokens the
-        rows predict), past `(k, v)` of earlier rows (`past_mask`: see `_Attention.forward`). Returns draft-vocab
-        logits `[B, n, Vd]`, the last hidden `[B, n, H]` (fed back in training-time test), and `(k, v)`."""
-        fused = self.fc(aux_hidden)
-        h, kv = self.midlayer(embeds, fused, positions, past, past_mask)
+        rows predict), past `(k, v)` of earlier rows, each `[L, B, Hkv, m, Dh]` (`past_mask`: see
+        `_Attention.forward`). Returns draft-vocab logits `[B, n, Vd]`, the last hidden `[B, n, H]` (fed back in
+        training-time test), and this call's `(k, v)`, each `[L, B, Hkv, n, Dh]`."""
+        h, kv = self.decode(embeds, self.fc(aux_hidden), positions, past, past_mask)
         return self.lm_head(self.norm(h)), h, kv
+
+    def decode(self, embeds, fused, positions, past=None, past_mask=None):
+        """The decoder layers over `[embeds ; fused]` (`fused` `[B, n, H]`: the fused target features, or in
+        training-time test the head's own last hidden). Returns the hidden `[B, n, H]` and `(k, v)` as `forward`."""
+        layer_past = (lambda i: None) if past is None else (lambda i: (past[0][i], past[1][i]))
+        h, (k, v) = self.midlayer(embeds, fused, positions, layer_past(0), past_mask)
+        if not len(self.post_layers):
+            return h, (k[None], v[None])
+        keys, values = [k], [v]
+        for i, layer in enumerate(self.post_layers, start=1):
+            h, (k, v) = layer(h, positions, layer_past(i), past_mask)
+            keys.append(k)
+            values.append(v)
+        return h, (torch.stack(keys), torch.stack(values))
+
+    @torch.no_grad()
+    def deepen(self, num_hidden_layers: int) -> "Eagle3Head":
+        """This head with decoder layers added after its last (ours), each starting as the identity (its attention
+        and MLP outputs zero): the new head drafts exactly what this one does until trained."""
+        if num_hidden_layers < self.config.num_hidden_layers:
+            raise ValueError(f"a head of {self.config.num_hidden_layers} layers cannot deepen to {num_hidden_layers}")
+        config = Eagle3Config(**dict(self.config.to_dict(), num_hidden_layers=num_hidden_layers))
+        deeper = Eagle3Head(config).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        deeper.load_state_dict(self.state_dict(), strict=False)
+        for layer in deeper.post_layers[len(self.post_layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        return deeper
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -20,7 +20,7 @@ class StaticDraftStep:
     def __init__(self, head: Eagle3Head, embed, kv: HeadKV, position: int, use_graph: bool):
         """`position`: the head position of the next row (`RideAlong._rows`); `kv` must hold a full ring."""
         self.head, self.embed, self.kv = head, embed, kv
-        B, device = kv.k.shape[0], kv.k.device
+        B, device = kv.k.shape[-4], kv.k.device
         self.features = torch.zeros((B, 1, 3 * head.config.target_hidden_size), dtype=head.fc.weight.dtype,
                                     device=device)
         self.token = torch.zeros((B, 1), dtype=torch.long, device=device)
@@ -36,9 +36,9 @@ class StaticDraftStep:
         logits, _, (k, v) = self.head(self.features, self.embed(self.token), self.position, (self.kv.k, self.kv.v))
         draft = self.head.greedy_draft(logits[:, -1])
         if write:  # the new row replaces the oldest one; slot and position advance on the device
-            self.kv.k.index_copy_(2, self.slot, k)
-            self.kv.v.index_copy_(2, self.slot, v)
-            self.slot.add_(1).remainder_(self.kv.k.shape[2])
+            self.kv.k.index_copy_(-2, self.slot, k)  # [L, B, Hkv, W - 1, Dh] <- [L, B, Hkv, 1, Dh]
+            self.kv.v.index_copy_(-2, self.slot, v)
+            self.slot.add_(1).remainder_(self.kv.k.shape[-2])
             self.position.add_(1)
         return draft
 

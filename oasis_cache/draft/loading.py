@@ -7,6 +7,9 @@
   `draft_vocab_size`, `target_hidden_size`, `norm_before_residual`, `eagle_aux_hidden_state_layer_ids`; weights
   with `layers.0.*` in place of `midlayer.*` (and possibly `embed_tokens.*`, unused: the target's table is used).
 
+A head of more than one decoder layer (ours, `Eagle3Config.num_hidden_layers`) keeps the format, with
+`post_layers.{i}.*` after `midlayer.*` (speculators: `layers.{i + 1}.*`).
+
 From a local directory, or a hub id when online.
 """
 
@@ -35,7 +38,8 @@ def save_eagle3(head: Eagle3Head, directory, format: str = "eagle") -> Path:
         architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings, num_hidden_layers=1,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        num_hidden_layers=c.num_hidden_layers,
     )
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     llama["oasis_attention_window"] = c.attention_window  # how this head was trained to attend (ours)
@@ -48,7 +52,7 @@ def save_eagle3(head: Eagle3Head, directory, format: str = "eagle") -> Path:
                       transformer_layer_config=llama, draft_vocab_size=c.draft_vocab_size,
                       target_hidden_size=c.target_hidden_size, norm_before_residual=c.norm_before_residual,
                       eagle_aux_hidden_state_layer_ids=c.aux_hidden_state_ids)
-        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+        state = {_speculators_name(k): v for k, v in state.items()}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     save_file(state, str(out / "model.safetensors"))
     return out
@@ -65,7 +69,7 @@ def load_eagle3(source, target_model=None, device=None, dtype=None) -> Eagle3Hea
             raise ValueError(f"{source}: speculators_model_type {config['speculators_model_type']!r} is not eagle3")
         llama = config["transformer_layer_config"]
         aux = config.get("eagle_aux_hidden_state_layer_ids")
-        state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items() if not k.startswith("embed_")}
+        state = {_our_name(k): v for k, v in state.items() if not k.startswith("embed_")}
     else:
         if not any(k.startswith("midlayer.") for k in state):
             raise ValueError(f"{source}: neither an EAGLE/SpecForge (midlayer.*) nor a speculators (eagle3) checkpoint")
@@ -87,6 +91,7 @@ def load_eagle3(source, target_model=None, device=None, dtype=None) -> Eagle3Hea
         max_position_embeddings=llama.get("max_position_embeddings", 8192), aux_hidden_state_ids=list(aux),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         attention_window=llama.get("oasis_attention_window"),  # published heads attend to all rows
+        num_hidden_layers=_decoder_layers(state),
     )
     if target_model is not None:
         check_fits(head_config, target_model, source)
@@ -99,6 +104,28 @@ def load_eagle3(source, target_model=None, device=None, dtype=None) -> Eagle3Hea
     if missing or unexpected:
         raise ValueError(f"{source}: weights do not match an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
     return head.to(device=device, dtype=dtype) if (device or dtype) else head
+
+
+def _speculators_name(key: str) -> str:
+    if key.startswith("midlayer."):
+        return "layers.0." + key[len("midlayer."):]
+    if key.startswith("post_layers."):
+        index, rest = key[len("post_layers."):].split(".", 1)
+        return f"layers.{int(index) + 1}.{rest}"
+    return key
+
+
+def _our_name(key: str) -> str:
+    if key.startswith("layers."):
+        index, rest = key[len("layers."):].split(".", 1)
+        return f"midlayer.{rest}" if index == "0" else f"post_layers.{int(index) - 1}.{rest}"
+    return key
+
+
+def _decoder_layers(state: dict) -> int:
+    """Decoder layers in a checkpoint's weights (ours named): `midlayer` and each `post_layers.{i}`. The weights,
+    not `num_hidden_layers` of the config: published EAGLE-3 configs say 1 or copy the target's count."""
+    return 1 + len({k.split(".")[1] for k in state if k.startswith("post_layers.")})
 
 
 def check_fits(config: Eagle3Config, target_model, source="the head") -> None:

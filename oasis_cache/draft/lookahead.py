@@ -187,7 +187,7 @@ class RideAlong:
         positions = torch.arange(self._rows, self._rows + n, device=features.device).expand(features.shape[0], n)
         rows = features.to(self.head.fc.weight.dtype), self.embed(next_ids), positions
         kv = self._head_kv
-        if n == 1 and kv.has_ring and kv.k.shape[0] == features.shape[0]:  # a decode step: static shapes
+        if n == 1 and kv.has_ring and kv.k.shape[-4] == features.shape[0]:  # a decode step: static shapes
             ring_k, ring_v, valid = kv.ring()
             logits, _, (k, v) = self.head(*rows, (ring_k, ring_v), past_mask=valid)
             kv.write_one(k, v)
@@ -203,7 +203,7 @@ class RideAlong:
         static = self.static_head
         if static == "auto":
             static = "graph" if token.device.type == "cuda" else None
-        if static and kv.full and kv.k.shape[0] == B and not self._reordered:
+        if static and kv.full and kv.k.shape[-4] == B and not self._reordered:
             if self._static is None:
                 self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, static == "graph")
             draft = self._static(self._last_features[:, None], token)

@@ -219,7 +219,7 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
         if step == 0:
             logits, hidden, _ = head(aux, emb, positions)
         else:  # training-time test: the head's own hidden states stand in for the target's features
-            hidden, _ = head.midlayer(emb[:, step:], hidden[:, :span], positions[:, step:])
+            hidden, _ = head.decode(emb[:, step:], hidden[:, :span], positions[:, step:])
             logits = head.lm_head(head.norm(hidden))
         target = F.softmax(target_logits[:, step:].float(), dim=-1)  # renormalized on the draft vocabulary
         cross = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, span]
@@ -288,7 +288,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
           time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
-          lr_schedule="constant", continue_documents=False) -> dict:
+          lr_schedule="constant", continue_documents=False, layers=None) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -302,7 +302,9 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     step's rows weigh answers more than the long documents they follow, and steps get cheaper. `lr_schedule`:
     "constant" or "cosine" (`learning_rate`: warm-up, then down to 0 at `steps` or at `time_limit`, whichever
     comes first). `continue_documents`: the `documents` windows come without a question and
-    the target continues them as plain text (no chat turn): what it drafts for when a long text is continued."""
+    the target continues them as plain text (no chat turn): what it drafts for when a long text is continued.
+    `layers`: the head's decoder layers (default 1, EAGLE-3's; more is our own format); with `init_head` of fewer
+    layers, the new ones start as the identity (`Eagle3Head.deepen`)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -345,10 +347,12 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         start = state["step"]
     elif init_head is not None:
         head = load_eagle3(init_head, target_model=model, dtype=torch.float32).to(device)
+        if layers is not None and layers != head.config.num_hidden_layers:
+            head = head.deepen(layers)
         state, start = None, 0
     else:
         config = Eagle3Config.for_target(model.config, draft_vocab_size=min(draft_vocab, model.config.vocab_size),
-                                         attention_window=window)
+                                         attention_window=window, num_hidden_layers=layers or 1)
         head = Eagle3Head(config).to(device)
         head.set_vocab_map(draft_vocabulary(texts, model.config.vocab_size, config.draft_vocab_size).to(device))
         state, start = None, 0
@@ -413,7 +417,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if documents:
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, ttt=ttt, lr=lr, lr_schedule=lr_schedule, crop=crop,
+    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, lr=lr, lr_schedule=lr_schedule, crop=crop,
                    draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held), document_source=document_source if documents and generated else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
@@ -511,6 +515,9 @@ def main():
                         help="train on windows of at most this many rows per text, half of them at its end (answers)")
     parser.add_argument("--seed", type=int, default=0, help="the data's sampling and document windows, the split")
     parser.add_argument("--window", type=int, default=256, help="rows the head attends back")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the head's decoder layers (default 1 as in EAGLE-3; with --init-head: add layers that "
+                             "start as the identity)")
     parser.add_argument("--generate-batch", type=int, default=None, help="prompts per generate call (data)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument("--quiet", action="store_true", help="no progress bars; a line per checkpoint")
@@ -524,7 +531,7 @@ def main():
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
                     chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet,
-                    lr_schedule=args.lr_schedule, continue_documents=args.continue_documents)
+                    lr_schedule=args.lr_schedule, continue_documents=args.continue_documents, layers=args.layers)
     print(json.dumps(metrics))
 
 
