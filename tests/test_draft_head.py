@@ -325,9 +325,9 @@ def test_documents_continued_as_plain_text(tmp_path, monkeypatch):
     calls = []
     real = trainer.generate_corpus
 
-    def spy(model, tokenizer, prompts, chat=None, **kw):
-        calls.append((list(prompts), chat))
-        return real(model, tokenizer, prompts, chat=chat, **kw)
+    def spy(model, tokenizer, prompts, chat=None, greedy=False, **kw):
+        calls.append((list(prompts), chat) + (("greedy",) if greedy else ()))
+        return real(model, tokenizer, prompts, chat=chat, greedy=greedy, **kw)
 
     monkeypatch.setattr(trainer, "generate_corpus", spy)
     monkeypatch.setattr(trainer, "held_out_document", lambda tokenizer, tokens: torch.arange(3, 40))
@@ -342,6 +342,17 @@ def test_documents_continued_as_plain_text(tmp_path, monkeypatch):
     calls.clear()
     trainer.train(model, ChatTok(), tmp_path / "chat", **kw)
     assert calls == [(["p one", "p two", "window 0 ask", "window 1 ask"], None)]
+    # greedy responses: the same texts whatever the seed (sampled ones differ)
+    texts = {}
+    for greedy in (False, True):
+        for seed in (0, 1):
+            calls.clear()
+            out = tmp_path / f"greedy-{greedy}-{seed}"
+            trainer.train(model, ChatTok(), out, continue_documents=True, greedy=greedy, seed=seed, **kw)
+            assert all(c[-1] == "greedy" for c in calls) == greedy
+            texts[greedy, seed] = torch.load(out / "data.pt")
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    assert same(texts[True, 0], texts[True, 1]) and not same(texts[False, 0], texts[False, 1])
 
 
 def _save_tiny_target(directory: Path) -> None:

@@ -135,9 +135,10 @@ def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0,
-                    chat=None) -> list[torch.Tensor]:
-    """The target's own chat transcripts (prompt + sampled response), one token tensor each. A tokenizer without a
-    chat template (a base model), or `chat=False`, continues the plain prompts."""
+                    chat=None, greedy=False) -> list[torch.Tensor]:
+    """The target's own chat transcripts (prompt + response sampled at temperature 0.7, top-p 0.95; `greedy`: the
+    greedy response), one token tensor each. A tokenizer without a chat template (a base model), or `chat=False`,
+    continues the plain prompts."""
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -149,8 +150,8 @@ def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16
                                                add_generation_prompt=True) if chat else p
                  for p in prompts[i : i + batch_size]]
         enc = tokenizer(chats, return_tensors="pt", padding=True).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7, top_p=0.95,
-                             pad_token_id=tokenizer.pad_token_id)
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=0.7, top_p=0.95)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
         width = enc["input_ids"].shape[1]
         for row, mask in zip(out, enc["attention_mask"]):
             prompt, response = row[:width][mask.bool()], row[width:]
@@ -288,7 +289,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
           save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
           time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
-          lr_schedule="constant", continue_documents=False, layers=None) -> dict:
+          lr_schedule="constant", continue_documents=False, layers=None, greedy=False) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -304,7 +305,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     comes first). `continue_documents`: the `documents` windows come without a question and
     the target continues them as plain text (no chat turn): what it drafts for when a long text is continued.
     `layers`: the head's decoder layers (default 1, EAGLE-3's; more is our own format); with `init_head` of fewer
-    layers, the new ones start as the identity (`Eagle3Head.deepen`)."""
+    layers, the new ones start as the identity (`Eagle3Head.deepen`). `greedy`: the target's responses are greedy
+    rather than sampled (what a greedy decode drafts for)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,10 +330,10 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
             raise ValueError("no prompts to make texts from: give `documents` (--documents N) or keep the chats")
         batch = generate_batch or (4 if documents else 16)
         texts = generate_corpus(model, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed,
-                                batch_size=batch) if prompts else []
+                                batch_size=batch, greedy=greedy) if prompts else []
         if windows:  # continued as plain text
             texts += generate_corpus(model, tokenizer, windows, max_new_tokens=max_new_tokens, seed=seed,
-                                     batch_size=batch, chat=False)
+                                     batch_size=batch, chat=False, greedy=greedy)
         torch.save([t.to(torch.int32) for t in texts], data_path)  # half the bytes of int64: easy to carry
         print(f"data: {len(texts)} texts, {sum(len(t) for t in texts)} tokens, {time.monotonic() - started:.0f} s",
               flush=True)
@@ -509,6 +511,8 @@ def main():
                         help="long windows from Python's documentation, the stdlib's docstrings, or both")
     parser.add_argument("--continue-documents", action="store_true",
                         help="the --documents windows without a question, continued as plain text (no chat turn)")
+    parser.add_argument("--greedy", action="store_true",
+                        help="the target's responses greedy instead of sampled at temperature 0.7 (the data)")
     parser.add_argument("--no-chats", action="store_true",
                         help="no seed-prompt transcripts: only the --documents prompts (e.g. more data for --data)")
     parser.add_argument("--crop", type=int, default=None,
@@ -531,7 +535,8 @@ def main():
                     generate_batch=args.generate_batch, time_limit=args.time_limit,
                     init_head=args.init_head, data=args.data, document_source=args.document_source,
                     chats=not args.no_chats, seed=args.seed, crop=args.crop, progress=not args.quiet,
-                    lr_schedule=args.lr_schedule, continue_documents=args.continue_documents, layers=args.layers)
+                    lr_schedule=args.lr_schedule, continue_documents=args.continue_documents, layers=args.layers,
+                    greedy=args.greedy)
     print(json.dumps(metrics))
 
 
