@@ -16,7 +16,7 @@
 #             started from $HEAD (TRAIN_INIT: the same as $HEAD's), data.pt unless TRAIN_DATA gave it
 #   gendata   only texts for training: GEN_DOCUMENTS (default 400) windows of GEN_SOURCE (default mixed) with a question,
 #             no chats, seed GEN_SEED (default 1), each answered by SmolLM2 (GEN_PLAIN=1: no question, continued as plain
-#             text; GEN_GREEDY=1: greedy answers, not sampled) -> /tmp/oasis-gen/data.pt (and $OUT); pass
+#             text; GEN_GREEDY=1: greedy answers, not sampled) -> $GEN_DIR/data.pt (default /tmp/oasis-gen; and $OUT); pass
 #             it to `train` with TRAIN_DATA="old.pt /tmp/oasis-gen/data.pt" (several files: each keeps its held-out split)
 #   recall    eval/recall.py with that head (document and chat prompts; RECALL_BUDGETS, default "336 512": K = 20, 31;
 #             RECALL_SEQUENCES windows of the held-out documentation as one batch, default 4)
@@ -59,8 +59,8 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       [ -n "${TRAIN_LAYERS:-}" ] && cp "$HO/config.json" "$OUT/head/"  # a deeper head: its own config
       [ -z "${TRAIN_INIT:-}" ] && cp "$HO/config.json" "$HO/target.json" "$OUT/head/"  # from $HEAD: its config and target
       [ -z "${TRAIN_DATA:-}" ] && cp "$TD/data.pt" "$OUT/head/"; HEAD=$HO ;;
-    gendata) python3 -m oasis_cache.draft.train --target smollm2 --out /tmp/oasis-gen --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
-      cp /tmp/oasis-gen/data.pt "$OUT/gen-data.pt" ;;
+    gendata) python3 -m oasis_cache.draft.train --target smollm2 --out "${GEN_DIR:-/tmp/oasis-gen}" --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
+      cp "${GEN_DIR:-/tmp/oasis-gen}/data.pt" "$OUT/gen-data.pt" ;;
     recall) for budget in ${RECALL_BUDGETS:-336 512}; do for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget $budget --steps 64 --sequences "${RECALL_SEQUENCES:-4}" --out "$OUT/recall-$prompt-$budget.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     report) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking frequent_words --lengths 4096 --samples 32 --batch-size 16 --fractions 8 --modes none none@bound previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2-4k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-4k.log" | tail -45 ;;
     report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
