@@ -6,7 +6,8 @@
 #   bash bench/gpu_pair.sh 'HEAD=/tmp/oasis-a-head' 'HEAD=/tmp/oasis-b-head' recall    # later, same lease
 # Side a runs on GPU 0, side b on GPU 1, each with its own TRAIN_DIR (/tmp/oasis-{a,b}-train), HEAD_OUT
 # (/tmp/oasis-{a,b}-head), GEN_DIR (/tmp/oasis-{a,b}-gen) and OUT ($OUT/a, $OUT/b). Full logs: /tmp/gpu-pair-{a,b}.log
-# (their ends printed). gpu.txt is not kept (at most 8 files come back from a call: mind what the parts write).
+# (their ends printed). gpu.txt and train.log are not kept (at most 8 files come back from a call: `train` from $HEAD
+# then returns 3 per side, 4 with TRAIN_LAYERS; `recall` 2 JSON files per budget).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 settings=("$1" "$2")
@@ -21,5 +22,5 @@ for i in 0 1; do
   ) > "/tmp/gpu-pair-$side.log" 2>&1 &
 done
 wait
-rm -f "$OUT/a/gpu.txt" "$OUT/b/gpu.txt"
+rm -f "$OUT"/[ab]/gpu.txt "$OUT"/[ab]/train.log
 for side in a b; do echo "== side $side: ${settings[$([ $side = a ] && echo 0 || echo 1)]}"; grep -v Warning "/tmp/gpu-pair-$side.log" | tail -n 14; done
