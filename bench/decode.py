@@ -18,7 +18,11 @@ depend on its weights, its recall does; the package's default: on CUDA the head'
 graph), oasis-eagle3-plain (the head's call run op by op, as before 2026-11-30), oasis-eagle3-graph (the graph
 forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-exact (with miss repair: what
 `OasisCache(model)` picks with a head; compare with oasis-exact). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
-(default: the package's, bits), e.g. `oasis-previous@bound`.
+(default: the package's, bits), e.g. `oasis-previous@bound`. dense-compiled: HF's fastest dense decode, a
+`StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
+is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
+step. Its first steps compile (`--warmup` ≥ 3 for it); it cannot share a process with oasis methods (switching the
+attention implementation makes the compiled step recompile), only with dense and offload.
 
     python bench/decode.py --model qwen3-8b --contexts 32768 --batches 1 --methods dense oasis-previous oasis-eagle3
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -48,9 +52,14 @@ from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import load_model  # noqa: E402
 
 METHODS = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")  # default; oasis-eagle3 on request
+SDPA_METHODS = ("dense", "offload", "dense-compiled")  # HF's attention, no OasisCache
 
 
-def make_cache(method: str, model, args):
+def make_cache(method: str, model, args, capacity: int = 0):
+    """The method's cache; `capacity`: the tokens a static cache holds (dense-compiled)."""
+    if method == "dense-compiled":
+        model.set_attn_implementation("sdpa")
+        return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
@@ -124,18 +133,23 @@ class MethodRun:
         sync(args.device)
         base = self._allocated()  # the model and other runs' caches
         self._reset_peak()
-        self.cache = make_cache(method, model, args)
+        self.compiled = method == "dense-compiled"
+        self.cache = make_cache(method, model, args, capacity=context + args.warmup + args.steps + 8)
         self.attention = model.config._attn_implementation  # "sdpa" for HF's caches, "oasis" for OasisCache
         self.kw = {generate_cache_argument(model): self.cache, "use_cache": True}
+        self.forward = compiled_forward(model) if self.compiled else model
         t0 = time.perf_counter()
         chunk = args.prefill_chunk or context
         with torch.no_grad():
             for start in range(0, context, chunk):
-                out = model(input_ids=ids[:, start : start + chunk], logits_to_keep=1, **self.kw)
+                end = min(context, start + chunk)
+                where = dict(cache_position=torch.arange(start, end, device=args.device)) if self.compiled else {}
+                out = model(input_ids=ids[:, start:end], logits_to_keep=1, **where, **self.kw)
         sync(args.device)
         self.prefill_s = time.perf_counter() - t0
         self.prefill_peak = weight_bytes + self._peak() - base
         self.token = out.logits[:, -1:].argmax(-1)
+        self.position = context  # the next token's (a static cache is told where to write)
         del out
         self.own_bytes = self._allocated() - base  # what this cache holds on the device after its prefill
         self.step_rise = 0
@@ -163,16 +177,20 @@ class MethodRun:
         sync(self.args.device)
         before = self._allocated()
         self._reset_peak()
+        where = {}
+        if self.compiled:  # a fresh tensor each step: the compiled step copies it into its own input buffer
+            where = dict(cache_position=torch.tensor([self.position], device=self.args.device))
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.model(input_ids=self.token, **self.kw)
+            out = self.forward(input_ids=self.token, **where, **self.kw)
         sync(self.args.device)
         elapsed = time.perf_counter() - t0
+        self.position += 1
         self.step_rise = max(self.step_rise, self._peak() - before)
         if self.steps_done >= self.args.warmup:
             self.times.append(elapsed)
         self.steps_done += 1
-        self.token = out.logits[:, -1:].argmax(-1)
+        self.token = out.logits[:, -1:].argmax(-1).clone()  # (a compiled step's output buffer is reused)
 
     def row(self) -> dict:
         """The table row; for OasisCache, `--measure-steps` more steps in measurement mode first."""
@@ -222,6 +240,16 @@ class MethodRun:
 
     def close(self) -> None:
         del self.cache, self.kw
+
+
+_COMPILED = {}
+
+
+def compiled_forward(model):
+    """`model.forward` compiled once per process (mode "reduce-overhead": CUDA graphs on CUDA)."""
+    if id(model) not in _COMPILED:
+        _COMPILED[id(model)] = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    return _COMPILED[id(model)]
 
 
 def run_setting(model, vocab, context, batch, args, weight_bytes) -> list[dict]:
@@ -284,6 +312,9 @@ def main():
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
     args = parser.parse_args()
 
+    if "dense-compiled" in args.methods and not set(args.methods) <= set(SDPA_METHODS):
+        parser.error("dense-compiled runs only beside dense and offload (an oasis method switches the attention "
+                     "implementation, which makes the compiled step recompile): run oasis methods in another process")
     if not args.exact_slots:
         args.exact_slots = 2 * (args.budget // 16 - 1)
     if args.memory_cap_gib and torch.device(args.device).type == "cuda":

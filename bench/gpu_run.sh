@@ -3,6 +3,8 @@
 #   tests     CUDA tests (SmolLM2 included when its GGUF is at $OASIS_SMOLLM2_GGUF)
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
+#   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
+#             {1, 4}: what a captured decode step gives (the ceiling for a captured oasis step)
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480; TRAIN_RESUME=1 continues $TRAIN_DIR;
 #             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
@@ -45,6 +47,7 @@ for arg in "$@"; do
   case "$arg" in
     tests) python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
     bench) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --out "$OUT/decode-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-32k.log" | tail -14 ;;
+    compiled) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --steps 12 --warmup 3 --measure-steps 0 --methods dense dense-compiled offload --out "$OUT/decode-qwen3-8b-32k-compiled.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-compiled.log" | tail -8 ;;
     bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
     capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;

@@ -32,3 +32,29 @@ def test_interleaved_decode_bench_measures_what_sequential_measures(tmp_path):
                     "kv_device_gib"):
             assert a.get(key) == b.get(key), (a["method"], key, a.get(key), b.get(key))
     assert turns["rows"][2]["prediction_recall"] is not None  # previous was measured
+
+
+def test_compiled_dense_decodes_what_dense_decodes():
+    """`dense-compiled` (a static cache and the compiled step: CUDA graphs on CUDA) decodes the tokens and logits that
+    dense `DynamicCache` decodes; it refuses to share a process with oasis methods."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode
+
+    model, vocab = decode.load_model("tiny", "cpu", torch.float32)
+    args = types.SimpleNamespace(device="cpu", warmup=0, steps=5, prefill_chunk=64, budget=256, gather_programs=0,
+                                 head=None, exact_slots=0, measure_steps=0)
+    runs = [decode.MethodRun(model, vocab, m, 150, 2, args, 0) for m in ("dense", "dense-compiled")]
+    tokens = [[], []]
+    for _ in range(args.steps):
+        for run, seen in zip(runs, tokens):
+            run.step()
+            seen.append(run.token)
+    assert torch.equal(torch.cat(tokens[0], 1), torch.cat(tokens[1], 1))
+    assert runs[1].cache.get_seq_length() == runs[0].cache.get_seq_length() == 150 + args.steps
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "tiny", "--device", "cpu",
+                              "--methods", "dense-compiled", "oasis-none"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "another process" in refused.stderr
