@@ -46,10 +46,12 @@ def count_kernels_as_launches() -> None:
         setattr(module, name, launch)
 
 
-def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") -> collections.Counter:
-    """`mode`: a lookahead, optionally with `-exact` (miss repair), e.g. `eagle3-exact` (the default with a head).
-    `backend="triton"` (under `TRITON_INTERPRET=1`): the CUDA path's operators, each kernel launch counted once."""
-    if mode == "dense":  # the baseline: what HF's own step launches (SDPA + DynamicCache)
+def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", warm_steps: int = 3):
+    """A cache for `mode` (below), prefilled with `ids` `[B, n]` and decoded `warm_steps` steps. Returns `step()`,
+    which runs the next decode step (one token, the mask of the whole sequence as `generate` passes it), and the
+    cache. `mode`: "dense" (HF's SDPA + DynamicCache, the baseline) or a lookahead, optionally with `-exact` (miss
+    repair), e.g. `eagle3-exact` (the default with a head)."""
+    if mode == "dense":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
     else:
@@ -58,14 +60,29 @@ def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") 
         cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
                            **draft)
     kw = {generate_cache_argument(model): cache, "use_cache": True}
+    B, n = ids.shape
+    state = {"mask": torch.ones(B, n, dtype=torch.long)}
     with torch.no_grad():
-        out = model(input_ids=ids, **kw)
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            out = model(input_ids=token, **kw)
-            token = out.logits[:, -1:].argmax(-1)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(input_ids=token, **kw)
+        out = model(input_ids=ids, attention_mask=state["mask"], **kw)
+    state["token"] = out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def step():
+        state["mask"] = torch.cat((state["mask"], state["mask"][:, :1]), 1)
+        out = model(input_ids=state["token"], attention_mask=state["mask"], **kw)
+        state["token"] = out.logits[:, -1:].argmax(-1)
+
+    for _ in range(warm_steps):
+        step()
+    return step, cache
+
+
+def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") -> collections.Counter:
+    """Outermost operators of one decode step (`decoding`'s modes). `backend="triton"` (under `TRITON_INTERPRET=1`):
+    the CUDA path's operators, each kernel launch counted once."""
+    step, _ = decoding(model, ids, mode, head, budget, backend)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
     counts = collections.Counter()
     for event in prof.events():
         ancestors = []

@@ -55,3 +55,40 @@ def test_block_scores_kernel_on_cuda(case):
 @pytest.mark.parametrize("case", ASSIGN_CASES, ids=str)
 def test_slot_assign_kernel_on_cuda(case):
     assert check_assign(*case, device=torch.device("cuda"))
+
+
+# What still changes between two decode steps on the CUDA path (`bench/capture_audit.py`), by (file, function): the
+# work list of a captured decode step (docs/perf.md). Remove an entry when its cause moves to a device-side value;
+# a new entry means a new per-step host value in the hot path, which a CUDA graph cannot replay.
+STEP_VARYING = {
+    ("bench/op_count.py", "step"),  # the caller grows the 2D mask, as `generate` does
+    ("transformers/masking_utils.py", "_preprocess_mask_arguments"),  # HF: the mask's length
+    ("transformers/models/qwen3/modeling_qwen3.py", "forward"),  # HF: cache_position from the cache's length
+    ("oasis_cache/compute/attention.py", "oasis_mask"),  # the mask cut to the cache's length
+    ("oasis_cache/compute/attention.py", "_all_true_on_cpu"),  # CPU only (no check on CUDA)
+    ("oasis_cache/cache.py", "<lambda>"),  # new_token_causality: tril at the step's end
+    ("oasis_cache/cache.py", "build"),  # recent_visibility: the recent-token count
+    ("oasis_cache/pools/recent.py", "append"),  # the recent tokens' slice at their count
+    ("oasis_cache/pools/slot_map.py", "assign"),  # slot_assign's decode clock (LRU)
+    ("oasis_cache/draft/lookahead.py", "_before"),  # the draft row's mask column
+}
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path):
+    """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) run the same operators in
+    the same order, make no host sync but the CPU-only mask check, and differ only at the known sites above."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    out = tmp_path / "audit.json"
+    run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
+                          "--modes", "previous", "eagle3-exact", "--json", str(out)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    import json
+
+    for mode, found in json.loads(out.read_text())["modes"].items():
+        assert found["same_order"], mode
+        assert all("_all_true_on_cpu" in site for site in found["syncs"]), (mode, found["syncs"])
+        sites = {(d["site"].split(":")[0], d["site"].split("(")[-1].rstrip(")")) for d in found["differing"]}
+        assert sites <= STEP_VARYING, (mode, sites - STEP_VARYING)
+        assert found["differing"], mode  # the audit sees what varies (the caller's mask at least)

@@ -1,0 +1,182 @@
+"""What stands between a decode step and a CUDA graph, found on the CPU.
+
+    python bench/capture_audit.py --modes dense previous eagle3-exact
+    TRITON_INTERPRET=1 python bench/capture_audit.py --backend triton --modes previous
+
+A graph captured at one step replays, at the next, exactly the operators it recorded: the same shapes, the same
+scalar arguments (slice ends, sizes, offsets), the same kernel grids; every value that changes must come from a
+tensor. So: run a tiny random Qwen3 (`bench/op_count.py`'s setup: prefill, a few decode steps, the 2D mask grown as
+`generate` grows it), record every aten operator (and, with `--backend triton`, every launch of the package's
+kernels with its arguments) of two consecutive decode steps that complete no block, and compare them. Reported:
+- host syncs (`.item()` and other operators whose output size or value the host must read): a graph cannot hold them;
+- whether both steps ran the same operators in the same order (else a Python branch depends on the step);
+- the operators whose shapes or scalar arguments differ, grouped by where they are called (the innermost frame in
+  `oasis_cache` or `transformers`): what must move to fixed-capacity buffers and device-side counters.
+Steps that complete a block (every 16th: offload, summaries) are meant to run outside a graph and are not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from conftest import prompt_ids, random_head, tiny_model  # noqa: E402
+from op_count import decoding  # noqa: E402
+
+HOST_SYNCS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2",
+              "aten.is_nonzero", "aten.equal", "aten.repeat_interleave"}  # repeat_interleave: with tensor repeats
+OUR_KERNELS = (("oasis_cache.kernels.block_scores", "block_scores"), ("oasis_cache.kernels.slot_assign", "slot_assign"),
+               ("oasis_cache.memory.transfer", "gather_blocks"))
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    signature: tuple  # tensors as (shape, dtype), other arguments as they are
+    site: str  # file:line (function) of the innermost frame in oasis_cache, transformers or bench
+
+
+def describe(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, describe(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    return str(value)  # dtypes, devices, layouts, memory formats
+
+
+def call_site() -> str:
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename == __file__:
+            continue
+        path = frame.filename.replace(os.sep, "/")
+        for package in ("/oasis_cache/", "/transformers/", "/bench/"):  # bench: the caller (the growing mask)
+            if package in path:
+                return f"{package.strip('/')}/{path.split(package, 1)[1]}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+class Recorder(TorchDispatchMode):
+    """Every aten operator run while active, with its signature and call site (`ops`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.in_kernel = False  # inside a kernel launch run by Triton's interpreter: its own tensor work is no op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.in_kernel:
+            self.ops.append(Op(f"aten.{func.overloadpacket.__name__}", describe((args, kwargs)), call_site()))
+        return func(*args, **kwargs)
+
+
+def record_kernel_launches(recorder_of) -> None:
+    """The package's Triton kernels as recorded operators too (their grids follow from their arguments' shapes and
+    scalars). `recorder_of()`: the active `Recorder` or None."""
+    import importlib
+
+    for module_name, name in OUR_KERNELS:
+        module = importlib.import_module(module_name)
+
+        def launch(*args, _fn=getattr(module, name), _name=name, **kwargs):
+            recorder = recorder_of()
+            if recorder is None:
+                return _fn(*args, **kwargs)
+            recorder.ops.append(Op(f"triton {_name}", describe((args, kwargs)), call_site()))
+            recorder.in_kernel = True
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                recorder.in_kernel = False
+
+        setattr(module, name, launch)
+
+
+def audit(model, ids, mode, head, budget, backend, state) -> dict:
+    step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0)
+    if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
+        cache.ride_along.static_head = "eager"
+    for _ in range(2):
+        step()
+    T = getattr(getattr(cache, "config", None), "block_size", 16)
+    while cache.get_seq_length() % T in (0, T - 1, T - 2):  # the two recorded steps must complete no block
+        step()
+    runs = []
+    for _ in range(2):
+        state["recorder"] = Recorder()
+        with state["recorder"]:
+            step()
+        runs.append(state["recorder"].ops)
+        state["recorder"] = None
+    first, second = runs
+    syncs = collections.Counter(op.site for op in first if op.name in HOST_SYNCS)
+    same_order = [op.name for op in first] == [op.name for op in second]
+    differing = collections.Counter()
+    if same_order:
+        for a, b in zip(first, second):
+            if a.signature != b.signature:
+                differing[(a.site, a.name)] += 1
+    else:
+        for i, (a, b) in enumerate(zip(first, second)):
+            if a.name != b.name:
+                differing[(f"first divergence at op {i}: {a.site} vs {b.site}", f"{a.name} / {b.name}")] += 1
+                break
+    return dict(ops=(len(first), len(second)), syncs=syncs, same_order=same_order, differing=differing)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=600)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["dense", "previous", "eagle3-exact"])
+    parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                        help="triton: the CUDA path, run with TRITON_INTERPRET=1 on CPU")
+    parser.add_argument("--json", default=None, help="also write the findings here")
+    args = parser.parse_args()
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--backend triton runs on CPU through Triton's interpreter: prefix TRITON_INTERPRET=1")
+    state = {"recorder": None}
+    if args.backend == "triton":
+        record_kernel_launches(lambda: state["recorder"])
+    model = tiny_model("qwen3", num_hidden_layers=args.layers)
+    head, ids = random_head(model), prompt_ids(args.context)
+    print(f"two consecutive decode steps, tiny Qwen3 of {args.layers} layers, context {args.context}, "
+          f"{args.backend} backend")
+    findings = {}
+    for mode in args.modes:
+        result = audit(model, ids, mode, head, args.budget, args.backend, state)
+        findings[mode] = dict(ops=result["ops"], same_order=result["same_order"], syncs=dict(result["syncs"]),
+                              differing=[dict(site=site, op=name, count=n)
+                                         for (site, name), n in sorted(result["differing"].items())])
+        differing, syncs = result["differing"], result["syncs"]
+        print(f"\n== {mode}: {result['ops'][0]} / {result['ops'][1]} operators, same order: {result['same_order']}, "
+              f"host syncs: {sum(syncs.values())}, operators that differ: {sum(differing.values())}")
+        for site, n in syncs.most_common():
+            print(f"  sync    {n:3}  {site}")
+        for (site, name), n in sorted(differing.items()):
+            print(f"  differs {n:3}  {name:28} {site}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(command="python " + " ".join(sys.argv), layers=args.layers,
+                                                   context=args.context, backend=args.backend, modes=findings),
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
