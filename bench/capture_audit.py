@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from conftest import prompt_ids, random_head, tiny_model  # noqa: E402
-from op_count import decoding  # noqa: E402
+from op_count import decoding, step_arguments  # noqa: E402
 
 HOST_SYNCS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2",
               "aten.is_nonzero", "aten.equal", "aten.repeat_interleave"}  # repeat_interleave: with tensor repeats
@@ -142,16 +142,8 @@ def audit(model, ids, mode, head, budget, backend, state) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--context", type=int, default=600)
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", default=["dense", "previous", "eagle3-exact"])
-    parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
-                        help="triton: the CUDA path, run with TRITON_INTERPRET=1 on CPU")
     parser.add_argument("--json", default=None, help="also write the findings here")
-    args = parser.parse_args()
-    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--backend triton runs on CPU through Triton's interpreter: prefix TRITON_INTERPRET=1")
+    args = step_arguments(parser, 4, ["dense", "previous", "eagle3-exact"])
     state = {"recorder": None}
     if args.backend == "triton":
         record_kernel_launches(lambda: state["recorder"])

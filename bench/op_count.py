@@ -98,18 +98,24 @@ def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") 
     return counts
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
+def step_arguments(parser, layers: int, modes: list[str]):
+    """The options of the CPU step tools (this one, `capture_audit.py`): the tiny model, its prompt, the modes."""
+    parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", default=["none", "previous", "eagle3"])
+    parser.add_argument("--modes", nargs="+", default=modes)
     parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
                         help="triton: the CUDA path's operators, run with TRITON_INTERPRET=1 on CPU")
     args = parser.parse_args()
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--backend triton runs on CPU through Triton's interpreter: prefix the command with "
                      "TRITON_INTERPRET=1")
+    return args
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = step_arguments(parser, 8, ["none", "previous", "eagle3"])
     if args.backend == "triton":
         count_kernels_as_launches()
     model = tiny_model("qwen3", num_hidden_layers=args.layers)
