@@ -111,6 +111,7 @@ class OasisCache(Cache):
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
+        self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
@@ -281,7 +282,21 @@ class OasisCache(Cache):
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.decode_clock = 0
+        self._device_clocks = {}
         self._forward_memo = {}
+
+    def device_clock(self, device) -> torch.Tensor:
+        """`decode_clock` as a `[1]` int64 on `device`, what the slot map's LRU reads: advanced on the device by the
+        decode forwards since it was last read (1 in steady state: the same operator every step, as a captured step
+        needs), never written from a host value that changes."""
+        key = str(device)
+        clock, value = self._device_clocks.get(key, (None, None))
+        if clock is None:
+            clock = torch.full((1,), self.decode_clock, dtype=torch.long, device=device)
+        elif value != self.decode_clock:
+            clock.add_(self.decode_clock - value)
+        self._device_clocks[key] = (clock, self.decode_clock)
+        return clock
 
     def __repr__(self):
         cfg = self.config

@@ -229,7 +229,7 @@ class OasisLayer(CacheLayerMixin):
                 block_ids, ranks = self._select_with_draft(query, view, cfg.num_selected_blocks)
             else:
                 block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
-            placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, ws.visible,
+            placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device), ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
             if cache.measure and cfg.lookahead == "none":  # a check of the measure: 1.0 unless a fetch cap bites
@@ -262,8 +262,9 @@ class OasisLayer(CacheLayerMixin):
         else:
             block_ids, ranks = self._select(query, view, k)
         max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots
-        placed = self.slot_map.assign(block_ids, ranks, cache.decode_clock, self.working_set.visible,
-                                      cache.counters.device_counts(self.device)[1], cfg.block_size, max_fetch)
+        placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device),
+                                      self.working_set.visible, cache.counters.device_counts(self.device)[1],
+                                      cfg.block_size, max_fetch)
         pool, ws = self.pool, self.working_set
         cache.streams.launch(
             self.layer_idx,

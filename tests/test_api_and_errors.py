@@ -164,3 +164,17 @@ def test_device_memory_does_not_grow_with_context_beyond_summaries():
     assert large["slot_map"] <= 2 * blocks * table_bytes + small["slot_map"]
     dense_kv = 2 * layers * H * 1200 * D * 4
     assert sum(large.values()) < dense_kv / 2
+
+
+def test_device_clock_is_the_decode_clock_on_the_device():
+    """The slot map's LRU clock lives on the device (a captured step reads it there): it equals the host's count of
+    decode forwards whenever read, advancing by an add, and starts over on `reset`."""
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=160, lookahead="previous")
+    generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=12, do_sample=False)
+    clock = cache.device_clock("cpu")
+    assert cache.decode_clock > 0 and clock.tolist() == [cache.decode_clock]
+    cache.decode_clock += 3
+    assert cache.device_clock("cpu") is clock and clock.tolist() == [cache.decode_clock]
+    cache.reset()
+    assert cache.device_clock("cpu").tolist() == [0]

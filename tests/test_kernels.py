@@ -69,7 +69,6 @@ STEP_VARYING = {
     ("oasis_cache/cache.py", "<lambda>"),  # new_token_causality: tril at the step's end
     ("oasis_cache/cache.py", "build"),  # recent_visibility: the recent-token count
     ("oasis_cache/pools/recent.py", "append"),  # the recent tokens' slice at their count
-    ("oasis_cache/pools/slot_map.py", "assign"),  # slot_assign's decode clock (LRU)
     ("oasis_cache/draft/lookahead.py", "_before"),  # the draft row's mask column
 }
 

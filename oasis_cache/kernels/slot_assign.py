@@ -12,6 +12,7 @@ Shapes (contiguous, per (sequence, KV head) = bh, BH of them):
     visible (out) rows of stride `visible_stride`, first S*T entries: 1 for the tokens of selected slots
     scratch       `[BH, 2, S_POW2]` int64 (program-private staging for scatters within a program)
     counters      `[4]` int64 += (selected, hits, fetched, tokens in selected slots)
+    step          `[1]` int64         the LRU clock (read on the device: a captured launch sees its new value)
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ if triton is not None:
         tl.debug_barrier()
         tl.store(block_slot + bh * NBcap1 + ids, new_slot, mask=miss)
         tl.store(slot_block + bh * (S + 1) + new_slot, ids, mask=miss)
-        tl.store(last_used + bh * (S + 1) + slot, tl.full([K_POW2], 0, tl.int64) + step, mask=selected)
+        tl.store(last_used + bh * (S + 1) + slot, tl.full([K_POW2], 0, tl.int64) + tl.load(step), mask=selected)
 
         # Attention mask of the slots: the T tokens of every slot holding a selected block.
         tl.store(keep_row + s, tl.zeros([S_POW2], dtype=tl.int64))
@@ -109,7 +110,7 @@ if triton is not None:
 
 def slot_assign(block_ids, ranks, block_slot, slot_block, last_used, step, visible, counters, block_size, max_fetch):
     """Launch the kernel; returns `(dest, fetch)` (`[B, Hkv, K]` int64, int8). `visible`: `[B, Hkv, L]` bool whose
-    first S*T entries per row receive the slots' mask; `counters`: `[4]` int64 (accumulated)."""
+    first S*T entries per row receive the slots' mask; `counters`: `[4]` int64 (accumulated); `step`: `[1]` int64."""
     B, H, K = block_ids.shape
     S = slot_block.shape[-1] - 1
     S_POW2 = triton.next_power_of_2(S)

@@ -50,7 +50,7 @@ class SlotMap:
         grown[..., : self.capacity_blocks] = self.block_slot[..., : self.capacity_blocks]
         self.block_slot = grown
 
-    def assign(self, block_ids: torch.Tensor, ranks: torch.Tensor, step: int, visible: torch.Tensor,
+    def assign(self, block_ids: torch.Tensor, ranks: torch.Tensor, step: int | torch.Tensor, visible: torch.Tensor,
                counters: torch.Tensor, block_size: int, max_fetch: int | None = None) -> Assignment:
         """Place this step's selection. Resident blocks stay where they are; each missing block takes a free slot,
         else the least recently selected slot that holds no selected block (ties: the lowest slot). At most
@@ -59,12 +59,15 @@ class SlotMap:
         Args:
             block_ids: `[B, Hkv, K]` distinct block ids, best first when `max_fetch` may drop some.
             ranks: `[B, Hkv, K]` their ranking scores; an entry is selected iff its rank > -inf.
-            step: a counter that grows with each call (the LRU clock).
+            step: a counter that grows with each call (the LRU clock): `[1]` int64 on the device (read there, so
+                that a captured step replays with the clock's new value), or an int.
             visible: `[B, Hkv, L]` bool; its first S*T entries receive the attention mask of the slots (the T tokens
                 of every slot that holds a selected block).
             counters: `[4]` int64, += (selected, already resident, fetched, tokens in selected slots).
         """
         max_fetch = block_ids.shape[-1] if max_fetch is None else max_fetch
+        if not isinstance(step, torch.Tensor):
+            step = torch.full((1,), step, dtype=torch.long, device=self.slot_block.device)
         if self.use_kernel:
             from ..kernels.slot_assign import slot_assign
 
@@ -96,7 +99,7 @@ class SlotMap:
         self.block_slot.scatter_(-1, torch.where(fetch & (evicted >= 0), evicted, NBcap), -1)
         self.block_slot.scatter_(-1, torch.where(fetch, block_ids, NBcap), torch.where(fetch, dest, -1))
         self.slot_block.scatter_(-1, torch.where(fetch, dest, S), torch.where(fetch, block_ids, -1))
-        self.last_used.scatter_(-1, torch.where(selected, dest, S), step)
+        self.last_used.scatter_(-1, torch.where(selected, dest, S), step.expand(dest.shape))
 
         attended = torch.zeros_like(self.slot_block, dtype=torch.bool)
         attended.scatter_(-1, torch.where(selected, dest, S), True)
