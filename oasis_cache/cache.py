@@ -182,17 +182,23 @@ class OasisCache(Cache):
             visible, layer.batch_size, num_blocks, cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
             layer.device))
 
-    def new_token_causality(self, num_queries: int, group: int, length: int, end: int, device) -> torch.Tensor:
+    def new_token_causality(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
+                            device) -> torch.Tensor:
         """`[G * Qn, L]` bool: row `g * Qn + i` (query head g of a KV head's group, new token i) sees working-set
-        token j iff j <= end - Qn + i (`compute/sparse.py`)."""
-        return self._shared(("causality", num_queries, group, length, end, str(device)), lambda: torch.ones(
-            (num_queries, length), dtype=torch.bool, device=device).tril(end - num_queries).repeat(group, 1))
-
-    def recent_visibility(self, view: StepVisibility, num_recent: int, capacity: int, device) -> torch.Tensor:
-        """`[B or 1, 1, R]` bool, the mask of the recent-token region (`R` = `capacity`): its first `num_recent`
-        tokens, and of those the ones `view.recent` `[B, num_recent]` marks, when given (padding)."""
+        token j iff j <= end - Qn + i (`compute/sparse.py`), end = `slot_tokens` + the recent-token count `count`
+        (`[1]` int64 on the device: a captured step replays with its new value)."""
         def build():
-            row = torch.arange(capacity, device=device) < num_recent
+            offset = torch.arange(length, device=device) - torch.arange(num_queries, device=device)[:, None]
+            return (offset <= count + (slot_tokens - num_queries)).repeat(group, 1)  # [G * Qn, L]
+        return self._shared(("causality", num_queries, group, length, slot_tokens, str(device)), build)
+
+    def recent_visibility(self, view: StepVisibility, num_recent: int, count: torch.Tensor, capacity: int,
+                          device) -> torch.Tensor:
+        """`[B or 1, 1, R]` bool, the mask of the recent-token region (`R` = `capacity`): its first `num_recent`
+        tokens (`count`: the same number, `[1]` int64 on the device, which the mask is computed from), and of those
+        the ones `view.recent` `[B, num_recent]` marks, when given (padding)."""
+        def build():
+            row = torch.arange(capacity, device=device) < count
             if view.recent is None:
                 return row[None, None]
             row = row.expand(view.recent.shape[0], capacity).clone()

@@ -236,7 +236,7 @@ class OasisLayer(CacheLayerMixin):
                 self._measure_recall(real, view)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
-        ws.set_recent_visible(cache.recent_visibility(view, n, ws.recent_capacity, self.device))
+        ws.set_recent_visible(cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device))
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]
@@ -244,7 +244,9 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
-        causal = cache.new_token_causality(Qn, Hq // H, keys.shape[2], S * T + n, self.device) if Qn > 1 else None
+        causal = None
+        if Qn > 1:
+            causal = cache.new_token_causality(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, self.device)
         out = sparse_attention(query, keys, values, mask, scale, causal)
         cache.counters.record_layer_step(B * H, n)
         return out

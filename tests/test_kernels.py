@@ -66,9 +66,6 @@ STEP_VARYING = {
     ("transformers/models/qwen3/modeling_qwen3.py", "forward"),  # HF: cache_position from the cache's length
     ("oasis_cache/compute/attention.py", "oasis_mask"),  # the mask cut to the cache's length
     ("oasis_cache/compute/attention.py", "_all_true_on_cpu"),  # CPU only (no check on CUDA)
-    ("oasis_cache/cache.py", "<lambda>"),  # new_token_causality: tril at the step's end
-    ("oasis_cache/cache.py", "build"),  # recent_visibility: the recent-token count
-    ("oasis_cache/pools/recent.py", "append"),  # the recent tokens' slice at their count
     ("oasis_cache/draft/lookahead.py", "_before"),  # the draft row's mask column
 }
 

@@ -2,7 +2,9 @@
 it adds. They live in the working set's recent region; a forward that adds more than the region holds (prefill, a
 long extend) uses a temporary tensor until its complete blocks leave. After every forward fewer than T remain.
 
-Token i is absolute token `start + i`, `start` = NB * T. `kv`: `[2, B, Hkv, n, D]`.
+Token i is absolute token `start + i`, `start` = NB * T. `kv`: `[2, B, Hkv, n, D]`. The count lives on the host
+(`num_tokens`) and on the device (`count`, `[1]` int64): a decode step writes its tokens at the device count and
+advances it by an add, so that a captured step replays correctly; steps that move blocks set it from the host.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ class RecentTokens:
     def __init__(self, region: torch.Tensor):
         self.region = region  # [2, B, Hkv, R, D], a view into the working set
         self.num_tokens = 0
+        self.count = torch.zeros(1, dtype=torch.long, device=region.device)  # num_tokens, on the device
+        self._offsets = torch.arange(region.shape[3], device=region.device)  # [R]
         self._overflow: torch.Tensor | None = None  # [2, B, Hkv, n, D] when n > R
 
     @property
@@ -33,11 +37,14 @@ class RecentTokens:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """`key_states`, `value_states`: `[B, Hkv, q, D]`."""
         n, q = self.num_tokens, key_states.shape[2]
-        if self._overflow is None and n + q <= self.capacity:
-            self.region[0, :, :, n : n + q] = key_states
-            self.region[1, :, :, n : n + q] = value_states
+        if self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
+            where = self._offsets[:q] + self.count  # [q]
+            self.region[0].index_copy_(2, where, key_states)
+            self.region[1].index_copy_(2, where, value_states)
+            self.count.add_(q)
         else:
             self._overflow = torch.cat((self.kv, torch.stack((key_states, value_states))), dim=3)
+            self.count.fill_(n + q)
         self.num_tokens = n + q
 
     def take_complete_blocks(self, block_size: int) -> torch.Tensor | None:
@@ -58,7 +65,10 @@ class RecentTokens:
 
     def truncate(self, num_tokens: int) -> None:
         if self._overflow is None:  # the first tokens of the region stay where they are
-            self.num_tokens = min(num_tokens, self.num_tokens)
+            removed = self.num_tokens - min(num_tokens, self.num_tokens)
+            if removed:  # (a riding draft row: 1 each step)
+                self.count.sub_(removed)
+            self.num_tokens -= removed
             return
         self._set(self.kv[:, :, :, :num_tokens])
 
@@ -71,3 +81,4 @@ class RecentTokens:
         else:
             self._overflow = kv.clone()
         self.num_tokens = n
+        self.count.fill_(n)
