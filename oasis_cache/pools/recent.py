@@ -39,8 +39,8 @@ class RecentTokens:
         n, q = self.num_tokens, key_states.shape[2]
         if self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
             where = self._offsets[:q] + self.count  # [q]
-            self.region[0].index_copy_(2, where, key_states)
-            self.region[1].index_copy_(2, where, value_states)
+            self.region[0].index_copy_(2, where, key_states.to(self.region.dtype))  # (as a slice write would cast)
+            self.region[1].index_copy_(2, where, value_states.to(self.region.dtype))
             self.count.add_(q)
         else:
             self._overflow = torch.cat((self.kv, torch.stack((key_states, value_states))), dim=3)
