@@ -419,8 +419,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if documents:
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, lr=lr, lr_schedule=lr_schedule, crop=crop,
-                   draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
+    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, lr=lr, lr_schedule=lr_schedule,
+                   crop=crop, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held), document_source=document_source if documents and generated else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
