@@ -59,8 +59,8 @@ for arg in "$@"; do
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       mkdir -p "$OUT/head" && cp "$TD/head/target.json" "$HO/" && cp "$TD/metrics.json" "$OUT/head/" && split -b 15000000 "$HO/model.safetensors" "$OUT/head/part"
-      [ -n "${TRAIN_LAYERS:-}" ] && cp "$HO/config.json" "$OUT/head/"  # a deeper head: its own config
-      [ -z "${TRAIN_INIT:-}" ] && cp "$HO/config.json" "$HO/target.json" "$OUT/head/"  # from $HEAD: its config and target
+      { [ -z "${TRAIN_INIT:-}" ] || [ -n "${TRAIN_LAYERS:-}" ]; } && cp "$HO/config.json" "$OUT/head/"  # else $HEAD's
+      [ -z "${TRAIN_INIT:-}" ] && cp "$HO/target.json" "$OUT/head/"  # from $HEAD: its target
       [ -z "${TRAIN_DATA:-}" ] && cp "$TD/data.pt" "$OUT/head/"; HEAD=$HO ;;
     gendata) python3 -m oasis_cache.draft.train --target smollm2 --out "${GEN_DIR:-/tmp/oasis-gen}" --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
       cp "${GEN_DIR:-/tmp/oasis-gen}/data.pt" "$OUT/gen-data.pt" ;;

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from oasis_cache.draft import load_eagle3
-from oasis_cache.draft.train import evaluate, held_out_document, load_texts, split_texts
+from oasis_cache.draft.train import HELD_OUT_SHARE, evaluate, held_out_document, load_texts, split_texts
 from oasis_cache.loaders import load_smollm2
 
 
@@ -39,7 +39,7 @@ def main():
     model, tok = load_smollm2(device=args.device)
     sets = {}
     for path, seed in zip(args.data, seeds):
-        held, _ = split_texts(load_texts(path), 0.05, seed)
+        held, _ = split_texts(load_texts(path), HELD_OUT_SHARE, seed)
         sets[f"held-out of {path}"] = held
     sets["documentation start"] = [held_out_document(tok, args.document_tokens)]
     rows = []

@@ -272,6 +272,9 @@ def load_texts(path) -> list[list[torch.Tensor]]:
     return [[t.long() for t in part] for part in parts]
 
 
+HELD_OUT_SHARE = 0.05  # of each data file's texts, kept out of training (`split_texts`)
+
+
 def split_texts(parts, held_out: float, seed: int):
     """`(held, train)` texts: each part (one run's texts) holds out its own `held_out` share (at least one), drawn
     with `seed` — the same texts whichever other parts come with it."""
@@ -286,7 +289,7 @@ def split_texts(parts, held_out: float, seed: int):
 
 
 def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
-          save_every=500, resume=False, held_out=0.05, seed=0, progress=True, prompts=None,
+          save_every=500, resume=False, held_out=HELD_OUT_SHARE, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
           time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
           lr_schedule="constant", continue_documents=False, layers=None, greedy=False) -> dict:
