@@ -6,7 +6,9 @@
 #   bash bench/gpu_pair.sh 'HEAD=/tmp/oasis-a-head' 'HEAD=/tmp/oasis-b-head' recall    # later, same lease
 # Side a runs on GPU 0, side b on GPU 1, each with its own TRAIN_DIR (/tmp/oasis-{a,b}-train), HEAD_OUT
 # (/tmp/oasis-{a,b}-head), GEN_DIR (/tmp/oasis-{a,b}-gen) and OUT ($OUT/a, $OUT/b). Full logs: /tmp/gpu-pair-{a,b}.log
-# (their ends printed). gpu.txt and train.log are not kept (at most 8 files come back from a call: `train` from $HEAD
+# (their ends printed). A side's settings may set PARTS="..." to run other parts than the command line's, e.g.
+#   bash bench/gpu_pair.sh 'TRAIN_INIT=1 TRAIN_LAYERS=2' 'PARTS="gendata train" GEN_GREEDY=1 TRAIN_DATA=...' train
+# gpu.txt and train.log are not kept (at most 8 files come back from a call: `train` from $HEAD
 # then returns 3 per side, 4 with TRAIN_LAYERS; `recall` 2 JSON files per budget).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -18,7 +20,7 @@ for i in 0 1; do
     export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/$side" TRAIN_DIR=/tmp/oasis-$side-train HEAD_OUT=/tmp/oasis-$side-head \
       GEN_DIR=/tmp/oasis-$side-gen
     eval "export ${settings[$i]}"
-    bash bench/gpu_run.sh "$@"
+    if [ -n "${PARTS:-}" ]; then bash bench/gpu_run.sh $PARTS; else bash bench/gpu_run.sh "$@"; fi
   ) > "/tmp/gpu-pair-$side.log" 2>&1 &
 done
 wait
