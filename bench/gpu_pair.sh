@@ -8,7 +8,7 @@
 # (/tmp/oasis-{a,b}-head), GEN_DIR (/tmp/oasis-{a,b}-gen) and OUT ($OUT/a, $OUT/b). Full logs: /tmp/gpu-pair-{a,b}.log
 # (their ends printed). A side's settings may set PARTS="..." to run other parts than the command line's, e.g.
 #   bash bench/gpu_pair.sh 'TRAIN_INIT=1 TRAIN_LAYERS=2' 'PARTS="gendata train" GEN_GREEDY=1 TRAIN_DATA=...' train
-# gpu.txt and train.log are not kept (at most 8 files come back from a call: `train` from $HEAD
+# gpu.txt, train.log and gendata.log are not kept (at most 8 files come back from a call: `train` from $HEAD
 # then returns 3 per side, 4 with TRAIN_LAYERS; `recall` 2 JSON files per budget).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,5 +24,5 @@ for i in 0 1; do
   ) > "/tmp/gpu-pair-$side.log" 2>&1 &
 done
 wait
-rm -f "$OUT"/[ab]/gpu.txt "$OUT"/[ab]/train.log
+rm -f "$OUT"/[ab]/gpu.txt "$OUT"/[ab]/train.log "$OUT"/[ab]/gendata.log
 for side in a b; do echo "== side $side: ${settings[$([ $side = a ] && echo 0 || echo 1)]}"; grep -v Warning "/tmp/gpu-pair-$side.log" | tail -n 14; done
