@@ -17,7 +17,9 @@ else an untrained head of the real shape, 32K draft vocabulary as in published E
 depend on its weights, its recall does; the package's default: on CUDA the head's decode call is replayed as a CUDA
 graph), oasis-eagle3-plain (the head's call run op by op, as before 2026-11-30), oasis-eagle3-graph (the graph
 forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-exact (with miss repair: what
-`OasisCache(model)` picks with a head; compare with oasis-exact). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+`OasisCache(model)` picks with a head; compare with oasis-exact). The suffix `-captured` (oasis-none, -previous,
+-exact) replays steady decode steps as CUDA graphs (`cuda_graph=True`); its cost sits in the steps that complete a
+block and recapture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`. dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
 is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
@@ -77,6 +79,9 @@ def make_cache(method: str, model, args, capacity: int = 0):
         if method.endswith("-plain"):
             cache.ride_along.static_head = None
         return cache
+    if method.endswith("-captured"):  # steady decode steps replayed as CUDA graphs (compute/captured_step.py)
+        method = method.removesuffix("-captured")
+        options["cuda_graph"] = True
     if method == "oasis-exact":
         return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
     if method.startswith("oasis-"):
@@ -217,6 +222,7 @@ class MethodRun:
             context=self.context,
             batch=self.batch,
             tpot_ms=1000 * statistics.median(times),
+            tpot_ms_mean=1000 * statistics.mean(times),
             tpot_ms_min=1000 * min(times),
             tok_per_s=self.batch / statistics.median(times),
             prefill_s=self.prefill_s,
@@ -224,6 +230,8 @@ class MethodRun:
             decode_peak_gib=(self.weight_bytes + self.own_bytes + self.step_rise) / 2**30 if self.cuda else 0.0,
             kv_device_gib=kv_bytes_on_device(cache, args.device) / 2**30,
         )
+        if isinstance(cache, OasisCache) and cache.captured_steps is not None:
+            row.update(captures=cache.captured_steps.captures, replays=cache.captured_steps.replays)
         if isinstance(cache, OasisCache):
             stats = timed_stats if measured else cache.stats()
             row.update(
@@ -309,6 +317,9 @@ def main():
     parser.add_argument("--memory-cap-gib", type=float, default=0, help="cap this process's GPU memory (a smaller card)")
     parser.add_argument("--interleave", action="store_true",
                         help="prefill every method, then alternate their decode steps (needs room for all caches)")
+    parser.add_argument("--statistic", choices=["median", "mean"], default="median",
+                        help="TPOT over the timed steps in the table (mean: what a captured method's recaptures cost, "
+                             "with --steps a multiple of 16)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode-<model>-<date>.json)")
     args = parser.parse_args()
 
@@ -344,6 +355,7 @@ def main():
         gather_programs=args.gather_programs,
         memory_cap_gib=args.memory_cap_gib,
         interleave=args.interleave,
+        statistic=args.statistic,
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"decode-{args.model}-{meta['date'][:10]}.json"
@@ -354,25 +366,27 @@ def main():
 
 
 def print_table(rows, meta):
+    key = "tpot_ms_mean" if meta.get("statistic") == "mean" else "tpot_ms"
     print(f"\n{meta['model']} {meta['dtype']} on {meta['machine']}, torch {meta['torch']}, "
-          f"transformers {meta['transformers']}, {meta['date']}")
-    header = (f"{'context':>8} {'batch':>5} {'method':<21} {'TPOT ms':>9} {'x dense':>8} {'x offload':>9} "
+          f"transformers {meta['transformers']}, {meta['date']}; TPOT: {meta.get('statistic', 'median')} of the timed steps")
+    header = (f"{'context':>8} {'batch':>5} {'method':<23} {'TPOT ms':>9} {'x dense':>8} {'x offload':>9} "
               f"{'peak GiB':>9} {'KV GiB dev':>10} {'MB/step':>8} {'wait %':>7} {'recall':>7}")
     print(header)
-    dense = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "dense"}
-    offload = {(r["context"], r["batch"]): r.get("tpot_ms") for r in rows if r["method"] == "offload"}
+    dense = {(r["context"], r["batch"]): r.get(key) for r in rows if r["method"] == "dense"}
+    offload = {(r["context"], r["batch"]): r.get(key) for r in rows if r["method"] == "offload"}
     for r in rows:
         if "error" in r:
-            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<21} {r['error'][:60]}")
+            print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<23} {r['error'][:60]}")
             continue
         base, off = dense.get((r["context"], r["batch"])), offload.get((r["context"], r["batch"]))
-        ratio = f"{r['tpot_ms'] / base:8.2f}" if base else f"{'-':>8}"
-        speedup = f"{off / r['tpot_ms']:9.2f}" if off else f"{'-':>9}"
+        tpot = r[key]
+        ratio = f"{tpot / base:8.2f}" if base else f"{'-':>8}"
+        speedup = f"{off / tpot:9.2f}" if off else f"{'-':>9}"
         peak = max(r["prefill_peak_gib"], r["decode_peak_gib"])
         mb = f"{r['bytes_fetched_per_step'] / 1e6:8.1f}" if "bytes_fetched_per_step" in r else f"{'':>8}"
         wait = f"{r['exposed_wait_pct']:7.2f}" if "exposed_wait_pct" in r else f"{'':>7}"
         recall = f"{r['prediction_recall']:7.3f}" if r.get("prediction_recall") is not None else f"{'':>7}"
-        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<21} {r['tpot_ms']:9.1f} {ratio} {speedup} {peak:9.2f} "
+        print(f"{r['context']:>8} {r['batch']:>5} {r['method']:<23} {tpot:9.1f} {ratio} {speedup} {peak:9.2f} "
               f"{r['kv_device_gib']:10.3f} {mb} {wait} {recall}")
 
 

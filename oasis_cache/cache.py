@@ -45,6 +45,8 @@ class OasisCache(Cache):
         draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
             query's top-K (extra events and selections per layer: for analysis, not for speed).
+        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; CUDA models; lookahead
+            "none" or "previous", and left out it is "previous" with `exact=True`: the answers of "none").
     """
 
     def __init__(
@@ -62,6 +64,9 @@ class OasisCache(Cache):
         **options,
     ):
         text_config = _check_supported(model)
+        if lookahead is None and options.get("cuda_graph"):  # no captured ride-along yet: previous + exact
+            lookahead = "previous"
+            options.setdefault("exact", True)
         if lookahead is None:
             lookahead, draft = _default_lookahead(model, text_config, draft)
             if lookahead == "eagle3":  # picked for the user: the real query's choice is attended (quality first)
@@ -120,6 +125,9 @@ class OasisCache(Cache):
             self.ride_along = _attach_draft(model, self, draft)
         elif draft is not None:
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
+        self.captured_steps = None  # its captured decode step (cuda_graph=True): `compute/captured_step.py`
+        if self.config.cuda_graph:
+            self.captured_steps = _install_captured_steps(model)
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -290,6 +298,8 @@ class OasisCache(Cache):
         self.decode_clock = 0
         self._device_clocks = {}
         self._forward_memo = {}
+        if self.captured_steps is not None:
+            self.captured_steps.drop()
 
     def device_clock(self, device) -> torch.Tensor:
         """`decode_clock` as a `[1]` int64 on `device`, what the slot map's LRU reads: advanced on the device by the
@@ -303,6 +313,56 @@ class OasisCache(Cache):
             clock.add_(self.decode_clock - value)
         self._device_clocks[key] = (clock, self.decode_clock)
         return clock
+
+    # ------------------------------------------------------------------------------------- captured decode steps
+    def replayable_step(self) -> bool:
+        """Whether the next one-token decode forward of an unpadded batch may replay a captured step: a steady step
+        of a CUDA cache."""
+        layer = self.layers[self._first_oasis_layer]
+        return layer.is_initialized and layer.device.type == "cuda" and self.steady_step()
+
+    def steady_step(self) -> bool:
+        """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
+        completes no block, on a cache of full-attention layers only, outside measurement mode and without a riding
+        draft — every shape, buffer and host decision is that of the step before."""
+        if self.measure or self.record_selection or self.ride_along is not None:
+            return False
+        layer = self.layers[self._first_oasis_layer]
+        return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
+                and layer.recent.num_tokens + 1 < self.config.block_size
+                and all(isinstance(other, OasisLayer) for other in self.layers))
+
+    def replay_signature(self) -> tuple:
+        """What a captured step depends on beyond tensor contents: every layer's block count, host chunks, prediction
+        flag and the addresses of its state tensors, and the cache's device counters. Equal signatures: the graph
+        captured under one is valid under the other."""
+        layers = tuple((layer.pool.num_blocks, len(layer.pool.chunks), layer.predicted,
+                        tuple(t.data_ptr() for t in layer.state_tensors()))
+                       for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
+        clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
+        counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()
+        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else ()
+
+    def prepare_capture(self) -> None:
+        """Before a step is captured: compute joins the side stream, so that the graph need not wait on events
+        recorded outside it (pending prefetches, offloads)."""
+        self._streams.synchronize()
+        self._streams.forget_side_work()
+        self._transfer.prepare_capture([layer.pool for layer in self.layers if isinstance(layer, OasisLayer)])
+
+    def advance_replayed_step(self) -> None:
+        """The host effects of a one-token decode step that completes no block (what the eager step's Python does:
+        `tests/test_captured_step.py` compares), after its captured device work was replayed."""
+        for key, (clock, value) in self._device_clocks.items():
+            if value == self.decode_clock:  # the captured step advanced this device clock by one
+                self._device_clocks[key] = (clock, value + 1)
+        self.decode_clock += 1
+        counters = self.counters
+        counters.decode_steps += 1
+        counters.decode_tokens += 1
+        for layer in self.layers:  # all OasisLayers (`replayable_step`)
+            layer.recent.num_tokens += 1
+            counters.record_layer_step(layer.batch_size * layer.num_kv_heads, layer.recent.num_tokens)
 
     def __repr__(self):
         cfg = self.config
@@ -342,6 +402,18 @@ def _attach_draft(model, cache, draft):
     head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target_model=model)
     param = next(model.parameters())
     return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())
+
+
+def _install_captured_steps(model):
+    """The cache's `CapturedSteps`, after `model.forward` was made to route to it."""
+    from .compute.captured_step import CapturedForward, CapturedSteps
+
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        raise ValueError("cuda_graph=True replays decode steps as CUDA graphs: put the model on a CUDA device first "
+                         "(model.to('cuda')), or drop cuda_graph.")
+    CapturedForward.install(model)
+    return CapturedSteps()
 
 
 def _check_supported(model):

@@ -63,6 +63,9 @@ class OasisConfig:
             head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32. None
             (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
+        cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
+            complete no block in an unpadded batch, re-captured when a block completes. CUDA models, lookahead
+            "none" or "previous".
     """
 
     token_budget: int
@@ -79,6 +82,7 @@ class OasisConfig:
     gather_programs: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
+    cuda_graph: bool = False
 
     def __post_init__(self):
         T = self.block_size
@@ -124,6 +128,13 @@ class OasisConfig:
             raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
+        if self.cuda_graph not in (True, False):
+            raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}.")
+        if self.cuda_graph and self.lookahead == "eagle3":
+            raise NotImplementedError(
+                "cuda_graph=True captures decode steps with lookahead='none' or 'previous'; the eagle3 ride-along (the "
+                "draft head's hooks around the forward) is not captured yet: drop cuda_graph or use lookahead='previous'."
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

@@ -327,6 +327,13 @@ class OasisLayer(CacheLayerMixin):
             "recent_overflow": overflow,
         }
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The device tensors this layer keeps between forwards (summaries, working set, slot map, recent tokens).
+        A decode step that completes no block updates them in place — never rebinds one — which a captured step
+        relies on (`tests/test_captured_step.py`)."""
+        return [value for part in (self.summaries, self.working_set, self.slot_map, self.recent)
+                for value in vars(part).values() if isinstance(value, torch.Tensor)]
+
     def __repr__(self):
         return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
 

@@ -180,9 +180,10 @@ def test_prefill_device_memory_is_about_one_layer():
 
 EAGLE3_MODES = [dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True),
                 dict(lookahead="eagle3", exact=True, static_head="graph")]
+CAPTURED_MODES = [dict(lookahead="previous", cuda_graph=True), dict(lookahead="previous", exact=True, cuda_graph=True)]
 
 
-@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES + CAPTURED_MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_decode_steps_make_no_host_sync(mode):
     """The decode hot path issues no synchronizing CUDA call (`.item()`, blocking copies, ...): checked with
     PyTorch's sync debug mode over decode steps that select, fetch, prefetch and offload blocks (and, with eagle3,
@@ -256,3 +257,33 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
         if static:
             assert ride._static is not None and ride._static.graph is not None
     assert runs[0].shape == (batch, 22) and torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_captured_steps_decode_what_eager_steps_decode(mode):
+    """cuda_graph=True replays steady decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
+    and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
+    3, across block completions (recaptures); a left-padded batch runs eagerly (no replay), with the same result."""
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    kw = dict(max_new_tokens=60, do_sample=False)
+    for inputs, budget, replays in [
+        ({"input_ids": prompt_ids(300)}, 128, True),
+        ({"input_ids": prompt_ids(300, batch=3)}, 128, True),
+        ({"input_ids": prompt_ids(300)}, 1024, True),
+        (left_padded([250, 190, 220]), 128, False),
+    ]:
+        inputs = on_cuda(inputs)
+        options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)
+        eager = generate(model, OasisCache(model, **options), inputs, **kw)
+        cache = OasisCache(model, cuda_graph=True, **options)
+        graphed = generate(model, cache, inputs, **kw)
+        steps = cache.captured_steps
+        assert torch.equal(eager.sequences, graphed.sequences), (budget, steps.captures, steps.replays)
+        for a, b in zip(eager.logits, graphed.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        if budget >= 1024:
+            assert torch.equal(generate(model, dense_cache(model), inputs, **kw).sequences, graphed.sequences)
+        if replays:
+            assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
+        else:
+            assert steps.replays == 0

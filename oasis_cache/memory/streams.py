@@ -23,6 +23,7 @@ class PrefetchStreams:
         self.measure = measure
         self._done: dict[int, torch.cuda.Event] = {}  # layer -> event after its pending prefetch
         self._timings: list[tuple] = []  # (arrive, done) event pairs, measurement mode
+        self._forked = False  # side-stream work was queued since the last join
 
     def run_after_compute(self, work, *tensors: torch.Tensor) -> None:
         """Run `work()` on the side stream after everything queued so far on the compute stream. `tensors` are
@@ -31,6 +32,7 @@ class PrefetchStreams:
             work()
             return
         self.side.wait_stream(torch.cuda.current_stream(self.device))
+        self._forked = True
         with torch.cuda.stream(self.side):
             work()
         for t in tensors:
@@ -88,6 +90,18 @@ class PrefetchStreams:
         """Let every pending side-stream transfer finish before compute goes on (batch reorder, reset)."""
         self._done.clear()
         self.compute_waits_for_side()
+
+    def forget_side_work(self) -> None:
+        """After `synchronize`, before a capture: no side-stream work is pending for `join`."""
+        self._forked = False
+
+    def join(self) -> None:
+        """End of a captured step: compute waits for the side-stream work forked since `forget_side_work` (a graph
+        must join every stream it forked; waiting on a side stream that did not fork from it would be an error)."""
+        self._done.clear()
+        if self.cuda and self._forked:
+            self.compute_waits_for_side()
+        self._forked = False
 
     def exposed_wait_ms(self) -> float:
         """Total time compute waited on prefetches, over the waits recorded in measurement mode (syncs once)."""

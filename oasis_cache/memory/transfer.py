@@ -62,6 +62,19 @@ class TransferEngine:
             copy()
         pool.num_blocks = start + n
 
+    def prepare_capture(self, pools) -> None:
+        """Before a decode step is captured (the compute stream has joined the side stream): every offload has
+        landed, and each pool's chunk-address table is current — built now, not inside the graph (its host staging
+        buffer would not outlive the capture)."""
+        self._offloaded.clear()
+        if self.backend == "triton":
+            for pool in pools:
+                self._addresses(pool)
+
+    def address_tables(self) -> tuple:
+        """Device addresses of the pools' chunk-address tables (what a captured gather reads)."""
+        return tuple(table.data_ptr() for _, table in self._chunk_addrs.values())
+
     def _wait_offloads(self, pool: HostKVPool) -> None:
         """Compute-stream readers of `pool` wait for its offloads (a no-op on the side stream, which is ordered)."""
         if self.streams is not None:

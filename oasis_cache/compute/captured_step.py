@@ -1,0 +1,155 @@
+"""The captured decode step: one-token decode forwards replayed as a CUDA graph (`OasisCache(..., cuda_graph=True)`).
+
+HF's eager decode is launch-bound (~80 launches per layer, 36 layers); replaying the step removes the host from the
+loop. `generate` owns the loop, so the step is taken over where `generate` calls the model: `CapturedForward` replaces
+the model instance's `forward` (same signature) and hands each call of a cache made with `cuda_graph=True` to that
+cache's `CapturedSteps`, which, for a call that
+
+    - decodes one token per sequence (input_ids `[B, 1]`) on a CUDA cache that already holds complete blocks,
+    - completes no block (the recent tokens stay below T: no offload, the block count and every shape stay fixed),
+    - belongs to an unpadded batch (known since the last prefill; decode masks are taken to extend it with ones, as
+      `generate` does), with no measurement mode and no outputs beyond the logits,
+
+copies the token and its position into static buffers and replays the graph captured for the cache's current
+layout (`OasisCache.replay_signature`: block count, buffers, predictions). Any other call runs the eager forward.
+A new layout (every T steps, after a block completes) is captured at its first step:
+
+    capture   the compute stream joins the side stream and pending prefetch events are forgotten (a graph may not
+              wait on work outside it); the forward runs once under capture, its side-stream gathers forking from
+              the capture stream and joined back at its end (the prefetch for step t+1 still overlaps step t's later
+              layers); the Python code's host effects (counters, token counts) happen once, as in an eager step
+    replay    the recorded device work runs; `OasisCache.advance_replayed_step` applies the host effects the skipped
+              Python would have had (`tests/test_captured_step.py` checks they equal an eager step's)
+
+Every decode step must update persistent state in place (a replay writes where the capture wrote): the same test
+checks that an eager step rebinds no state tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+# Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
+# except the inputs below: HF's caller passes masks / positions that the unpadded decode step already implies.
+_REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache",
+                  "use_cache", "return_dict", "logits_to_keep"}
+
+
+class CapturedForward:
+    """Installed once per model instance as `model.forward` (an instance attribute, same signature) when a cache with
+    `cuda_graph=True` is made for it; routes each call whose cache has a `CapturedSteps` to it, every other call to
+    the model's own forward."""
+
+    def __init__(self, model):
+        self.eager_forward = model.forward  # the bound class forward
+        self.__signature__ = inspect.signature(self.eager_forward)  # generate inspects forward's parameters
+        self.__doc__ = self.eager_forward.__doc__
+        self.cache_argument = "cache" if "cache" in self.__signature__.parameters else "past_key_values"
+
+    @classmethod
+    def install(cls, model) -> "CapturedForward":
+        current = model.__dict__.get("forward")
+        if not isinstance(current, CapturedForward):
+            current = model.forward = cls(model)
+        return current
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        steps = getattr(cache, "captured_steps", None)
+        if args or steps is None:
+            return self.eager_forward(*args, **kwargs)
+        return steps.forward(self, cache, kwargs)
+
+
+class CapturedSteps:
+    """One cache's captured decode step: the graph of its current layout, its static buffers, and the counts."""
+
+    def __init__(self):
+        self.graph = None  # torch.cuda.CUDAGraph of the current layout
+        self.signature = None  # `OasisCache.replay_signature()` it was captured under
+        self.unpadded = False  # the last prefill's mask had no padding (one check per prefill)
+        self.stream = None  # the stream steps are captured on (one: libraries' per-stream state is set up once)
+        self.output = None  # the captured forward's output (its logits: the graph's buffer)
+        self.captures = 0
+        self.replays = 0
+
+    def drop(self) -> None:
+        """Forget the graph (its memory goes back): the cache was reset."""
+        self.graph = self.signature = self.output = None
+
+    def forward(self, runner: CapturedForward, cache, kwargs):
+        input_ids = kwargs.get("input_ids")
+        if not self._replayable(cache, input_ids, kwargs):
+            out = runner.eager_forward(**kwargs)
+            if input_ids is not None and input_ids.shape[1] > 1 or cache.counters.decode_steps == 0:
+                mask = kwargs.get("attention_mask")  # a prefill: does its batch hold padding? (once per prompt)
+                self.unpadded = mask is None or bool(mask.all())
+            return out
+        if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
+            self.stream = torch.cuda.Stream(input_ids.device)
+            with self._on_capture_stream(input_ids.device):
+                out = runner.eager_forward(**kwargs)
+                logits = out.logits.clone()
+            out["logits"] = logits
+            return out
+        if cache.replay_signature() != self.signature:
+            return self._capture(runner, cache, input_ids)
+        return self._replay(cache, input_ids)
+
+    def _replayable(self, cache, input_ids, kwargs) -> bool:
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or not self.unpadded:
+            return False
+        if any(v is not None and v is not False and k not in _REPLAY_KWARGS for k, v in kwargs.items()):
+            return False
+        return cache.replayable_step()
+
+    # --------------------------------------------------------------------------------------------- capture, replay
+    @contextlib.contextmanager
+    def _on_capture_stream(self, device):
+        """Work inside runs on the capture stream, ordered after and before the caller's stream."""
+        caller = torch.cuda.current_stream(device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
+
+    def _capture(self, runner, cache, input_ids):
+        """Record this step's forward for the current layout, then replay it (the capture itself runs nothing)."""
+        self.drop()  # the old layout's graph and its buffers go first
+        device = input_ids.device
+        self.input_ids = input_ids.clone()  # [B, 1]
+        self.position_ids = torch.full_like(input_ids, cache.get_seq_length())  # [B, 1]: no padding
+        call = {runner.cache_argument: cache, "use_cache": True, "return_dict": True}
+        if "logits_to_keep" in runner.__signature__.parameters:
+            call["logits_to_keep"] = 1
+        cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
+        graph = torch.cuda.CUDAGraph()
+        with self._on_capture_stream(device):
+            graph.capture_begin(capture_error_mode="relaxed")  # Triton may load a kernel for the new layout
+            try:
+                self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, **call)
+                cache.streams.join()  # the prefetches for the next step end inside the graph
+            finally:
+                graph.capture_end()
+        self.graph, self.signature = graph, cache.replay_signature()
+        self.captures += 1
+        graph.replay()
+        return self._result()
+
+    def _replay(self, cache, input_ids):
+        cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
+        self.input_ids.copy_(input_ids)
+        self.position_ids.fill_(cache.get_seq_length())
+        self.graph.replay()
+        cache.advance_replayed_step()
+        self.replays += 1
+        return self._result()
+
+    def _result(self):
+        """The captured output with the logits copied out of the graph's buffer (the next replay overwrites it)."""
+        out = self.output.__class__(**{k: v for k, v in self.output.items()})
+        out["logits"] = self.output.logits.clone()
+        return out

@@ -1,0 +1,142 @@
+"""The captured decode step (`OasisCache(..., cuda_graph=True)`, `compute/captured_step.py`), what CPU can check of
+it: a replay re-runs the captured device work and skips the Python, so (1) a steady decode step must update every
+tensor the cache keeps in place (a replay writes where the capture wrote) and (2) `advance_replayed_step` must have
+the host effects of an eager step. Replays themselves: `tests/test_cuda.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_cache import OasisCache
+
+from conftest import prompt_ids, tiny_model
+
+MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True)]
+_SKIPPED = {"_model", "_modules", "_forward_memo", "_cache", "captured_steps", "config"}
+
+
+def _walk(obj, path, seen, visit):
+    """Calls `visit(path, value)` on every value reachable from `obj` through attributes, lists, tuples and dicts
+    (the cache's own state: not the model, not the per-forward memo)."""
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (bool, int, float, str)):
+        visit(path, obj)
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        visit(path + ".len", len(obj))
+        for i, value in enumerate(obj):
+            _walk(value, f"{path}[{i}]", seen, visit)
+    elif isinstance(obj, dict):  # (some are keyed by id(): compared by position)
+        visit(path + ".len", len(obj))
+        for i, value in enumerate(obj.values()):
+            _walk(value, f"{path}[{i}]", seen, visit)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("oasis_cache"):
+        for name, value in vars(obj).items():
+            if name not in _SKIPPED:
+                _walk(value, f"{path}.{name}", seen, visit)
+
+
+def tensors_of(cache) -> dict:
+    """`{path: (data_ptr, shape, dtype)}` of every tensor the cache keeps."""
+    found = {}
+    _walk(cache, "cache", set(), lambda p, v: isinstance(v, torch.Tensor) and found.__setitem__(
+        p, (v.data_ptr(), tuple(v.shape), v.dtype)))
+    return found
+
+
+def host_state_of(cache) -> dict:
+    """`{path: value}` of every host value the cache keeps (numbers, flags, container sizes)."""
+    found = {}
+    _walk(cache, "cache", set(), lambda p, v: not isinstance(v, torch.Tensor) and found.__setitem__(p, v))
+    return found
+
+
+def decoding_cache(model, mode, steps):
+    """A cache after a 200-token prefill and `steps` decode steps; returns `(cache, next token)`."""
+    cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode)
+    token = prompt_ids(200)
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return cache, token
+
+
+def step(model, cache, token):
+    with torch.no_grad():
+        return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_steady_steps_update_state_in_place(mode):
+    """Over 40 steps (block completions included), every steady step leaves each kept tensor where it was — same
+    address, shape, dtype — and keeps the replay signature; the steps that complete a block are not steady."""
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    cache, token = decoding_cache(model, mode, steps=2)
+    steady = 0
+    for _ in range(40):
+        is_steady = cache.steady_step()
+        before, signature = tensors_of(cache), cache.replay_signature()
+        blocks = cache.layers[0].pool.num_blocks
+        token = step(model, cache, token)
+        assert is_steady == (cache.layers[0].pool.num_blocks == blocks)
+        if is_steady:
+            steady += 1
+            assert tensors_of(cache) == before
+            assert cache.replay_signature() == signature
+    assert steady >= 35
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_replay_bookkeeping_equals_an_eager_step(mode):
+    """`advance_replayed_step` (the host side of a replay) leaves the host state an eager steady step leaves:
+    counters, clocks, token counts, flags, container sizes — everything but tensor contents."""
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    eager, token = decoding_cache(model, mode, steps=3)
+    replayed, _ = decoding_cache(model, mode, steps=3)
+    checked = 0
+    for _ in range(20):
+        assert host_state_of(eager) == host_state_of(replayed)
+        if eager.steady_step():
+            replayed.advance_replayed_step()
+            checked += 1
+        else:
+            step(model, replayed, token)
+        token = step(model, eager, token)
+    assert host_state_of(eager) == host_state_of(replayed) and checked >= 16
+
+
+def test_cuda_graph_options():
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="CUDA device"):
+        OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True)
+    with pytest.raises(NotImplementedError, match="eagle3"):
+        OasisCache(model, token_budget=128, lookahead="eagle3", cuda_graph=True)
+    with pytest.raises(ValueError, match="True or False"):
+        OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
+
+
+def test_routed_forward_keeps_the_model_as_it_was():
+    """The forward that routes calls to captured steps keeps the model's signature (generate reads it) and runs the
+    eager forward for calls it cannot replay (on CPU: all of them), with the same results."""
+    import inspect
+
+    from oasis_cache.compat import generate_cache_argument
+    from oasis_cache.compute.captured_step import CapturedForward, CapturedSteps
+
+    from conftest import generate
+
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    signature, argument = inspect.signature(model.forward), generate_cache_argument(model)
+    inputs = {"input_ids": prompt_ids(120, batch=2)}
+    kw = dict(max_new_tokens=24, do_sample=False)
+    expected = generate(model, OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous"), inputs, **kw)
+    assert CapturedForward.install(model) is CapturedForward.install(model)  # once per model
+    assert inspect.signature(model.forward) == signature and generate_cache_argument(model) == argument
+    cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous")
+    cache.captured_steps = steps = CapturedSteps()  # as cuda_graph=True would (on CUDA)
+    out = generate(model, cache, inputs, **kw)
+    assert torch.equal(out.sequences, expected.sequences) and steps.unpadded
+    assert steps.captures == steps.replays == 0
