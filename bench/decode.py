@@ -224,6 +224,7 @@ class MethodRun:
             tpot_ms=1000 * statistics.median(times),
             tpot_ms_mean=1000 * statistics.mean(times),
             tpot_ms_min=1000 * min(times),
+            step_ms=[round(1000 * t, 2) for t in times],
             tok_per_s=self.batch / statistics.median(times),
             prefill_s=self.prefill_s,
             prefill_peak_gib=self.prefill_peak / 2**30,

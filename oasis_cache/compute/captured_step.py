@@ -72,13 +72,14 @@ class CapturedSteps:
         self.signature = None  # `OasisCache.replay_signature()` it was captured under
         self.unpadded = False  # the last prefill's mask had no padding (one check per prefill)
         self.stream = None  # the stream steps are captured on (one: libraries' per-stream state is set up once)
+        self.pool = None  # the graphs' memory pool, shared by successive captures (no new device allocations)
         self.output = None  # the captured forward's output (its logits: the graph's buffer)
         self.captures = 0
         self.replays = 0
 
     def drop(self) -> None:
-        """Forget the graph (its memory goes back): the cache was reset."""
-        self.graph = self.signature = self.output = None
+        """Forget the graph and its memory (the cache was reset)."""
+        self.graph = self.signature = self.output = self.pool = None
 
     def forward(self, runner: CapturedForward, cache, kwargs):
         input_ids = kwargs.get("input_ids")
@@ -118,7 +119,10 @@ class CapturedSteps:
 
     def _capture(self, runner, cache, input_ids):
         """Record this step's forward for the current layout, then replay it (the capture itself runs nothing)."""
-        self.drop()  # the old layout's graph and its buffers go first
+        previous = self.graph  # kept until the new graph holds the pool: what its capture freed is reused
+        self.graph = self.signature = self.output = None
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         device = input_ids.device
         self.input_ids = input_ids.clone()  # [B, 1]
         self.position_ids = torch.full_like(input_ids, cache.get_seq_length())  # [B, 1]: no padding
@@ -128,13 +132,14 @@ class CapturedSteps:
         cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
         graph = torch.cuda.CUDAGraph()
         with self._on_capture_stream(device):
-            graph.capture_begin(capture_error_mode="relaxed")  # Triton may load a kernel for the new layout
+            graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")  # Triton may load a kernel for the new layout
             try:
                 self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, **call)
                 cache.streams.join()  # the prefetches for the next step end inside the graph
             finally:
                 graph.capture_end()
         self.graph, self.signature = graph, cache.replay_signature()
+        del previous
         self.captures += 1
         graph.replay()
         return self._result()
