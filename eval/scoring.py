@@ -161,13 +161,13 @@ def scorer(name: str, dense_layers=()):
         B, Hq, Qn, D = query.shape
         H, NB = layer.num_kv_heads, layer.pool.num_blocks
         if NB <= k or layer.layer_idx in dense_layers:
-            return all_blocks(view.allowed, H)
+            return all_blocks(view.allowed[:, :NB], H)
         if score_fn is None:
             return shipped(layer, query, view, k)
         keys = layer._cache.transfer.load_range(layer.pool, 0, NB)[0].float()  # [B, H, NB, T, D]
         scores = score_fn(query.reshape(B, H, -1, D).float(), keys)
-        ranks = torch.where(view.forced[:, None], torch.inf, scores)
-        return top_blocks(torch.where(view.allowed[:, None], ranks, -torch.inf), k)
+        ranks = torch.where(view.forced[:, None, :NB], torch.inf, scores)  # (the view is capacity-wide)
+        return top_blocks(torch.where(view.allowed[:, None, :NB], ranks, -torch.inf), k)
 
     OasisLayer._select = _select
     try:

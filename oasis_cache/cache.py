@@ -184,11 +184,12 @@ class OasisCache(Cache):
 
     def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
         """Block visibility of the current forward, once per number of complete blocks (before and after this
-        forward's offload)."""
-        cfg, num_blocks = self.config, layer.pool.num_blocks
-        return self._shared(("visibility", num_blocks, str(layer.device)), lambda: step_visibility(
-            visible, layer.batch_size, num_blocks, cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
-            layer.device))
+        forward's offload), as wide as the summaries' capacity (the block count read on the device)."""
+        cfg, num_blocks, summaries = self.config, layer.pool.num_blocks, layer.summaries
+        width = summaries.capacity_blocks
+        return self._shared(("visibility", num_blocks, width, str(layer.device)), lambda: step_visibility(
+            visible, layer.batch_size, num_blocks, summaries.count, width, cfg.block_size, cfg.sink_tokens,
+            cfg.num_recent_blocks, layer.device))
 
     def new_token_causality(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
                             device) -> torch.Tensor:
@@ -333,10 +334,14 @@ class OasisCache(Cache):
                 and all(isinstance(other, OasisLayer) for other in self.layers))
 
     def replay_signature(self) -> tuple:
-        """What a captured step depends on beyond tensor contents: every layer's block count, host chunks, prediction
-        flag and the addresses of its state tensors, and the cache's device counters. Equal signatures: the graph
-        captured under one is valid under the other."""
-        layers = tuple((layer.pool.num_blocks, len(layer.pool.chunks), layer.predicted,
+        """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
+        tensors' addresses (which change when a capacity grows), its block count while it is small enough to decide
+        the selection's shapes (NB <= slots: every block selected), and the cache's device counters and address
+        tables. Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a
+        completed block does not invalidate it (selection reads the block count on the device)."""
+        cfg = self.config
+        layers = tuple((layer.pool.num_blocks if layer.pool.num_blocks <= cfg.slots else None,
+                        cfg.max_fetch(layer.pool.num_blocks), layer.predicted,
                         tuple(t.data_ptr() for t in layer.state_tensors()))
                        for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())

@@ -64,7 +64,7 @@ class OasisConfig:
             (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
         cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
-            complete no block in an unpadded batch, re-captured when a block completes. CUDA models, lookahead
+            complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, lookahead
             "none" or "previous".
     """
 

@@ -193,7 +193,7 @@ class OasisLayer(CacheLayerMixin):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""
         H, NB = self.num_kv_heads, self.pool.num_blocks
         if NB <= k:
-            return all_blocks(view.allowed, H)
+            return all_blocks(view.allowed[:, :NB], H)
         ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
                             use_kernel=self.use_kernels)
         return top_blocks(ranks, k)
@@ -289,7 +289,8 @@ class OasisLayer(CacheLayerMixin):
         prediction made resident and attended."""
         block_ids, ranks = self._select(query, view, self.config.num_selected_blocks)
         real = (ranks > -torch.inf) & (ranks < torch.inf)
-        predicted = self._attended_blocks().gather(-1, block_ids)
+        predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))  # (ids past
+        # NB rank -inf: not real)
         self._cache.counters.record_recall((predicted & real).sum(), real.sum())
 
     def _offload_complete_blocks(self) -> None:
@@ -300,7 +301,7 @@ class OasisLayer(CacheLayerMixin):
         # Grow the host pool up to HOST_GROWTH_SPREAD blocks ahead, by an amount that depends on the layer: pinning a
         # new chunk takes milliseconds per layer (7.5 ms for 16 MB on the H200's host), so the layers should not all
         # pay for it in the same decode step.
-        self.pool.reserve(self.pool.num_blocks + 1 + self.layer_idx % HOST_GROWTH_SPREAD)
+        self._cache.transfer.reserve(self.pool, self.pool.num_blocks + 1 + self.layer_idx % HOST_GROWTH_SPREAD)
         self.summaries.append(blocks[0])
         self.slot_map.reserve(self.pool.num_blocks)
         self._cache.counters.record_offload(blocks.numel() * blocks.element_size())

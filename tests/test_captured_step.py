@@ -55,9 +55,10 @@ def host_state_of(cache) -> dict:
 
 
 def decoding_cache(model, mode, steps):
-    """A cache after a 200-token prefill and `steps` decode steps; returns `(cache, next token)`."""
+    """A cache after a 400-token prefill (25 blocks: more than the 14 slots of the exact mode) and `steps` decode
+    steps; returns `(cache, next token)`."""
     cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode)
-    token = prompt_ids(200)
+    token = prompt_ids(400)
     with torch.no_grad():
         for _ in range(steps + 1):
             token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -72,21 +73,23 @@ def step(model, cache, token):
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_steady_steps_update_state_in_place(mode):
     """Over 40 steps (block completions included), every steady step leaves each kept tensor where it was — same
-    address, shape, dtype — and keeps the replay signature; the steps that complete a block are not steady."""
+    address, shape, dtype; the steps that complete a block are not steady, but they too keep the replay signature
+    while no capacity grows (one graph serves every block count past the slots)."""
     model = tiny_model("qwen3", num_hidden_layers=3)
     cache, token = decoding_cache(model, mode, steps=2)
-    steady = 0
+    steady, signatures = 0, {cache.replay_signature()}
     for _ in range(40):
         is_steady = cache.steady_step()
-        before, signature = tensors_of(cache), cache.replay_signature()
+        before = tensors_of(cache)
         blocks = cache.layers[0].pool.num_blocks
         token = step(model, cache, token)
         assert is_steady == (cache.layers[0].pool.num_blocks == blocks)
         if is_steady:
             steady += 1
             assert tensors_of(cache) == before
-            assert cache.replay_signature() == signature
-    assert steady >= 35
+        signatures.add(cache.replay_signature())
+    assert steady >= 35 and cache.layers[0].pool.num_blocks >= 27  # two blocks completed at least
+    assert len(signatures) == 1
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))

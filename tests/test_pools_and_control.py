@@ -162,13 +162,29 @@ def test_step_visibility_sink_follows_left_padding():
     visible = torch.zeros(2, 100, dtype=torch.bool)
     visible[0, :] = True
     visible[1, 37:] = True
-    v = step_visibility(visible, 2, num_blocks=6, block_size=16, sink_tokens=16, num_recent_blocks=1, device="cpu")
-    assert v.allowed.tolist() == [[True] * 6, [False, False, True, True, True, True]]
+    v = step_visibility(visible, 2, num_blocks=6, count=torch.tensor([6]), width=8, block_size=16, sink_tokens=16,
+                        num_recent_blocks=1, device="cpu")
+    assert v.allowed.tolist() == [[True] * 6 + [False] * 2, [False, False, True, True, True, True, False, False]]
     assert v.forced.tolist() == [
-        [True, False, False, False, False, True],
-        [False, False, True, True, False, True],  # tokens 37..52 span blocks 2 and 3
+        [True, False, False, False, False, True, False, False],
+        [False, False, True, True, False, True, False, False],  # tokens 37..52 span blocks 2 and 3
     ]
     assert v.recent.shape == (2, 4)
+
+
+def test_step_visibility_without_padding_reads_the_block_count_on_the_device():
+    """Without padding the masks come from the device count alone: the same operators for any block count (what
+    a captured step replays), blocks past the count never allowed."""
+    count = torch.tensor([5])
+    v = step_visibility(None, 1, num_blocks=5, count=count, width=8, block_size=16, sink_tokens=16,
+                        num_recent_blocks=2, device="cpu")
+    assert v.allowed.tolist() == [[True] * 5 + [False] * 3]
+    assert v.forced.tolist() == [[True, False, False, True, True, False, False, False]]
+    count.fill_(7)  # what a replay would read after two blocks completed
+    v = step_visibility(None, 1, num_blocks=7, count=count, width=8, block_size=16, sink_tokens=16,
+                        num_recent_blocks=2, device="cpu")
+    assert v.allowed.tolist() == [[True] * 7 + [False]]
+    assert v.forced.tolist() == [[True, False, False, False, False, True, True, False]]
 
 
 def test_host_pool_offload_and_load_roundtrip_across_chunks():

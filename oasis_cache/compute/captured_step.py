@@ -11,8 +11,10 @@ cache's `CapturedSteps`, which, for a call that
       `generate` does), with no measurement mode and no outputs beyond the logits,
 
 copies the token and its position into static buffers and replays the graph captured for the cache's current
-layout (`OasisCache.replay_signature`: block count, buffers, predictions). Any other call runs the eager forward.
-A new layout (every T steps, after a block completes) is captured at its first step:
+layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the slots).
+Any other call runs the eager forward. Selection ranks blocks over the summaries' capacity and reads the block count
+on the device, so a completed block does not change the layout; a new one (a capacity grew: summaries by a quarter,
+the slot map by half, the gather's address table by double) is captured at its first step:
 
     capture   the compute stream joins the side stream and pending prefetch events are forgotten (a graph may not
               wait on work outside it); the forward runs once under capture, its side-stream gathers forking from

@@ -63,21 +63,22 @@ def score_blocks_bits(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 
 def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: torch.Tensor,
                 block_size: int, use_kernel: bool = False, split_last: bool = False) -> torch.Tensor:
-    """Ranking scores `[B, Hkv, NB]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
+    """Ranking scores `[B, Hkv, W]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
 
     Args:
         query: `[B, Hq, Qn, D]`, possibly a strided slice of a forward's queries (the kernel reads it in place).
         summaries: a `pools.BlockSummaries` (its `codes` present: the "bits" scorer; absent: the "bound").
-        forced, allowed: `[B, NB]` bool.
+        forced, allowed: `[B, W]` bool, NB <= W <= the summaries' capacity; blocks past NB must not be allowed
+            (`control.visibility`: a fixed W keeps the shapes of a decode step as blocks complete).
         use_kernel: one Triton launch (CUDA) instead of the plain-PyTorch ops.
         split_last: rank the last query token apart (a riding draft): `[B, Hkv, 2, NB]`, 0 = the first Qn - 1
             tokens, 1 = the last one. The kernel reads the summaries once for both.
     """
-    NB = summaries.num_blocks
+    NB, W = summaries.num_blocks, allowed.shape[-1]
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
-        return block_scores(query, summaries.levels, NB, forced, allowed, summaries.codes, block_size,
+        return block_scores(query, summaries.levels, W, forced, allowed, summaries.codes, block_size,
                             scales=summaries.scales, split_last=split_last)
     if split_last:
         return torch.stack([rank_blocks(part, summaries, forced, allowed, block_size)
@@ -89,6 +90,7 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         scores = score_blocks(query, low, high)
     else:
         scores = score_blocks_bits(query, low, high, summaries.codes[:, :, :NB], block_size)
+    scores = torch.nn.functional.pad(scores, (0, W - NB), value=-torch.inf)  # [B, Hkv, W]
     ranked = torch.where(forced[:, None], torch.inf, scores)
     return torch.where(allowed[:, None], ranked, -torch.inf)
 

@@ -11,10 +11,12 @@ import torch
 
 @dataclass
 class StepVisibility:
-    """Shapes: B sequences, NB complete blocks, T tokens per block, n recent tokens (the new ones included).
+    """Shapes: B sequences, NB complete blocks, W >= NB the width blocks are ranked over (the summaries' capacity:
+    blocks [NB, W) are never allowed, so the ranking's shapes stay fixed as blocks complete), T tokens per block, n
+    recent tokens (the new ones included).
 
-    allowed:      `[B, NB]` bool, blocks holding at least one visible token
-    forced:       `[B, NB]` bool, sink blocks (from each sequence's first visible token) and the newest blocks
+    allowed:      `[B, W]` bool, blocks holding at least one visible token
+    forced:       `[B, W]` bool, sink blocks (from each sequence's first visible token) and the newest blocks
     block_tokens: `[B, NB, T]` bool visibility of each block's tokens, or None when every token is visible
     recent:       `[B, n]` bool visibility of the recent tokens, or None when every token is visible
     """
@@ -30,26 +32,31 @@ def step_visibility(
     visible: torch.Tensor | None,
     batch_size: int,
     num_blocks: int,
+    count: torch.Tensor,
+    width: int,
     block_size: int,
     sink_tokens: int,
     num_recent_blocks: int,
     device: torch.device,
 ) -> StepVisibility:
-    """`visible`: `[B, N]` bool (True = a real token) over all N = NB*T + n tokens, or None (no padding)."""
-    blocks = torch.arange(num_blocks, device=device)
+    """`visible`: `[B, N]` bool (True = a real token) over all N = NB*T + n tokens, or None (no padding). `count`:
+    NB as a `[1]` int64 on the device — without padding the masks are computed from it alone, so that a captured
+    step replays them for the next block count."""
+    blocks = torch.arange(width, device=device)
+    exists = blocks < count  # [W]
     if visible is None:
-        allowed = torch.ones((batch_size, num_blocks), dtype=torch.bool, device=device)
+        allowed = exists.expand(batch_size, width)
         first = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
         block_tokens = recent = None
     else:
         cut = num_blocks * block_size
         block_tokens = visible[:, :cut].reshape(batch_size, num_blocks, block_size)
         recent = visible[:, cut:]
-        allowed = block_tokens.any(dim=-1)
+        allowed = torch.nn.functional.pad(block_tokens.any(dim=-1), (0, width - num_blocks), value=False)
         first = visible.int().argmax(dim=1, keepdim=True)  # first visible token of each sequence
-    forced = blocks >= num_blocks - num_recent_blocks
+    forced = blocks >= count - num_recent_blocks
     if sink_tokens > 0:
         sink_lo, sink_hi = first // block_size, (first + sink_tokens - 1) // block_size
         forced = forced | ((blocks >= sink_lo) & (blocks <= sink_hi))
-    forced = forced.expand(batch_size, num_blocks) & allowed
+    forced = forced.expand(batch_size, width) & allowed
     return StepVisibility(num_blocks, allowed, forced, block_tokens, recent)

@@ -46,7 +46,7 @@ class TransferEngine:
         """Append `blocks` (`[2, B, Hkv, n, T, D]`, compute device) to the pool."""
         n = blocks.shape[3]
         start = pool.num_blocks
-        pool.reserve(start + n)
+        self.reserve(pool, start + n)
         non_blocking = pool.pin_memory and blocks.device.type == "cuda"
         block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
         spans = list(pool.spans(start, start + n))
@@ -61,6 +61,14 @@ class TransferEngine:
         else:
             copy()
         pool.num_blocks = start + n
+
+    def reserve(self, pool: HostKVPool, num_blocks: int) -> None:
+        """Grow `pool` to hold `num_blocks` blocks; the gather's address table follows at once (a captured gather
+        may read a new chunk before any eager fetch would have rebuilt it)."""
+        chunks = len(pool.chunks)
+        pool.reserve(num_blocks)
+        if self.backend == "triton" and len(pool.chunks) != chunks:
+            self._addresses(pool)
 
     def prepare_capture(self, pools) -> None:
         """Before a decode step is captured (the compute stream has joined the side stream): every offload has
@@ -133,15 +141,22 @@ class TransferEngine:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _addresses(self, pool: HostKVPool) -> torch.Tensor:
-        """Device int64 tensor of the pool's chunk base addresses (rebuilt when chunks change)."""
+        """Device int64 table of the pool's chunk base addresses. It has room for more chunks than the pool holds:
+        new chunks' addresses are written in place (a captured gather keeps reading the same table); only when the
+        room runs out is a table twice as large made."""
         cached = self._chunk_addrs.get(id(pool))
         key = tuple(chunk.data_ptr() for chunk in pool.chunks)
-        if cached is None or cached[0] != key:
-            if cached is not None:
-                self._retired.append(cached[1])  # a few bytes per pool growth; never reused under a running kernel
-            table = torch.tensor(key, dtype=torch.int64)
-            if self.device.type == "cuda":  # no synchronous copy: staged through pinned memory
-                table = table.pin_memory()
-            cached = (key, table.to(self.device, non_blocking=True))
-            self._chunk_addrs[id(pool)] = cached
-        return cached[1]
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        table = cached[1] if cached is not None else None
+        if table is not None and (len(key) > table.shape[0] or key[: len(cached[0])] != cached[0]):
+            self._retired.append(table)  # a few bytes per growth; never reused under a running kernel
+            table = None
+        if table is None:
+            table = torch.zeros(max(16, 2 * len(key)), dtype=torch.int64, device=self.device)
+        staged = torch.tensor(key, dtype=torch.int64)
+        if self.device.type == "cuda":  # no synchronous copy: staged through pinned memory
+            staged = staged.pin_memory()
+        table[: len(key)].copy_(staged, non_blocking=True)
+        self._chunk_addrs[id(pool)] = (key, table)
+        return table

@@ -80,6 +80,7 @@ class SlotMap:
         """The plain-PyTorch implementation (CPU, and the kernel's reference)."""
         S, NBcap = self.num_slots, self.capacity_blocks
         selected = ranks > -torch.inf
+        block_ids = torch.where(selected, block_ids, NBcap)  # (unselected ids may lie past the table)
         resident = self.block_slot.gather(-1, block_ids)
         hit = selected & (resident >= 0)
         fetch = selected & ~hit

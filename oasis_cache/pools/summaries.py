@@ -16,7 +16,8 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
     block and KV head (level = fp8 value * scale; the largest level maps to at most 448, fp8's range): codes and
     levels then take the bytes of a bf16 min/max. Products of such levels with bf16 queries stay exact in TF32.
 
-Blocks [0, num_blocks) are valid. Capacity grows by a quarter (at least 64 blocks) when full: the pool costs about
+Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
+a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a quarter (at least 64 blocks) when full: the pool costs about
 2/T of the keys' size (1/16 of K+V at T=16; 3/32 with codes at bf16), with at most 25% slack, and is reallocated
 O(log N) times over a sequence.
 """
@@ -100,6 +101,7 @@ class BlockSummaries:
             if key_bits else None
         )
         self.num_blocks = 0
+        self.count = torch.zeros(1, dtype=torch.long, device=device)  # num_blocks, on the device
 
     @property
     def capacity_blocks(self) -> int:
@@ -127,12 +129,16 @@ class BlockSummaries:
             low, high = low / scale[..., None], high / scale[..., None]
         self.levels[0, :, :, self.num_blocks : end] = low
         self.levels[1, :, :, self.num_blocks : end] = high
-        self.num_blocks = end
+        self._set_count(end)
+
+    def _set_count(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.count.fill_(num_blocks)
 
     def _grown(self, pool: torch.Tensor, block_dim: int, capacity: int) -> torch.Tensor:
         shape = list(pool.shape)
         shape[block_dim] = capacity
-        grown = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        grown = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
         grown.narrow(block_dim, 0, self.num_blocks).copy_(pool.narrow(block_dim, 0, self.num_blocks))
         return grown
 
@@ -146,7 +152,7 @@ class BlockSummaries:
         return low.float() * scale, high.float() * scale
 
     def truncate(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+        self._set_count(num_blocks)
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.levels = self.levels.index_select(1, indices.to(self.levels.device))
