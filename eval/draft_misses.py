@@ -63,7 +63,27 @@ def draft_rows(model, head, ids: torch.Tensor, first: int):
     drafts = head.to_target_ids(logits[0].argmax(-1))  # [n - 1]
     rows = torch.arange(first - 2, n - 2)  # row j drafts position j + 2
     right = drafts[rows] == greedy[rows + 1]
-    return right, top_p[rows + 1], copy_kinds(ids.tolist(), first, head.config.attention_window or n)
+    window = head.config.attention_window or n
+    head_p = logits[0, rows].float().softmax(-1).amax(-1)  # the head's confidence in its draft
+    copies = {order: copy_candidates(ids.tolist(), first, window, order) for order in (1, 2)}
+    with_copy = {f"{order}-gram copy{'' if bar is None else f' when head p < {bar}'}":
+                 (torch.where((cand >= 0) & (head_p < (bar or 2.0)), cand, drafts[rows]) == greedy[rows + 1])
+                 for order, cand in copies.items() for bar in (None, 0.5)}
+    return right, top_p[rows + 1], copy_kinds(ids.tolist(), first, window), with_copy
+
+
+def copy_candidates(ids: list, first: int, window: int, order: int) -> torch.Tensor:
+    """Per position p >= `first`: the token that followed the latest earlier occurrence, within the last `window`
+    tokens, of the `order` tokens before p (what prompt-lookup decoding would propose), or -1."""
+    last: dict[tuple, int] = {}  # n-gram -> the position right after its latest occurrence
+    out = []
+    for p in range(order, len(ids)):
+        gram = tuple(ids[p - order : p])
+        if p >= first:
+            after = last.get(gram, -1)
+            out.append(ids[after] if after >= 0 and after >= p - window else -1)
+        last[gram] = p
+    return torch.tensor(out)
 
 
 def copy_kinds(ids: list, first: int, window: int) -> torch.Tensor:
@@ -92,11 +112,13 @@ def main():
     model, tok = load_smollm2(device="cpu")
     head_dir = args.head or bundled_head_for(model)
     head = load_eagle3(head_dir, target_model=model, dtype=torch.float32).eval()
-    rights, probs, kinds = [], [], []
+    rights, probs, kinds, copied = [], [], [], {}
     for prompt in trajectory_prompts(tok, args.prompt, args.sequences, args.context):
         ids = model.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=False,
                              max_new_tokens=args.steps, pad_token_id=tok.eos_token_id)[0]
-        right, p, kind = draft_rows(model, head, ids, first=prompt.shape[0] + 1)  # drafts from step 2 on
+        right, p, kind, with_copy = draft_rows(model, head, ids, first=prompt.shape[0] + 1)  # drafts from step 2 on
+        for name, hits in with_copy.items():
+            copied.setdefault(name, []).append(hits)
         rights.append(right)
         probs.append(p)
         kinds.append(kind)
@@ -116,6 +138,7 @@ def main():
         copies.append(dict(kind=name, steps=n, share=n / len(p),
                            draft_right=float(right[inside].float().mean()) if n else None,
                            target_top1_probability=float(p[inside].mean()) if n else None))
+    lookup = {name: float(torch.cat(hits).float().mean()) for name, hits in copied.items()}
     meta = dict(command="python " + " ".join(sys.argv), head=str(head_dir), prompt=args.prompt, steps=len(p),
                 draft_right=float(right.float().mean()),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -135,7 +158,9 @@ def main():
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"draft-misses-smollm2-{args.prompt}-{meta['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(meta=meta, rows=rows, copies=copies), indent=1))
+    for name, share in lookup.items():
+        print(f"  draft right with a {name}: {share:.1%} (head alone {meta['draft_right']:.1%})")
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, copies=copies, draft_right_with_lookup=lookup), indent=1))
 
 
 if __name__ == "__main__":

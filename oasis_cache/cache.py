@@ -115,6 +115,7 @@ class OasisCache(Cache):
         self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
+        self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
@@ -157,6 +158,7 @@ class OasisCache(Cache):
             self.counters.decode_tokens += Qn
         else:
             self.counters.dense_forwards += 1
+            self.reshaped = False
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
             self._streams = PrefetchStreams(key_states.device, measure=self.measure)
@@ -246,6 +248,8 @@ class OasisCache(Cache):
         )
         if self.ride_along is not None:
             out.update(self.ride_along.stats())
+        if self.captured_steps is not None:
+            out.update(captured_replays=self.captured_steps.replays, captures=self.captured_steps.captures)
         return out
 
     def _levels_in_fp8(self) -> bool | None:
@@ -268,21 +272,25 @@ class OasisCache(Cache):
         return sum(layer.pool.nbytes for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.reshaped = True
         super().reorder_cache(beam_idx)
         if self.ride_along is not None:
             self.ride_along.index_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reshaped = True
         super().batch_select_indices(indices)
         if self.ride_along is not None:
             self.ride_along.index_batch(torch.as_tensor(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.reshaped = True
         super().batch_repeat_interleave(repeats)
         if self.ride_along is not None:
             self.ride_along.repeat_interleave(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.reshaped = self.reshaped or int(tokens_to_remove) != 0
         super().crop(tokens_to_remove)
         if self.ride_along is not None and int(tokens_to_remove) != 0:
             self.ride_along.reset()  # its rows no longer line up with the tokens: it starts over
@@ -296,6 +304,7 @@ class OasisCache(Cache):
         if self.ride_along is not None:
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
+        self.reshaped = False
         self.decode_clock = 0
         self._device_clocks = {}
         self._forward_memo = {}
@@ -326,8 +335,8 @@ class OasisCache(Cache):
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
         completes no block, on a cache of full-attention layers only, outside measurement mode and without a riding
         draft — every shape, buffer and host decision is that of the step before."""
-        if self.measure or self.record_selection or self.ride_along is not None:
-            return False
+        if self.measure or self.record_selection or self.ride_along is not None or self.reshaped:
+            return False  # (beam search and assisted decoding reshape the cache every step: each would recapture)
         layer = self.layers[self._first_oasis_layer]
         return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
                 and layer.recent.num_tokens + 1 < self.config.block_size

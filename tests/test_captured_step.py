@@ -143,3 +143,21 @@ def test_routed_forward_keeps_the_model_as_it_was():
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, expected.sequences) and steps.unpadded
     assert steps.captures == steps.replays == 0
+
+
+def test_a_reshaped_cache_runs_eagerly_until_its_next_prefill():
+    """Beam search reorders (and assisted decoding crops) the cache every step: each would change the layout and
+    recapture, so after such a call no step is steady until the next dense forward."""
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    cache, token = decoding_cache(model, dict(lookahead="previous"), steps=2)
+    while not cache.steady_step():
+        token = step(model, cache, token)
+    cache.reorder_cache(torch.zeros(1, dtype=torch.long))
+    assert not cache.steady_step()
+    for _ in range(20):
+        token = step(model, cache, token)
+        assert not cache.steady_step()
+    cache.reset()
+    step(model, cache, prompt_ids(400))  # a new prompt: steady steps again
+    token = step(model, cache, token)
+    assert cache.steady_step()

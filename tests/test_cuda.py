@@ -263,7 +263,9 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
 def test_captured_steps_decode_what_eager_steps_decode(mode):
     """cuda_graph=True replays steady decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
-    3, across block completions (recaptures); a left-padded batch runs eagerly (no replay), with the same result."""
+    3; sparse, one graph serves every block count (the blocks exceed the slots), dense-equal it is recaptured as
+    blocks complete (every block selected: shapes follow the count); a left-padded batch runs eagerly (no replay),
+    with the same result."""
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     kw = dict(max_new_tokens=60, do_sample=False)
     for inputs, budget, replays in [
@@ -283,7 +285,9 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
         if budget >= 1024:
             assert torch.equal(generate(model, dense_cache(model), inputs, **kw).sequences, graphed.sequences)
-        if replays:
-            assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
-        else:
+        if not replays:
             assert steps.replays == 0
+        elif budget < 1024:
+            assert steps.replays >= 50 and steps.captures <= 2, (steps.captures, steps.replays)
+        else:
+            assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
