@@ -21,7 +21,8 @@
 #             text; GEN_GREEDY=1: greedy answers, not sampled) -> $GEN_DIR/data.pt (default /tmp/oasis-gen; and $OUT); pass
 #             it to `train` with TRAIN_DATA="old.pt /tmp/oasis-gen/data.pt" (several files: each keeps its held-out split)
 #   recall    eval/recall.py with that head (document and chat prompts; RECALL_BUDGETS, default "336 512": K = 20, 31;
-#             RECALL_SEQUENCES windows of the held-out documentation as one batch, default 4)
+#             RECALL_SEQUENCES windows of the held-out documentation as one batch, default 4; RECALL_LOOKUP: the
+#             eagle3 rows' draft_lookup, default the package's)
 #   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
 #   report8k  eval/report.py at 8K: needle, passkey, multikey tasks, budgets 1/8 and 1/16, NLL over 8K
 #   noise     eval/report.py at 4K on RULER's noise filler (where SmolLM2 finds the needle), budget 1/8, NLL over 8K
@@ -68,7 +69,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       [ -z "${TRAIN_DATA:-}" ] && cp "$TD/data.pt" "$OUT/head/"; HEAD=$HO ;;
     gendata) python3 -m oasis_cache.draft.train --target smollm2 --out "${GEN_DIR:-/tmp/oasis-gen}" --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
       cp "${GEN_DIR:-/tmp/oasis-gen}/data.pt" "$OUT/gen-data.pt" ;;
-    recall) for budget in ${RECALL_BUDGETS:-336 512}; do for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget $budget --steps 64 --sequences "${RECALL_SEQUENCES:-4}" --out "$OUT/recall-$prompt-$budget.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
+    recall) for budget in ${RECALL_BUDGETS:-336 512}; do for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget $budget --steps 64 --sequences "${RECALL_SEQUENCES:-4}" ${RECALL_LOOKUP:+--draft-lookup "$RECALL_LOOKUP"} --out "$OUT/recall-$prompt-$budget.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     report) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking frequent_words --lengths 4096 --samples 32 --batch-size 16 --fractions 8 --modes none none@bound previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2-4k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-4k.log" | tail -45 ;;
     report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
     noise) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-noise.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-noise.log" | tail -20 ;;

@@ -65,10 +65,13 @@ def draft_rows(model, head, ids: torch.Tensor, first: int):
     right = drafts[rows] == greedy[rows + 1]
     window = head.config.attention_window or n
     head_p = logits[0, rows].float().softmax(-1).amax(-1)  # the head's confidence in its draft
-    copies = {order: copy_candidates(ids.tolist(), first, window, order) for order in (1, 2)}
-    with_copy = {f"{order}-gram copy{'' if bar is None else f' when head p < {bar}'}":
+    copies = {(order, reach): copy_candidates(ids.tolist(), first, reach or n, order)
+              for order in (2, 3, 4) for reach in (window, None)}
+    copies.update({("3 else 2", reach): torch.where(copies[(3, reach)] >= 0, copies[(3, reach)], copies[(2, reach)])
+                   for reach in (window, None)})
+    with_copy = {f"{order}-gram copy within {reach or 'the context'}{'' if bar is None else f' when head p < {bar}'}":
                  (torch.where((cand >= 0) & (head_p < (bar or 2.0)), cand, drafts[rows]) == greedy[rows + 1])
-                 for order, cand in copies.items() for bar in (None, 0.5)}
+                 for (order, reach), cand in copies.items() for bar in (None, 0.8)}
     return right, top_p[rows + 1], copy_kinds(ids.tolist(), first, window), with_copy
 
 

@@ -26,6 +26,7 @@ import torch
 
 import oasis_cache  # noqa: F401
 from oasis_cache import OasisCache
+from oasis_cache.config import OasisConfig
 from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import load_smollm2
 
@@ -47,6 +48,8 @@ def main():
                              "what exact=True uses by default: the share of the real top-K already resident)")
     parser.add_argument("--sequences", type=int, default=1,
                         help="disjoint windows of the held-out documentation decoded as one batch")
+    parser.add_argument("--draft-lookup", type=int, default=None,
+                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's, 3; 0: the head alone)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -77,6 +80,8 @@ def main():
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
+        if lookahead == "eagle3" and args.draft_lookup is not None:
+            draft["draft_lookup"] = args.draft_lookup
         predicting = dict(exact=True, num_slots=args.slots or K) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            **predicting, **draft)
@@ -96,7 +101,8 @@ def main():
     meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K, sequences=args.sequences,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
-                model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
+                model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
+                draft_lookup=args.draft_lookup if args.draft_lookup is not None else OasisConfig.draft_lookup)
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
           f"{args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:

@@ -63,6 +63,9 @@ class OasisConfig:
             head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32. None
             (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
+        draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
+            window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
+            `draft/ngram_lookup.py`); 0 turns it off.
         cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
             complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, lookahead
             "none" or "previous".
@@ -82,6 +85,7 @@ class OasisConfig:
     gather_programs: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
+    draft_lookup: int = 3
     cuda_graph: bool = False
 
     def __post_init__(self):
@@ -128,6 +132,8 @@ class OasisConfig:
             raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
+        if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
+            raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.cuda_graph not in (True, False):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}.")
         if self.cuda_graph and self.lookahead == "eagle3":

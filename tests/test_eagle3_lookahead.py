@@ -282,3 +282,48 @@ def test_head_ring_drafts_what_ordered_rows_draft(window, layers, static):
     assert runs[0].shape[1] == 22 and torch.equal(runs[0], runs[1])
     assert static_used == (static is not None and window > 1)
     assert len(set(runs[0][0].tolist())) > 3  # the head drafts varied tokens: the comparison means something
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_occurrence():
+    """`draft/ngram_lookup.py`: the token after the latest earlier occurrence of the last `order` tokens within the
+    window replaces the head's draft; no occurrence (or one before the first token) keeps it; rows are independent."""
+    from oasis_cache.draft.ngram_lookup import NgramLookup
+
+    lookup = NgramLookup(order=3, window=12)
+    lookup.extend(torch.tensor([[1, 2, 3, 7, 1, 2, 3, 8, 5, 1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6]]))
+    head = torch.tensor([[50], [51]])
+    lookup.extend(torch.tensor([[3], [4]]))  # a decode step's token
+    assert lookup.propose(head).tolist() == [[8], [51]]  # (1, 2, 3) last seen before 8; (4, 6, 4) never
+    lookup.extend(torch.tensor([[9], [4]]))
+    assert lookup.propose(head).tolist() == [[50], [51]]
+    short = NgramLookup(order=2, window=8)
+    short.extend(torch.tensor([[5, 6]]))  # fewer tokens than the window: the rest is -1 and never matches
+    assert short.propose(head[:1]).tolist() == [[50]]
+    short.extend(torch.tensor([[9, 5, 6]]))
+    assert short.propose(head[:1]).tolist() == [[9]]
+    short.extend(torch.arange(100, 120)[None])  # longer than the window: only the last 8 tokens are kept
+    assert short.history.tolist() == [list(range(112, 120))]
+    with pytest.raises(ValueError, match="draft_lookup"):
+        OasisCache(tiny_model("qwen3", num_hidden_layers=4), token_budget=1024, lookahead="eagle3",
+                   draft=random_head(tiny_model("qwen3", num_hidden_layers=4)), draft_lookup=-1)
+
+
+def test_draft_lookup_copies_a_repeated_run():
+    """In the ride-along: a prompt that repeats a run of tokens, decoded one step; the draft continues the run (the
+    lookup), whatever the untrained head guesses; draft_lookup=0 has no lookup."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    head = random_head(model)
+    run = prompt_ids(9, seed=5)[0]
+    prompt = torch.cat((run, run, run[:4]))[None]  # ... r0 r1 r2 r3 | next real token, then the draft
+    drafts, lookups = {}, {}
+    for order in (3, 0):
+        cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head, draft_lookup=order)
+        ride, made = cache.ride_along, []
+        draft = ride._draft
+        ride._draft = lambda token: made.append(draft(token).clone()) or made[-1]
+        # Feed r4 as the decode step's token: the last three tokens (r2, r3, r4) occurred once, followed by r5.
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=run[4:5][None], past_key_values=cache, use_cache=True)
+        drafts[order], lookups[order] = made[0].item(), ride.lookup
+    assert drafts[3] == run[5].item()
+    assert lookups[0] is None and lookups[3] is not None

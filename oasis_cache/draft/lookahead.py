@@ -23,6 +23,7 @@ from ..layer import OasisLayer
 from .eagle3 import Eagle3Head
 from .head_step import StaticDraftStep
 from .head_window import HeadKV
+from .ngram_lookup import NgramLookup
 
 
 class RideAlong:
@@ -43,6 +44,8 @@ class RideAlong:
         self._aux: dict[int, torch.Tensor] = {}
         self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
         self._head_kv = HeadKV(self.window)  # the head's keys/values (a ring of window - 1 rows)
+        order = cache.config.draft_lookup
+        self.lookup = NgramLookup(order, (self.window or 256) + order) if order else None
         # "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer call
         # eagerly (tests); None: the plain call; "auto" (default): "graph" on CUDA, else None. Beam search
         # (reordered rows) always takes the plain call.
@@ -74,6 +77,8 @@ class RideAlong:
     def reset(self) -> None:
         self._last_features, self._rows, self._made = None, 0, None
         self._head_kv.reset()
+        if self.lookup is not None:
+            self.lookup.reset()
         self._static, self._reordered = None, False
 
     def index_batch(self, indices: torch.Tensor) -> None:
@@ -82,6 +87,8 @@ class RideAlong:
             indices = indices.to(self._last_features.device)
             self._last_features = self._last_features.index_select(0, indices)
         self._head_kv.index_batch(indices)
+        if self.lookup is not None:
+            self.lookup.index_batch(indices)
         self._static, self._reordered, self._made = None, True, None
 
     def repeat_interleave(self, repeats: int) -> None:
@@ -115,6 +122,8 @@ class RideAlong:
         token = input_ids[:, -1:]
         if made is not None and q == 1:
             self._count_hit(made, token)
+        if self.lookup is not None:
+            self.lookup.extend(input_ids)
         draft = self._draft(token)  # [B, 1]
         if q == 1 and self.oracle is None:
             self._made = draft  # (a buffer the next draft overwrites: compared before that, in stream order)
@@ -168,6 +177,8 @@ class RideAlong:
         if ids is None:  # no token ids to pair with: the head starts over at the next forward
             self.reset()
             return None
+        if self.lookup is not None:
+            self.lookup.extend(ids)
         if self._last_features is not None and ids.shape[1] >= 1:  # the first new token pairs with the old row
             self._head_rows(self._last_features[:, None], ids[:, :1])
         if ids.shape[1] > 1:  # only the last `window` rows can matter later
@@ -211,6 +222,8 @@ class RideAlong:
         else:
             logits = self._head_rows(self._last_features[:, None], token)
             draft = self.head.greedy_draft(logits)
+        if self.lookup is not None:
+            draft = self.lookup.propose(draft)
         if self.oracle is None:
             return draft
         true = self.oracle(self.cache().get_seq_length() + 1).to(draft.device)  # analysis only: syncs below
