@@ -45,7 +45,7 @@ def step_visibility(
     blocks = torch.arange(width, device=device)
     exists = blocks < count  # [W]
     if visible is None:
-        allowed = exists.expand(batch_size, width)
+        allowed = exists.expand(batch_size, width).contiguous()  # (once per forward: the kernel reads it as int8)
         first = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
         block_tokens = recent = None
     else:
