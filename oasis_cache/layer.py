@@ -289,8 +289,8 @@ class OasisLayer(CacheLayerMixin):
         prediction made resident and attended."""
         block_ids, ranks = self._select(query, view, self.config.num_selected_blocks)
         real = (ranks > -torch.inf) & (ranks < torch.inf)
-        predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))  # (ids past
-        # NB rank -inf: not real)
+        # (ids past NB, picked at -inf when few blocks are allowed, are not real: clamped only to stay in range)
+        predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))
         self._cache.counters.record_recall((predicted & real).sum(), real.sum())
 
     def _offload_complete_blocks(self) -> None:

@@ -134,7 +134,8 @@ class CapturedSteps:
         cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
         graph = torch.cuda.CUDAGraph()
         with self._on_capture_stream(device):
-            graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")  # Triton may load a kernel for the new layout
+            # relaxed: Triton may load a kernel for the new layout during the capture
+            graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")
             try:
                 self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, **call)
                 cache.streams.join()  # the prefetches for the next step end inside the graph

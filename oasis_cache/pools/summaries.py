@@ -17,9 +17,9 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
     levels then take the bytes of a bf16 min/max. Products of such levels with bf16 queries stay exact in TF32.
 
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
-a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a quarter (at least 64 blocks) when full: the pool costs about
-2/T of the keys' size (1/16 of K+V at T=16; 3/32 with codes at bf16), with at most 25% slack, and is reallocated
-O(log N) times over a sequence.
+a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
+quarter (at least 64 blocks) when full: the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
+with codes at bf16), with at most 25% slack, and is reallocated O(log N) times over a sequence.
 """
 
 from __future__ import annotations
