@@ -231,8 +231,6 @@ class MethodRun:
             decode_peak_gib=(self.weight_bytes + self.own_bytes + self.step_rise) / 2**30 if self.cuda else 0.0,
             kv_device_gib=kv_bytes_on_device(cache, args.device) / 2**30,
         )
-        if isinstance(cache, OasisCache) and cache.captured_steps is not None:
-            row.update(captures=cache.captured_steps.captures, replays=cache.captured_steps.replays)
         if isinstance(cache, OasisCache):
             stats = timed_stats if measured else cache.stats()
             row.update(
@@ -242,6 +240,7 @@ class MethodRun:
                 tokens_attended_per_step=stats["tokens_attended_per_step"],
                 backend=stats["backend"],
                 host_gib=stats["host_bytes"] / 2**30,
+                **(dict(captures=stats["captures"], replays=stats["captured_replays"]) if "captures" in stats else {}),
                 **measured,
             )
             row["exposed_wait_pct"] = 100 * row.get("exposed_wait_ms_per_step", 0.0) / row["tpot_ms"]

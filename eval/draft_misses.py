@@ -28,22 +28,16 @@ import torch
 
 from oasis_cache.draft import load_eagle3
 from oasis_cache.draft.bundled import bundled_head_for
-from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import load_smollm2
+from recall import held_out_prompts  # (eval/, the script's directory)
 
 BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)  # edges of the target's top-1 probability
 
 
-def trajectory_prompts(tok, prompt: str, sequences: int, context: int):
-    """The prompts `eval/recall.py` decodes: `sequences` disjoint held-out windows, as documents or chat turns."""
-    held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)
-    windows = held_out[: sequences * context].view(sequences, context)
-    if prompt == "document":
-        return list(windows)
-    question = "\n\nExplain in detail what the text above describes, section by section."
-    chats = [tok.apply_chat_template([{"role": "user", "content": tok.decode(w) + question}], tokenize=False,
-                                     add_generation_prompt=True) for w in windows]
-    return [tok(c, return_tensors="pt").input_ids[0] for c in chats]
+def trajectory_prompts(tok, prompt: str, sequences: int, context: int) -> list:
+    """The prompts `eval/recall.py` decodes, as token tensors `[n]` (chat turns tokenized one by one: unpadded)."""
+    prompts = held_out_prompts(tok, prompt, sequences, context)
+    return prompts if prompt == "document" else [tok(c, return_tensors="pt").input_ids[0] for c in prompts]
 
 
 @torch.no_grad()

@@ -31,6 +31,24 @@ from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import load_smollm2
 
 
+CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by section."
+
+
+def held_out_prompts(tok, prompt: str, sequences: int, context: int) -> list:
+    """The prompts this script decodes: `sequences` disjoint windows of `context` tokens of the held-out
+    documentation (what no shipped head was trained on), as token tensors `[context]` ("document") or as chat-turn
+    strings asking about them ("chat")."""
+    held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)  # [16384]
+    if sequences < 1 or sequences * context > held_out.shape[0]:
+        raise SystemExit(f"--sequences {sequences} windows of {context} tokens do not fit the "
+                         f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // context}")
+    windows = held_out[: sequences * context].view(sequences, context)  # [N, context]
+    if prompt == "document":
+        return list(windows)
+    return [tok.apply_chat_template([{"role": "user", "content": tok.decode(w) + CHAT_QUESTION}], tokenize=False,
+                                    add_generation_prompt=True) for w in windows]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=4000)
@@ -53,19 +71,13 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
-    held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)  # [16384]: what no shipped head was trained on
-    if args.sequences < 1 or args.sequences * args.context > held_out.shape[0]:
-        raise SystemExit(f"--sequences {args.sequences} windows of {args.context} tokens do not fit the "
-                         f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // args.context}")
-    windows = held_out[: args.sequences * args.context].view(args.sequences, args.context)  # [N, context]
+    prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
     if args.prompt == "chat":
-        question = "\n\nExplain in detail what the text above describes, section by section."
-        chats = [tok.apply_chat_template([{"role": "user", "content": tok.decode(w) + question}], tokenize=False,
-                                         add_generation_prompt=True) for w in windows]
-        inputs = tok(chats, return_tensors="pt", padding=True)
+        inputs = tok(prompts, return_tensors="pt", padding=True)
     else:
+        windows = torch.stack(prompts)  # [N, context]
         inputs = {"input_ids": windows, "attention_mask": torch.ones_like(windows)}
     inputs = {k: v.to(args.device) for k, v in inputs.items()}
     rows = []

@@ -34,6 +34,8 @@ import inspect
 
 import torch
 
+from ..compat import generate_cache_argument
+
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
 # except the inputs below: HF's caller passes masks / positions that the unpadded decode step already implies.
 _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache",
@@ -49,7 +51,7 @@ class CapturedForward:
         self.eager_forward = model.forward  # the bound class forward
         self.__signature__ = inspect.signature(self.eager_forward)  # generate inspects forward's parameters
         self.__doc__ = self.eager_forward.__doc__
-        self.cache_argument = "cache" if "cache" in self.__signature__.parameters else "past_key_values"
+        self.cache_argument = generate_cache_argument(model)
 
     @classmethod
     def install(cls, model) -> "CapturedForward":

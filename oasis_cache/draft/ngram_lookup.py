@@ -21,6 +21,7 @@ class NgramLookup:
             raise ValueError(f"an n-gram lookup needs order >= 1 and a window above it, got {order} and {window}")
         self.order, self.window = order, window
         self.history: torch.Tensor | None = None  # [B, W]
+        self._starts: torch.Tensor | None = None  # [W - order]: where an earlier occurrence may start
 
     def reset(self) -> None:
         self.history = None
@@ -29,6 +30,7 @@ class NgramLookup:
         """Append tokens `ids` `[B, q]` (a prompt, an extend, a decode step's token)."""
         if self.history is None or self.history.shape[0] != ids.shape[0]:
             self.history = torch.full((ids.shape[0], self.window), -1, dtype=torch.long, device=ids.device)
+            self._starts = torch.arange(self.window - self.order, device=ids.device)
         q = min(ids.shape[1], self.window)
         self.history.copy_(torch.cat((self.history[:, q:], ids[:, -q:].to(torch.long)), dim=1))
 
@@ -43,7 +45,6 @@ class NgramLookup:
         key = history[:, W - n :]  # [B, n]
         grams = history.unfold(1, n, 1)[:, : W - n]  # [B, W - n, n]: occurrences starting at 0 .. W-n-1
         match = (grams == key[:, None]).all(-1) & (grams[..., 0] >= 0)  # [B, W - n]
-        starts = torch.arange(W - n, device=history.device)
-        latest = torch.where(match, starts, -1).amax(-1, keepdim=True)  # [B, 1]
+        latest = torch.where(match, self._starts, -1).amax(-1, keepdim=True)  # [B, 1]
         follower = history.gather(1, (latest + n).clamp(min=0))  # the token after it (<= W - 1)
         return torch.where((latest >= 0) & (follower >= 0), follower, draft)
