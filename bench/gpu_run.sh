@@ -37,7 +37,8 @@
 #             at 32K x 4)
 #   captured  decode benchmark at 32K x {1, 4}: steady decode steps replayed as CUDA graphs (oasis-previous-captured,
 #             oasis-exact-captured at x 1) against dense, offload and eager oasis-previous; mean TPOT over 48 steps (3
-#             block periods: recaptures included); one process per batch (five caches at 32K x 4 exhaust host memory)
+#             block periods: recaptures included); one process per batch (five caches at 32K x 4 exhaust host memory);
+#             CAPTURED_BATCHES="1" or "4" runs one of them
 #   captured128k  the same at 128K x 1 (dense, oasis-previous, oasis-previous-captured; offload: see bench128k)
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
@@ -81,7 +82,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     profile3) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous oasis-eagle3 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep --line-buffered "==" ;;
     eagle3) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-previous oasis-eagle3-plain oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;
     eagle3exact) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-exact oasis-eagle3-exact --out "$OUT/decode-qwen3-8b-32k-eagle3-exact.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3-exact.log" | tail -8 ;;
-    captured) for spec in "1:dense offload oasis-previous oasis-previous-captured oasis-exact-captured" "4:dense offload oasis-previous oasis-previous-captured"; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches "${spec%%:*}" --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b${spec%%:*}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-b${spec%%:*}.log" | tail -7; done ;;
+    captured) for spec in "1:dense offload oasis-previous oasis-previous-captured oasis-exact-captured" "4:dense offload oasis-previous oasis-previous-captured"; do [[ " ${CAPTURED_BATCHES:-1 4} " == *" ${spec%%:*} "* ]] || continue; python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches "${spec%%:*}" --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b${spec%%:*}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-b${spec%%:*}.log" | tail -7; done ;;
     captured128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense oasis-previous oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured128k.log" | tail -8 ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac

@@ -67,7 +67,9 @@ def main():
     parser.add_argument("--sequences", type=int, default=1,
                         help="disjoint windows of the held-out documentation decoded as one batch")
     parser.add_argument("--draft-lookup", type=int, default=None,
-                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's, 3; 0: the head alone)")
+                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone)")
+    parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-oracle"],
+                        help="the rows to run (default: all that apply)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_smollm2(device=args.device)
@@ -83,6 +85,11 @@ def main():
     rows = []
     modes = ["none", "previous"] + (["eagle3"] if args.head else []) + (
         ["eagle3-oracle"] if args.head and args.oracle else [])
+    if args.modes:
+        missing = [m for m in args.modes if m not in modes]
+        if missing:
+            raise SystemExit(f"--modes {' '.join(missing)}: eagle3 rows need --head, eagle3-oracle also --oracle")
+        modes = [m for m in modes if m in args.modes]
     truth = None
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(**inputs, max_new_tokens=args.steps + 1, do_sample=False,

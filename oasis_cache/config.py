@@ -65,7 +65,8 @@ class OasisConfig:
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
         draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
-            `draft/ngram_lookup.py`); 0 turns it off.
+            `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
+            (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
         cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
             complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, lookahead
             "none" or "previous".
@@ -85,7 +86,7 @@ class OasisConfig:
     gather_programs: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
-    draft_lookup: int = 3
+    draft_lookup: int = 0
     cuda_graph: bool = False
 
     def __post_init__(self):

@@ -4,7 +4,9 @@ followed them is the draft (prompt-lookup decoding's guess) instead of the head'
 Why: on documentation continued greedily, SmolLM2's next token repeats a trigram seen within the head's 256-token
 window at 59% of the steps, and the shipped head gets only 68% of those right though the target is 80% sure there;
 the lookup lifts the draft from 63% to 76% of steps there, and leaves chat answers as they were (67%)
-(`eval/draft_misses.py`, docs/perf.md, eighth session).
+(`eval/draft_misses.py`, docs/perf.md, eighth session). Measured in recall it helps where the generation repeats
+itself (CPU: +3 / +8 points) and not on the H200's trajectories (-1 point each): off by default
+(`OasisConfig.draft_lookup = 0`; docs/perf.md, ninth session).
 
 State: `history` `[B, W]` int64, the last W tokens of each sequence, oldest first (-1 before the first token), shifted
 by one per decode step: fixed shapes, no host sync.
