@@ -10,7 +10,8 @@
 #             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
 #             TRAIN_SOURCE=docs|docstrings|mixed: where the long windows come from, default docs; TRAIN_CROP=ROWS:
 #             train each text on a window of at most ROWS rows, half at its end; TRAIN_TTT, TRAIN_LR,
-#             TRAIN_SCHEDULE=constant|cosine, TRAIN_STEPS (default 20000), TRAIN_LAYERS (a deeper head; from $HEAD:
+#             TRAIN_SCHEDULE=constant|cosine, TRAIN_WEIGHT (γ: rows weighted by the target's top-1 probability^γ),
+#             TRAIN_STEPS (default 20000), TRAIN_LAYERS (a deeper head; from $HEAD:
 #             the added layers start as the identity): the trainer's options; TRAIN_DIR, default
 #             /tmp/oasis-train),
 #             kept in $HEAD_OUT (default /tmp/oasis-head), returned in bf16 under $OUT/head: metrics.json, the
@@ -40,6 +41,8 @@
 #             block periods: recaptures included); one process per batch (five caches at 32K x 4 exhaust host memory);
 #             CAPTURED_BATCHES="1" or "4" runs one of them
 #   captured128k  the same at 128K x 1 (dense, oasis-previous, oasis-previous-captured; offload: see bench128k)
+#   capturedeagle3  the eagle3 ride-along inside the captured step, 32K x {1, 4}: dense, oasis-previous-captured,
+#             oasis-eagle3-exact (what OasisCache(model) picks with a head) eager and captured; means over 48 steps
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
 # Logs and JSON under $OUT (at most 8 files come back).
@@ -60,7 +63,7 @@ for arg in "$@"; do
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
-      python3 -m oasis_cache.draft.train --target smollm2 --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
+      python3 -m oasis_cache.draft.train --target smollm2 --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
@@ -84,6 +87,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     eagle3exact) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-exact oasis-eagle3-exact --out "$OUT/decode-qwen3-8b-32k-eagle3-exact.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3-exact.log" | tail -8 ;;
     captured) for spec in "1:dense offload oasis-previous oasis-previous-captured oasis-exact-captured" "4:dense offload oasis-previous oasis-previous-captured"; do [[ " ${CAPTURED_BATCHES:-1 4} " == *" ${spec%%:*} "* ]] || continue; python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches "${spec%%:*}" --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b${spec%%:*}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-b${spec%%:*}.log" | tail -7; done ;;
     captured128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense oasis-previous oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured128k.log" | tail -8 ;;
+    capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac
 done

@@ -45,8 +45,8 @@ class OasisCache(Cache):
         draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
             query's top-K (extra events and selections per layer: for analysis, not for speed).
-        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; CUDA models; lookahead
-            "none" or "previous", and left out it is "previous" with `exact=True`: the answers of "none").
+        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; CUDA models; every
+            lookahead, the eagle3 ride-along included).
     """
 
     def __init__(
@@ -64,9 +64,6 @@ class OasisCache(Cache):
         **options,
     ):
         text_config = _check_supported(model)
-        if lookahead is None and options.get("cuda_graph"):  # no captured ride-along yet: previous + exact
-            lookahead = "previous"
-            options.setdefault("exact", True)
         if lookahead is None:
             lookahead, draft = _default_lookahead(model, text_config, draft)
             if lookahead == "eagle3":  # picked for the user: the real query's choice is attended (quality first)
@@ -333,14 +330,16 @@ class OasisCache(Cache):
 
     def steady_step(self) -> bool:
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
-        completes no block, on a cache of full-attention layers only, outside measurement mode and without a riding
-        draft — every shape, buffer and host decision is that of the step before."""
-        if self.measure or self.record_selection or self.ride_along is not None or self.reshaped:
+        completes no block, on a cache of full-attention layers only, outside measurement mode, with a riding draft
+        only once the head's call runs on static buffers (`RideAlong.replayable`) — every shape, buffer and host
+        decision is that of the step before."""
+        if self.measure or self.record_selection or self.reshaped:
             return False  # (beam search and assisted decoding reshape the cache every step: each would recapture)
         layer = self.layers[self._first_oasis_layer]
         return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
                 and layer.recent.num_tokens + 1 < self.config.block_size
-                and all(isinstance(other, OasisLayer) for other in self.layers))
+                and all(isinstance(other, OasisLayer) for other in self.layers)
+                and (self.ride_along is None or self.ride_along.replayable(layer.batch_size)))
 
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
@@ -355,7 +354,8 @@ class OasisCache(Cache):
                        for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()
-        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else ()
+        riding = tuple(t.data_ptr() for t in self.ride_along.state_tensors()) if self.ride_along is not None else ()
+        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding
 
     def prepare_capture(self) -> None:
         """Before a step is captured: compute joins the side stream, so that the graph need not wait on events
@@ -374,9 +374,12 @@ class OasisCache(Cache):
         counters = self.counters
         counters.decode_steps += 1
         counters.decode_tokens += 1
+        riding = 0 if self.ride_along is None else 1  # the draft row's key stood in the recent region
         for layer in self.layers:  # all OasisLayers (`replayable_step`)
             layer.recent.num_tokens += 1
-            counters.record_layer_step(layer.batch_size * layer.num_kv_heads, layer.recent.num_tokens)
+            counters.record_layer_step(layer.batch_size * layer.num_kv_heads, layer.recent.num_tokens + riding)
+        if self.ride_along is not None:
+            self.ride_along.advance_replayed_step()
 
     def __repr__(self):
         cfg = self.config

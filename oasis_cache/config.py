@@ -68,8 +68,8 @@ class OasisConfig:
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
             (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
         cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
-            complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, lookahead
-            "none" or "previous".
+            complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, every
+            lookahead (with eagle3, once the head's attention window has filled).
     """
 
     token_budget: int
@@ -137,11 +137,6 @@ class OasisConfig:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.cuda_graph not in (True, False):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}.")
-        if self.cuda_graph and self.lookahead == "eagle3":
-            raise NotImplementedError(
-                "cuda_graph=True captures decode steps with lookahead='none' or 'previous'; the eagle3 ride-along (the "
-                "draft head's hooks around the forward) is not captured yet: drop cuda_graph or use lookahead='previous'."
-            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

@@ -10,9 +10,10 @@ import torch
 
 from oasis_cache import OasisCache
 
-from conftest import prompt_ids, tiny_model
+from conftest import prompt_ids, random_head, tiny_model
 
-MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True)]
+MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True),
+         dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True)]
 _SKIPPED = {"_model", "_modules", "_forward_memo", "_cache", "captured_steps", "config"}
 
 
@@ -56,8 +57,16 @@ def host_state_of(cache) -> dict:
 
 def decoding_cache(model, mode, steps):
     """A cache after a 400-token prefill (25 blocks: more than the 14 slots of the exact mode) and `steps` decode
-    steps; returns `(cache, next token)`."""
-    cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode)
+    steps; returns `(cache, next token)`. With eagle3: a random head of a 12-row window whose decode call runs on
+    static buffers (on CUDA the default; here asked for), as a captured step runs it."""
+    draft = {}
+    if mode.get("lookahead") == "eagle3":
+        head = random_head(model)
+        head.config.attention_window = 12
+        draft = dict(draft=head)
+    cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode, **draft)
+    if cache.ride_along is not None:
+        cache.ride_along.static_head = "eager"
     token = prompt_ids(400)
     with torch.no_grad():
         for _ in range(steps + 1):
@@ -96,9 +105,9 @@ def test_steady_steps_update_state_in_place(mode):
 def test_replay_bookkeeping_equals_an_eager_step(mode):
     """`advance_replayed_step` (the host side of a replay) leaves the host state an eager steady step leaves:
     counters, clocks, token counts, flags, container sizes — everything but tensor contents."""
-    model = tiny_model("qwen3", num_hidden_layers=3)
-    eager, token = decoding_cache(model, mode, steps=3)
-    replayed, _ = decoding_cache(model, mode, steps=3)
+    model, twin = tiny_model("qwen3", num_hidden_layers=3), tiny_model("qwen3", num_hidden_layers=3)  # (a ride-along
+    eager, token = decoding_cache(model, mode, steps=3)  # hooks its model's decoder: one cache per model)
+    replayed, _ = decoding_cache(twin, mode, steps=3)
     checked = 0
     for _ in range(20):
         assert host_state_of(eager) == host_state_of(replayed)
@@ -106,7 +115,7 @@ def test_replay_bookkeeping_equals_an_eager_step(mode):
             replayed.advance_replayed_step()
             checked += 1
         else:
-            step(model, replayed, token)
+            step(twin, replayed, token)
         token = step(model, eager, token)
     assert host_state_of(eager) == host_state_of(replayed) and checked >= 16
 
@@ -115,8 +124,6 @@ def test_cuda_graph_options():
     model = tiny_model("qwen3", num_hidden_layers=3)
     with pytest.raises(ValueError, match="CUDA device"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True)
-    with pytest.raises(NotImplementedError, match="eagle3"):
-        OasisCache(model, token_budget=128, lookahead="eagle3", cuda_graph=True)
     with pytest.raises(ValueError, match="True or False"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
 

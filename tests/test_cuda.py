@@ -180,7 +180,8 @@ def test_prefill_device_memory_is_about_one_layer():
 
 EAGLE3_MODES = [dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True),
                 dict(lookahead="eagle3", exact=True, static_head="graph")]
-CAPTURED_MODES = [dict(lookahead="previous", cuda_graph=True), dict(lookahead="previous", exact=True, cuda_graph=True)]
+CAPTURED_MODES = [dict(lookahead="previous", cuda_graph=True), dict(lookahead="previous", exact=True, cuda_graph=True),
+                  dict(lookahead="eagle3", cuda_graph=True), dict(lookahead="eagle3", exact=True, cuda_graph=True)]
 
 
 @pytest.mark.parametrize("mode", MODES + EAGLE3_MODES + CAPTURED_MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
@@ -259,14 +260,19 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
     assert runs[0].shape == (batch, 22) and torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES[:2], ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_captured_steps_decode_what_eager_steps_decode(mode):
     """cuda_graph=True replays steady decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
     3; sparse, one graph serves every block count (the blocks exceed the slots), dense-equal it is recaptured as
     blocks complete (every block selected: shapes follow the count); a left-padded batch runs eagerly (no replay),
-    with the same result."""
+    with the same result. With eagle3 the ride-along is in the graph: the same drafts (their count of right guesses)
+    and, without `exact` (the draft's choice is attended), the same tokens."""
+    from conftest import random_head
+
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    if mode["lookahead"] == "eagle3":
+        mode = dict(mode, draft=random_head(model))
     kw = dict(max_new_tokens=60, do_sample=False)
     for inputs, budget, replays in [
         ({"input_ids": prompt_ids(300)}, 128, True),
@@ -276,13 +282,18 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     ]:
         inputs = on_cuda(inputs)
         options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)
-        eager = generate(model, OasisCache(model, **options), inputs, **kw)
+        eager_cache = OasisCache(model, **options)
+        eager = generate(model, eager_cache, inputs, **kw)
         cache = OasisCache(model, cuda_graph=True, **options)
         graphed = generate(model, cache, inputs, **kw)
         steps = cache.captured_steps
         assert torch.equal(eager.sequences, graphed.sequences), (budget, steps.captures, steps.replays)
         for a, b in zip(eager.logits, graphed.logits):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+        if cache.ride_along is not None:  # the head's keys (its ring) and its right guesses evolved alike
+            assert cache.stats()["draft_accuracy"] == eager_cache.stats()["draft_accuracy"]
+            torch.testing.assert_close(cache.ride_along._head_kv.k, eager_cache.ride_along._head_kv.k,
+                                       atol=ATOL, rtol=1e-3)
         if budget >= 1024:
             assert torch.equal(generate(model, dense_cache(model), inputs, **kw).sequences, graphed.sequences)
         if not replays:

@@ -164,20 +164,48 @@ def test_batched_distillation_loss_is_the_mean_of_each_text_alone():
     H = model.config.hidden_size
     texts = [(torch.randint(0, model.config.vocab_size, (n,)), torch.randn(n, 3 * H), torch.randn(n, 32),
               torch.randint(0, model.config.vocab_size, (n,))) for n in (11, 4, 17, 2)]  # the last has no row
-    for ttt in (1, 3):
+    for ttt, gamma in ((1, 0.0), (3, 0.0), (3, 2.0)):
         head.zero_grad()
-        loss, hits, rows = distill_loss(head, embed, texts, draft_ids, ttt)
+        loss, hits, rows = distill_loss(head, embed, texts, draft_ids, ttt, gamma)
         loss.backward()
         batched = [p.grad.clone() for p in head.parameters()]
         head.zero_grad()
-        alone = [distill_loss(head, embed, [t], draft_ids, ttt) for t in texts[:3]]
-        assert distill_loss(head, embed, [texts[3]], draft_ids, ttt) == (None, None, 0)
+        alone = [distill_loss(head, embed, [t], draft_ids, ttt, gamma) for t in texts[:3]]
+        assert distill_loss(head, embed, [texts[3]], draft_ids, ttt, gamma) == (None, None, 0)
         mean = torch.stack([a[0] for a in alone]).mean()
         mean.backward()
         torch.testing.assert_close(loss, mean, atol=1e-5, rtol=1e-5)
         for a, b in zip(batched, (p.grad for p in head.parameters())):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
         assert rows == 9 + 2 + 15 and int(hits) == sum(int(a[1]) for a in alone)
+
+
+def test_confidence_weight_leans_the_loss_toward_sure_rows():
+    """`distill_loss(..., confidence_weight=γ)`: one step's loss is the rows' cross-entropies averaged with weights
+    p_max^γ (the target's top-1 probability on the draft vocabulary); γ = 0 is the plain mean."""
+    import torch.nn.functional as F
+
+    from oasis_cache.draft.train import distill_loss
+
+    torch.manual_seed(1)
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = _random_head(model, draft_vocab=32, scale=0.3)
+    embed = model.get_input_embeddings()
+    draft_ids = head.to_target_ids(torch.arange(32))
+    n, H = 9, model.config.hidden_size
+    target_logits = torch.randn(n, 32) * torch.linspace(0.1, 8.0, n)[:, None]  # from near-uniform rows to sure ones
+    text = (torch.randint(0, model.config.vocab_size, (n,)), torch.randn(n, 3 * H), target_logits,
+            torch.randint(0, model.config.vocab_size, (n,)))
+    with torch.no_grad():
+        logits, _, _ = head(text[1][None, : n - 2], embed(text[0][None, 1 : n - 1]), torch.arange(n - 2)[None])
+        target = F.softmax(target_logits[1 : n - 1], -1)
+        cross = -(target * F.log_softmax(logits[0].float(), -1)).sum(-1)  # [n - 2]
+        sure = target.max(-1).values
+        for gamma in (0.0, 1.0, 3.0):
+            loss, _, _ = distill_loss(head, embed, [text], draft_ids, 1, gamma)
+            expected = (cross * sure**gamma).sum() / (sure**gamma).sum()
+            torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.isclose(distill_loss(head, embed, [text], draft_ids, 1, 3.0)[0], cross.mean())
 
 
 def test_a_cropped_text_trains_its_rows_as_the_whole_text_does():

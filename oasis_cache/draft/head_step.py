@@ -3,9 +3,11 @@
 Once the head's ring of keys/values is full (`head_window.HeadKV`), a decode step's call has fixed shapes: features
 `[B, 1, 3Ht]` and token `[B, 1]` are copied into buffers, the call reads the whole ring without a mask, writes its
 own key/value into the ring at a slot kept on the device, advances that slot and its position on the device, and
-leaves the draft (target ids) in `draft` `[B, 1]`. On CUDA the call is captured once and replayed (one launch
-instead of ~60; the default on CUDA, `RideAlong.static_head`); `use_graph=False` runs the same function eagerly
-(CPU, tests). Capturing synchronizes the device once (when the ring first fills), never in later steps.
+leaves the draft (target ids) in `draft` `[B, 1]`. Every buffer is written in place, so a decode step captured
+whole (`compute/captured_step.py`) may run this call inside its own graph. On CUDA the call is captured once and
+replayed (one launch instead of ~60; the default on CUDA, `RideAlong.static_head`); `use_graph=False` runs the same
+function eagerly (CPU, tests, and inside a captured decode step). Capturing synchronizes the device once (when the
+ring first fills), never in later steps.
 """
 
 from __future__ import annotations
@@ -26,21 +28,23 @@ class StaticDraftStep:
         self.token = torch.zeros((B, 1), dtype=torch.long, device=device)
         self.position = torch.full((B, 1), position, dtype=torch.long, device=device)
         self.slot = torch.full((1,), kv.slot, dtype=torch.long, device=device)
-        self.draft: torch.Tensor | None = None
+        self.draft = torch.zeros((B, 1), dtype=torch.long, device=device)
         self.graph = None
         if use_graph:
             self._capture()
 
     @torch.no_grad()
-    def _run(self, write: bool = True) -> torch.Tensor:
+    def _run(self, write: bool = True) -> None:
         logits, _, (k, v) = self.head(self.features, self.embed(self.token), self.position, (self.kv.k, self.kv.v))
-        draft = self.head.greedy_draft(logits[:, -1])
-        if write:  # the new row replaces the oldest one; slot and position advance on the device
-            self.kv.k.index_copy_(-2, self.slot, k)  # [L, B, Hkv, W - 1, Dh] <- [L, B, Hkv, 1, Dh]
-            self.kv.v.index_copy_(-2, self.slot, v)
-            self.slot.add_(1).remainder_(self.kv.k.shape[-2])
-            self.position.add_(1)
-        return draft
+        drafted = self.head.greedy_draft(logits[:, -1])
+        if not write:
+            return
+        self.draft.copy_(drafted)
+        # the new row replaces the oldest one; slot and position advance on the device
+        self.kv.k.index_copy_(-2, self.slot, k)  # [L, B, Hkv, W - 1, Dh] <- [L, B, Hkv, 1, Dh]
+        self.kv.v.index_copy_(-2, self.slot, v)
+        self.slot.add_(1).remainder_(self.kv.k.shape[-2])
+        self.position.add_(1)
 
     def _capture(self) -> None:
         side = torch.cuda.Stream(self.token.device)
@@ -51,7 +55,7 @@ class StaticDraftStep:
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph):
-                self.draft = self._run()
+                self._run()
         except RuntimeError as error:
             raise RuntimeError(
                 f"Capturing the draft head's decode step as a CUDA graph failed ({error}). Run it without a graph: "
@@ -65,6 +69,6 @@ class StaticDraftStep:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.draft = self._run()
+            self._run()
         self.kv.advance()  # the host's copy of the ring slot
         return self.draft

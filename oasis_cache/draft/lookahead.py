@@ -47,8 +47,9 @@ class RideAlong:
         order = cache.config.draft_lookup
         self.lookup = NgramLookup(order, (self.window or 256) + order) if order else None
         # "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer call
-        # eagerly (tests); None: the plain call; "auto" (default): "graph" on CUDA, else None. Beam search
-        # (reordered rows) always takes the plain call.
+        # eagerly (tests); None: the plain call; "auto" (default): "graph" on CUDA ("eager" when the cache captures
+        # whole decode steps: the step's graph holds the call), else None. Beam search (reordered rows) always takes
+        # the plain call.
         self.static_head: str | None = "auto"
         self._static: StaticDraftStep | None = None
         self._reordered = False
@@ -125,8 +126,10 @@ class RideAlong:
         if self.lookup is not None:
             self.lookup.extend(input_ids)
         draft = self._draft(token)  # [B, 1]
-        if q == 1 and self.oracle is None:
-            self._made = draft  # (a buffer the next draft overwrites: compared before that, in stream order)
+        if q == 1 and self.oracle is None:  # kept in one buffer (a captured step compares where it wrote)
+            if made is None or made.shape != draft.shape or made.device != draft.device:
+                made = torch.empty_like(draft)
+            self._made = made.copy_(draft)
         kwargs = dict(kwargs)
         if args:
             args = ()
@@ -142,8 +145,9 @@ class RideAlong:
         return args, kwargs
 
     def _count_hit(self, made: torch.Tensor, token: torch.Tensor) -> None:
-        hits = (made == token).sum()
-        self._hits = hits if self._hits is None else self._hits.add_(hits)
+        if self._hits is None or self._hits.device != made.device:
+            self._hits = torch.zeros((), dtype=torch.long, device=made.device)
+        self._hits.add_((made == token).sum())
         self._checked += made.numel()
 
     def stats(self) -> dict:
@@ -170,7 +174,8 @@ class RideAlong:
                 if not isinstance(layer, OasisLayer) and getattr(layer, "is_initialized", False):
                     layer.crop(-1)
             output.last_hidden_state = output.last_hidden_state[:, :-1]
-            self._last_features = features[:, -2]
+            self._keep_features(features[:, -2])
+            self._input_ids = None
             return output
         # A prefill or a long extend: the head reads it, row j = (features j, token j+1).
         ids = self._input_ids
@@ -185,8 +190,44 @@ class RideAlong:
             start = 0 if self.window is None else max(0, ids.shape[1] - 1 - self.window)
             self._rows += start
             self._head_rows(features[:, start:-1], ids[:, start + 1 :])
-        self._last_features = features[:, -1]
+        self._keep_features(features[:, -1])
         return None
+
+    def _keep_features(self, rows: torch.Tensor) -> None:
+        """The last real row's features `[B, 3H]` for the next draft, written into the kept buffer when it fits (in
+        place: a captured decode step reads and writes that buffer), else a copy (not a view that would keep the
+        whole forward's features alive)."""
+        kept = self._last_features
+        if kept is not None and kept.shape == rows.shape and kept.dtype == rows.dtype and kept.device == rows.device:
+            kept.copy_(rows)
+        else:
+            self._last_features = rows.clone()
+
+    # ------------------------------------------------------------------------------------------- captured steps
+    def replayable(self, batch: int) -> bool:
+        """Whether the next one-token decode step's ride-along does only in-place device work that a captured step
+        can replay: the head's ring is full (its call on static buffers), the previous step left a draft to check,
+        no oracle (analysis) and no reordered rows."""
+        kv = self._head_kv
+        return (self.oracle is None and not self._reordered and self._static is not None and kv.full
+                and kv.k.shape[-4] == batch and self._made is not None and self._hits is not None
+                and self._last_features is not None)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""
+        static = self._static
+        tensors = [self._last_features, self._made, self._hits, self._head_kv.k, self._head_kv.v]
+        if static is not None:
+            tensors += [static.features, static.token, static.position, static.slot, static.draft]
+        if self.lookup is not None and self.lookup.history is not None:
+            tensors.append(self.lookup.history)
+        return [t for t in tensors if t is not None]
+
+    def advance_replayed_step(self) -> None:
+        """The host effects of a replayed one-token step (`_before` / `_after` and the static call skipped)."""
+        self._checked += self._made.numel()
+        self._rows += 1
+        self._head_kv.advance()
 
     # ------------------------------------------------------------------------------------------------ the head
     @torch.no_grad()
@@ -213,7 +254,7 @@ class RideAlong:
         kv, B = self._head_kv, token.shape[0]
         static = self.static_head
         if static == "auto":
-            static = "graph" if token.device.type == "cuda" else None
+            static = None if token.device.type != "cuda" else "eager" if self.cache().config.cuda_graph else "graph"
         if static and kv.full and kv.k.shape[-4] == B and not self._reordered:
             if self._static is None:
                 self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, static == "graph")

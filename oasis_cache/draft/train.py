@@ -181,7 +181,7 @@ def target_features(model, ids: torch.Tensor, aux_ids: list[int], draft_ids: tor
     return aux.float(), logits[:, draft_ids].float(), logits.argmax(-1)
 
 
-def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
+def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int, confidence_weight: float = 0.0):
     """Soft cross-entropy of the head against the target over a batch of texts, unrolled over `ttt` steps.
 
     Args:
@@ -192,9 +192,12 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
             They are right-padded into one batch: row j of a text (features j, token j+1, predicting token j+2) only
             sees rows <= j, so padding after a text's last row changes nothing of it.
         draft_ids: `[Vd]`, the target id of each draft id.
+        confidence_weight: γ; each row's cross-entropy is weighted by the target's top-1 probability (on the draft
+            vocabulary) to the power γ — 0: every row alike; > 0 leans the head toward the steps where the target is
+            sure, which the prefetch needs right (a near-tie's blocks mostly overlap either way).
     Returns:
-        `(loss, hits, rows)`: the mean over texts of the mean over the text's steps of its rows' cross-entropy (as
-        if each text were run alone); step 0's top-1 agreements with the target's greedy token (a 0-d tensor) and
+        `(loss, hits, rows)`: the mean over texts of the mean over the text's steps of its rows' (weighted) mean
+        cross-entropy (as if each text were run alone); step 0's top-1 agreements with the target's greedy token (a 0-d tensor) and
         the rows they were counted over. `(None, None, 0)` when no text has a row.
     """
     texts = [t for t in texts if t[0].shape[0] >= 3]
@@ -226,9 +229,11 @@ def distill_loss(head: Eagle3Head, embed, texts, draft_ids, ttt: int):
         cross = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, span]
         # [B, span]: entry j predicts for the text's row j + step; rows past the text's end or in its context are out
         valid = (positions[:, :span] < (rows - step)[:, None]) & (positions[:, :span] + step >= skip)
-        counted = valid.sum(-1)
-        ran = counted > 0
-        loss_sum = loss_sum + torch.where(ran, (cross * valid).sum(-1) / counted.clamp(min=1), 0.0)
+        weight = valid.float()  # [B, span]
+        if confidence_weight:
+            weight = weight * target.max(-1).values ** confidence_weight
+        ran = valid.any(-1)
+        loss_sum = loss_sum + torch.where(ran, (cross * weight).sum(-1) / weight.sum(-1).clamp(min=1e-12), 0.0)
         steps_run = steps_run + ran
         if step == 0:
             hits = ((draft_ids[logits.argmax(-1)] == target_top) & valid).sum()
@@ -292,7 +297,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
           save_every=500, resume=False, held_out=HELD_OUT_SHARE, seed=0, progress=True, prompts=None,
           cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
           time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
-          lr_schedule="constant", continue_documents=False, layers=None, greedy=False) -> dict:
+          lr_schedule="constant", continue_documents=False, layers=None, greedy=False,
+          confidence_weight=0.0) -> dict:
     """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
     once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
     prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
@@ -309,7 +315,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     the target continues them as plain text (no chat turn): what it drafts for when a long text is continued.
     `layers`: the head's decoder layers (default 1, EAGLE-3's; more is our own format); with `init_head` of fewer
     layers, the new ones start as the identity (`Eagle3Head.deepen`). `greedy`: the target's responses are greedy
-    rather than sampled (what a greedy decode drafts for)."""
+    rather than sampled (what a greedy decode drafts for). `confidence_weight`: γ of `distill_loss` (rows weighted by
+    the target's top-1 probability to the power γ)."""
     started = time.monotonic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -401,7 +408,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
                 aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
             text = (ids, aux, logits, top)
             batch.append(crop_text(text, crop, window_rows, rng) if crop else text)
-        loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt)
+        loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt, confidence_weight)
         total = 0.0
         if loss is not None:
             loss.backward()
@@ -422,7 +429,8 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if documents:
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, lr=lr, lr_schedule=lr_schedule,
+    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, confidence_weight=confidence_weight,
+                   lr=lr, lr_schedule=lr_schedule,
                    crop=crop, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held), document_source=document_source if documents and generated else None)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
@@ -496,6 +504,8 @@ def main():
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt", type=int, default=2)
+    parser.add_argument("--confidence-weight", type=float, default=0.0,
+                        help="γ: weight each row's loss by the target's top-1 probability to the power γ (0: alike)")
     parser.add_argument("--lr", type=float, default=3e-4, help="the peak learning rate")
     parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
                         help="cosine: 50 warm-up steps, then down to 0 at --steps or --time-limit")
@@ -532,6 +542,7 @@ def main():
     args = parser.parse_args()
     model, tokenizer = load_target(args.target, args.device, args.dtype)
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
+                    confidence_weight=args.confidence_weight,
                     lr=args.lr, seq_per_step=args.seq_per_step, max_new_tokens=args.max_new_tokens,
                     save_every=args.save_every, resume=args.resume, cache_features=args.cache_features,
                     documents=args.documents, document_tokens=args.document_tokens, window=args.window,
