@@ -24,7 +24,9 @@ the slot map by half, the gather's address table by double) is captured at its f
               Python would have had (`tests/test_captured_step.py` checks they equal an eager step's)
 
 Every decode step must update persistent state in place (a replay writes where the capture wrote): the same test
-checks that an eager step rebinds no state tensor.
+checks that an eager step rebinds no state tensor. With eagle3 the ride-along's hooks run inside the captured forward
+(the head's call on static buffers, without a graph of its own); its kept tensors join the signature
+(`RideAlong.state_tensors`) and a step stays eager until the head's window has filled (`RideAlong.replayable`).
 """
 
 from __future__ import annotations

@@ -206,12 +206,13 @@ class RideAlong:
     # ------------------------------------------------------------------------------------------- captured steps
     def replayable(self, batch: int) -> bool:
         """Whether the next one-token decode step's ride-along does only in-place device work that a captured step
-        can replay: the head's ring is full (its call on static buffers), the previous step left a draft to check,
-        no oracle (analysis) and no reordered rows."""
+        can replay: the head's ring is full (its call on static buffers, without a graph of its own: a graph is not
+        replayed inside another's capture), the previous step left a draft to check, no oracle (analysis) and no
+        reordered rows."""
         kv = self._head_kv
-        return (self.oracle is None and not self._reordered and self._static is not None and kv.full
-                and kv.k.shape[-4] == batch and self._made is not None and self._hits is not None
-                and self._last_features is not None)
+        return (self.oracle is None and not self._reordered and self._static is not None
+                and self._static.graph is None and kv.full and kv.k.shape[-4] == batch and self._made is not None
+                and self._hits is not None and self._last_features is not None)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""
