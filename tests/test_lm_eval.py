@@ -45,7 +45,8 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(integration, "OasisCache", lambda model, **options: made.append(options) or OasisCache(
         model, **options))
     sparse, _ = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=256,scorer=bits,fp8_levels=False,exact=True,"
-                    "lookahead=previous", "sparse")
+                    "lookahead=previous,max_decode_tokens=8", "sparse")
     assert "string_match_all,none" in sparse
-    assert made and all(o == dict(token_budget=256, scorer="bits", fp8_levels=False, exact=True, lookahead="previous")
-                        for o in made)
+    assert made and all(o == dict(token_budget=256, scorer="bits", fp8_levels=False, exact=True, lookahead="previous",
+                                  max_decode_tokens=8) for o in made)
+    assert {"cuda_graph", "draft", "draft_lookup", "measure", "token_budget"} <= set(integration.CACHE_OPTIONS)

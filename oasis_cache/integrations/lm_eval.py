@@ -6,13 +6,15 @@ a launcher that registers it, then runs lm-eval's own command line.
         --tasks oasis_single_needle --include_path eval/lm_eval_tasks/build --apply_chat_template
 
 `pretrained=smollm2` loads SmolLM2-135M-Instruct offline (`oasis_cache.loaders`); any other value goes to `hf`.
-OasisCache options in `model_args`: token_budget (required), lookahead, exact, fetch_ratio, block_size,
-sink_tokens, recent_tokens, num_slots, backend, scorer, fp8_levels, draft (a head directory). Only generation (`generate_until` tasks) goes through the cache;
+Every OasisCache option goes in `model_args` (`CACHE_OPTIONS`: token_budget, required, lookahead, exact, scorer,
+draft — a head directory —, cuda_graph, ...). Only generation (`generate_until` tasks) goes through the cache;
 log-likelihood tasks score whole sequences in one dense forward, as with `hf`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 
 import torch
@@ -21,9 +23,13 @@ from lm_eval.models.huggingface import HFLM
 
 from ..cache import OasisCache
 from ..compat import generate_cache_argument
+from ..config import OasisConfig
 
-CACHE_OPTIONS = ("token_budget", "lookahead", "exact", "fetch_ratio", "block_size", "sink_tokens", "recent_tokens",
-                 "num_slots", "backend", "scorer", "fp8_levels", "draft")
+# OasisCache's keyword arguments and OasisConfig's fields: what `model_args` may set for the cache.
+CACHE_OPTIONS = tuple(sorted(
+    {f.name for f in dataclasses.fields(OasisConfig)}
+    | {name for name, p in inspect.signature(OasisCache.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+))
 
 
 @register_model("oasis")
