@@ -302,3 +302,21 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
             assert steps.replays >= 50 and steps.captures <= 2, (steps.captures, steps.replays)
         else:
             assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
+
+
+def test_a_failed_capture_names_the_fix():
+    """A decode step that cannot be captured (here a layer hook that refuses, as a host sync would) stops with an
+    error naming `cuda_graph=False`, not a half-recorded graph."""
+    model = tiny_model("qwen3", num_hidden_layers=2).cuda()
+
+    def refuse(module, args, output):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this hook cannot be captured")
+
+    handle = model.model.layers[0].register_forward_hook(refuse)
+    try:
+        cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous", cuda_graph=True)
+        with pytest.raises(RuntimeError, match="cuda_graph=False"):
+            generate(model, cache, on_cuda({"input_ids": prompt_ids(300)}), max_new_tokens=8, do_sample=False)
+    finally:
+        handle.remove()

@@ -137,14 +137,23 @@ class CapturedSteps:
             call["logits_to_keep"] = 1
         cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
         graph = torch.cuda.CUDAGraph()
-        with self._on_capture_stream(device):
-            # relaxed: Triton may load a kernel for the new layout during the capture
-            graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")
-            try:
-                self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids, **call)
-                cache.streams.join()  # the prefetches for the next step end inside the graph
-            finally:
-                graph.capture_end()
+        try:
+            with self._on_capture_stream(device):
+                # relaxed: Triton may load a kernel for the new layout during the capture
+                graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")
+                try:
+                    self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids,
+                                                       **call)
+                    cache.streams.join()  # the prefetches for the next step end inside the graph
+                finally:
+                    graph.capture_end()
+        except RuntimeError as error:
+            self.drop()
+            raise RuntimeError(
+                f"Capturing a decode step as a CUDA graph failed ({error}). Decode without captured steps: "
+                "OasisCache(..., cuda_graph=False). This cache's state is undefined after the failed step: start "
+                "again from the prompt (cache.reset() or a new cache)."
+            ) from error
         self.graph, self.signature = graph, cache.replay_signature()
         del previous
         self.captures += 1
