@@ -241,7 +241,8 @@ class MethodRun:
                 tokens_attended_per_step=stats["tokens_attended_per_step"],
                 backend=stats["backend"],
                 host_gib=stats["host_bytes"] / 2**30,
-                **(dict(captures=stats["captures"], replays=stats["captured_replays"]) if "captures" in stats else {}),
+                **(dict(captures=stats["captures"], replays=stats["captured_replays"],
+                        completing_replays=stats["completing_replays"]) if "captures" in stats else {}),
                 **measured,
             )
             row["exposed_wait_pct"] = 100 * row.get("exposed_wait_ms_per_step", 0.0) / row["tpot_ms"]

@@ -246,7 +246,9 @@ class OasisCache(Cache):
         if self.ride_along is not None:
             out.update(self.ride_along.stats())
         if self.captured_steps is not None:
-            out.update(captured_replays=self.captured_steps.replays, captures=self.captured_steps.captures)
+            steps = self.captured_steps
+            out.update(captured_replays=steps.replays, completing_replays=steps.completing_replays,
+                       captures=steps.captures)
         return out
 
     def _levels_in_fp8(self) -> bool | None:
@@ -322,24 +324,45 @@ class OasisCache(Cache):
         return clock
 
     # ------------------------------------------------------------------------------------- captured decode steps
-    def replayable_step(self) -> bool:
-        """Whether the next one-token decode forward of an unpadded batch may replay a captured step: a steady step
-        of a CUDA cache."""
+    def replayable_step(self) -> str | None:
+        """Which captured step the next one-token decode forward of an unpadded batch may replay on a CUDA cache:
+        "steady", "completing" (one block completes: with the Triton backend, whose offload reads the block number
+        on the device), or None (the forward runs eagerly)."""
         layer = self.layers[self._first_oasis_layer]
-        return layer.is_initialized and layer.device.type == "cuda" and self.steady_step()
+        if not (layer.is_initialized and layer.device.type == "cuda"):
+            return None
+        if self.steady_step():
+            return "steady"
+        return "completing" if layer.use_kernels and self.completing_step() else None
 
     def steady_step(self) -> bool:
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
         completes no block, on a cache of full-attention layers only, outside measurement mode, with a riding draft
         only once the head's call runs on static buffers (`RideAlong.replayable`) — every shape, buffer and host
         decision is that of the step before."""
+        return self._decode_step_of_fixed_shapes() and not self.layers[self._first_oasis_layer].completes_block()
+
+    def completing_step(self) -> bool:
+        """Whether the next one-token decode forward completes exactly one block in an otherwise steady step: its
+        offload, summaries and recent tokens move by the same operators at every block (`prepare_step` makes room
+        first); the block count advances on the device."""
+        return self._decode_step_of_fixed_shapes() and self.layers[self._first_oasis_layer].completes_block()
+
+    def _decode_step_of_fixed_shapes(self) -> bool:
         if self.measure or self.record_selection or self.reshaped:
             return False  # (beam search and assisted decoding reshape the cache every step: each would recapture)
         layer = self.layers[self._first_oasis_layer]
         return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
-                and layer.recent.num_tokens + 1 < self.config.block_size
+                and layer.recent.num_tokens + 1 <= self.config.block_size
                 and all(isinstance(other, OasisLayer) for other in self.layers)
                 and (self.ride_along is None or self.ride_along.replayable(layer.batch_size)))
+
+    def prepare_step(self, kind: str) -> None:
+        """Before a captured step of `kind` is captured or replayed (host only): a completing step finds room for its
+        block in every pool (capacities that grow here change the replay signature: the step is captured anew)."""
+        if kind == "completing":
+            for layer in self.layers:
+                layer.prepare_completion()
 
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
@@ -348,10 +371,12 @@ class OasisCache(Cache):
         tables. Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a
         completed block does not invalidate it (selection reads the block count on the device)."""
         cfg = self.config
-        layers = tuple((layer.pool.num_blocks if layer.pool.num_blocks <= cfg.slots else None,
-                        cfg.max_fetch(layer.pool.num_blocks), layer.predicted,
-                        tuple(t.data_ptr() for t in layer.state_tensors()))
-                       for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
+
+        def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)
+            NB = layer.pool.num_blocks
+            return (NB if NB <= cfg.slots else None, cfg.max_fetch(NB), cfg.max_fetch(NB + 1), layer.predicted,
+                    tuple(t.data_ptr() for t in layer.state_tensors()))
+        layers = tuple(of(layer) for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()
         riding = tuple(t.data_ptr() for t in self.ride_along.state_tensors()) if self.ride_along is not None else ()
@@ -364,9 +389,10 @@ class OasisCache(Cache):
         self._streams.forget_side_work()
         self._transfer.prepare_capture([layer.pool for layer in self.layers if isinstance(layer, OasisLayer)])
 
-    def advance_replayed_step(self) -> None:
-        """The host effects of a one-token decode step that completes no block (what the eager step's Python does:
-        `tests/test_captured_step.py` compares), after its captured device work was replayed."""
+    def advance_replayed_step(self, kind: str = "steady") -> None:
+        """The host effects of a one-token decode step (`kind`: "steady" or "completing", `replayable_step`), after
+        its captured device work was replayed: what the eager step's Python does (`tests/test_captured_step.py`
+        compares)."""
         for key, (clock, value) in self._device_clocks.items():
             if value == self.decode_clock:  # the captured step advanced this device clock by one
                 self._device_clocks[key] = (clock, value + 1)
@@ -378,6 +404,8 @@ class OasisCache(Cache):
         for layer in self.layers:  # all OasisLayers (`replayable_step`)
             layer.recent.num_tokens += 1
             counters.record_layer_step(layer.batch_size * layer.num_kv_heads, layer.recent.num_tokens + riding)
+            if kind == "completing":
+                layer.advance_replayed_completion()
         if self.ride_along is not None:
             self.ride_along.advance_replayed_step()
 

@@ -297,15 +297,48 @@ class OasisLayer(CacheLayerMixin):
         blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]
         if blocks is None:
             return
-        self._cache.transfer.offload(self.pool, blocks)
-        # Grow the host pool up to HOST_GROWTH_SPREAD blocks ahead, by an amount that depends on the layer: pinning a
-        # new chunk takes milliseconds per layer (7.5 ms for 16 MB on the H200's host), so the layers should not all
-        # pay for it in the same decode step.
-        self._cache.transfer.reserve(self.pool, self.pool.num_blocks + 1 + self.layer_idx % HOST_GROWTH_SPREAD)
+        self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         self.summaries.append(blocks[0])
+        self._after_completed_blocks(blocks.shape[3])
+
+    def _after_completed_blocks(self, n: int) -> None:
+        """The host side of completing `n` blocks, after their offload and summaries (an eager step, or the
+        bookkeeping of a replayed one: `advance_replayed_completion`): room ahead, and the counters."""
+        self.reserve_ahead()
         self.slot_map.reserve(self.pool.num_blocks)
-        self._cache.counters.record_offload(blocks.numel() * blocks.element_size())
-        self._cache.counters.block_bytes = 2 * self.config.block_size * self.head_dim * blocks.element_size()
+        block_bytes = 2 * self.config.block_size * self.head_dim * self.pool.dtype.itemsize
+        self._cache.counters.record_offload(n * self.batch_size * self.num_kv_heads * block_bytes)
+        self._cache.counters.block_bytes = block_bytes
+
+    def reserve_ahead(self, blocks_coming: int = 0) -> None:
+        """Grow the host pool up to HOST_GROWTH_SPREAD blocks past the next one (after `blocks_coming` more), by an
+        amount that depends on the layer: pinning a new chunk takes milliseconds per layer (7.5 ms for 16 MB on the
+        H200's host), so the layers should not all pay for it in the same decode step."""
+        ahead = self.pool.num_blocks + blocks_coming + 1 + self.layer_idx % HOST_GROWTH_SPREAD
+        self._cache.transfer.reserve(self.pool, ahead)
+
+    # ---------------------------------------------------------------------------------------- captured steps
+    def completes_block(self, query_length: int = 1) -> bool:
+        """Whether a decode forward of `query_length` new tokens completes a block (the recent tokens reach T)."""
+        return self.recent.num_tokens + query_length >= self.config.block_size
+
+    def prepare_completion(self) -> None:
+        """Before a step that completes one block is captured or replayed (host only): the host pool (also for what
+        the step reserves after the block), the summaries and the slot map already have room for it, so the step
+        itself allocates nothing."""
+        NB = self.pool.num_blocks
+        self.reserve_ahead(blocks_coming=1)
+        self.summaries.reserve(NB + 1)
+        self.slot_map.reserve(NB + 1)
+
+    def advance_replayed_completion(self) -> None:
+        """The host effects of a replayed step that completed one block (its device work: the offload at the device
+        count, the summaries' append, the recent tokens' count set to 0)."""
+        self.recent.num_tokens = 0
+        self.pool.num_blocks += 1
+        self.summaries.num_blocks += 1
+        self._cache.transfer.forget_offload(self.pool)
+        self._after_completed_blocks(1)
 
     # ------------------------------------------------------------------------------------------------- inspection
     def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

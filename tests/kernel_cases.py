@@ -10,6 +10,7 @@ import torch
 from oasis_cache.control import rank_blocks
 from oasis_cache.kernels.block_scores import block_scores
 from oasis_cache.kernels.gather import gather_blocks
+from oasis_cache.kernels.host_store import store_block
 from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
 
@@ -44,6 +45,25 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
                 if fetch[b, h, k]:
                     expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = data[:, b, h, block_ids[b, h, k]]
     return torch.equal(got, expected)
+
+
+def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
+    """`store_block` writes one block at a block number read on the device into the right chunk and place of a host
+    pool (the same layout `offload` writes), and nothing else."""
+    g = torch.Generator().manual_seed(B * 100 + NB)
+    pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
+    pool.reserve(NB)
+    for chunk in pool.chunks:
+        chunk.fill_(-7.0)
+    addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
+    expected = [chunk.clone() for chunk in pool.chunks]
+    for number in (0, NB - 1, NB // 2):  # the first chunk's first block, the last block, one between
+        block = torch.randn(2, B, H, T, D, generator=g).to(dtype)
+        store_block(addrs, C, torch.tensor([number], device=device), block.to(device))
+        expected[number // C][number % C] = block
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return all(torch.equal(a, b) for a, b in zip(pool.chunks, expected))
 
 
 # (B, Hkv, G, Qn, D, NB, T, dtype, scorer): G query heads per KV head, Qn query tokens, NB blocks of T tokens;
@@ -131,6 +151,7 @@ if __name__ == "__main__":
     ok = True
     few = [lambda *c, device: check_case(*c, device=device, max_programs=3)]
     for name, cases, check in (("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], few[0]),
+                               ("store", CASES, check_store),
                                ("scores", SCORE_CASES, check_scores),
                                ("assign", ASSIGN_CASES, check_assign)):
         for case in cases:

@@ -80,44 +80,49 @@ def step(model, cache, token):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
-def test_steady_steps_update_state_in_place(mode):
-    """Over 40 steps (block completions included), every steady step leaves each kept tensor where it was — same
-    address, shape, dtype; the steps that complete a block are not steady, but they too keep the replay signature
-    while no capacity grows (one graph serves every block count past the slots)."""
+def test_decode_steps_update_state_in_place(mode):
+    """Over 40 steps, every steady step and every step that completes a block (once `prepare_step` made room) leaves
+    each kept tensor where it was — same address, shape, dtype (the host pool's chunks aside: host memory, reached
+    through the address table) — and the replay signature stays one: one graph per kind of step serves every block
+    count past the slots."""
     model = tiny_model("qwen3", num_hidden_layers=3)
     cache, token = decoding_cache(model, mode, steps=2)
-    steady, signatures = 0, {cache.replay_signature()}
+    counts, signatures = {"steady": 0, "completing": 0}, set()
     for _ in range(40):
-        is_steady = cache.steady_step()
-        before = tensors_of(cache)
+        kind = "steady" if cache.steady_step() else "completing" if cache.completing_step() else None
+        assert kind is not None
+        cache.prepare_step(kind)
+        signatures.add(cache.replay_signature())
+        before = {p: t for p, t in tensors_of(cache).items() if ".chunks[" not in p}
         blocks = cache.layers[0].pool.num_blocks
         token = step(model, cache, token)
-        assert is_steady == (cache.layers[0].pool.num_blocks == blocks)
-        if is_steady:
-            steady += 1
-            assert tensors_of(cache) == before
-        signatures.add(cache.replay_signature())
-    assert steady >= 35 and cache.layers[0].pool.num_blocks >= 27  # two blocks completed at least
+        assert (kind == "completing") == (cache.layers[0].pool.num_blocks == blocks + 1)
+        assert {p: t for p, t in tensors_of(cache).items() if ".chunks[" not in p} == before, kind
+        counts[kind] += 1
+    assert counts["steady"] >= 35 and counts["completing"] >= 2
     assert len(signatures) == 1
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_replay_bookkeeping_equals_an_eager_step(mode):
-    """`advance_replayed_step` (the host side of a replay) leaves the host state an eager steady step leaves:
-    counters, clocks, token counts, flags, container sizes — everything but tensor contents."""
+    """`advance_replayed_step` (the host side of a replay) leaves the host state an eager step of the same kind
+    leaves — steady, or completing a block: counters, clocks, token counts, block counts, host-pool chunks, flags,
+    container sizes — everything but tensor contents."""
     model, twin = tiny_model("qwen3", num_hidden_layers=3), tiny_model("qwen3", num_hidden_layers=3)  # (a ride-along
     eager, token = decoding_cache(model, mode, steps=3)  # hooks its model's decoder: one cache per model)
     replayed, _ = decoding_cache(twin, mode, steps=3)
-    checked = 0
-    for _ in range(20):
+    checked = {"steady": 0, "completing": 0}
+    for _ in range(36):
         assert host_state_of(eager) == host_state_of(replayed)
-        if eager.steady_step():
-            replayed.advance_replayed_step()
-            checked += 1
-        else:
-            step(twin, replayed, token)
+        kind = "steady" if eager.steady_step() else "completing" if eager.completing_step() else None
+        assert kind is not None
+        for cache in (eager, replayed):  # (what the captured forward does before capturing or replaying)
+            cache.prepare_step(kind)
+        replayed.advance_replayed_step(kind)
+        checked[kind] += 1
         token = step(model, eager, token)
-    assert host_state_of(eager) == host_state_of(replayed) and checked >= 16
+    assert host_state_of(eager) == host_state_of(replayed)
+    assert checked["steady"] >= 30 and checked["completing"] >= 2
 
 
 def test_cuda_graph_options():

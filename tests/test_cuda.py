@@ -264,8 +264,9 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
 def test_captured_steps_decode_what_eager_steps_decode(mode):
     """cuda_graph=True replays steady decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
-    3; sparse, one graph serves every block count (the blocks exceed the slots), dense-equal it is recaptured as
-    blocks complete (every block selected: shapes follow the count); a left-padded batch runs eagerly (no replay),
+    3; sparse, one graph per kind of step (steady, completing a block) serves every block count (the blocks exceed
+    the slots), dense-equal they are recaptured as blocks complete (every block selected: shapes follow the count);
+    a left-padded batch runs eagerly (no replay),
     with the same result. With eagle3 the ride-along is in the graph: the same drafts (their count of right guesses)
     and, without `exact` (the draft's choice is attended), the same tokens."""
     from conftest import random_head
@@ -298,8 +299,9 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
             assert torch.equal(generate(model, dense_cache(model), inputs, **kw).sequences, graphed.sequences)
         if not replays:
             assert steps.replays == 0
-        elif budget < 1024:
-            assert steps.replays >= 50 and steps.captures <= 2, (steps.captures, steps.replays)
+        elif budget < 1024:  # a steady graph and a completing one, replayed across the block completions
+            assert steps.replays >= 55 and steps.completing_replays >= 2 and steps.captures <= 4, (
+                steps.captures, steps.replays, steps.completing_replays)
         else:
             assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
 

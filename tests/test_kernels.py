@@ -14,7 +14,7 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import ASSIGN_CASES, CASES, SCORE_CASES, check_assign, check_case, check_scores
+from kernel_cases import ASSIGN_CASES, CASES, SCORE_CASES, check_assign, check_case, check_scores, check_store
 
 HERE = Path(__file__).parent
 
@@ -25,7 +25,7 @@ def test_kernels_in_triton_interpreter():
     run = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK") == len(CASES) + 1 + len(SCORE_CASES) + len(ASSIGN_CASES), run.stdout
+    assert run.stdout.count("OK") == 2 * len(CASES) + 1 + len(SCORE_CASES) + len(ASSIGN_CASES), run.stdout
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -41,6 +41,13 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
 def test_gather_kernel_on_cuda(case):
     assert check_case(*case, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
+def test_store_kernel_on_cuda(case):
+    assert check_store(*case, device=torch.device("cuda"))
 
 
 @pytest.mark.gpu

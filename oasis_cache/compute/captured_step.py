@@ -6,15 +6,18 @@ the model instance's `forward` (same signature) and hands each call of a cache m
 cache's `CapturedSteps`, which, for a call that
 
     - decodes one token per sequence (input_ids `[B, 1]`) on a CUDA cache that already holds complete blocks,
-    - completes no block (the recent tokens stay below T: no offload, the block count and every shape stay fixed),
+    - completes no block ("steady": no offload, every shape stays fixed) or exactly one ("completing", with the
+      Triton backend: the block is offloaded at the block number read on the device, its summary written at it, the
+      count advanced on the device; `OasisCache.prepare_step` first makes room in every pool, on the host),
     - belongs to an unpadded batch (known since the last prefill; decode masks are taken to extend it with ones, as
       `generate` does), with no measurement mode and no outputs beyond the logits,
 
-copies the token and its position into static buffers and replays the graph captured for the cache's current
-layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the slots).
+copies the token and its position into static buffers and replays the graph of its kind captured for the cache's
+current layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the
+slots).
 Any other call runs the eager forward. Selection ranks blocks over the summaries' capacity and reads the block count
 on the device, so a completed block does not change the layout; a new one (a capacity grew: summaries by a quarter,
-the slot map by half, the gather's address table by double) is captured at its first step:
+the slot map by half, the gather's address table by double) is captured at its first step of each kind:
 
     capture   the compute stream joins the side stream and pending prefetch events are forgotten (a graph may not
               wait on work outside it); the forward runs once under capture, its side-stream gathers forking from
@@ -70,26 +73,37 @@ class CapturedForward:
         return steps.forward(self, cache, kwargs)
 
 
-class CapturedSteps:
-    """One cache's captured decode step: the graph of its current layout, its static buffers, and the counts."""
+class _Graph:
+    """One kind of captured step: its graph, the signature it was captured under, its output and memory pool."""
 
     def __init__(self):
-        self.graph = None  # torch.cuda.CUDAGraph of the current layout
-        self.signature = None  # `OasisCache.replay_signature()` it was captured under
+        self.graph = None  # torch.cuda.CUDAGraph
+        self.signature = None  # `OasisCache.replay_signature()` at its capture
+        self.output = None  # the captured forward's output (its logits: the graph's buffer)
+        self.pool = None  # its memory pool, shared by its successive captures (no new device allocations)
+
+
+class CapturedSteps:
+    """One cache's captured decode steps: a graph per kind of step ("steady", "completing": one block completes),
+    for the cache's current layout; the static input buffers they share; the counts."""
+
+    def __init__(self):
+        self.graphs: dict[str, _Graph] = {}
         self.unpadded = False  # the last prefill's mask had no padding (one check per prefill)
         self.stream = None  # the stream steps are captured on (one: libraries' per-stream state is set up once)
-        self.pool = None  # the graphs' memory pool, shared by successive captures (no new device allocations)
-        self.output = None  # the captured forward's output (its logits: the graph's buffer)
+        self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
         self.replays = 0
+        self.completing_replays = 0  # replays of steps that completed a block (also in `replays`)
 
     def drop(self) -> None:
-        """Forget the graph and its memory (the cache was reset)."""
-        self.graph = self.signature = self.output = self.pool = None
+        """Forget the graphs and their memory (the cache was reset)."""
+        self.graphs = {}
 
     def forward(self, runner: CapturedForward, cache, kwargs):
         input_ids = kwargs.get("input_ids")
-        if not self._replayable(cache, input_ids, kwargs):
+        kind = self._replayable(cache, input_ids, kwargs)
+        if kind is None:
             out = runner.eager_forward(**kwargs)
             if input_ids is not None and input_ids.shape[1] > 1 or cache.counters.decode_steps == 0:
                 mask = kwargs.get("attention_mask")  # a prefill: does its batch hold padding? (once per prompt)
@@ -102,15 +116,17 @@ class CapturedSteps:
                 logits = out.logits.clone()
             out["logits"] = logits
             return out
-        if cache.replay_signature() != self.signature:
-            return self._capture(runner, cache, input_ids)
-        return self._replay(cache, input_ids)
+        cache.prepare_step(kind)
+        graph = self.graphs.setdefault(kind, _Graph())
+        if cache.replay_signature() != graph.signature:
+            return self._capture(runner, cache, input_ids, kind, graph)
+        return self._replay(cache, input_ids, kind, graph)
 
-    def _replayable(self, cache, input_ids, kwargs) -> bool:
+    def _replayable(self, cache, input_ids, kwargs) -> str | None:
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or not self.unpadded:
-            return False
+            return None
         if any(v is not None and v is not False and k not in _REPLAY_KWARGS for k, v in kwargs.items()):
-            return False
+            return None
         return cache.replayable_step()
 
     # --------------------------------------------------------------------------------------------- capture, replay
@@ -123,26 +139,33 @@ class CapturedSteps:
             yield
         caller.wait_stream(self.stream)
 
-    def _capture(self, runner, cache, input_ids):
+    def _capture(self, runner, cache, input_ids, kind: str, slot: _Graph):
         """Record this step's forward for the current layout, then replay it (the capture itself runs nothing)."""
-        previous = self.graph  # kept until the new graph holds the pool: what its capture freed is reused
-        self.graph = self.signature = self.output = None
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        previous = slot.graph  # kept until the new graph holds the pool: what its capture freed is reused
+        slot.graph = slot.signature = slot.output = None
+        if slot.pool is None:
+            slot.pool = torch.cuda.graph_pool_handle()
         device = input_ids.device
-        self.input_ids = input_ids.clone()  # [B, 1]
-        self.position_ids = torch.full_like(input_ids, cache.get_seq_length())  # [B, 1]: no padding
+        if self.input_ids is None or self.input_ids.shape != input_ids.shape:
+            self.input_ids = input_ids.clone()  # [B, 1]
+            self.position_ids = torch.empty_like(input_ids)  # [B, 1]: no padding
+            for other in self.graphs.values():  # (graphs of other inputs' buffers would read stale ones)
+                if other is not slot:
+                    other.graph = other.signature = other.output = None
+        self.input_ids.copy_(input_ids)
+        self.position_ids.fill_(cache.get_seq_length())
         call = {runner.cache_argument: cache, "use_cache": True, "return_dict": True}
         if "logits_to_keep" in runner.__signature__.parameters:
             call["logits_to_keep"] = 1
         cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
+        signature = cache.replay_signature()  # the layout the step starts from (a completing step moves the count)
         graph = torch.cuda.CUDAGraph()
         try:
             with self._on_capture_stream(device):
                 # relaxed: Triton may load a kernel for the new layout during the capture
-                graph.capture_begin(pool=self.pool, capture_error_mode="relaxed")
+                graph.capture_begin(pool=slot.pool, capture_error_mode="relaxed")
                 try:
-                    self.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids,
+                    slot.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids,
                                                        **call)
                     cache.streams.join()  # the prefetches for the next step end inside the graph
                 finally:
@@ -154,23 +177,25 @@ class CapturedSteps:
                 "OasisCache(..., cuda_graph=False). This cache's state is undefined after the failed step: start "
                 "again from the prompt (cache.reset() or a new cache)."
             ) from error
-        self.graph, self.signature = graph, cache.replay_signature()
+        slot.graph, slot.signature = graph, signature
         del previous
         self.captures += 1
         graph.replay()
-        return self._result()
+        return self._result(slot)
 
-    def _replay(self, cache, input_ids):
+    def _replay(self, cache, input_ids, kind: str, slot: _Graph):
         cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
         self.input_ids.copy_(input_ids)
         self.position_ids.fill_(cache.get_seq_length())
-        self.graph.replay()
-        cache.advance_replayed_step()
+        slot.graph.replay()
+        cache.advance_replayed_step(kind)
         self.replays += 1
-        return self._result()
+        self.completing_replays += kind == "completing"
+        return self._result(slot)
 
-    def _result(self):
+    @staticmethod
+    def _result(slot: _Graph):
         """The captured output with the logits copied out of the graph's buffer (the next replay overwrites it)."""
-        out = self.output.__class__(**{k: v for k, v in self.output.items()})
-        out["logits"] = self.output.logits.clone()
+        out = slot.output.__class__(**{k: v for k, v in slot.output.items()})
+        out["logits"] = slot.output.logits.clone()
         return out

@@ -38,6 +38,10 @@ class PrefetchStreams:
         for t in tensors:
             t.record_stream(self.side)
 
+    def capturing(self) -> bool:
+        """Whether the compute stream is being captured into a CUDA graph."""
+        return self.cuda and torch.cuda.is_current_stream_capturing()
+
     def side_event(self):
         """An event at the current end of the side stream (None on CPU)."""
         if not self.cuda:

@@ -1,6 +1,7 @@
 """The transfer engine: the only code that moves K/V bytes between host and device.
 
-- `offload`: complete blocks, device -> host pool (asynchronous into pinned memory on CUDA, stream-ordered).
+- `offload`: complete blocks, device -> host pool (asynchronous into pinned memory on CUDA, stream-ordered; with the
+  Triton backend one block is written at a block number read on the device, `kernels/host_store.py`).
 - `load_range`: a contiguous range of host blocks -> device (dense attention over the past, `crop`).
 - `fetch`: selected blocks -> working-set slots. Backends:
     "triton": one kernel reads pinned host memory through unified addressing (CUDA only; no staging, no sync);
@@ -16,6 +17,7 @@ import os
 import torch
 
 from ..kernels.gather import gather_blocks, triton_available
+from ..kernels.host_store import store_block
 from ..pools import HostKVPool, WorkingSet
 
 
@@ -42,25 +44,42 @@ class TransferEngine:
         self._retired: list[torch.Tensor] = []  # replaced address tables: queued kernels may still read them
 
     # --------------------------------------------------------------------------------------------- device -> host
-    def offload(self, pool: HostKVPool, blocks: torch.Tensor) -> None:
-        """Append `blocks` (`[2, B, Hkv, n, T, D]`, compute device) to the pool."""
+    def offload(self, pool: HostKVPool, blocks: torch.Tensor, number: torch.Tensor | None = None) -> None:
+        """Append `blocks` (`[2, B, Hkv, n, T, D]`, compute device) to the pool. `number`: `[1]` int64 on the device,
+        the pool's block count (`BlockSummaries.count`): with the Triton backend a single block is written there by
+        a kernel, with no host address in the launch (a captured step that completes a block replays for the next)."""
         n = blocks.shape[3]
         start = pool.num_blocks
         self.reserve(pool, start + n)
-        non_blocking = pool.pin_memory and blocks.device.type == "cuda"
-        block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
-        spans = list(pool.spans(start, start + n))
+        if n == 1 and number is not None and self.backend == "triton":
+            table, at = self._addresses(pool), number.clone()  # (the count moves on after this launch)
+            block = blocks[:, :, :, 0].contiguous()  # [2, B, Hkv, T, D]
 
-        def copy():
-            for chunk, lo, hi, offset in spans:
-                chunk[lo:hi].copy_(block_major[offset : offset + hi - lo], non_blocking=non_blocking)
+            def copy():
+                store_block(table, pool.chunk_blocks, at, block)
+            keep = (block, at)
+        else:
+            non_blocking = pool.pin_memory and blocks.device.type == "cuda"
+            block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
+            spans = list(pool.spans(start, start + n))
+
+            def copy():
+                for chunk, lo, hi, offset in spans:
+                    chunk[lo:hi].copy_(block_major[offset : offset + hi - lo], non_blocking=non_blocking)
+            keep = (block_major,)
 
         if self.streams is not None:
-            self.streams.run_after_compute(copy, block_major)  # overlaps the next layer's compute on CUDA
-            self._offloaded[id(pool)] = self.streams.side_event()
+            self.streams.run_after_compute(copy, *keep)  # overlaps the next layer's compute on CUDA
+            # (inside a capture no event is kept: the graph joins its side work, so compute is ordered after it)
+            self._offloaded[id(pool)] = None if self.streams.capturing() else self.streams.side_event()
         else:
             copy()
         pool.num_blocks = start + n
+
+    def forget_offload(self, pool: HostKVPool) -> None:
+        """After a replayed step offloaded into `pool`: its graph joined the side stream, so compute is ordered after
+        the offload (no event to wait on)."""
+        self._offloaded[id(pool)] = None
 
     def reserve(self, pool: HostKVPool, num_blocks: int) -> None:
         """Grow `pool` to hold `num_blocks` blocks; the gather's address table follows at once (a captured gather

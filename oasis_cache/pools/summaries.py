@@ -107,29 +107,49 @@ class BlockSummaries:
     def capacity_blocks(self) -> int:
         return self.levels.shape[3]
 
+    def reserve(self, num_blocks: int) -> None:
+        """Make room for `num_blocks` blocks (grows by a quarter, at least 64 blocks; new tensors)."""
+        if num_blocks <= self.capacity_blocks:
+            return
+        capacity = max(num_blocks, self.capacity_blocks * 5 // 4, self.capacity_blocks + 64)
+        self.levels = self._grown(self.levels, 3, capacity)
+        if self.codes is not None:
+            self.codes = self._grown(self.codes, 2, capacity)
+        if self.scales is not None:
+            self.scales = self._grown(self.scales, 2, capacity)
+
     def append(self, key_blocks: torch.Tensor) -> None:
-        """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device."""
+        """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device. One
+        block (a decode step's) is written at the device count and counted by a device add — the same operators for
+        every block, so that a captured step that completes a block replays for the next ones."""
         n = key_blocks.shape[2]
         end = self.num_blocks + n
-        if end > self.capacity_blocks:
-            capacity = max(end, self.capacity_blocks * 5 // 4, self.capacity_blocks + 64)
-            self.levels = self._grown(self.levels, 3, capacity)
-            if self.codes is not None:
-                self.codes = self._grown(self.codes, 2, capacity)
-            if self.scales is not None:
-                self.scales = self._grown(self.scales, 2, capacity)
+        self.reserve(end)
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
         else:
             above, low, high = one_bit_code(key_blocks)
-            self.codes[:, :, self.num_blocks : end] = pack_key_bits(above)
+            self._write(self.codes, 2, pack_key_bits(above))
         if self.scales is not None:
             scale = fp8_scales(low, high)  # [B, Hkv, n]
-            self.scales[:, :, self.num_blocks : end] = scale
+            self._write(self.scales, 2, scale)
             low, high = low / scale[..., None], high / scale[..., None]
-        self.levels[0, :, :, self.num_blocks : end] = low
-        self.levels[1, :, :, self.num_blocks : end] = high
-        self._set_count(end)
+        self._write(self.levels, 3, torch.stack((low, high)).to(self.levels.dtype))
+        if n == 1:
+            self.num_blocks = end
+            self.count.add_(1)
+        else:
+            self._set_count(end)
+
+    def _write(self, pool: torch.Tensor, block_dim: int, values: torch.Tensor) -> None:
+        """`values` (n blocks along `block_dim`) into `pool` after the valid blocks: one block at the device count."""
+        n = values.shape[block_dim]
+        if n == 1:
+            if pool.element_size() == 1:  # (fp8 has no index_copy_: its bytes are copied)
+                pool, values = pool.view(torch.uint8), values.view(torch.uint8)
+            pool.index_copy_(block_dim, self.count, values)
+        else:
+            pool.narrow(block_dim, self.num_blocks, n).copy_(values)
 
     def _set_count(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

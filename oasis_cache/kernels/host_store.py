@@ -1,0 +1,44 @@
+"""Write one completed block per (sequence, KV head) into the pinned host pool at a block index read on the device
+(the reverse of `gather.py`): the offload of a decode step that completes a block, with no host-side address, so
+that the step can be captured as a CUDA graph and replayed for every later block.
+
+Shapes (contiguous, element type E = the model's K/V dtype):
+    block        `[2, B, Hkv, T, D]`            the completed block's keys (0) and values (1), on the device
+    host chunk c `[C, 2, B, Hkv, T, D]`         base address `chunk_addrs[c]` (pinned; written through unified
+                                                addressing, the stores cross PCIe)
+    index        `[1]` int64                    the block's number in the pool (its chunk: index // C)
+Program (bh, kv): copies the T*D elements of (kv, bh).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gather import triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store_block_kernel(chunk_addrs, index, block, BH, C, BLOCK_ELEMS: tl.constexpr, BLOCK_POW2: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        kv = tl.program_id(1).to(tl.int64)
+        offs = tl.arange(0, BLOCK_POW2)
+        mask = offs < BLOCK_ELEMS
+        number = tl.load(index)
+        chunk = number // C
+        local = number - chunk * C
+        base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(block.dtype.element_ty))
+        dst = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+        src = block + (kv * BH + bh) * BLOCK_ELEMS
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def store_block(chunk_addrs: torch.Tensor, chunk_blocks: int, index: torch.Tensor, block: torch.Tensor) -> None:
+    """Copy `block` `[2, B, Hkv, T, D]` to block `index` `[1]` of the host pool whose chunks start at `chunk_addrs`."""
+    two, B, H, T, D = block.shape
+    _store_block_kernel[(B * H, 2)](
+        chunk_addrs, index, block.contiguous(), B * H, chunk_blocks,
+        BLOCK_ELEMS=T * D, BLOCK_POW2=triton.next_power_of_2(T * D),
+    )
