@@ -300,7 +300,7 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
         if not replays:
             assert steps.replays == 0
         elif budget < 1024:  # a steady graph and a completing one, replayed across the block completions
-            assert steps.replays >= 55 and steps.completing_replays >= 2 and steps.captures <= 4, (
+            assert steps.replays >= 50 and steps.completing_replays >= 2 and steps.captures <= 5, (
                 steps.captures, steps.replays, steps.completing_replays)
         else:
             assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
