@@ -1,6 +1,6 @@
 """Plot TPOT by method for each (context, batch) of one or more bench/decode.py JSON files.
 
-    python bench/plot.py bench/results/decode-*.json --out bench/results/decode.png
+    python bench/plot.py bench/results/decode-*.json --out bench/results/decode.png [--statistic mean]
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+")
     parser.add_argument("--out", default="bench/results/decode.png")
+    parser.add_argument("--statistic", choices=["median", "mean"], default="median",
+                        help="which TPOT of the rows (mean: captured methods, whose recaptures only a mean shows)")
     args = parser.parse_args()
+    key = "tpot_ms" if args.statistic == "median" else "tpot_ms_mean"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +26,7 @@ def main():
     for path in args.results:
         data = json.load(open(path))
         meta = meta or data["meta"]
-        rows += [r for r in data["rows"] if "tpot_ms" in r]
+        rows += [r for r in data["rows"] if key in r]
     settings = sorted({(r["context"], r["batch"]) for r in rows})
     present = list(dict.fromkeys(r["method"] for r in rows))  # first-seen order, then the usual order below
     usual = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact", "oasis-eagle3-plain", "oasis-eagle3",
@@ -32,14 +35,14 @@ def main():
     fig, ax = plt.subplots(figsize=(2.2 * len(settings) + 2, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        values = [next((r["tpot_ms"] for r in rows if r["method"] == method and (r["context"], r["batch"]) == s),
+        values = [next((r[key] for r in rows if r["method"] == method and (r["context"], r["batch"]) == s),
                        float("nan")) for s in settings]  # nan: not run at that setting (no bar, no label)
         bars = ax.bar([x + i * width for x in range(len(settings))], values, width, label=method)
         ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in values], fontsize=7)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(settings))])
     ax.set_xticklabels([f"{c // 1024}K x {b}" for c, b in settings])
-    ax.set_ylabel("TPOT (ms, median)")
-    measured = [r["tpot_ms"] for r in rows if r["method"] in methods]
+    ax.set_ylabel(f"TPOT (ms, {args.statistic})")
+    measured = [r[key] for r in rows if r["method"] in methods]
     if max(measured) > 10 * min(measured):  # a log axis only where the spread needs it (offload vs the rest)
         ax.set_yscale("log")
     ax.set_title(f"{meta['model']} {meta['dtype']}, {meta['machine']}, budget {meta.get('budget', '?')}, {meta['date'][:10]}",

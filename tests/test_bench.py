@@ -58,3 +58,19 @@ def test_compiled_dense_decodes_what_dense_decodes():
     refused = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "tiny", "--device", "cpu",
                               "--methods", "dense-compiled", "oasis-none"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "another process" in refused.stderr
+
+
+def test_plot_draws_the_chosen_statistic(tmp_path):
+    """`bench/plot.py --statistic mean` plots each row's `tpot_ms_mean` (what captured methods are compared by); a row
+    without the chosen statistic (an older file) is left out instead of stopping the plot."""
+    meta = dict(model="tiny", dtype="float32", machine="cpu", budget=256, date="2026-11-30")
+    rows = [dict(method="dense", context=512, batch=1, tpot_ms=2.0, tpot_ms_mean=2.5),
+            dict(method="oasis-previous", context=512, batch=1, tpot_ms=1.0)]  # (an older row: no mean)
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    for statistic in ("median", "mean"):
+        out = tmp_path / f"{statistic}.png"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(results), "--statistic", statistic,
+                              "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert out.stat().st_size > 1000
