@@ -1,7 +1,7 @@
 """What stands between a decode step and a CUDA graph, found on the CPU.
 
     python bench/capture_audit.py --modes dense previous eagle3-exact
-    TRITON_INTERPRET=1 python bench/capture_audit.py --backend triton --modes previous
+    TRITON_INTERPRET=1 python bench/capture_audit.py --backend triton --modes previous [--completing]
 
 A graph captured at one step replays, at the next, exactly the operators it recorded: the same shapes, the same
 scalar arguments (slice ends, sizes, offsets), the same kernel grids; every value that changes must come from a
@@ -12,7 +12,9 @@ kernels with its arguments) of two consecutive decode steps that complete no blo
 - whether both steps ran the same operators in the same order (else a Python branch depends on the step);
 - the operators whose shapes or scalar arguments differ, grouped by where they are called (the innermost frame in
   `oasis_cache` or `transformers`): what must move to fixed-capacity buffers and device-side counters.
-Steps that complete a block (every 16th: offload, summaries) are meant to run outside a graph and are not compared.
+`--completing` compares two consecutive steps that complete a block (16 steps apart), each after
+`OasisCache.prepare_step("completing")` as the captured forward calls it: what the completing step's own graph
+replays (its offload and summary must read the block number on the device, not a host value).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from op_count import decoding, step_arguments  # noqa: E402
 HOST_SYNCS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2",
               "aten.is_nonzero", "aten.equal", "aten.repeat_interleave"}  # repeat_interleave: with tensor repeats
 OUR_KERNELS = (("oasis_cache.kernels.block_scores", "block_scores"), ("oasis_cache.kernels.slot_assign", "slot_assign"),
-               ("oasis_cache.memory.transfer", "gather_blocks"))
+               ("oasis_cache.memory.transfer", "gather_blocks"), ("oasis_cache.memory.transfer", "store_block"))
 
 
 @dataclass(frozen=True)
@@ -108,22 +110,33 @@ def record_kernel_launches(recorder_of) -> None:
         setattr(module, name, launch)
 
 
-def audit(model, ids, mode, head, budget, backend, state) -> dict:
+def audit(model, ids, mode, head, budget, backend, state, completing=False) -> dict:
     step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0)
     if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
         cache.ride_along.static_head = "eager"
     for _ in range(2):
         step()
     T = getattr(getattr(cache, "config", None), "block_size", 16)
-    while cache.get_seq_length() % T in (0, T - 1, T - 2):  # the two recorded steps must complete no block
-        step()
+    if completing:  # past the first completions (capacities grow there), to the step before the next one
+        for _ in range(2 * T):
+            step()
+        while cache.get_seq_length() % T != T - 1:
+            step()
+    else:
+        while cache.get_seq_length() % T in (0, T - 1, T - 2):  # the two recorded steps must complete no block
+            step()
     runs = []
     for _ in range(2):
+        if completing:
+            assert cache.completing_step()
+            cache.prepare_step("completing")
         state["recorder"] = Recorder()
         with state["recorder"]:
             step()
         runs.append(state["recorder"].ops)
         state["recorder"] = None
+        for _ in range(T - 1 if completing else 0):  # to the next completing step
+            step()
     first, second = runs
     syncs = collections.Counter(op.site for op in first if op.name in HOST_SYNCS)
     same_order = [op.name for op in first] == [op.name for op in second]
@@ -143,17 +156,19 @@ def audit(model, ids, mode, head, budget, backend, state) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="also write the findings here")
+    parser.add_argument("--completing", action="store_true", help="two steps that each complete a block")
     args = step_arguments(parser, 4, ["dense", "previous", "eagle3-exact"])
     state = {"recorder": None}
     if args.backend == "triton":
         record_kernel_launches(lambda: state["recorder"])
     model = tiny_model("qwen3", num_hidden_layers=args.layers)
     head, ids = random_head(model), prompt_ids(args.context)
-    print(f"two consecutive decode steps, tiny Qwen3 of {args.layers} layers, context {args.context}, "
+    kind = "steps that complete a block" if args.completing else "decode steps"
+    print(f"two consecutive {kind}, tiny Qwen3 of {args.layers} layers, context {args.context}, "
           f"{args.backend} backend")
     findings = {}
     for mode in args.modes:
-        result = audit(model, ids, mode, head, args.budget, args.backend, state)
+        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing)
         findings[mode] = dict(ops=result["ops"], same_order=result["same_order"], syncs=dict(result["syncs"]),
                               differing=[dict(site=site, op=name, count=n)
                                          for (site, name), n in sorted(result["differing"].items())])

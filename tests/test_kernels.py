@@ -78,13 +78,17 @@ STEP_VARYING = {
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path):
-    """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) run the same operators in
-    the same order, make no host sync but the CPU-only mask check, and differ only at the known sites above."""
+@pytest.mark.parametrize("kind", ["steady", "completing"])
+def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kind):
+    """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) — steady ones, or ones that
+    each complete a block (what the completing step's graph replays: its offload and summary at the block number
+    read on the device) — run the same operators in the same order, make no host sync but the CPU-only mask check,
+    and differ only at the known sites above."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
-                          "--modes", "previous", "eagle3-exact", "--json", str(out)], env=env, capture_output=True,
+                          "--modes", "previous", "eagle3-exact", "--json", str(out)]
+                         + (["--completing"] if kind == "completing" else []), env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     import json
