@@ -17,7 +17,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
   min/max (codes stored beside the summaries: +50% / +100% of their bytes at bf16; `quant1` was the first `bits`);
   `centroid1` / `centroid1_mid`: 1 bit per channel with the two levels at the means of the keys above and below the
   block mean / the min-max midpoint (`centroid1` is what `bits` ships, simulated); `centroid1_fp8`: its levels cast
-  to fp8 (e4m3) without a scale (`bits_fp8` ships them with a power-of-two scale per block);
+  to fp8 (e4m3) without a scale (`bits_fp8` ships them with a power-of-two scale per block); `centroid1_groupG`
+  (G = 2, 4, 8, 16): one split and one pair of levels shared by G consecutive blocks (smaller summaries);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -105,6 +106,26 @@ def _centroids(q, keys, split="mean", level_dtype=None):
     """1 bit per token and channel as in `bits`, but each channel's two levels are the means of the keys on either
     side of the split (the channel's block mean, or the midpoint of its min and max) instead of its min and max — the
     least-squares 1-bit code (Lloyd-Max) at the same bytes: two values per channel and block, one bit per key."""
+    approx = _centroid_keys(keys, split, level_dtype)
+    return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
+
+
+def _centroids_grouped(q, keys, group: int):
+    """`_centroids` with one split and one pair of levels per channel shared by `group` consecutive blocks (the last
+    group may be shorter): the levels' bytes divided by `group`, the codes still one bit per key — the summaries a
+    ≤ 10% device-KV budget at 32K would allow (docs/perf.md)."""
+    B, H, NB, T, D = keys.shape
+    full = NB // group * group
+    parts = [_centroid_keys(keys[:, :, :full].reshape(B, H, full // group, group * T, D)).reshape(B, H, full, T, D)]
+    if full < NB:
+        parts.append(_centroid_keys(keys[:, :, full:].reshape(B, H, 1, (NB - full) * T, D)).reshape(
+            B, H, NB - full, T, D))
+    return torch.einsum("bhrd,bhntd->bhrnt", q, torch.cat(parts, dim=2)).amax(-1).amax(2)
+
+
+def _centroid_keys(keys, split="mean", level_dtype=None):
+    """The coarse keys of `_centroids`: each key's channels replaced by the level on its side of the split, computed
+    over the second-to-last dimension (a block's tokens, or a group's)."""
     if split == "mean":
         cut = keys.mean(-2, keepdim=True)
     else:
@@ -116,8 +137,7 @@ def _centroids(q, keys, split="mean", level_dtype=None):
     mean_low = torch.where(high, 0, keys).sum(-2, keepdim=True) / n_low.clamp(min=1)
     if level_dtype is not None:  # levels stored in a narrower type (e.g. fp8: the codes and levels then take the
         mean_high, mean_low = (x.to(level_dtype).float() for x in (mean_high, mean_low))  # bytes of bf16 min/max)
-    approx = torch.where(high, mean_high, mean_low)
-    return torch.einsum("bhrd,bhntd->bhrnt", q, approx).amax(-1).amax(2)
+    return torch.where(high, mean_high, mean_low)
 
 
 def _mass(q, keys):
@@ -143,6 +163,7 @@ SCORERS = {
     "centroid1": _centroids,
     "centroid1_mid": lambda q, keys: _centroids(q, keys, split="mid"),
     "centroid1_fp8": lambda q, keys: _centroids(q, keys, level_dtype=torch.float8_e4m3fn),
+    **{f"centroid1_group{g}": (lambda q, keys, g=g: _centroids_grouped(q, keys, g)) for g in (2, 4, 8, 16)},
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,
