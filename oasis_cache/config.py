@@ -67,9 +67,10 @@ class OasisConfig:
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
             (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
-        cuda_graph: replay one-token decode steps as a CUDA graph (`compute/captured_step.py`): the steps that
-            complete no block in an unpadded batch (recaptured when a pool's capacity grows). CUDA models, every
-            lookahead (with eagle3, once the head's attention window has filled).
+        cuda_graph: replay one-token decode steps of an unpadded batch as CUDA graphs (`compute/captured_step.py`):
+            one graph for the steps that complete no block, one for those that complete one (Triton backend),
+            recaptured when a pool's capacity grows. CUDA models, every lookahead (with eagle3, once the head's
+            attention window has filled).
     """
 
     token_budget: int
