@@ -63,6 +63,9 @@ def test_compiled_dense_decodes_what_dense_decodes():
 def test_plot_draws_the_chosen_statistic(tmp_path):
     """`bench/plot.py --statistic mean` plots each row's `tpot_ms_mean` (what captured methods are compared by); a row
     without the chosen statistic (an older file) is left out instead of stopping the plot."""
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="matplotlib is a test extra: pip install -e '.[test]'")
     meta = dict(model="tiny", dtype="float32", machine="cpu", budget=256, date="2026-11-30")
     rows = [dict(method="dense", context=512, batch=1, tpot_ms=2.0, tpot_ms_mean=2.5),
             dict(method="oasis-previous", context=512, batch=1, tpot_ms=1.0)]  # (an older row: no mean)
