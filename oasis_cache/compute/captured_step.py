@@ -117,10 +117,10 @@ class CapturedSteps:
             out["logits"] = logits
             return out
         cache.prepare_step(kind)
-        graph = self.graphs.setdefault(kind, _Graph())
-        if cache.replay_signature() != graph.signature:
-            return self._capture(runner, cache, input_ids, kind, graph)
-        return self._replay(cache, input_ids, kind, graph)
+        slot = self.graphs.setdefault(kind, _Graph())
+        if cache.replay_signature() != slot.signature:
+            return self._capture(runner, cache, input_ids, slot)
+        return self._replay(cache, input_ids, kind, slot)
 
     def _replayable(self, cache, input_ids, kwargs) -> str | None:
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or not self.unpadded:
@@ -139,7 +139,7 @@ class CapturedSteps:
             yield
         caller.wait_stream(self.stream)
 
-    def _capture(self, runner, cache, input_ids, kind: str, slot: _Graph):
+    def _capture(self, runner, cache, input_ids, slot: _Graph):
         """Record this step's forward for the current layout, then replay it (the capture itself runs nothing)."""
         previous = slot.graph  # kept until the new graph holds the pool: what its capture freed is reused
         slot.graph = slot.signature = slot.output = None
