@@ -329,11 +329,11 @@ class OasisCache(Cache):
         "steady", "completing" (one block completes: with the Triton backend, whose offload reads the block number
         on the device), or None (the forward runs eagerly)."""
         layer = self.layers[self._first_oasis_layer]
-        if not (layer.is_initialized and layer.device.type == "cuda"):
+        if not (layer.is_initialized and layer.device.type == "cuda" and self._decode_step_of_fixed_shapes()):
             return None
-        if self.steady_step():
+        if not layer.completes_block():
             return "steady"
-        return "completing" if layer.use_kernels and self.completing_step() else None
+        return "completing" if layer.use_kernels else None
 
     def steady_step(self) -> bool:
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
