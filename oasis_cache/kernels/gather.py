@@ -30,6 +30,15 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def host_block(chunk_addrs, block, C, kv, BH, bh, like, BLOCK_ELEMS: tl.constexpr):
+        """Pointer to the T*D elements of (block `block`, K or V `kv`, sequence x KV head `bh`) in the host pool whose
+        chunk `c` starts at `chunk_addrs[c]` (layout above), typed as `like`'s elements. Shared with `host_store.py`."""
+        chunk = block // C
+        local = block - chunk * C
+        base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(like.dtype.element_ty))
+        return base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+
+    @triton.jit
     def _gather_blocks_kernel(
         chunk_addrs,
         block_ids,
@@ -52,10 +61,7 @@ if triton is not None:
                 block = tl.load(block_ids + entry)
                 slot = tl.load(dest + entry)
                 bh = (entry // K).to(tl.int64)
-                chunk = block // C
-                local = block - chunk * C
-                base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(out.dtype.element_ty))
-                src = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+                src = host_block(chunk_addrs, block, C, kv, BH, bh, out, BLOCK_ELEMS)
                 dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
                 tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 

@@ -20,17 +20,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .gather import host_block
+
     @triton.jit
     def _store_block_kernel(chunk_addrs, index, block, BH, C, BLOCK_ELEMS: tl.constexpr, BLOCK_POW2: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         kv = tl.program_id(1).to(tl.int64)
         offs = tl.arange(0, BLOCK_POW2)
         mask = offs < BLOCK_ELEMS
-        number = tl.load(index)
-        chunk = number // C
-        local = number - chunk * C
-        base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(block.dtype.element_ty))
-        dst = base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+        dst = host_block(chunk_addrs, tl.load(index), C, kv, BH, bh, block, BLOCK_ELEMS)
         src = block + (kv * BH + bh) * BLOCK_ELEMS
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
