@@ -74,6 +74,13 @@ def decoding_cache(model, mode, steps):
     return cache, token
 
 
+def step_kind(cache) -> str:
+    """The kind of captured step the next one-token decode step is (`OasisCache.replayable_step`'s answer on CUDA)."""
+    kind = "steady" if cache.steady_step() else "completing" if cache.completing_step() else None
+    assert kind is not None
+    return kind
+
+
 def step(model, cache, token):
     with torch.no_grad():
         return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -89,8 +96,7 @@ def test_decode_steps_update_state_in_place(mode):
     cache, token = decoding_cache(model, mode, steps=2)
     counts, signatures = {"steady": 0, "completing": 0}, set()
     for _ in range(40):
-        kind = "steady" if cache.steady_step() else "completing" if cache.completing_step() else None
-        assert kind is not None
+        kind = step_kind(cache)
         cache.prepare_step(kind)
         signatures.add(cache.replay_signature())
         before = {p: t for p, t in tensors_of(cache).items() if ".chunks[" not in p}
@@ -114,8 +120,7 @@ def test_replay_bookkeeping_equals_an_eager_step(mode):
     checked = {"steady": 0, "completing": 0}
     for _ in range(36):
         assert host_state_of(eager) == host_state_of(replayed)
-        kind = "steady" if eager.steady_step() else "completing" if eager.completing_step() else None
-        assert kind is not None
+        kind = step_kind(eager)
         for cache in (eager, replayed):  # (what the captured forward does before capturing or replaying)
             cache.prepare_step(kind)
         replayed.advance_replayed_step(kind)
