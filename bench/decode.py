@@ -18,9 +18,9 @@ depend on its weights, its recall does; the package's default: on CUDA the head'
 graph), oasis-eagle3-plain (the head's call run op by op, as before 2026-11-30), oasis-eagle3-graph (the graph
 forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-exact (with miss repair: what
 `OasisCache(model)` picks with a head; compare with oasis-exact). The suffix `-captured` (oasis-none, -previous,
--exact, -eagle3, -eagle3-exact; the ride-along inside the graph) replays steady decode steps as CUDA graphs
-(`cuda_graph=True`); its cost sits in the steps that complete a
-block and recapture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
+-exact, -eagle3, -eagle3-exact; the ride-along inside the graph) replays decode steps as CUDA graphs
+(`cuda_graph=True`, the package's default on CUDA); without it every step runs eagerly (`cuda_graph=False`). Its
+cost sits in the steps that capture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`. dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
 is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
@@ -73,9 +73,9 @@ def make_cache(method: str, model, args, capacity: int = 0):
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
     if scorer:
         options["scorer"] = scorer
-    if method.endswith("-captured"):  # steady decode steps replayed as CUDA graphs (compute/captured_step.py)
-        method = method.removesuffix("-captured")
-        options["cuda_graph"] = True
+    # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
+    options["cuda_graph"] = method.endswith("-captured")
+    method = method.removesuffix("-captured")
     if method in ("oasis-eagle3", "oasis-eagle3-graph", "oasis-eagle3-plain", "oasis-eagle3-exact"):
         cache = OasisCache(model, lookahead="eagle3", draft=args.head, exact=method.endswith("-exact"), **options)
         if method.endswith("-graph"):  # the head's decode call replayed as a CUDA graph (draft/head_step.py)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, one device call: `bash bench/gpu_run.sh tests bench ...` runs the named parts in order.
 #   tests     CUDA tests (SmolLM2 included when its GGUF is at $OASIS_SMOLLM2_GGUF)
-#   testsgraph  the same with every CUDA OasisCache made with cuda_graph=True (OASIS_TEST_CUDA_GRAPH=1, conftest.py)
+#   testseager  the same with every OasisCache made with cuda_graph=False (OASIS_TEST_CUDA_GRAPH=0, conftest.py): the
+#             eager decode path, which the default (captured steps) takes only where a step cannot be replayed
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -57,7 +58,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 for arg in "$@"; do
   case "$arg" in
     tests) python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
-    testsgraph) OASIS_TEST_CUDA_GRAPH=1 python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu-graph.log" | tail -25 ;;
+    testseager) OASIS_TEST_CUDA_GRAPH=0 python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu-eager.log" | tail -25 ;;
     bench) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --out "$OUT/decode-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-32k.log" | tail -14 ;;
     compiled) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --steps 12 --warmup 3 --measure-steps 0 --methods dense dense-compiled offload --out "$OUT/decode-qwen3-8b-32k-compiled.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-compiled.log" | tail -8 ;;
     bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;

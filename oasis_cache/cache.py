@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 
 from . import compat
 from .compute.attention import clear_pending, peek_pending
-from .config import OasisConfig
+from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
@@ -45,8 +45,9 @@ class OasisCache(Cache):
         draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         measure: also time how long compute waits on prefetches and, for predictions, their recall against the real
             query's top-K (extra events and selections per layer: for analysis, not for speed).
-        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; CUDA models; every
-            lookahead, the eagle3 ride-along included).
+        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; every lookahead, the
+            eagle3 ride-along included). None (default): on for CUDA models of the checked architectures with the
+            Triton backend (see `OasisConfig`); True / False: on (an error where it cannot run) / off.
     """
 
     def __init__(
@@ -123,9 +124,8 @@ class OasisCache(Cache):
             self.ride_along = _attach_draft(model, self, draft)
         elif draft is not None:
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
-        self.captured_steps = None  # its captured decode step (cuda_graph=True): `compute/captured_step.py`
-        if self.config.cuda_graph:
-            self.captured_steps = _install_captured_steps(model)
+        # its captured decode steps, or None (every step eager): `compute/captured_step.py`
+        self.captured_steps = _captured_steps_for(model, text_config, self.config)
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -449,14 +449,26 @@ def _attach_draft(model, cache, draft):
     return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())
 
 
-def _install_captured_steps(model):
-    """The cache's `CapturedSteps`, after `model.forward` was made to route to it."""
+def _captured_steps_for(model, text_config, config: OasisConfig):
+    """The cache's `CapturedSteps` (after `model.forward` was made to route to it), or None: `config.cuda_graph`
+    resolved for this model (None: on where it is checked; True: on, or an error naming why it cannot be)."""
     from .compute.captured_step import CapturedForward, CapturedSteps
 
+    if config.cuda_graph is False:
+        return None
     param = next(model.parameters(), None)
-    if param is None or param.device.type != "cuda":
+    on_cuda = param is not None and param.device.type == "cuda"
+    if config.cuda_graph is None:
+        if not (on_cuda and getattr(text_config, "model_type", None) in CAPTURE_CHECKED_MODEL_TYPES
+                and resolve_backend(config.backend, param.device) == "triton"):
+            return None
+    elif not on_cuda:
         raise ValueError("cuda_graph=True replays decode steps as CUDA graphs: put the model on a CUDA device first "
                          "(model.to('cuda')), or drop cuda_graph.")
+    elif resolve_backend(config.backend, param.device) != "triton":
+        raise ValueError("cuda_graph=True needs the Triton backend (its gathers read pinned host memory from the "
+                         "device; backend='torch' stages blocks through host copies, which a graph cannot record): "
+                         "use backend='auto' with triton installed, or cuda_graph=False.")
     CapturedForward.install(model)
     return CapturedSteps()
 

@@ -24,6 +24,10 @@ LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
+# Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
+# `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
+# a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
+CAPTURE_CHECKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,11 @@ class OasisConfig:
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
             (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
         cuda_graph: replay one-token decode steps of an unpadded batch as CUDA graphs (`compute/captured_step.py`):
-            one graph for the steps that complete no block, one for those that complete one (Triton backend),
-            recaptured when a pool's capacity grows. CUDA models, every lookahead (with eagle3, once the head's
-            attention window has filled).
+            one graph for the steps that complete no block, one for those that complete one, recaptured when a pool's
+            capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
+            (default): on for CUDA models with the Triton backend whose architecture the CUDA suite checks captured
+            (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a CUDA model, the Triton
+            backend; an error elsewhere). False: every step runs eagerly.
     """
 
     token_budget: int
@@ -88,7 +94,7 @@ class OasisConfig:
     scorer: str = "bits"
     fp8_levels: bool | None = None
     draft_lookup: int = 0
-    cuda_graph: bool = False
+    cuda_graph: bool | None = None
 
     def __post_init__(self):
         T = self.block_size
@@ -136,8 +142,8 @@ class OasisConfig:
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
-        if self.cuda_graph not in (True, False):
-            raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}.")
+        if self.cuda_graph not in (None, True, False):
+            raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

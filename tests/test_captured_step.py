@@ -134,8 +134,10 @@ def test_cuda_graph_options():
     model = tiny_model("qwen3", num_hidden_layers=3)
     with pytest.raises(ValueError, match="CUDA device"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True)
-    with pytest.raises(ValueError, match="True or False"):
+    with pytest.raises(ValueError, match="None \\(automatic\\), True or False"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
+    cache = OasisCache(model, token_budget=128, lookahead="previous")  # the default on CPU: every step eager
+    assert cache.config.cuda_graph is None and cache.captured_steps is None and "forward" not in model.__dict__
 
 
 def test_routed_forward_keeps_the_model_as_it_was():

@@ -73,6 +73,19 @@ class CapturedForward:
         return steps.forward(self, cache, kwargs)
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream decode steps are captured on, one per device for the process: libraries keep state per stream
+    (cuBLAS a workspace of ~32 MiB on Hopper, never freed), so a stream per cache would add one for every cache."""
+    device = torch.device(device)
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class _Graph:
     """One kind of captured step: its graph, the signature it was captured under, its output and memory pool."""
 
@@ -90,7 +103,7 @@ class CapturedSteps:
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
         self.unpadded = False  # the last prefill's mask had no padding (one check per prefill)
-        self.stream = None  # the stream steps are captured on (one: libraries' per-stream state is set up once)
+        self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
         self.replays = 0
@@ -110,7 +123,7 @@ class CapturedSteps:
                 self.unpadded = mask is None or bool(mask.all())
             return out
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
-            self.stream = torch.cuda.Stream(input_ids.device)
+            self.stream = capture_stream(input_ids.device)
             with self._on_capture_stream(input_ids.device):
                 out = runner.eager_forward(**kwargs)
                 logits = out.logits.clone()

@@ -255,7 +255,7 @@ class RideAlong:
         kv, B = self._head_kv, token.shape[0]
         static = self.static_head
         if static == "auto":
-            static = None if token.device.type != "cuda" else "eager" if self.cache().config.cuda_graph else "graph"
+            static = None if token.device.type != "cuda" else "eager" if self.cache().captured_steps else "graph"
         if static and kv.full and kv.k.shape[-4] == B and not self._reordered:
             if self._static is None:
                 self._static = StaticDraftStep(self.head, self.embed, kv, self._rows, static == "graph")
