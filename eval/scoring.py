@@ -19,6 +19,8 @@ context / `--fraction`, reporting accuracy, retention of dense's correct answers
   block mean / the min-max midpoint (`centroid1` is what `bits` ships, simulated); `centroid1_fp8`: its levels cast
   to fp8 (e4m3) without a scale (`bits_fp8` ships them with a power-of-two scale per block); `centroid1_groupG`
   (G = 2, 4, 8, 16): one split and one pair of levels shared by G consecutive blocks (smaller summaries);
+  `centroid1_half` (`_groupG`, G = 2, 4): codes and levels on the half of the channels `channels` would pick (by mean
+  |k|, rotary pairs together), the rest of q.k left out: summaries half the size (and levels shared by G blocks);
 - `max`: the exact maximum of q.k in each block, and `mass`: the softmax attention mass of each block — both read
   every key from the host pool, so they are ceilings: what a better summary could buy, not something to ship.
 
@@ -64,6 +66,12 @@ def _channels(q, keys, share=8, by_query=False):
     (rotary pairs kept together) with the largest mean |k| in each KV head (`by_query`: the largest mean |q| x mean
     |k|, i.e. contribution to q.k, chosen with this step's query — a ceiling for a choice calibrated at prefill).
     Stores D/share of each key: with share = 8 and 16-token blocks, as many values per block as min/max."""
+    qs, ks = _on_channels(q, keys, share, by_query)
+    return torch.einsum("bhrd,bhntd->bhrnt", qs, ks).amax(-1).amax(2)
+
+
+def _on_channels(q, keys, share, by_query=False):
+    """The query rows `[B, H, R, D/share]` and keys `[B, H, NB, T, D/share]` on the D/`share` channels of `_channels`."""
     B, H, NB, T, D = keys.shape
     half = D // 2
     weight = keys.abs().mean(dim=(2, 3))  # [B, H, D]
@@ -74,7 +82,7 @@ def _channels(q, keys, share=8, by_query=False):
     channels = torch.cat((top, top + half), dim=-1)  # [B, H, D/share]
     qs = q.gather(-1, channels[:, :, None].expand(-1, -1, q.shape[2], -1))
     ks = keys.gather(-1, channels[:, :, None, None].expand(-1, -1, NB, T, -1))
-    return torch.einsum("bhrd,bhntd->bhrnt", qs, ks).amax(-1).amax(2)
+    return qs, ks
 
 
 def _low_rank(q, keys, rank=8):
@@ -123,6 +131,14 @@ def _centroids_grouped(q, keys, group: int):
     return torch.einsum("bhrd,bhntd->bhrnt", q, torch.cat(parts, dim=2)).amax(-1).amax(2)
 
 
+def _centroids_on_channels(q, keys, share: int, group: int = 1):
+    """`_centroids` (or `_centroids_grouped`) over the D/`share` channels of `_channels` only: codes and levels of
+    those channels, the other channels' share of q.k left out — summaries 1/`share` the size (half with share = 2:
+    3.1% of K+V per block in fp8), the other lever toward ≤ 10% device KV at 32K (docs/perf.md)."""
+    qs, ks = _on_channels(q, keys, share)
+    return _centroids(qs, ks) if group == 1 else _centroids_grouped(qs, ks, group)
+
+
 def _centroid_keys(keys, split="mean", level_dtype=None):
     """The coarse keys of `_centroids`: each key's channels replaced by the level on its side of the split, computed
     over the second-to-last dimension (a block's tokens, or a group's)."""
@@ -164,6 +180,8 @@ SCORERS = {
     "centroid1_mid": lambda q, keys: _centroids(q, keys, split="mid"),
     "centroid1_fp8": lambda q, keys: _centroids(q, keys, level_dtype=torch.float8_e4m3fn),
     **{f"centroid1_group{g}": (lambda q, keys, g=g: _centroids_grouped(q, keys, g)) for g in (2, 4, 8, 16)},
+    "centroid1_half": lambda q, keys: _centroids_on_channels(q, keys, 2),
+    **{f"centroid1_half_group{g}": (lambda q, keys, g=g: _centroids_on_channels(q, keys, 2, g)) for g in (2, 4)},
     "mean": lambda q, keys: torch.einsum("bhrd,bhnd->bhrn", q, keys.mean(-2)).amax(2),
     "max": lambda q, keys: torch.einsum("bhrd,bhntd->bhrnt", q, keys).amax(-1).amax(2),
     "mass": _mass,

@@ -1,8 +1,9 @@
-"""The captured decode step: one-token decode forwards replayed as a CUDA graph (`OasisCache(..., cuda_graph=True)`).
+"""The captured decode step: one-token decode forwards replayed as a CUDA graph (`OasisCache(..., cuda_graph=...)`: on by
+default for CUDA models of the checked architectures with the Triton backend, `cache._captured_steps_for`).
 
 HF's eager decode is launch-bound (~80 launches per layer, 36 layers); replaying the step removes the host from the
 loop. `generate` owns the loop, so the step is taken over where `generate` calls the model: `CapturedForward` replaces
-the model instance's `forward` (same signature) and hands each call of a cache made with `cuda_graph=True` to that
+the model instance's `forward` (same signature) and hands each call of a cache with captured steps to that
 cache's `CapturedSteps`, which, for a call that
 
     - decodes one token per sequence (input_ids `[B, 1]`) on a CUDA cache that already holds complete blocks,
@@ -49,7 +50,7 @@ _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position
 
 class CapturedForward:
     """Installed once per model instance as `model.forward` (an instance attribute, same signature) when a cache with
-    `cuda_graph=True` is made for it; routes each call whose cache has a `CapturedSteps` to it, every other call to
+    captured steps is made for it; routes each call whose cache has a `CapturedSteps` to it, every other call to
     the model's own forward."""
 
     def __init__(self, model):
