@@ -456,16 +456,18 @@ def _captured_steps_for(model, text_config, config: OasisConfig):
 
     if config.cuda_graph is False:
         return None
-    param = next(model.parameters(), None)
-    on_cuda = param is not None and param.device.type == "cuda"
+    devices = {p.device for p in model.parameters()}  # a graph is captured on one device's stream
+    device = next(iter(devices)) if len(devices) == 1 else None
+    on_cuda = device is not None and device.type == "cuda"
     if config.cuda_graph is None:
         if not (on_cuda and getattr(text_config, "model_type", None) in CAPTURE_CHECKED_MODEL_TYPES
-                and resolve_backend(config.backend, param.device) == "triton"):
+                and resolve_backend(config.backend, device) == "triton"):
             return None
     elif not on_cuda:
-        raise ValueError("cuda_graph=True replays decode steps as CUDA graphs: put the model on a CUDA device first "
-                         "(model.to('cuda')), or drop cuda_graph.")
-    elif resolve_backend(config.backend, param.device) != "triton":
+        raise ValueError(f"cuda_graph=True replays decode steps as CUDA graphs, which needs the whole model on one CUDA "
+                         f"device (model.to('cuda')); its parameters are on {sorted(map(str, devices))}. Drop "
+                         f"cuda_graph (every step then runs eagerly where it cannot be captured).")
+    elif resolve_backend(config.backend, device) != "triton":
         raise ValueError("cuda_graph=True needs the Triton backend (its gathers read pinned host memory from the "
                          "device; backend='torch' stages blocks through host copies, which a graph cannot record): "
                          "use backend='auto' with triton installed, or cuda_graph=False.")

@@ -74,9 +74,9 @@ class OasisConfig:
         cuda_graph: replay one-token decode steps of an unpadded batch as CUDA graphs (`compute/captured_step.py`):
             one graph for the steps that complete no block, one for those that complete one, recaptured when a pool's
             capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
-            (default): on for CUDA models with the Triton backend whose architecture the CUDA suite checks captured
-            (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a CUDA model, the Triton
-            backend; an error elsewhere). False: every step runs eagerly.
+            (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
+            checks captured (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a model on
+            one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
     """
 
     token_budget: int

@@ -132,8 +132,13 @@ def test_replay_bookkeeping_equals_an_eager_step(mode):
 
 def test_cuda_graph_options():
     model = tiny_model("qwen3", num_hidden_layers=3)
-    with pytest.raises(ValueError, match="CUDA device"):
+    with pytest.raises(ValueError, match="one CUDA device"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True)
+    split = tiny_model("qwen3", num_hidden_layers=3)
+    split.model.layers[2].to("meta")  # a model spread over devices (device_map="auto") cannot be one graph
+    with pytest.raises(ValueError, match=r"one CUDA device.*\['cpu', 'meta'\]"):
+        OasisCache(split, token_budget=128, lookahead="previous", cuda_graph=True)
+    assert OasisCache(split, token_budget=128, lookahead="previous").captured_steps is None
     with pytest.raises(ValueError, match="None \\(automatic\\), True or False"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
     cache = OasisCache(model, token_budget=128, lookahead="previous")  # the default on CPU: every step eager
