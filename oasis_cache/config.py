@@ -67,6 +67,10 @@ class OasisConfig:
             head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32. None
             (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
+        summary_channels: with the bits scorer, the fraction of key channels its summaries cover (1.0: all). 0.5
+            halves them (3.1% of K+V per block with fp8 levels instead of 6.25%): per sequence and KV head, the
+            rotary pairs of largest mean |k| in the first blocks summarized (the prompt's), the others left out of
+            the ranking (`pools/summaries.py`). It must keep an even number of the head's channels.
         draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
@@ -93,6 +97,7 @@ class OasisConfig:
     gather_programs: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
+    summary_channels: float = 1.0
     draft_lookup: int = 0
     cuda_graph: bool | None = None
 
@@ -140,12 +145,29 @@ class OasisConfig:
             raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
+        if isinstance(self.summary_channels, bool) or not isinstance(self.summary_channels, (int, float)) or not (
+                0 < self.summary_channels <= 1):
+            raise ValueError(f"summary_channels must be in (0, 1] (a fraction of the key channels), got "
+                             f"{self.summary_channels!r}.")
+        if self.summary_channels < 1 and self.scorer != "bits":
+            raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no longer "
+                             "bound q.k).")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+
+    def kept_channels(self, head_dim: int) -> int:
+        """The key channels the summaries cover for a head of `head_dim` channels (`summary_channels`)."""
+        kept = self.summary_channels * head_dim
+        if kept != int(kept) or int(kept) % 2 or kept < 2:
+            raise ValueError(
+                f"summary_channels={self.summary_channels} keeps {kept:g} of this model's {head_dim} key channels per "
+                f"head: it must keep an even number (rotary pairs), e.g. 0.5 ({head_dim // 2}) or 0.25 "
+                f"({head_dim // 4}).")
+        return int(kept)
 
     @property
     def num_sink_blocks(self) -> int:

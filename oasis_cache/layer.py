@@ -53,7 +53,8 @@ class OasisLayer(CacheLayerMixin):
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
         fp8 = fp8_levels_for(cfg.fp8_levels, cfg.scorer, self.device, self.use_kernels)
-        self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits", fp8_levels=fp8)
+        self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits", fp8_levels=fp8,
+                                        kept_channels=cfg.kept_channels(D))
         self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
         self.recent = RecentTokens(self.working_set.recent_region)
         self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)

@@ -25,6 +25,9 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, scorer="psychic"), "scorer must be one of"),
         (dict(token_budget=256, scorer="bound", fp8_levels=True), "fp8_levels=True is for scorer='bits'"),
         (dict(token_budget=256, fp8_levels="yes"), "fp8_levels must be None"),
+        (dict(token_budget=256, summary_channels=0), "summary_channels must be in"),
+        (dict(token_budget=256, summary_channels=1.5), "summary_channels must be in"),
+        (dict(token_budget=256, scorer="bound", summary_channels=0.5), "summary_channels < 1 is for scorer='bits'"),
     ],
 )
 def test_bad_options_raise_clear_errors(kwargs, message):
@@ -178,3 +181,12 @@ def test_device_clock_is_the_decode_clock_on_the_device():
     assert cache.device_clock("cpu") is clock and clock.tolist() == [cache.decode_clock]
     cache.reset()
     assert cache.device_clock("cpu").tolist() == [0]
+
+
+def test_summary_channels_must_keep_rotary_pairs():
+    """A fraction of the key channels that is not an even count for this model's heads is refused when the layers
+    learn the head size (the first forward), naming fractions that fit."""
+    model = tiny_model("qwen3")  # head_dim 16
+    cache = OasisCache(model, token_budget=256, summary_channels=0.3)
+    with pytest.raises(ValueError, match=r"keeps 4.8 of this model's 16 key channels.*0.5 \(8\)"):
+        generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=2, do_sample=False)

@@ -77,3 +77,25 @@ def test_plot_draws_the_chosen_statistic(tmp_path):
                               "--out", str(out)], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         assert out.stat().st_size > 1000
+
+
+def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
+    """`bench/kv_bytes.py` (device KV bytes by pool, counted on CPU): the total is the pools' sum, the ratio is against
+    dense K+V of the same tokens, and summaries on half the channels take half the summary bytes."""
+    out = tmp_path / "kv.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kv_bytes.py"), "--model", "tiny", "--context", "512", "--budget", "128",
+         "--steps", "4", "--prefill-chunk", "256", "--options", "", "summary_channels=0.5", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    full, half = json.loads(out.read_text())["rows"]
+    for row in (full, half):
+        pools = row["working_set_bytes"] + row["summaries_bytes"] + row["slot_map_bytes"] + row["recent_overflow_bytes"]
+        assert row["total_bytes"] == pools and row["ratio"] == row["total_bytes"] / row["dense_bytes"]
+        assert row["dense_bytes"] == 2 * 1 * 2 * 516 * 32 * 2  # K+V, batch 1, 2 KV heads, 516 tokens, D 32, bf16
+    assert half["options"] == {"summary_channels": 0.5} and half["working_set_bytes"] == full["working_set_bytes"]
+    channels = 1 * 2 * 16 * 8  # the chosen channels' indices (int64)
+    scales = full["summary_blocks_capacity"] * 1 * 2 * 4  # fp8 levels' scale per block and KV head (fp32)
+    assert half["summary_blocks_capacity"] == full["summary_blocks_capacity"]
+    assert half["summaries_bytes"] - channels - scales == (full["summaries_bytes"] - scales) // 2  # codes + levels

@@ -308,3 +308,39 @@ def test_fp8_levels_by_default_where_they_run(monkeypatch):
         with torch.no_grad():
             model(input_ids=prompt_ids(100), past_key_values=cache, use_cache=True)
         assert cache.stats()["fp8_levels"] is expected
+
+
+def test_summaries_on_half_the_channels():
+    """summary_channels < 1: the channels are chosen once, by rotary pairs of largest mean |k| in each sequence and
+    KV head, from the first blocks appended; later blocks are summarized on the same channels; queries are read on
+    them; the summaries shrink by the fraction; a batch reorder moves them."""
+    from oasis_cache.pools.summaries import key_channels
+
+    B, H, T, D = 2, 3, 16, 8
+    blocks = torch.randn(B, H, 40, T, D)
+    blocks[0, 1, :, :, 2] *= 10  # channel 2 (paired with 6) dominates sequence 0's head 1
+    blocks[0, 1, :, :, 6] *= 10
+    s = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True, kept_channels=4)
+    assert not s.channels_fixed
+    s.append(blocks[:, :, :30])
+    chosen = s.channels.clone()
+    assert s.channels_fixed and chosen.shape == (B, H, 4)
+    assert torch.equal(chosen, key_channels(blocks[:, :, :30], 4))
+    assert {2, 6} <= set(chosen[0, 1].tolist()) and (chosen[..., 2:] == chosen[..., :2] + D // 2).all()
+    blocks[:, :, 30] *= 100  # a later block with other loud channels: the choice stays
+    s.append(blocks[:, :, 30:31])
+    assert torch.equal(s.channels, chosen) and s.levels.shape[-1] == 4 and s.codes.shape[-1] == 4
+    full = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True)
+    full.append(blocks[:, :, :31])
+    assert s.nbytes - s.channels.numel() * 8 == full.nbytes // 2
+
+    picked = blocks[:, :, :31].gather(-1, chosen[:, :, None, None].expand(B, H, 31, T, 4))
+    reference = BlockSummaries(B, H, 4, torch.float32, "cpu", T, key_bits=True)
+    reference.append(picked)  # the same summaries, built from the chosen channels directly
+    query = torch.randn(B, 2 * H, 1, D)  # two query heads per KV head
+    q_picked = query.gather(-1, chosen.repeat_interleave(2, dim=1)[:, :, None, :])
+    none, every = torch.zeros(B, 31, dtype=torch.bool), torch.ones(B, 31, dtype=torch.bool)
+    torch.testing.assert_close(rank_blocks(query, s, none, every, T), rank_blocks(q_picked, reference, none, every, T))
+    order = torch.tensor([1, 1])
+    s.index_batch(order)
+    assert torch.equal(s.channels, chosen[order])

@@ -74,15 +74,21 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         split_last: rank the last query token apart (a riding draft): `[B, Hkv, 2, NB]`, 0 = the first Qn - 1
             tokens, 1 = the last one. The kernel reads the summaries once for both.
     """
-    NB, W = summaries.num_blocks, allowed.shape[-1]
+    query = summaries.query_channels(query)  # [B, Hq, Qn, D']: the channels the summaries cover
     if use_kernel:
         from ..kernels.block_scores import block_scores
 
-        return block_scores(query, summaries.levels, W, forced, allowed, summaries.codes, block_size,
+        return block_scores(query, summaries.levels, allowed.shape[-1], forced, allowed, summaries.codes, block_size,
                             scales=summaries.scales, split_last=split_last)
     if split_last:
-        return torch.stack([rank_blocks(part, summaries, forced, allowed, block_size)
+        return torch.stack([_rank_blocks(part, summaries, forced, allowed, block_size)
                             for part in (query[:, :, :-1], query[:, :, -1:])], dim=2)
+    return _rank_blocks(query, summaries, forced, allowed, block_size)
+
+
+def _rank_blocks(query, summaries, forced, allowed, block_size: int) -> torch.Tensor:
+    """`rank_blocks` in plain PyTorch, `query` already on the summaries' channels."""
+    NB, W = summaries.num_blocks, allowed.shape[-1]
     B, Hq, Qn, D = query.shape
     query = query.reshape(B, summaries.levels.shape[2], -1, D)  # [B, Hkv, R = G * Qn, D]
     low, high = summaries.view()

@@ -16,10 +16,18 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
     block and KV head (level = fp8 value * scale; the largest level maps to at most 448, fp8's range): codes and
     levels then take the bytes of a bf16 min/max. Products of such levels with bf16 queries stay exact in TF32.
 
+With `kept_channels` < D (`OasisConfig.summary_channels`), codes and levels cover only that many key channels per
+sequence and KV head (`channels` `[B, Hkv, D']`: rotary pairs kept together, those of largest mean |k| in the first
+blocks appended, usually the prompt's), and queries are read on the same channels (`query_channels`): the summaries
+shrink by D / D', the rest of q.k is left out of the ranking (eval/scoring.py `centroid1_half` measured what it
+keeps). Every shape above then has D' in place of D.
+
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
-quarter (at least 64 blocks) when full: the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
-with codes at bf16), with at most 25% slack, and is reallocated O(log N) times over a sequence.
+sixteenth (at least 64 blocks) when full: the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
+with codes at bf16), with at most 1/16 of slack (a quarter until the tenth session: 1.6 points of device KV at 32K),
+and is reallocated O(log N) times over a sequence (each growth, a recapture of the captured steps: every 2048 decode
+tokens at 32K, 8192 at 128K).
 """
 
 from __future__ import annotations
@@ -62,6 +70,16 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return above, low, high
 
 
+def key_channels(key_blocks: torch.Tensor, kept: int) -> torch.Tensor:
+    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64, ascending: the channels of largest mean |k|, by rotary
+    pairs (the rotate-half layout of HF's models: channel d turns with d + D/2; `kept` even)."""
+    D = key_blocks.shape[-1]
+    weight = key_blocks.float().abs().mean(dim=(2, 3))  # [B, Hkv, D]
+    pairs = weight[..., : D // 2] + weight[..., D // 2 :]
+    top = pairs.topk(kept // 2, dim=-1).indices.sort(dim=-1).values
+    return torch.cat((top, top + D // 2), dim=-1)
+
+
 def fp8_scales(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """`low`, `high` `[..., D]` fp32 -> `[...]` the smallest powers of two that bring every level within fp8's range."""
     largest = torch.maximum(low.abs().amax(dim=-1), high.abs().amax(dim=-1))
@@ -91,27 +109,43 @@ def fp8_levels_for(requested: bool | None, scorer: str, device: torch.device, us
 
 class BlockSummaries:
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
-                 fp8_levels: bool = False):
-        self.levels = torch.empty((2, batch_size, num_kv_heads, 0, head_dim), dtype=FP8 if fp8_levels else dtype,
+                 fp8_levels: bool = False, kept_channels: int | None = None):
+        self.head_dim = head_dim
+        D = self.kept_channels = head_dim if kept_channels is None else kept_channels  # D' (see the module doc)
+        self.channels = None  # [B, Hkv, D'] int64 once chosen (D' < D), at the first append
+        self.levels = torch.empty((2, batch_size, num_kv_heads, 0, D), dtype=FP8 if fp8_levels else dtype,
                                   device=device)
         self.scales = (torch.empty((batch_size, num_kv_heads, 0), dtype=torch.float32, device=device)
                        if fp8_levels else None)
         self.codes = (
-            torch.empty((batch_size, num_kv_heads, 0, -(-block_size // 8), head_dim), dtype=torch.uint8, device=device)
+            torch.empty((batch_size, num_kv_heads, 0, -(-block_size // 8), D), dtype=torch.uint8, device=device)
             if key_bits else None
         )
         self.num_blocks = 0
         self.count = torch.zeros(1, dtype=torch.long, device=device)  # num_blocks, on the device
 
     @property
+    def channels_fixed(self) -> bool:
+        """Whether the summarized channels are known (all of them, or chosen): a step may then be captured."""
+        return self.kept_channels == self.head_dim or self.channels is not None
+
+    def query_channels(self, query: torch.Tensor) -> torch.Tensor:
+        """`query` `[B, Hq, Qn, D]` -> `[B, Hq, Qn, D']`: the channels the summaries cover (the query itself if all)."""
+        if self.kept_channels == self.head_dim:
+            return query
+        B, Hq, Qn, _ = query.shape
+        index = self.channels.repeat_interleave(Hq // self.channels.shape[1], dim=1)  # [B, Hq, D']
+        return query.gather(-1, index[:, :, None, :].expand(B, Hq, Qn, self.kept_channels))
+
+    @property
     def capacity_blocks(self) -> int:
         return self.levels.shape[3]
 
     def reserve(self, num_blocks: int) -> None:
-        """Make room for `num_blocks` blocks (grows by a quarter, at least 64 blocks; new tensors)."""
+        """Make room for `num_blocks` blocks (grows by a sixteenth, at least 64 blocks; new tensors)."""
         if num_blocks <= self.capacity_blocks:
             return
-        capacity = max(num_blocks, self.capacity_blocks * 5 // 4, self.capacity_blocks + 64)
+        capacity = max(num_blocks, self.capacity_blocks * 17 // 16, self.capacity_blocks + 64)
         self.levels = self._grown(self.levels, 3, capacity)
         if self.codes is not None:
             self.codes = self._grown(self.codes, 2, capacity)
@@ -122,9 +156,13 @@ class BlockSummaries:
         """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device. One
         block (a decode step's) is written at the device count and counted by a device add — the same operators for
         every block, so that a captured step that completes a block replays for the next ones."""
-        n = key_blocks.shape[2]
+        B, H, n, T, _ = key_blocks.shape
         end = self.num_blocks + n
         self.reserve(end)
+        if self.kept_channels < self.head_dim:
+            if self.channels is None:
+                self.channels = key_channels(key_blocks, self.kept_channels)
+            key_blocks = key_blocks.gather(-1, self.channels[:, :, None, None].expand(B, H, n, T, self.kept_channels))
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
         else:
@@ -176,6 +214,8 @@ class BlockSummaries:
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.levels = self.levels.index_select(1, indices.to(self.levels.device))
+        if self.channels is not None:
+            self.channels = self.channels.index_select(0, indices.to(self.channels.device))
         if self.codes is not None:
             self.codes = self.codes.index_select(0, indices.to(self.codes.device))
         if self.scales is not None:
@@ -185,4 +225,5 @@ class BlockSummaries:
     def nbytes(self) -> int:
         codes = 0 if self.codes is None else self.codes.numel()
         scales = 0 if self.scales is None else self.scales.numel() * 4
-        return self.levels.numel() * self.levels.element_size() + codes + scales
+        channels = 0 if self.channels is None else self.channels.numel() * 8
+        return self.levels.numel() * self.levels.element_size() + codes + scales + channels
