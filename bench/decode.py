@@ -21,7 +21,8 @@ forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-
 -exact, -eagle3, -eagle3-exact; the ride-along inside the graph) replays decode steps as CUDA graphs
 (`cuda_graph=True`, the package's default on CUDA); without it every step runs eagerly (`cuda_graph=False`). Its
 cost sits in the steps that capture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
-(default: the package's, bits), e.g. `oasis-previous@bound`. dense-compiled: HF's fastest dense decode, a
+(default: the package's, bits), e.g. `oasis-previous@bound`; `@half` keeps the bits summaries on half the key
+channels (`summary_channels=0.5`), e.g. `oasis-previous-captured@half`. dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
 is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
 step. Its first steps compile (`--warmup` ≥ 3 for it); it cannot share a process with oasis methods (switching the
@@ -71,7 +72,9 @@ def make_cache(method: str, model, args, capacity: int = 0):
         return DynamicCache(config=model.config, offloading=True)
     method, _, scorer = method.partition("@")
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
-    if scorer:
+    if scorer == "half":  # the bits scorer's summaries on half the key channels
+        options["summary_channels"] = 0.5
+    elif scorer:
         options["scorer"] = scorer
     # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
     options["cuda_graph"] = method.endswith("-captured")

@@ -46,6 +46,8 @@
 #             second process (four host copies of a 128K cache do not fit the host's memory: OOM-killed when tried)
 #   capturedeagle3  the eagle3 ride-along inside the captured step, 32K x {1, 4}: dense, oasis-previous-captured,
 #             oasis-eagle3-exact (what OasisCache(model) picks with a head) eager and captured; means over 48 steps
+#   half      summaries on half the key channels (summary_channels=0.5), 32K x {1, 4}: dense, oasis-previous-captured
+#             and its @half form (device KV bytes, TPOT means over 48 steps)
 #   llama     the Llama-3.1-8B shape, 32K x 1 and 8K x 8: dense, offload, oasis-previous eager and captured (means over
 #             32 steps)
 #   capturedride  the ride-along's cost on captured steps (issue 4's <= 5% of TPOT), 32K x {1, 4}: dense,
@@ -98,6 +100,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --steps 16 --warmup 2 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense offload --out "$OUT/decode-qwen3-8b-128k-offload.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-offload128k.log" | tail -4 ;;
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     capturedride) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-ride.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-ride-b$b.log" | tail -5; done ;;
+    half) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-previous-captured@half --out "$OUT/decode-qwen3-8b-32k-b$b-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-half-b$b.log" | tail -5; done ;;
     llama) for spec in 32768:1 8192:8; do python3 bench/decode.py --interleave --model llama-3.1-8b --contexts "${spec%%:*}" --batches "${spec#*:}" --budget 2048 --steps 32 --warmup 4 --measure-steps 0 --statistic mean --methods dense offload oasis-previous oasis-previous-captured --out "$OUT/decode-llama-3.1-8b-${spec%%:*}-b${spec#*:}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-llama-${spec%%:*}-b${spec#*:}.log" | tail -6; done ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac
