@@ -37,6 +37,8 @@ def one_layer_model(shape: str, dtype: torch.dtype):
     group = config.num_attention_heads // config.num_key_value_heads
     config.update(dict(num_hidden_layers=1, hidden_size=256, intermediate_size=256, vocab_size=512, head_dim=head_dim,
                        num_attention_heads=config.num_key_value_heads * group))
+    if getattr(config, "layer_types", None):  # (transformers 5.17 keeps the list made for the full depth)
+        config.layer_types = config.layer_types[:1]
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
