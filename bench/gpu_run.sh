@@ -29,6 +29,8 @@
 #   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
 #   report8k  eval/report.py at 8K: needle, passkey, multikey tasks, budgets 1/8 and 1/16, NLL over 8K
 #   noise     eval/report.py at 4K on RULER's noise filler (where SmolLM2 finds the needle), budget 1/8, NLL over 8K
+#   halfquality  the full run's tasks and NLL with modes none and none@half (summary_channels=0.5): the check before
+#             half-channel summaries become the default
 #   full      the README's quality run: six tasks x 48 samples (288 documents) at 4K on the noise filler, budget 1/8,
 #             every mode and the bound scorer, NLL over 8K; budgets  the same at 1/4, 1/8, 1/16 for two tasks
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
@@ -88,6 +90,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
     noise) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-noise.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-noise.log" | tail -20 ;;
     full) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-full.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-full.log" | tail -40 ;;
+    halfquality) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none none@half --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-half.log" | tail -30 ;;
     budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
     scorekernel) { python3 bench/score_kernel.py; python3 bench/score_kernel.py --batch 1 --blocks 8192 --per-program 32 64; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/score-kernel.log" ;;
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;

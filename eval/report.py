@@ -37,18 +37,21 @@ HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 def make_cache(model, mode: str, budget: int | None, **cache_options):
     """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
     (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches), "@bound" / "@bits" for the
-    block scorer (default: the package's, bits)."""
+    block scorer (default: the package's, bits), "@half" for the bits scorer on half the key channels
+    (`summary_channels=0.5`)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     prediction, _, scorer = mode.partition("@")
     lookahead, _, variant = prediction.partition("-")
     if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or scorer not in (
-            "", "bits", "bound"):
+            "", "bits", "bound", "half"):
         raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
-                         "optionally with @bound or @bits (the block scorer)")
+                         "optionally with @bound or @bits (the block scorer) or @half (bits on half the channels)")
     options = dict(exact=variant == "exact", **cache_options)
-    if scorer:
+    if scorer == "half":
+        options["summary_channels"] = 0.5
+    elif scorer:
         options["scorer"] = scorer
     if lookahead == "eagle3":
         if HEAD is None:
