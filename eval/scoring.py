@@ -50,6 +50,7 @@ from eval.report import add_run_arguments, against_dense, load, run_generation, 
 from eval.tasks import generate_samples  # noqa: E402
 from oasis_cache.control.selection import all_blocks, top_blocks  # noqa: E402
 from oasis_cache.layer import OasisLayer  # noqa: E402
+from oasis_cache.pools.summaries import heaviest_channels  # noqa: E402
 
 
 def _half_bound(q, keys):
@@ -73,13 +74,10 @@ def _channels(q, keys, share=8, by_query=False):
 def _on_channels(q, keys, share, by_query=False):
     """The query rows `[B, H, R, D/share]` and keys `[B, H, NB, T, D/share]` on the D/`share` channels of `_channels`."""
     B, H, NB, T, D = keys.shape
-    half = D // 2
     weight = keys.abs().mean(dim=(2, 3))  # [B, H, D]
     if by_query:
         weight = weight * q.abs().mean(dim=2)
-    pairs = weight[..., :half] + weight[..., half:]  # rotate-half layout: channel d pairs with d + D/2
-    top = pairs.topk(max(1, D // share // 2), dim=-1).indices
-    channels = torch.cat((top, top + half), dim=-1)  # [B, H, D/share]
+    channels = heaviest_channels(weight, 2 * max(1, D // share // 2))  # [B, H, D/share]: the shipped choice's rule
     qs = q.gather(-1, channels[:, :, None].expand(-1, -1, q.shape[2], -1))
     ks = keys.gather(-1, channels[:, :, None, None].expand(-1, -1, NB, T, -1))
     return qs, ks

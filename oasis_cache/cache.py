@@ -329,8 +329,9 @@ class OasisCache(Cache):
         "steady", "completing" (one block completes: with the Triton backend, whose offload reads the block number
         on the device), or None (the forward runs eagerly)."""
         layer = self.layers[self._first_oasis_layer]
+        # (summaries' channels are chosen at the first append, in the same forward for every layer)
         if not (layer.is_initialized and layer.device.type == "cuda" and self._decode_step_of_fixed_shapes()
-                and all(other.summaries.channels_fixed for other in self.layers)):  # (chosen at a first append)
+                and layer.summaries.channels_fixed):
             return None
         if not layer.completes_block():
             return "steady"

@@ -71,10 +71,14 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def key_channels(key_blocks: torch.Tensor, kept: int) -> torch.Tensor:
-    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64, ascending: the channels of largest mean |k|, by rotary
-    pairs (the rotate-half layout of HF's models: channel d turns with d + D/2; `kept` even)."""
-    D = key_blocks.shape[-1]
-    weight = key_blocks.float().abs().mean(dim=(2, 3))  # [B, Hkv, D]
+    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64: the channels of largest mean |k| (`heaviest_channels`)."""
+    return heaviest_channels(key_blocks.float().abs().mean(dim=(2, 3)), kept)
+
+
+def heaviest_channels(weight: torch.Tensor, kept: int) -> torch.Tensor:
+    """`weight` `[..., D]` -> `[..., kept]` int64, ascending within each half: the `kept` channels of largest weight,
+    by rotary pairs (the rotate-half layout of HF's models: channel d turns with d + D/2; `kept` even)."""
+    D = weight.shape[-1]
     pairs = weight[..., : D // 2] + weight[..., D // 2 :]
     top = pairs.topk(kept // 2, dim=-1).indices.sort(dim=-1).values
     return torch.cat((top, top + D // 2), dim=-1)
