@@ -21,8 +21,9 @@ forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-
 -exact, -eagle3, -eagle3-exact; the ride-along inside the graph) replays decode steps as CUDA graphs
 (`cuda_graph=True`, the package's default on CUDA); without it every step runs eagerly (`cuda_graph=False`). Its
 cost sits in the steps that capture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
-(default: the package's, bits), e.g. `oasis-previous@bound`; `@half` keeps the bits summaries on half the key
-channels (`summary_channels=0.5`), e.g. `oasis-previous-captured@half`. dense-compiled: HF's fastest dense decode, a
+(default: the package's, bits), e.g. `oasis-previous@bound`; `@full` keeps the bits summaries on every key channel
+(`summary_channels=1.0`; the default keeps half), e.g. `oasis-previous-captured@full` (`OPTION_VARIANTS` in
+oasis_cache/config.py). dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
 is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
 step. Its first steps compile (`--warmup` ≥ 3 for it); it cannot share a process with oasis methods (switching the
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import oasis_cache  # noqa: E402,F401
 from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.config import OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import load_model  # noqa: E402
 
@@ -70,12 +72,9 @@ def make_cache(method: str, model, args, capacity: int = 0):
     if method == "offload":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
-    method, _, scorer = method.partition("@")
-    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
-    if scorer == "half":  # the bits scorer's summaries on half the key channels
-        options["summary_channels"] = 0.5
-    elif scorer:
-        options["scorer"] = scorer
+    method, _, variant = method.partition("@")
+    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None,
+                   **OasisConfig.variant_options(variant))
     # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
     options["cuda_graph"] = method.endswith("-captured")
     method = method.removesuffix("-captured")

@@ -29,8 +29,8 @@
 #   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
 #   report8k  eval/report.py at 8K: needle, passkey, multikey tasks, budgets 1/8 and 1/16, NLL over 8K
 #   noise     eval/report.py at 4K on RULER's noise filler (where SmolLM2 finds the needle), budget 1/8, NLL over 8K
-#   halfquality  the full run's tasks and NLL with modes none and none@half (summary_channels=0.5): the check before
-#             half-channel summaries become the default
+#   halfquality  the full run's tasks and NLL with modes none@full (summaries on every key channel) and none (half of
+#             them, the default since the eleventh session)
 #   full      the README's quality run: six tasks x 48 samples (288 documents) at 4K on the noise filler, budget 1/8,
 #             every mode and the bound scorer, NLL over 8K; budgets  the same at 1/4, 1/8, 1/16 for two tasks
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
@@ -48,8 +48,8 @@
 #             second process (four host copies of a 128K cache do not fit the host's memory: OOM-killed when tried)
 #   capturedeagle3  the eagle3 ride-along inside the captured step, 32K x {1, 4}: dense, oasis-previous-captured,
 #             oasis-eagle3-exact (what OasisCache(model) picks with a head) eager and captured; means over 48 steps
-#   half      summaries on half the key channels (summary_channels=0.5), 32K x {1, 4}: dense, oasis-previous-captured
-#             and its @half form (device KV bytes, TPOT means over 48 steps)
+#   half      summaries on half the key channels (the default) against every channel (@full), 32K x {1, 4}: dense,
+#             oasis-previous-captured@full, oasis-previous-captured (device KV bytes, TPOT means over 48 steps)
 #   llama     the Llama-3.1-8B shape, 32K x 1 and 8K x 8: dense, offload, oasis-previous eager and captured (means over
 #             32 steps)
 #   capturedride  the ride-along's cost on captured steps (issue 4's <= 5% of TPOT), 32K x {1, 4}: dense,
@@ -90,7 +90,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     report8k) python3 eval/report.py --tasks single_needle multi_needle passkey multikey --lengths 8192 --samples 32 --batch-size 16 --fractions 8 16 --modes none none@bound eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-8k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-8k.log" | tail -40 ;;
     noise) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 16 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-noise.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-noise.log" | tail -20 ;;
     full) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-full.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-full.log" | tail -40 ;;
-    halfquality) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none none@half --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-half.log" | tail -30 ;;
+    halfquality) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none@full none --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-half.log" | tail -30 ;;
     budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
     scorekernel) { python3 bench/score_kernel.py; python3 bench/score_kernel.py --batch 1 --blocks 8192 --per-program 32 64; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/score-kernel.log" ;;
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
@@ -103,7 +103,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --steps 16 --warmup 2 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense offload --out "$OUT/decode-qwen3-8b-128k-offload.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-offload128k.log" | tail -4 ;;
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     capturedride) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-ride.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-ride-b$b.log" | tail -5; done ;;
-    half) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-previous-captured@half --out "$OUT/decode-qwen3-8b-32k-b$b-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-half-b$b.log" | tail -5; done ;;
+    half) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured@full oasis-previous-captured --out "$OUT/decode-qwen3-8b-32k-b$b-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-half-b$b.log" | tail -5; done ;;
     llama) for spec in 32768:1 8192:8; do python3 bench/decode.py --interleave --model llama-3.1-8b --contexts "${spec%%:*}" --batches "${spec#*:}" --budget 2048 --steps 32 --warmup 4 --measure-steps 0 --statistic mean --methods dense offload oasis-previous oasis-previous-captured --out "$OUT/decode-llama-3.1-8b-${spec%%:*}-b${spec#*:}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-llama-${spec%%:*}-b${spec#*:}.log" | tail -6; done ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;
   esac

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
 from eval.tasks import chat_prompt, generate_samples, score  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.config import OPTION_VARIANTS, OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
@@ -37,22 +38,18 @@ HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 def make_cache(model, mode: str, budget: int | None, **cache_options):
     """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
     (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches), "@bound" / "@bits" for the
-    block scorer (default: the package's, bits), "@half" for the bits scorer on half the key channels
-    (`summary_channels=0.5`)."""
+    block scorer (default: the package's, bits), "@full" / "@half" for the bits summaries on every key channel or on
+    half of them (the default; `OPTION_VARIANTS` in oasis_cache/config.py)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
-    prediction, _, scorer = mode.partition("@")
+    prediction, _, option_variant = mode.partition("@")
     lookahead, _, variant = prediction.partition("-")
-    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or scorer not in (
-            "", "bits", "bound", "half"):
+    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or (
+            option_variant and option_variant not in OPTION_VARIANTS):
         raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
-                         "optionally with @bound or @bits (the block scorer) or @half (bits on half the channels)")
-    options = dict(exact=variant == "exact", **cache_options)
-    if scorer == "half":
-        options["summary_channels"] = 0.5
-    elif scorer:
-        options["scorer"] = scorer
+                         f"optionally with one of {', '.join('@' + v for v in OPTION_VARIANTS)}")
+    options = dict(exact=variant == "exact", **OasisConfig.variant_options(option_variant), **cache_options)
     if lookahead == "eagle3":
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
@@ -116,8 +113,8 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--modes", nargs="+", default=["none", "previous"],
-                        help="none, previous, eagle3, previous-exact, eagle3-exact; a suffix @bound or @bits picks "
-                        "the block scorer (e.g. none@bound; default bits)")
+                        help="none, previous, eagle3, previous-exact, eagle3-exact; a suffix @bound / @bits picks "
+                        "the block scorer (e.g. none@bound; default bits), @full / @half the summaries' channels")
     parser.add_argument("--head", default=None, help="EAGLE-3 head directory, for mode eagle3")
     parser.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16], help="budget = context / fraction")
     parser.add_argument("--nll-prefill", type=int, default=7168)

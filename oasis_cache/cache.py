@@ -190,15 +190,19 @@ class OasisCache(Cache):
             visible, layer.batch_size, num_blocks, summaries.count, width, cfg.block_size, cfg.sink_tokens,
             cfg.num_recent_blocks, layer.device))
 
-    def new_token_causality(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
-                            device) -> torch.Tensor:
-        """`[G * Qn, L]` bool: row `g * Qn + i` (query head g of a KV head's group, new token i) sees working-set
-        token j iff j <= end - Qn + i (`compute/sparse.py`), end = `slot_tokens` + the recent-token count `count`
-        (`[1]` int64 on the device: a captured step replays with its new value)."""
+    def new_token_bias(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
+                       dtype: torch.dtype, device) -> torch.Tensor:
+        """`[G * Qn, L]` (`[1, L]` when Qn == 1) additive attention bias in `dtype`, 0 or -inf: row `g * Qn + i`
+        (query head g of a KV head's group, new token i) may see working-set token j iff j <= end - Qn + i
+        (`compute/sparse.py`), end = `slot_tokens` + the recent-token count `count` (`[1]` int64 on the device: a
+        captured step replays with its new value). One per forward, for every layer."""
         def build():
+            if num_queries == 1:  # one new token sees every visible token: the visibility alone decides
+                return torch.zeros((1, length), dtype=dtype, device=device)
             offset = torch.arange(length, device=device) - torch.arange(num_queries, device=device)[:, None]
-            return (offset <= count + (slot_tokens - num_queries)).repeat(group, 1)  # [G * Qn, L]
-        return self._shared(("causality", num_queries, group, length, slot_tokens, str(device)), build)
+            seen = (offset <= count + (slot_tokens - num_queries)).repeat(group, 1)  # [G * Qn, L]
+            return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+        return self._shared(("new-token bias", num_queries, group, length, slot_tokens, dtype, str(device)), build)
 
     def recent_visibility(self, view: StepVisibility, num_recent: int, count: torch.Tensor, capacity: int,
                           device) -> torch.Tensor:
@@ -238,6 +242,7 @@ class OasisCache(Cache):
             exact=self.config.exact,
             scorer=self.config.scorer,
             fp8_levels=self._levels_in_fp8(),
+            summary_channels=self._summary_channels(),
             backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
@@ -250,6 +255,13 @@ class OasisCache(Cache):
             out.update(captured_replays=steps.replays, completing_replays=steps.completing_replays,
                        captures=steps.captures)
         return out
+
+    def _summary_channels(self) -> float | None:
+        """The share of key channels the summaries cover (resolved when a layer initializes; None before)."""
+        for layer in self.layers:
+            if isinstance(layer, OasisLayer) and layer.is_initialized:
+                return layer.summaries.kept_channels / layer.summaries.head_dim
+        return None
 
     def _levels_in_fp8(self) -> bool | None:
         """Whether the bits levels are kept in fp8 (resolved per device when a layer initializes; None before)."""

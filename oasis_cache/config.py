@@ -24,6 +24,14 @@ LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
+# Named option sets that benchmarks and evaluations append to a method as "@name" (bench/decode.py, eval/report.py,
+# eval/recall.py): the summaries' scorer and channels compared under one spelling.
+OPTION_VARIANTS = {
+    "bits": dict(scorer="bits"),
+    "bound": dict(scorer="bound"),
+    "half": dict(summary_channels=0.5),  # what the default picks with the bits scorer
+    "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
+}
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
 # a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
@@ -67,10 +75,13 @@ class OasisConfig:
             head: the summaries then take the bytes of a bf16 min/max (1/16 of K+V at T=16) instead of 3/32. None
             (default): fp8 wherever it runs — CPU, and CUDA unless the Triton kernels meet a GPU below compute
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
-        summary_channels: with the bits scorer, the fraction of key channels its summaries cover (1.0: all). 0.5
-            halves them (3.1% of K+V per block with fp8 levels instead of 6.25%): per sequence and KV head, the
-            rotary pairs of largest mean |k| in the first blocks summarized (the prompt's), the others left out of
-            the ranking (`pools/summaries.py`). It must keep an even number of the head's channels.
+        summary_channels: with the bits scorer, the fraction of key channels its summaries cover. None (default):
+            0.5 with the bits scorer (1.0 with "bound", and where half the head would be an odd number of channels):
+            per sequence and KV head, the rotary pairs of largest mean |k| in the first blocks summarized (the
+            prompt's), the others left out of the ranking (`pools/summaries.py`); the summaries then take 3.1% of
+            K+V per block with fp8 levels instead of 6.25%, which keeps the device's KV within 10% of dense at 32K
+            with a 2048-token budget (on SmolLM2's six tasks: equal retention but one sample; docs/perf.md, eleventh
+            session). 1.0: every channel. An explicit fraction must keep an even number of the head's channels.
         draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
@@ -97,7 +108,7 @@ class OasisConfig:
     gather_programs: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
-    summary_channels: float = 1.0
+    summary_channels: float | None = None
     draft_lookup: int = 0
     cuda_graph: bool | None = None
 
@@ -145,13 +156,14 @@ class OasisConfig:
             raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
-        if isinstance(self.summary_channels, bool) or not isinstance(self.summary_channels, (int, float)) or not (
-                0 < self.summary_channels <= 1):
-            raise ValueError(f"summary_channels must be in (0, 1] (a fraction of the key channels), got "
-                             f"{self.summary_channels!r}.")
-        if self.summary_channels < 1 and self.scorer != "bits":
-            raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no longer "
-                             "bound q.k).")
+        if self.summary_channels is not None:
+            if isinstance(self.summary_channels, bool) or not isinstance(self.summary_channels, (int, float)) or \
+                    not 0 < self.summary_channels <= 1:
+                raise ValueError(f"summary_channels must be None (automatic) or in (0, 1] (a fraction of the key "
+                                 f"channels), got {self.summary_channels!r}.")
+            if self.summary_channels < 1 and self.scorer != "bits":
+                raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no "
+                                 "longer bound q.k).")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.cuda_graph not in (None, True, False):
@@ -159,14 +171,24 @@ class OasisConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 
+    @staticmethod
+    def variant_options(name: str) -> dict:
+        """The OasisCache options of an "@name" variant (`OPTION_VARIANTS`); "" gives none."""
+        if name and name not in OPTION_VARIANTS:
+            raise ValueError(f"unknown option variant @{name}: one of {', '.join('@' + v for v in OPTION_VARIANTS)}")
+        return dict(OPTION_VARIANTS.get(name, {}))
+
     def kept_channels(self, head_dim: int) -> int:
         """The key channels the summaries cover for a head of `head_dim` channels (`summary_channels`)."""
+        if self.summary_channels is None:  # automatic: half the rotary pairs with the bits scorer
+            half = head_dim // 2
+            return half if self.scorer == "bits" and half >= 2 and half % 2 == 0 else head_dim
         kept = self.summary_channels * head_dim
         if kept != int(kept) or int(kept) % 2 or kept < 2:
             raise ValueError(
                 f"summary_channels={self.summary_channels} keeps {kept:g} of this model's {head_dim} key channels per "
                 f"head: it must keep an even number (rotary pairs), e.g. 0.5 ({head_dim // 2}) or 0.25 "
-                f"({head_dim // 4}).")
+                f"({head_dim // 4}), or 1.0 (all).")
         return int(kept)
 
     @property

@@ -245,10 +245,8 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
-        causal = None
-        if Qn > 1:
-            causal = cache.new_token_causality(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, self.device)
-        out = sparse_attention(query, keys, values, mask, scale, causal)
+        bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype, self.device)
+        out = sparse_attention(query, keys, values, mask, scale, bias)
         cache.counters.record_layer_step(B * H, n)
         return out
 

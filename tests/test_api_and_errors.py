@@ -25,8 +25,8 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, scorer="psychic"), "scorer must be one of"),
         (dict(token_budget=256, scorer="bound", fp8_levels=True), "fp8_levels=True is for scorer='bits'"),
         (dict(token_budget=256, fp8_levels="yes"), "fp8_levels must be None"),
-        (dict(token_budget=256, summary_channels=0), "summary_channels must be in"),
-        (dict(token_budget=256, summary_channels=1.5), "summary_channels must be in"),
+        (dict(token_budget=256, summary_channels=0), r"summary_channels must be None \(automatic\) or in"),
+        (dict(token_budget=256, summary_channels=1.5), r"summary_channels must be None \(automatic\) or in"),
         (dict(token_budget=256, scorer="bound", summary_channels=0.5), "summary_channels < 1 is for scorer='bits'"),
     ],
 )

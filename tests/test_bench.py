@@ -81,11 +81,12 @@ def test_plot_draws_the_chosen_statistic(tmp_path):
 
 def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
     """`bench/kv_bytes.py` (device KV bytes by pool, counted on CPU): the total is the pools' sum, the ratio is against
-    dense K+V of the same tokens, and summaries on half the channels take half the summary bytes."""
+    dense K+V of the same tokens, and the default summaries (on half the channels) take half the bytes of those on every
+    channel."""
     out = tmp_path / "kv.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kv_bytes.py"), "--model", "tiny", "--context", "512", "--budget", "128",
-         "--steps", "4", "--prefill-chunk", "256", "--options", "", "summary_channels=0.5", "--out", str(out)],
+         "--steps", "4", "--prefill-chunk", "256", "--options", "summary_channels=1.0", "", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-2000:]
@@ -94,7 +95,8 @@ def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
         pools = row["working_set_bytes"] + row["summaries_bytes"] + row["slot_map_bytes"] + row["recent_overflow_bytes"]
         assert row["total_bytes"] == pools and row["ratio"] == row["total_bytes"] / row["dense_bytes"]
         assert row["dense_bytes"] == 2 * 1 * 2 * 516 * 32 * 2  # K+V, batch 1, 2 KV heads, 516 tokens, D 32, bf16
-    assert half["options"] == {"summary_channels": 0.5} and half["working_set_bytes"] == full["working_set_bytes"]
+    assert full["options"] == {"summary_channels": 1.0} and half["options"] == {}
+    assert half["working_set_bytes"] == full["working_set_bytes"]
     channels = 1 * 2 * 16 * 8  # the chosen channels' indices (int64)
     scales = full["summary_blocks_capacity"] * 1 * 2 * 4  # fp8 levels' scale per block and KV head (fp32)
     assert half["summary_blocks_capacity"] == full["summary_blocks_capacity"]

@@ -351,19 +351,19 @@ def test_a_failed_capture_names_the_fix():
 
 
 def test_half_channel_summaries_on_cuda():
-    """summary_channels=0.5 on CUDA: the Triton kernels rank with the queries read on the chosen channels as the torch
-    backend does (same tokens), the captured steps replay once the channels are chosen (at the prefill), and the
-    summaries hold half the bytes of codes and levels."""
+    """The default summaries (half the key channels) on CUDA: the Triton kernels rank with the queries read on the
+    chosen channels as the torch backend does (same tokens), the captured steps replay once the channels are chosen
+    (at the prefill), and the summaries hold half the bytes of codes and levels of those on every channel."""
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
-    options = dict(token_budget=128, recent_tokens=32, lookahead="previous", summary_channels=0.5)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
     captured = OasisCache(model, **options)
     by_kernels = generate(model, captured, inputs, **kw)
     by_torch = generate(model, OasisCache(model, backend="torch", **options), inputs, **kw)
     assert torch.equal(by_kernels.sequences, by_torch.sequences)
     assert captured.captured_steps.replays >= 30
-    full = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous")
+    full = OasisCache(model, summary_channels=1.0, **options)
     generate(model, full, inputs, **kw)
     layer, whole = captured.layers[0].summaries, full.layers[0].summaries
     assert layer.levels.shape[-1] == whole.levels.shape[-1] // 2 and layer.codes.shape[-1] == whole.codes.shape[-1] // 2

@@ -310,6 +310,27 @@ def test_fp8_levels_by_default_where_they_run(monkeypatch):
         assert cache.stats()["fp8_levels"] is expected
 
 
+def test_summary_channels_default_to_half_with_the_bits_scorer():
+    """summary_channels=None: half the key channels with the bits scorer (where that keeps an even number), every
+    channel with the bound scorer or a head too narrow to halve; `stats()` reports the share once resolved."""
+    from oasis_cache import OasisCache
+    from oasis_cache.config import OasisConfig
+    from conftest import prompt_ids, tiny_model
+
+    assert OasisConfig(token_budget=256).kept_channels(128) == 64
+    assert OasisConfig(token_budget=256).kept_channels(4) == 2
+    assert OasisConfig(token_budget=256).kept_channels(6) == 6  # 3 channels would split a rotary pair
+    assert OasisConfig(token_budget=256, scorer="bound").kept_channels(128) == 128
+    assert OasisConfig(token_budget=256, summary_channels=1.0).kept_channels(128) == 128
+    model = tiny_model("llama")
+    for kwargs, expected in ((dict(), 0.5), (dict(summary_channels=1.0), 1.0), (dict(scorer="bound"), 1.0)):
+        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)
+        assert cache.stats()["summary_channels"] is None
+        with torch.no_grad():
+            model(input_ids=prompt_ids(100), past_key_values=cache, use_cache=True)
+        assert cache.stats()["summary_channels"] == expected
+
+
 def test_summaries_on_half_the_channels():
     """summary_channels < 1: the channels are chosen once, by rotary pairs of largest mean |k| in each sequence and
     KV head, from the first blocks appended; later blocks are summarized on the same channels; queries are read on

@@ -94,7 +94,8 @@ def test_selection_keeps_sink_and_recent_blocks(monkeypatch):
 def test_host_pool_holds_exactly_the_models_kv(monkeypatch):
     model = tiny_model("qwen3")
     cache = oasis_cache_for(model, token_budget=64, sink_tokens=16, recent_tokens=16, host_chunk_blocks=3,
-                            fp8_levels=False)  # exact levels below (their fp8 rounding: test_pools_and_control)
+                            fp8_levels=False, summary_channels=1.0)  # exact levels on every channel below (their
+    # fp8 rounding and the channels kept by default: test_pools_and_control)
     rec = Recorder(monkeypatch)
     model.generate(input_ids=prompt_ids(150, batch=2), past_key_values=cache, max_new_tokens=30,
                    do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -149,15 +150,16 @@ def fp8_rounded(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, to
     return tuple((x / scale).to(torch.float8_e4m3fn).double() * scale for x in (low, high))
 
 
-@pytest.mark.parametrize("scorer", ["bits", "bound", "bits-fp8"])
+@pytest.mark.parametrize("scorer", ["bits", "bound", "bits-fp8", "bits-half"])
 def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
     """Each decode step attends the sink and recent blocks plus the best others by the scorer, recomputed here from
     the pooled keys: the bound (relu(q).kmax + min(q,0).kmin) or the best coarse key (each channel the mean of the
     block's values on its side of the block mean; "bits-fp8": those levels rounded to fp8 with a power-of-two scale
-    per block), maximised over the KV head's query rows."""
+    per block; "bits-half", the default: fp8 levels on the half of the channels each sequence and KV head keeps),
+    maximised over the KV head's query rows."""
     model = tiny_model("qwen3")
     cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer[:5].strip("-"),
-                            fp8_levels=scorer == "bits-fp8")
+                            fp8_levels=scorer in ("bits-fp8", "bits-half"), summary_channels=None if scorer == "bits-half" else 1.0)
     cache.record_selection = True
     rec = Recorder(monkeypatch)
     model.generate(input_ids=prompt_ids(300, batch=2), past_key_values=cache, max_new_tokens=6, do_sample=False,
@@ -171,13 +173,18 @@ def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
         B, H = call["selection"].shape[:2]
         blocks = call["kv"][0][:, :, : NB * T].reshape(B, H, NB, T, -1).double()
         q = call["query"].reshape(B, H, -1, blocks.shape[-1]).double()  # [B, H, G, D]
+        if scorer == "bits-half":  # the channels the default keeps: chosen once, at the prompt's blocks
+            channels = call["layer"].summaries.channels  # [B, H, D / 2]
+            assert channels.shape == (B, H, blocks.shape[-1] // 2)
+            q = q.gather(-1, channels[:, :, None].expand(*q.shape[:3], -1))
+            blocks = blocks.gather(-1, channels[:, :, None, None].expand(*blocks.shape[:4], -1))
         kmin, kmax = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
         if scorer.startswith("bits"):
             above = blocks > blocks.mean(dim=3, keepdim=True)
             high = (blocks * above).sum(3, keepdim=True) / above.sum(3, keepdim=True).clamp(min=1)
             high = torch.where(above.any(3, keepdim=True), high, blocks.mean(dim=3, keepdim=True))
             low = (blocks * ~above).sum(3, keepdim=True) / (~above).sum(3, keepdim=True)
-            if scorer == "bits-fp8":
+            if scorer in ("bits-fp8", "bits-half"):
                 low, high = fp8_rounded(low.float(), high.float())
             coarse = torch.where(above, high, low)
             scores = torch.einsum("bhgd,bhntd->bhgnt", q, coarse).amax(dim=(2, 4))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 def sparse_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
-    causal: torch.Tensor | None = None,
+    bias: torch.Tensor,
 ) -> torch.Tensor:
     """
     Args:
@@ -20,9 +20,9 @@ def sparse_attention(
             that does not change between steps, so attention backends keep their plans).
         visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none past the last one).
         scale: softmax scale.
-        causal: `[G * Qn, L]` bool, row `g * Qn + i`: token j seen by new query i iff j <= end - Qn + i (end: one
-            past the last recent token); needed when Qn > 1, None when Qn == 1 (the cache builds it once per forward
-            for all layers: `OasisCache.new_token_causality`).
+        bias: `[G * Qn, L]` (`[1, L]` when Qn == 1) in the query's dtype, 0 or -inf, row `g * Qn + i`: token j may
+            be seen by new query i iff j <= end - Qn + i (end: one past the last recent token); the cache builds it
+            once per forward for all layers (`OasisCache.new_token_bias`).
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -30,8 +30,8 @@ def sparse_attention(
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     grouped = query.reshape(B, Hkv, G * Qn, D)  # query head h*G + g uses KV head h: rows (g, i)
-    mask = visible[:, :, None, :]  # [B, Hkv, 1, L]
-    if Qn > 1:  # causality among the new tokens: [B, Hkv, G * Qn, L] in one operation
-        mask = mask & causal
+    # The additive mask in one operation, [B, Hkv, G * Qn or 1, L]: what a boolean mask would become inside the
+    # attention call (0 where seen, -inf elsewhere), with the new tokens' causality folded in.
+    mask = torch.where(visible[:, :, None, :], bias, float("-inf"))
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)
