@@ -1,7 +1,7 @@
 """Device KV bytes of OasisCache against dense KV, by pool, for a model shape's KV geometry: counted, not timed, so a
 CPU run gives what the GPU holds (the pools' sizes do not depend on the device; fp8 levels, as on an H200).
 
-    python bench/kv_bytes.py --model qwen3-8b --context 32768 --budget 2048 --options "" summary_channels=0.5
+    python bench/kv_bytes.py --model qwen3-8b --context 32768 --budget 2048 --options summary_channels=1.0 ""
 
 A one-layer model with the shape's KV heads, query heads per KV head and head size (every layer holds the same bytes,
 so the ratio is the model's), a prefill of random tokens in chunks, then `--steps` decode steps (past a block
