@@ -77,7 +77,8 @@ def main():
     stats = cache.stats()
     cfg = cache.config
     print(f"\nOasisCache(token_budget={args.budget}) chose lookahead={cfg.lookahead!r}, exact={cfg.exact} "
-          f"(eagle3 when a shipped draft head matches the model), scorer={cfg.scorer!r}")
+          f"(eagle3 when a shipped draft head matches the model), scorer={cfg.scorer!r} on "
+          f"{stats['summary_channels']:.0%} of the key channels")
     print(f"on a {n}-token prompt "
           f"({args.budget / n:.0%} of the context attended per step):")
     for key in ("decode_steps", "tokens_attended_per_step", "blocks_selected_per_step", "blocks_fetched_per_step",
