@@ -24,8 +24,8 @@ LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
-# Named option sets that benchmarks and evaluations append to a method as "@name" (bench/decode.py, eval/report.py,
-# eval/recall.py): the summaries' scorer and channels compared under one spelling.
+# Named option sets that benchmarks and evaluations append to a method as "@name" (bench/decode.py, eval/report.py):
+# the summaries' scorer and channels compared under one spelling.
 OPTION_VARIANTS = {
     "bits": dict(scorer="bits"),
     "bound": dict(scorer="bound"),
