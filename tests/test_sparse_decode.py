@@ -159,7 +159,8 @@ def test_decode_attends_the_scorers_top_blocks(monkeypatch, scorer):
     maximised over the KV head's query rows."""
     model = tiny_model("qwen3")
     cache = oasis_cache_for(model, token_budget=128, sink_tokens=16, recent_tokens=32, scorer=scorer[:5].strip("-"),
-                            fp8_levels=scorer in ("bits-fp8", "bits-half"), summary_channels=None if scorer == "bits-half" else 1.0)
+                            fp8_levels=scorer in ("bits-fp8", "bits-half"),
+                            summary_channels=None if scorer == "bits-half" else 1.0)
     cache.record_selection = True
     rec = Recorder(monkeypatch)
     model.generate(input_ids=prompt_ids(300, batch=2), past_key_values=cache, max_new_tokens=6, do_sample=False,
