@@ -237,14 +237,15 @@ class OasisCache(Cache):
             wait_ms = self._streams.exposed_wait_ms()
             out.update(exposed_wait_ms_total=wait_ms,
                        exposed_wait_ms_per_step=wait_ms / max(1, self.counters.decode_steps))
+        fp8_levels, summary_channels = self._summary_form()
         out.update(
             token_budget=self.config.token_budget,
             block_size=self.config.block_size,
             lookahead=self.config.lookahead,
             exact=self.config.exact,
             scorer=self.config.scorer,
-            fp8_levels=self._levels_in_fp8(),
-            summary_channels=self._summary_channels(),
+            fp8_levels=fp8_levels,
+            summary_channels=summary_channels,
             backend=self._transfer.backend if self._transfer else None,
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
@@ -258,19 +259,15 @@ class OasisCache(Cache):
                        captures=steps.captures)
         return out
 
-    def _summary_channels(self) -> float | None:
-        """The share of key channels the summaries cover (resolved when a layer initializes; None before)."""
-        for layer in self.layers:
-            if isinstance(layer, OasisLayer) and layer.is_initialized:
-                return layer.summaries.kept_channels / layer.summaries.head_dim
-        return None
-
-    def _levels_in_fp8(self) -> bool | None:
-        """Whether the bits levels are kept in fp8 (resolved per device when a layer initializes; None before)."""
-        for layer in self.layers:
-            if isinstance(layer, OasisLayer) and layer.is_initialized:
-                return layer.summaries.scales is not None
-        return None
+    def _summary_form(self) -> tuple[bool | None, float | None]:
+        """`(fp8_levels, summary_channels)`: whether the bits levels are kept in fp8 and the share of key channels
+        the summaries cover, as resolved when the layers initialize (per device; every layer in the same forward,
+        so the first tells); `(None, None)` before."""
+        layer = self.layers[self._first_oasis_layer]
+        if not layer.is_initialized:
+            return None, None
+        summaries = layer.summaries
+        return summaries.scales is not None, summaries.kept_channels / summaries.head_dim
 
     def device_nbytes(self) -> dict:
         """Bytes held on the compute device by all OasisLayers, by pool."""
