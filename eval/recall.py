@@ -61,6 +61,8 @@ def main():
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--scorer", choices=["bits", "bound"], default="bits", help="the block scorer (OasisConfig)")
+    parser.add_argument("--summary-channels", type=float, default=None,
+                        help="OasisConfig.summary_channels (default: the package's, half with the bits scorer)")
     parser.add_argument("--slots", type=int, default=0,
                         help="working-set slots the prediction fills (0: K, the recall of a top-K prediction; 2K is "
                              "what exact=True uses by default: the share of the real top-K already resident)")
@@ -94,7 +96,8 @@ def main():
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(**inputs, max_new_tokens=args.steps + 1, do_sample=False,
                                pad_token_id=tok.pad_token_id,
-                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer))
+                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer,
+                                                          summary_channels=args.summary_channels))
     K = args.budget // 16 - 1
     for mode in modes:
         lookahead = mode.split("-")[0]
@@ -103,6 +106,7 @@ def main():
             draft["draft_lookup"] = args.draft_lookup
         predicting = dict(exact=True, num_slots=args.slots or K) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
+                           summary_channels=args.summary_channels,
                            **predicting, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[:, position, None]  # [N, 1]
