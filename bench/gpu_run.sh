@@ -54,6 +54,9 @@
 #             32 steps)
 #   capturedride  the ride-along's cost on captured steps (issue 4's <= 5% of TPOT), 32K x {1, 4}: dense,
 #             oasis-previous-captured, oasis-eagle3-captured; means over 48 steps
+#   kernel    the Triton decode attention against SDPA (`@sdpa`), `previous` and the eagle3 ride-along captured,
+#             32K x 1 (with dense) and x 4; 48 steps, interleaved
+#   attnkernel  bench/attention_kernel.py: the decode attention kernel alone against SDPA, by key ranges (splits)
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
 # Logs and JSON under $OUT (at most 8 files come back).
@@ -103,6 +106,9 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --steps 16 --warmup 2 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense offload --out "$OUT/decode-qwen3-8b-128k-offload.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-offload128k.log" | tail -4 ;;
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     capturedride) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-ride.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-ride-b$b.log" | tail -5; done ;;
+    attnkernel) python3 bench/attention_kernel.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/attention-kernel.log" ;;
+    kernel) for spec in "1:dense oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured@sdpa oasis-eagle3-captured" "4:oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured"; do b=${spec%%:*}
+        python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b$b-kernel.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-kernel-b$b.log" | tail -6; done ;;
     half) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured@full oasis-previous-captured --out "$OUT/decode-qwen3-8b-32k-b$b-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-half-b$b.log" | tail -5; done ;;
     llama) for spec in 32768:1 8192:8; do python3 bench/decode.py --interleave --model llama-3.1-8b --contexts "${spec%%:*}" --batches "${spec#*:}" --budget 2048 --steps 32 --warmup 4 --measure-steps 0 --statistic mean --methods dense offload oasis-previous oasis-previous-captured --out "$OUT/decode-llama-3.1-8b-${spec%%:*}-b${spec#*:}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-llama-${spec%%:*}-b${spec#*:}.log" | tail -6; done ;;
     exact32k) python3 bench/exactness.py --model qwen3-8b --context 32768 --dtype float32 --new-tokens 12 2>&1 | grep --line-buffered -v Warning | tee "$OUT/exactness-qwen3-8b-32k.log" ;;

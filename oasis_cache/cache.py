@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 
 from . import compat
 from .compute.attention import clear_pending, peek_pending
+from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import StepVisibility, step_visibility
 from .layer import OasisLayer
@@ -48,8 +49,9 @@ class OasisCache(Cache):
         cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; every lookahead, the
             eagle3 ride-along included). None (default): on for CUDA models of the checked architectures with the
             Triton backend (see `OasisConfig`); True / False: on (an error where it cannot run) / off.
-        scorer, fp8_levels, summary_channels, exact, gather_programs, draft_lookup: see `OasisConfig` (by default the
-            block summaries cover half of each head's key channels: `summary_channels`).
+        scorer, fp8_levels, summary_channels, exact, gather_programs, draft_lookup, attention_kernel: see
+            `OasisConfig` (by default the block summaries cover half of each head's key channels:
+            `summary_channels`; decode attention runs a Triton kernel wherever the Triton backend does).
     """
 
     def __init__(
@@ -194,16 +196,9 @@ class OasisCache(Cache):
 
     def new_token_bias(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
                        dtype: torch.dtype, device) -> torch.Tensor:
-        """`[G * Qn, L]` (`[1, L]` when Qn == 1) additive attention bias in `dtype`, 0 or -inf: row `g * Qn + i`
-        (query head g of a KV head's group, new token i) may see working-set token j iff j <= end - Qn + i
-        (`compute/sparse.py`), end = `slot_tokens` + the recent-token count `count` (`[1]` int64 on the device: a
-        captured step replays with its new value). One per forward, for every layer."""
+        """`compute.sparse.new_token_bias`, built once per forward for every layer (torch attention path)."""
         def build():
-            if num_queries == 1:  # one new token sees every visible token: the visibility alone decides
-                return torch.zeros((1, length), dtype=dtype, device=device)
-            offset = torch.arange(length, device=device) - torch.arange(num_queries, device=device)[:, None]
-            seen = (offset <= count + (slot_tokens - num_queries)).repeat(group, 1)  # [G * Qn, L]
-            return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            return new_token_bias(num_queries, group, length, slot_tokens, count, dtype, device)
         return self._shared(("new-token bias", num_queries, group, length, slot_tokens, dtype, str(device)), build)
 
     def recent_visibility(self, view: StepVisibility, num_recent: int, count: torch.Tensor, capacity: int,

@@ -31,6 +31,7 @@ OPTION_VARIANTS = {
     "bound": dict(scorer="bound"),
     "half": dict(summary_channels=0.5),  # what the default picks with the bits scorer
     "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
+    "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
 }
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
@@ -86,6 +87,11 @@ class OasisConfig:
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
             (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
+        attention_kernel: decode attention over the working set by the Triton kernel
+            (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
+            mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
+            wherever the Triton backend runs. True: the kernel (an error unless the backend is Triton on CUDA).
+            False: SDPA.
         cuda_graph: replay one-token decode steps of an unpadded batch as CUDA graphs (`compute/captured_step.py`):
             one graph for the steps that complete no block, one for those that complete one, recaptured when a pool's
             capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
@@ -110,6 +116,7 @@ class OasisConfig:
     fp8_levels: bool | None = None
     summary_channels: float | None = None
     draft_lookup: int = 0
+    attention_kernel: bool | None = None
     cuda_graph: bool | None = None
 
     def __post_init__(self):
@@ -166,6 +173,10 @@ class OasisConfig:
                                  "longer bound q.k).")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
+        if self.attention_kernel not in (None, True, False):
+            raise ValueError(f"attention_kernel must be None (automatic), True or False, got {self.attention_kernel!r}.")
+        if self.attention_kernel and self.backend == "torch":
+            raise ValueError("attention_kernel=True runs a Triton kernel: it needs backend='triton' (or 'auto' on CUDA).")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.backend not in BACKENDS:

@@ -22,6 +22,7 @@ from .compute.attention import leave_pending
 from .compute.dense import dense_causal_attention
 from .compute.sparse import sparse_attention
 from .control import all_blocks, rank_blocks, top_blocks
+from .kernels.decode_attention import decode_attention
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
 from .pools.summaries import fp8_levels_for
 
@@ -49,6 +50,10 @@ class OasisLayer(CacheLayerMixin):
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
         self.use_kernels = self._cache.backend_for(self.device) == "triton"
+        self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
+        if self.attention_kernel and not self.use_kernels:
+            raise ValueError(f"attention_kernel=True runs a Triton kernel, but this cache runs the torch backend on "
+                             f"{self.device}: leave attention_kernel=None (or False) here.")
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
@@ -245,8 +250,12 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
         keys, values, mask = ws.attendable()
-        bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype, self.device)
-        out = sparse_attention(query, keys, values, mask, scale, bias)
+        if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
+            out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale)
+        else:
+            bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
+                                        self.device)
+            out = sparse_attention(query, keys, values, mask, scale, bias)
         cache.counters.record_layer_step(B * H, n)
         return out
 

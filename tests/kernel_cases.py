@@ -7,8 +7,10 @@ import sys
 
 import torch
 
+from oasis_cache.compute.sparse import new_token_bias, sparse_attention
 from oasis_cache.control import rank_blocks
 from oasis_cache.kernels.block_scores import block_scores
+from oasis_cache.kernels.decode_attention import decode_attention
 from oasis_cache.kernels.gather import gather_blocks
 from oasis_cache.kernels.host_store import store_block
 from oasis_cache.memory import TransferEngine
@@ -113,6 +115,38 @@ def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     return True
 
 
+# (B, Hkv, G, Qn, D, slot_tokens, R, count, dtype, splits): G query heads per KV head, Qn new tokens, a working set
+# of slot_tokens + R tokens of which the first `count` recent ones exist; splits None: the kernel's choice
+DECODE_CASES = [
+    (1, 2, 4, 1, 64, 128, 32, 9, torch.float32, None),
+    (1, 2, 4, 2, 64, 128, 32, 9, torch.float32, 3),  # a riding draft row; three key ranges
+    (2, 3, 3, 2, 64, 96, 32, 17, torch.bfloat16, None),  # G = 3 (SmolLM2); the recent region past one block
+    (2, 1, 5, 4, 80, 48, 16, 16, torch.float16, 1),  # 20 rows, D not a power of two, one key range
+    (1, 2, 1, 16, 32, 64, 32, 16, torch.float32, 2),  # a whole block of new tokens (an assisted forward)
+]
+
+
+def check_decode(B, H, G, Qn, D, slot_tokens, R, count, dtype, splits, device) -> bool:
+    """The kernel against `sparse_attention` (SDPA with the additive mask) on the same working set; the query a
+    transposed view as transformers hands it, visibility random (some rows of a KV head see few tokens)."""
+    g = torch.Generator().manual_seed(B * 100 + Qn * 10 + G)
+    L = slot_tokens + R
+    query = torch.randn(B, Qn, H * G, D, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, Qn, D], strided
+    kv = torch.randn(2, B, H, L, D, generator=g).to(dtype)
+    visible = torch.rand(B, H, L, generator=g) < 0.6
+    visible[:, :, slot_tokens + count :] = False  # past the last recent token
+    visible[:, :, slot_tokens + count - Qn :slot_tokens + count] = True  # the new tokens see themselves
+    counter = torch.tensor([count])
+    bias = new_token_bias(Qn, G, L, slot_tokens, counter, torch.float32, "cpu")
+    expected = sparse_attention(query.float(), kv[0].float(), kv[1].float(), visible, D ** -0.5, bias)
+    got = decode_attention(query.to(device), kv[0].to(device), kv[1].to(device), visible.to(device),
+                           counter.to(device), slot_tokens, D ** -0.5, splits)
+    if got.shape != expected.shape or not got.transpose(1, 2).is_contiguous() or got.dtype != dtype:
+        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    return torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance)
+
+
 # (B, Hkv, S, K, NB, steps, max_fetch)
 ASSIGN_CASES = [(1, 2, 8, 8, 40, 6, 8), (2, 3, 12, 7, 30, 8, 7), (1, 1, 5, 5, 5, 3, 5), (2, 2, 9, 9, 50, 6, 2)]
 
@@ -153,7 +187,8 @@ if __name__ == "__main__":
     for name, cases, check in (("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], few[0]),
                                ("store", CASES, check_store),
                                ("scores", SCORE_CASES, check_scores),
-                               ("assign", ASSIGN_CASES, check_assign)):
+                               ("assign", ASSIGN_CASES, check_assign),
+                               ("decode", DECODE_CASES, check_decode)):
         for case in cases:
             result = check(*case, device=device)
             ok &= result

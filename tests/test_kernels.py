@@ -14,7 +14,8 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import ASSIGN_CASES, CASES, SCORE_CASES, check_assign, check_case, check_scores, check_store
+from kernel_cases import (ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, check_assign, check_case, check_decode,
+                          check_scores, check_store)
 
 HERE = Path(__file__).parent
 
@@ -25,7 +26,7 @@ def test_kernels_in_triton_interpreter():
     run = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("OK") == 2 * len(CASES) + 1 + len(SCORE_CASES) + len(ASSIGN_CASES), run.stdout
+    assert run.stdout.count("OK") == 2 * len(CASES) + 1 + len(SCORE_CASES) + len(ASSIGN_CASES) + len(DECODE_CASES), run.stdout
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -62,6 +63,13 @@ def test_block_scores_kernel_on_cuda(case):
 @pytest.mark.parametrize("case", ASSIGN_CASES, ids=str)
 def test_slot_assign_kernel_on_cuda(case):
     assert check_assign(*case, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_attention_kernel_on_cuda(case):
+    assert check_decode(*case, device=torch.device("cuda"))
 
 
 # What still changes between two decode steps on the CUDA path (`bench/capture_audit.py`), by (file, function): the

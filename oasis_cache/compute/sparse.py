@@ -1,12 +1,28 @@
 """Sparse decode attention: the new queries attend to the working set — the slots selected this step and the recent
 tokens, one contiguous run per KV head — under its visibility mask, causally among the new tokens. Softmax is
 order-free and keys are already rotated, so slot order does not matter. Query heads are grouped by KV head (GQA) so
-keys and values are read once per KV head."""
+keys and values are read once per KV head.
+
+Two implementations of the same function: `sparse_attention` (torch: SDPA with an additive mask, any device) and the
+Triton kernel `kernels/decode_attention.py` (the Triton backend: no mask tensor, no query or output copy), which the
+layer calls instead when its cache runs Triton kernels."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def new_token_bias(num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
+                   dtype: torch.dtype, device) -> torch.Tensor:
+    """`[G * Qn, L]` (`[1, L]` when Qn == 1) additive attention bias in `dtype`, 0 or -inf: row `g * Qn + i` (query
+    head g of a KV head's group, new token i) may see working-set token j iff j <= end - Qn + i, end = `slot_tokens`
+    + the recent-token count `count` (`[1]` int64 on the device: a captured step replays with its new value)."""
+    if num_queries == 1:  # one new token sees every visible token: the visibility alone decides
+        return torch.zeros((1, length), dtype=dtype, device=device)
+    offset = torch.arange(length, device=device) - torch.arange(num_queries, device=device)[:, None]
+    seen = (offset <= count + (slot_tokens - num_queries)).repeat(group, 1)  # [G * Qn, L]
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def sparse_attention(
@@ -20,9 +36,8 @@ def sparse_attention(
             that does not change between steps, so attention backends keep their plans).
         visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none past the last one).
         scale: softmax scale.
-        bias: `[G * Qn, L]` (`[1, L]` when Qn == 1) in the query's dtype, 0 or -inf, row `g * Qn + i`: token j may
-            be seen by new query i iff j <= end - Qn + i (end: one past the last recent token); the cache builds it
-            once per forward for all layers (`OasisCache.new_token_bias`).
+        bias: `new_token_bias(...)`, `[G * Qn, L]` or `[1, L]`: the new tokens' causality (the cache builds it once
+            per forward for all layers: `OasisCache.new_token_bias`).
     Returns:
         `[B, Hq, Qn, D]`.
     """

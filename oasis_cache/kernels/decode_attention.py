@@ -1,0 +1,162 @@
+"""Decode attention over the working set in two launches (split over the keys, then combined), without a
+materialized mask and without copying the query or the output.
+
+What it computes is `compute/sparse.py`'s `sparse_attention`: each new query row attends to the working set's visible
+tokens, and new token i (of Qn) sees working-set token j iff j <= slot_tokens + count - Qn + i (count: the recent
+tokens, `[1]` int64 read on the device, so a captured step replays with its new value).
+
+Shapes and strides:
+    query          `[B, Hq, Qn, D]`, any strides with D contiguous (transformers hands a transposed view of
+                   `[B, Qn, Hq, D]`); query head h*G + g uses KV head h
+    keys, values   `[B, Hkv, L, D]`, D contiguous (the working set's two halves)
+    visible        `[B, Hkv, L]` bool, L contiguous
+    output         `[B, Qn, Hq, D]` contiguous in the query's dtype, returned as its `[B, Hq, Qn, D]` view (what the
+                   attention function transposes back without a copy)
+Program (bh, split) of the first kernel: the G*Qn rows of one KV head over keys [split*P, (split+1)*P), an online
+softmax in fp32, its partial output, running max and sum into fp32 scratch `[B*Hkv, SPLITS, ROWS, D]` and
+`[B*Hkv, SPLITS, 2, ROWS]`. The second kernel, one program per KV head, rescales and sums the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without triton
+    triton = None
+
+BLOCK_N = 64  # keys per tile
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        query, keys, values, visible, count, part_acc, part_stats,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kl,
+        stride_vb, stride_vh, stride_vl,
+        stride_sb, stride_sh,
+        H, L, D, slot_tokens, scale, keys_per_split, splits,
+        G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr, BLOCK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, D_POW2)
+        row_ok = rows < G * QN
+        token = rows % QN
+        q = tl.load(query + b * stride_qb + (h * G + rows // QN)[:, None] * stride_qh + token[:, None] * stride_qn
+                    + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+        q = q * scale
+        last_seen = slot_tokens + tl.load(count) - QN + token  # [ROWS]: the last working-set token row i sees
+        m = tl.full((ROWS,), -float("inf"), tl.float32)
+        s_sum = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D_POW2), tl.float32)
+        start = split * keys_per_split
+        stop = tl.minimum(start + keys_per_split, L)
+        for first in range(start, stop, BLOCK):
+            n = first + tl.arange(0, BLOCK)
+            n_ok = n < stop
+            seen_key = (tl.load(visible + b * stride_sb + h * stride_sh + n, mask=n_ok, other=0) != 0) & n_ok
+            kv_mask = seen_key[:, None] & (dims[None, :] < D)
+            k = tl.load(keys + b * stride_kb + h * stride_kh + n[:, None] * stride_kl + dims[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            seen = seen_key[None, :] & (n[None, :].to(tl.int64) <= last_seen[:, None])
+            s = tl.where(seen, s, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            base = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that saw nothing yet stay at 0
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m - base)
+            v = tl.load(values + b * stride_vb + h * stride_vh + n[:, None] * stride_vl + dims[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p, v)
+            acc = acc * alpha[:, None] + pv
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            m = m_new
+        part = bh * splits + split
+        tl.store(part_acc + (part * ROWS + rows[:, None]) * D_POW2 + dims[None, :], acc)
+        tl.store(part_stats + (part * 2) * ROWS + rows, m)
+        tl.store(part_stats + (part * 2 + 1) * ROWS + rows, s_sum)
+
+    @triton.jit
+    def _combine_kernel(
+        part_acc, part_stats, out, H, D, splits,
+        G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr,
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, D_POW2)
+        m = tl.full((ROWS,), -float("inf"), tl.float32)
+        for split in range(0, splits):
+            m = tl.maximum(m, tl.load(part_stats + ((bh * splits + split) * 2) * ROWS + rows))
+        base = tl.where(m == -float("inf"), 0.0, m)
+        total = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D_POW2), tl.float32)
+        for split in range(0, splits):
+            part = bh * splits + split
+            weight = tl.exp(tl.load(part_stats + (part * 2) * ROWS + rows) - base)
+            total += weight * tl.load(part_stats + (part * 2 + 1) * ROWS + rows)
+            acc += weight[:, None] * tl.load(part_acc + (part * ROWS + rows[:, None]) * D_POW2 + dims[None, :])
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row that sees nothing gets 0
+        token, head = rows % QN, h * G + rows // QN
+        Hq = H * G
+        tl.store(out + ((b * QN + token[:, None]) * Hq + head[:, None]) * D + dims[None, :],
+                 result.to(out.dtype.element_ty), mask=(rows[:, None] < G * QN) & (dims[None, :] < D))
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """About two programs per SM (the interpreter: a few); `decode_attention` also keeps two tiles per program. H200,
+    Qwen3-8B shape (`bench/attention_kernel.py`): the fastest split counts were 16 at batch 1 (two tiles each; 14.7 us
+    per call, 22 at one tile) and 8 at batch 4 (two programs per SM; 20.6 us, 22.6 at one)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                     count: torch.Tensor, slot_tokens: int, scale: float, splits: int | None = None) -> torch.Tensor:
+    """`query` `[B, Hq, Qn, D]`, `keys`/`values` `[B, Hkv, L, D]`, `visible` `[B, Hkv, L]` bool, `count` `[1]` int64
+    (the recent tokens, the new ones included) -> `[B, Hq, Qn, D]` (a view of a contiguous `[B, Qn, Hq, D]`).
+    `splits`: key ranges per KV head (None: about two programs per SM, at least two tiles of keys each)."""
+    B, Hq, Qn, D = query.shape
+    H, L = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    for name, t in (("query", query), ("keys", keys), ("values", values)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_attention needs the last dimension of {name} contiguous")
+    if visible.dtype != torch.bool or visible.stride(-1) != 1 or visible.stride(1) != L:
+        raise ValueError("decode_attention needs `visible` as a bool [B, Hkv, L] with L contiguous rows")
+    if splits is None:
+        splits = max(1, min(triton.cdiv(L, 2 * BLOCK_N), _programs_wanted(query.device) // (B * H)))
+    keys_per_split = BLOCK_N * triton.cdiv(triton.cdiv(L, splits), BLOCK_N)
+    splits = triton.cdiv(L, keys_per_split)
+    ROWS = max(16, triton.next_power_of_2(G * Qn))  # tensor-core products need 16 rows
+    D_POW2 = max(16, triton.next_power_of_2(D))
+    part_acc = torch.empty((B * H, splits, ROWS, D_POW2), dtype=torch.float32, device=query.device)
+    part_stats = torch.empty((B * H, splits, 2, ROWS), dtype=torch.float32, device=query.device)
+    ieee = torch.float32 in (query.dtype, keys.dtype)  # TF32 products are exact for bf16 / fp16 inputs only
+    _split_kernel[(B * H, splits)](
+        query, keys, values, visible.view(torch.int8), count, part_acc, part_stats,
+        query.stride(0), query.stride(1), query.stride(2),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        visible.stride(0), visible.stride(1),
+        H, L, D, slot_tokens, scale, keys_per_split, splits,
+        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee,
+    )
+    out = torch.empty((B, Qn, Hq, D), dtype=query.dtype, device=query.device)
+    _combine_kernel[(B * H,)](part_acc, part_stats, out, H, D, splits, G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2)
+    return out.transpose(1, 2)
