@@ -73,7 +73,8 @@ def main():
             row = {"sdpa": time_us(graphed(sdpa, args.layers), args.repeats) / args.layers}
             for splits in args.splits:
                 def kernel(splits=splits or None):
-                    decode_attention(query, kv[0], kv[1], visible, count, ST, scale, splits).transpose(1, 2).contiguous()
+                    out = decode_attention(query, kv[0], kv[1], visible, count, ST, scale, splits)
+                    out.transpose(1, 2).contiguous()
                 row[f"kernel/{splits or 'auto'}"] = time_us(graphed(kernel, args.layers), args.repeats) / args.layers
             print(f"B {B} Qn {Qn}: " + "  ".join(f"{name} {us:.1f}" for name, us in row.items()), flush=True)
 

@@ -174,9 +174,11 @@ class OasisConfig:
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):
-            raise ValueError(f"attention_kernel must be None (automatic), True or False, got {self.attention_kernel!r}.")
+            raise ValueError(f"attention_kernel must be None (automatic), True or False, got "
+                             f"{self.attention_kernel!r}.")
         if self.attention_kernel and self.backend == "torch":
-            raise ValueError("attention_kernel=True runs a Triton kernel: it needs backend='triton' (or 'auto' on CUDA).")
+            raise ValueError("attention_kernel=True runs a Triton kernel: it needs backend='triton' (or 'auto' on "
+                             "CUDA).")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.backend not in BACKENDS:

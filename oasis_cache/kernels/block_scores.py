@@ -28,13 +28,13 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _coarse_dot(q, coarse, IEEE: tl.constexpr):
-        """`q` `[R_POW2, D_POW2]` . `coarse` `[N, D_POW2]`^T in fp32: IEEE products for fp32 inputs, else TF32 (exact
-        for bf16/fp16 values)."""
+    def precise_dot(a, b, IEEE: tl.constexpr):
+        """`a` `[M, K]` . `b` `[K, N]` in fp32: IEEE products for fp32 inputs, else TF32 (exact for bf16/fp16
+        values). Shared with `decode_attention.py`."""
         if IEEE:
-            product = tl.dot(q, tl.trans(coarse), input_precision="ieee")
+            product = tl.dot(a, b, input_precision="ieee")
         else:
-            product = tl.dot(q, tl.trans(coarse), input_precision="tf32")
+            product = tl.dot(a, b, input_precision="tf32")
         return product
 
     @triton.jit
@@ -103,7 +103,7 @@ if triton is not None:
                 for bit in tl.static_range(8):
                     if byte * 8 + bit < TOKENS:
                         coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
-                        score = tl.maximum(score, _coarse_dot(q, coarse, IEEE))
+                        score = tl.maximum(score, precise_dot(q, tl.trans(coarse), IEEE))
         is_forced = tl.load(forced + b * NB + blocks, mask=in_blocks, other=0) != 0
         is_allowed = tl.load(allowed + b * NB + blocks, mask=in_blocks, other=0) != 0
         if SPLIT_LAST:

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without triton
-    triton = None
+from .gather import triton
 
 BLOCK_N = 64  # keys per tile
 
 
 if triton is not None:
+    import triton.language as tl
+
+    from .block_scores import precise_dot
 
     @triton.jit
     def _split_kernel(
@@ -66,10 +65,7 @@ if triton is not None:
             kv_mask = seen_key[:, None] & (dims[None, :] < D)
             k = tl.load(keys + b * stride_kb + h * stride_kh + n[:, None] * stride_kl + dims[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = precise_dot(q, tl.trans(k), IEEE)
             seen = seen_key[None, :] & (n[None, :].to(tl.int64) <= last_seen[:, None])
             s = tl.where(seen, s, -float("inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -78,11 +74,7 @@ if triton is not None:
             alpha = tl.exp(m - base)
             v = tl.load(values + b * stride_vb + h * stride_vh + n[:, None] * stride_vl + dims[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p, v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + precise_dot(p, v, IEEE)
             s_sum = s_sum * alpha + tl.sum(p, 1)
             m = m_new
         part = bh * splits + split
