@@ -23,7 +23,8 @@
 #             no chats, seed GEN_SEED (default 1), each answered by SmolLM2 (GEN_PLAIN=1: no question, continued as plain
 #             text; GEN_GREEDY=1: greedy answers, not sampled) -> $GEN_DIR/data.pt (default /tmp/oasis-gen; and $OUT); pass
 #             it to `train` with TRAIN_DATA="old.pt /tmp/oasis-gen/data.pt" (several files: each keeps its held-out split)
-#   recall    eval/recall.py with that head (document and chat prompts; RECALL_BUDGETS, default "336 512": K = 20, 31;
+#   recall    eval/recall.py with that head (rows none, previous, eagle3, eagle3-head: no chained drafts, and the
+#             perfect draft; document and chat prompts; RECALL_BUDGETS, default "336 512": K = 20, 31;
 #             RECALL_SEQUENCES windows of the held-out documentation as one batch, default 4; RECALL_LOOKUP: the
 #             eagle3 rows' draft_lookup, default the package's)
 #   report    eval/report.py at 4K: every task, budget 1/8, modes none (bits scorer), none@bound, previous, eagle3
@@ -56,6 +57,8 @@
 #             oasis-previous-captured, oasis-eagle3-captured; means over 48 steps
 #   kernel    the Triton decode attention against SDPA (`@sdpa`), `previous` and the eagle3 ride-along captured,
 #             32K x 1 (with dense) and x 4; 48 steps, interleaved
+#   chain     chained drafts' cost (the LM head scores the draft row too): oasis-previous-captured,
+#             oasis-eagle3-captured@headonly and oasis-eagle3-captured, 32K x {1, 4}; 48 steps, interleaved
 #   attnkernel  bench/attention_kernel.py: the decode attention kernel alone against SDPA, by key ranges (splits)
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
@@ -106,6 +109,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --steps 16 --warmup 2 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense offload --out "$OUT/decode-qwen3-8b-128k-offload.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-offload128k.log" | tail -4 ;;
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     capturedride) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-ride.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-ride-b$b.log" | tail -5; done ;;
+    chain) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods oasis-previous-captured oasis-eagle3-captured@headonly oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-chain.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-chain-b$b.log" | tail -5; done ;;
     attnkernel) python3 bench/attention_kernel.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/attention-kernel.log" ;;
     kernel) for spec in "1:dense oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured@sdpa oasis-eagle3-captured" "4:oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured"; do b=${spec%%:*}
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b$b-kernel.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-kernel-b$b.log" | tail -6; done ;;

@@ -1,6 +1,7 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
-excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's; `none`:
-no prediction — its attended set is the real top-K, so 1.000, a check of the measure).
+excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's; `eagle3-head`: the same with
+`chain_drafts=False`, the head drafting every step; `none`: no prediction — its attended set is the real top-K, so
+1.000, a check of the measure).
 
 All rows run with `exact=True` and `num_slots` = K (`--slots`): every step attends to the real query's top-K, so
 every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row
@@ -70,7 +71,8 @@ def main():
                         help="disjoint windows of the held-out documentation decoded as one batch")
     parser.add_argument("--draft-lookup", type=int, default=None,
                         help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone)")
-    parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-oracle"],
+    parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
+                                                                 "eagle3-oracle"],
                         help="the rows to run (default: all that apply)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -85,7 +87,7 @@ def main():
         inputs = {"input_ids": windows, "attention_mask": torch.ones_like(windows)}
     inputs = {k: v.to(args.device) for k, v in inputs.items()}
     rows = []
-    modes = ["none", "previous"] + (["eagle3"] if args.head else []) + (
+    modes = ["none", "previous"] + (["eagle3", "eagle3-head"] if args.head else []) + (
         ["eagle3-oracle"] if args.head and args.oracle else [])
     if args.modes:
         missing = [m for m in args.modes if m not in modes]
@@ -104,6 +106,8 @@ def main():
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
         if lookahead == "eagle3" and args.draft_lookup is not None:
             draft["draft_lookup"] = args.draft_lookup
+        if mode == "eagle3-head":
+            draft["chain_drafts"] = False
         predicting = dict(exact=True, num_slots=args.slots or K) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            summary_channels=args.summary_channels,
@@ -115,11 +119,11 @@ def main():
         stats = cache.stats()
         row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"])
-        if mode == "eagle3":  # the head's own drafts against the tokens that came (`stats()`)
-            row["head_draft_accuracy"] = stats["draft_accuracy"]
+        if mode in ("eagle3", "eagle3-head"):  # the drafts against the tokens that came (`stats()`)
+            row["draft_accuracy"] = stats["draft_accuracy"]
         if mode == "eagle3-oracle":  # the head's drafts against the oracle's (the same trajectory)
             hits, made = cache.ride_along.draft_hits
-            row["head_draft_accuracy"] = hits / max(made, 1)
+            row["draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
     meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K, sequences=args.sequences,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -129,8 +133,8 @@ def main():
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
           f"{args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:
-        extra = (f", the head's draft was right {r['head_draft_accuracy']:.0%} of steps"
-                 if r.get("head_draft_accuracy") is not None else "")
+        extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
+                 if r.get("draft_accuracy") is not None else "")
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

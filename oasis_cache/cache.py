@@ -49,7 +49,7 @@ class OasisCache(Cache):
         cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; every lookahead, the
             eagle3 ride-along included). None (default): on for CUDA models of the checked architectures with the
             Triton backend (see `OasisConfig`); True / False: on (an error where it cannot run) / off.
-        scorer, fp8_levels, summary_channels, exact, gather_programs, draft_lookup, attention_kernel: see
+        scorer, fp8_levels, summary_channels, exact, gather_programs, draft_lookup, chain_drafts, attention_kernel: see
             `OasisConfig` (by default the block summaries cover half of each head's key channels:
             `summary_channels`; decode attention runs a Triton kernel wherever the Triton backend does).
     """

@@ -32,6 +32,7 @@ OPTION_VARIANTS = {
     "half": dict(summary_channels=0.5),  # what the default picks with the bits scorer
     "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
+    "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
 }
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
@@ -87,6 +88,11 @@ class OasisConfig:
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
             (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
+        chain_drafts: with eagle3, the draft row also goes through the model's LM head (one more row of the real
+            row's product: its weights are read once) and its most likely next token is kept. At the next step, where
+            the draft was right (the token that came is the one that rode), that token is the target's own prediction
+            of the step after — it becomes the draft instead of the head's guess; where it was wrong, the head
+            drafts (`draft/lookahead.py`). False: the head drafts every step.
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -116,6 +122,7 @@ class OasisConfig:
     fp8_levels: bool | None = None
     summary_channels: float | None = None
     draft_lookup: int = 0
+    chain_drafts: bool = True
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
 
@@ -171,6 +178,8 @@ class OasisConfig:
             if self.summary_channels < 1 and self.scorer != "bits":
                 raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no "
                                  "longer bound q.k).")
+        if not isinstance(self.chain_drafts, bool):
+            raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):

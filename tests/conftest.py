@@ -108,7 +108,7 @@ def drafts_of_two_generates(model, cache, prompt: torch.Tensor, extend: torch.Te
     the ride-along made at the 22 decode steps, `[B, 22]`."""
     ride = cache.ride_along
     drafts, draft = [], ride._draft
-    ride._draft = lambda token: drafts.append(draft(token).clone()) or drafts[-1]
+    ride._draft = lambda token, rode: drafts.append(draft(token, rode).clone()) or drafts[-1]
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     first = model.generate(input_ids=prompt, past_key_values=cache, **kw)
     model.generate(input_ids=torch.cat((first, extend), 1), past_key_values=cache, **kw)

@@ -181,9 +181,9 @@ def test_stats_report_how_often_the_draft_was_the_next_token():
     ride, made = cache.ride_along, []
     draft = ride._draft
 
-    def forced(token):  # decode step k is fed token k and guesses token k + 1
+    def forced(token, rode):  # decode step k is fed token k and guesses token k + 1
         k = len(made)
-        head = draft(token)  # the head still runs (its rows, its ring)
+        head = draft(token, rode)  # the head still runs (its rows, its ring)
         right = tokens[:, k + 1 : k + 2].to(head.device)
         made.append(right if k % 2 == 0 else (right + 1) % model.config.vocab_size)
         return made[-1]
@@ -194,6 +194,75 @@ def test_stats_report_how_often_the_draft_was_the_next_token():
     stats = cache.stats()
     assert len(made) == 11 and stats["drafts_checked"] == 2 * 10  # the last draft has no next step to check
     assert stats["draft_accuracy"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_a_right_draft_chains_the_targets_next_token(chain):
+    """Chained drafts (`chain_drafts`): the LM head scores the draft row too, and where the draft was right, the
+    target's prediction after it is the next draft. With a budget covering the context that prediction is the next
+    greedy token, so one right guess of the head keeps every later draft right: a head forced right at the first
+    step only (wrong after) drafts 20 of 20 right with the chain, 2 of 20 without; the tokens and logits stay
+    dense's either way."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    inputs = left_padded([40, 33])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    base = generate(model, dense_cache(model), inputs, **kw)
+    tokens = base.sequences[:, inputs["input_ids"].shape[1]:]  # [B, 12]
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model), chain_drafts=chain)
+    guesses = []
+
+    def head_guess(logits):  # the head's guess at decode step k (fed token k): right at k = 0 only
+        k = len(guesses)
+        right = tokens[:, k + 1 : k + 2].to(logits.device)
+        guesses.append(right if k == 0 else (right + 1) % model.config.vocab_size)
+        return guesses[-1]
+
+    cache.ride_along.head.greedy_draft = head_guess
+    out = generate(model, cache, inputs, **kw)
+    assert torch.equal(out.sequences, base.sequences)
+    for a, b in zip(base.logits, out.logits):  # the draft row's logits were cut from the real rows'
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    stats = cache.stats()
+    assert len(guesses) == 11 and stats["drafts_checked"] == 20
+    assert stats["draft_accuracy"] == pytest.approx(1.0 if chain else 0.1)
+
+
+def test_chained_drafts_survive_another_caches_steps_in_between():
+    """Two caches decoding on one model by turns (as `bench/decode.py --interleave` does): the other cache's forwards
+    run this cache's hooks too, and leave its chained token for its next step."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    ids = prompt_ids(40)
+    tokens = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=12,
+                      do_sample=False).sequences[:, ids.shape[1]:]  # [1, 12]
+    chained = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model))
+    other = OasisCache(model, token_budget=1024, lookahead="previous")
+    guesses = []
+
+    def head_guess(logits):  # right at the first decode step only
+        right = tokens[:, len(guesses) + 1 : len(guesses) + 2]
+        guesses.append(right if not guesses else (right + 1) % model.config.vocab_size)
+        return guesses[-1]
+
+    chained.ride_along.head.greedy_draft = head_guess
+    with torch.no_grad():
+        for cache in (chained, other):
+            model(input_ids=ids, past_key_values=cache)
+        for k in range(11):
+            for cache in (chained, other):
+                model(input_ids=tokens[:, k : k + 1], past_key_values=cache)
+    stats = chained.stats()
+    assert stats["drafts_checked"] == 10 and stats["draft_accuracy"] == 1.0
+
+
+def test_chained_drafts_need_a_model_lm_head():
+    """A model without an output-embedding module (`get_output_embeddings()` None) drafts by the head alone."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    model.get_output_embeddings = lambda: None
+    dense = generate(model, dense_cache(model), {"input_ids": prompt_ids(40)}, max_new_tokens=6, do_sample=False)
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model))
+    assert cache.ride_along.lm_head is None
+    out = generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out.sequences, dense.sequences)
 
 
 def test_draft_ranked_with_the_real_rows_prefetches_what_it_ranked_alone(monkeypatch):
@@ -320,7 +389,7 @@ def test_draft_lookup_copies_a_repeated_run():
         cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=head, draft_lookup=order)
         ride, made = cache.ride_along, []
         draft = ride._draft
-        ride._draft = lambda token: made.append(draft(token).clone()) or made[-1]
+        ride._draft = lambda token, rode: made.append(draft(token, rode).clone()) or made[-1]
         # Feed r4 as the decode step's token: the last three tokens (r2, r3, r4) occurred once, followed by r5.
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
         model(input_ids=run[4:5][None], past_key_values=cache, use_cache=True)

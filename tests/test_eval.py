@@ -123,9 +123,9 @@ def test_recall_runs_at_ci_size(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["lookahead"] for r in result["rows"]] == ["none", "previous", "eagle3", "eagle3-oracle"]
+    assert [r["lookahead"] for r in result["rows"]] == ["none", "previous", "eagle3", "eagle3-head", "eagle3-oracle"]
     assert result["rows"][0]["recall"] == 1.0  # no prediction: the attended set is the real top-K
     assert all(0.0 <= r["recall"] <= 1.0 for r in result["rows"])
-    assert 0.0 <= result["rows"][2]["head_draft_accuracy"] <= 1.0  # from stats(): the drafts vs the tokens that came
-    assert 0.0 <= result["rows"][3]["head_draft_accuracy"] <= 1.0
+    for row in result["rows"][2:]:  # from stats() (the drafts vs the tokens that came), or against the oracle's
+        assert 0.0 <= row["draft_accuracy"] <= 1.0
     assert result["meta"]["slots"] == result["meta"]["K"] == 15

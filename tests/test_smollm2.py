@@ -159,9 +159,10 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["lookahead"]: r for r in result["rows"]}
-    assert result["meta"]["sequences"] == 2 and set(rows) == {"none", "previous", "eagle3", "eagle3-oracle"}
+    assert result["meta"]["sequences"] == 2 and set(rows) == {"none", "previous", "eagle3", "eagle3-head",
+                                                                "eagle3-oracle"}
     assert rows["none"]["recall"] == 1.0
     assert all(0.0 < r["recall"] <= 1.0 for r in rows.values())
-    assert all(0.0 < rows[m]["head_draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-oracle"))
+    assert all(0.0 < rows[m]["draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-head", "eagle3-oracle"))
     refused = subprocess.run(args + ["--sequences", "50"], capture_output=True, text=True, timeout=900)
     assert refused.returncode != 0 and "at most" in refused.stderr

@@ -6,11 +6,15 @@ Per decode forward (hooks on the model's decoder, active only for the OasisCache
    (positions and 2D mask extended by one);
 2. in every full-attention layer the draft row attends like the real one (causally after it), its keys/values are
    dropped after the layer, and its query selects the blocks the next step needs (`OasisLayer.attend`);
-3. after: the draft row is cut from the decoder's output (the LM head never sees it), sliding layers drop its
-   keys/values, and the real row's aux hidden states are kept for the next draft.
+3. after: the draft row is cut from the decoder's output, sliding layers drop its keys/values, and the real row's
+   aux hidden states are kept for the next draft;
+4. chained drafts (`OasisConfig.chain_drafts`): the LM head takes the draft row back as one more row of its product
+   (weights read once), its most likely token x̃(t+2) is kept and the row is cut from the logits. At the next step,
+   where x̂(t+1) was right, x̃(t+2) is the whole target's prediction of the token after it: it is drafted instead of
+   the head's guess (the head still runs: its keys/values need every row, and it drafts where x̂ was wrong).
 After a prefill the head reads the prompt's aux hidden states once, filling its own keys/values.
 
-Shapes: aux features `[B, n, 3H]`; the head's keys/values: `head_window.HeadKV`.
+Shapes: aux features `[B, n, 3H]`; drafts `[B, 1]` (target ids); the head's keys/values: `head_window.HeadKV`.
 """
 
 from __future__ import annotations
@@ -64,10 +68,19 @@ class RideAlong:
         self._made: torch.Tensor | None = None  # [B, 1]: the last one-token step's draft
         self._hits: torch.Tensor | None = None  # int64 scalar on the device
         self._checked = 0  # drafts checked
+        # Chained drafts: the LM head also scores the draft row of the forward just run.
+        lm_head = model.get_output_embeddings() if cache.config.chain_drafts else None
+        self.lm_head = lm_head if isinstance(lm_head, torch.nn.Module) else None
+        self._draft_hidden: torch.Tensor | None = None  # [B, 1, H]: the draft row's last hidden state, for the LM head
+        self._chained: torch.Tensor | None = None  # [B, 1]: the target's next token after the last draft row
+        self._chain_ready = False  # the last forward left `_chained` (its LM head scored the draft row)
         self.handles = [
             decoder.register_forward_pre_hook(self._before, with_kwargs=True),
             decoder.register_forward_hook(self._after, with_kwargs=True),
         ]
+        if self.lm_head is not None:
+            self.handles += [self.lm_head.register_forward_pre_hook(self._lm_head_before),
+                             self.lm_head.register_forward_hook(self._lm_head_after)]
         for i in sorted(set(self.aux_ids)):
             self.handles.append(layers[i].register_forward_pre_hook(self._capture(i), with_kwargs=True))
 
@@ -77,6 +90,7 @@ class RideAlong:
 
     def reset(self) -> None:
         self._last_features, self._rows, self._made = None, 0, None
+        self._draft_hidden, self._chain_ready = None, False
         self._head_kv.reset()
         if self.lookup is not None:
             self.lookup.reset()
@@ -90,7 +104,7 @@ class RideAlong:
         self._head_kv.index_batch(indices)
         if self.lookup is not None:
             self.lookup.index_batch(indices)
-        self._static, self._reordered, self._made = None, True, None
+        self._static, self._reordered, self._made, self._chain_ready = None, True, None, False
 
     def repeat_interleave(self, repeats: int) -> None:
         if self._last_features is not None:
@@ -105,8 +119,10 @@ class RideAlong:
         used = kwargs.get("cache", kwargs.get("past_key_values"))
         self._ours = used is cache
         self._active = False
-        if not self._ours:
+        self._draft_hidden = None  # a draft row the LM head was not called for (a decoder called alone) is dropped
+        if not self._ours:  # another cache's forward: this one's chained token stays for its next step
             return None
+        chain_ready, self._chain_ready = self._chain_ready, False
         if len(args) > 1:  # called positionally beyond input_ids: leave such a forward alone
             self._input_ids = None
             return None
@@ -121,12 +137,14 @@ class RideAlong:
         if not decoding:
             return None
         token = input_ids[:, -1:]
-        if made is not None and q == 1:
+        if made is not None and q == 1 and self.oracle is None:
             self._count_hit(made, token)
         if self.lookup is not None:
             self.lookup.extend(input_ids)
-        draft = self._draft(token)  # [B, 1]
-        if q == 1 and self.oracle is None:  # kept in one buffer (a captured step compares where it wrote)
+        # the token the last draft row predicted holds where that draft was right (one token came: the one it drafted)
+        rode = made if chain_ready and q == 1 and made is not None and self._chained.shape == made.shape else None
+        draft = self._draft(token, rode)  # [B, 1]
+        if q == 1:  # the draft that rides, kept in one buffer (a captured step compares where it wrote)
             if made is None or made.shape != draft.shape or made.device != draft.device:
                 made = torch.empty_like(draft)
             self._made = made.copy_(draft)
@@ -173,6 +191,8 @@ class RideAlong:
             for layer in cache.layers:  # HF's own (sliding) layers stored the draft row: drop it
                 if not isinstance(layer, OasisLayer) and getattr(layer, "is_initialized", False):
                     layer.crop(-1)
+            if self.lm_head is not None:  # the LM head scores it beside the real rows (`_lm_head_before`)
+                self._draft_hidden = output.last_hidden_state[:, -1:]
             output.last_hidden_state = output.last_hidden_state[:, :-1]
             self._keep_features(features[:, -2])
             self._input_ids = None
@@ -193,6 +213,29 @@ class RideAlong:
         self._keep_features(features[:, -1])
         return None
 
+    def _lm_head_before(self, module, args):
+        """The LM head's input `[B, n, H]` (the real rows asked for) gets the draft row appended: `[B, n + 1, H]`."""
+        hidden = self._draft_hidden
+        if hidden is None or not args or args[0].dim() != 3 or args[0].shape[0] != hidden.shape[0]:
+            self._draft_hidden = None
+            return None
+        return (torch.cat((args[0], hidden.to(args[0].dtype)), dim=1),) + args[1:]
+
+    def _lm_head_after(self, module, args, output):
+        """Keeps the draft row's most likely next token `[B, 1]` (in place, as a captured step needs) and returns the
+        real rows' logits `[B, n, V]`."""
+        if self._draft_hidden is None:
+            return None
+        self._draft_hidden = None
+        chained = output[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        kept = self._chained
+        if kept is not None and kept.shape == chained.shape and kept.device == chained.device:
+            kept.copy_(chained)
+        else:
+            self._chained = chained
+        self._chain_ready = True
+        return output[:, :-1]
+
     def _keep_features(self, rows: torch.Tensor) -> None:
         """The last real row's features `[B, 3H]` for the next draft, written into the kept buffer when it fits (in
         place: a captured decode step reads and writes that buffer), else a copy (not a view that would keep the
@@ -212,12 +255,13 @@ class RideAlong:
         kv = self._head_kv
         return (self.oracle is None and not self._reordered and self._static is not None
                 and self._static.graph is None and kv.full and kv.k.shape[-4] == batch and self._made is not None
-                and self._hits is not None and self._last_features is not None)
+                and self._hits is not None and self._last_features is not None
+                and (self.lm_head is None or self._chain_ready))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""
         static = self._static
-        tensors = [self._last_features, self._made, self._hits, self._head_kv.k, self._head_kv.v]
+        tensors = [self._last_features, self._made, self._hits, self._chained, self._head_kv.k, self._head_kv.v]
         if static is not None:
             tensors += [static.features, static.token, static.position, static.slot, static.draft]
         if self.lookup is not None and self.lookup.history is not None:
@@ -229,6 +273,7 @@ class RideAlong:
         self._checked += self._made.numel()
         self._rows += 1
         self._head_kv.advance()
+        self._chain_ready = self.lm_head is not None  # the replayed LM head wrote `_chained`
 
     # ------------------------------------------------------------------------------------------------ the head
     @torch.no_grad()
@@ -250,8 +295,9 @@ class RideAlong:
         self._rows += n
         return logits[:, -1]
 
-    def _draft(self, token: torch.Tensor) -> torch.Tensor:
-        """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`."""
+    def _draft(self, token: torch.Tensor, rode: torch.Tensor | None) -> torch.Tensor:
+        """x̂(t+1) `[B, 1]` (target ids) from the previous features and x(t) `[B, 1]`; with `rode` (the draft that rode
+        in the last forward, `[B, 1]`), the chained token where it equals x(t)."""
         kv, B = self._head_kv, token.shape[0]
         static = self.static_head
         if static == "auto":
@@ -266,6 +312,8 @@ class RideAlong:
             draft = self.head.greedy_draft(logits)
         if self.lookup is not None:
             draft = self.lookup.propose(draft)
+        if rode is not None:
+            draft = torch.where(rode == token, self._chained, draft)
         if self.oracle is None:
             return draft
         true = self.oracle(self.cache().get_seq_length() + 1).to(draft.device)  # analysis only: syncs below
