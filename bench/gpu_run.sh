@@ -59,6 +59,8 @@
 #             32K x 1 (with dense) and x 4; 48 steps, interleaved
 #   chain     chained drafts' cost (the LM head scores the draft row too): oasis-previous-captured,
 #             oasis-eagle3-captured@headonly and oasis-eagle3-captured, 32K x {1, 4}; 48 steps, interleaved
+#   lookaheads  TPOT and exposed wait of none, previous and eagle3 (captured, defaults) beside dense, 32K x {1, 4};
+#             48 steps interleaved, then 4 measured steps (CUDA events: the wait on transfers) per oasis method
 #   attnkernel  bench/attention_kernel.py: the decode attention kernel alone against SDPA, by key ranges (splits)
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
@@ -110,6 +112,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;
     capturedride) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-ride.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-ride-b$b.log" | tail -5; done ;;
     chain) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods oasis-previous-captured oasis-eagle3-captured@headonly oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-chain.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-chain-b$b.log" | tail -5; done ;;
+    lookaheads) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 4 --statistic mean --methods dense oasis-none-captured oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-lookaheads.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-lookaheads-b$b.log" | tail -6; done ;;
     attnkernel) python3 bench/attention_kernel.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/attention-kernel.log" ;;
     kernel) for spec in "1:dense oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured@sdpa oasis-eagle3-captured" "4:oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured"; do b=${spec%%:*}
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b$b-kernel.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-kernel-b$b.log" | tail -6; done ;;

@@ -65,7 +65,7 @@ class RideAlong:
         self.draft_hits = [0, 0]  # analysis with an oracle: drafts equal to the oracle's token, drafts made
         # The head's accuracy in use: each one-token decode step checks the draft made at the step before against
         # the token that came (device counter, read by `stats()`).
-        self._made: torch.Tensor | None = None  # [B, 1]: the last one-token step's draft
+        self._made: torch.Tensor | None = None  # [B, 1]: the draft that rode in the last one-token step
         self._hits: torch.Tensor | None = None  # int64 scalar on the device
         self._checked = 0  # drafts checked
         # Chained drafts: the LM head also scores the draft row of the forward just run.
@@ -227,7 +227,8 @@ class RideAlong:
         if self._draft_hidden is None:
             return None
         self._draft_hidden = None
-        chained = output[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        # [B, 1], where the drafts are made (a model spread over devices may keep its LM head elsewhere)
+        chained = output[:, -1].argmax(-1, keepdim=True).to(self.embed.weight.device)
         kept = self._chained
         if kept is not None and kept.shape == chained.shape and kept.device == chained.device:
             kept.copy_(chained)
