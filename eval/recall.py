@@ -1,7 +1,7 @@
 """Recall of predicted blocks: per decode step and layer, the share of the real query's top-K blocks (sink and recent
-excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's; `eagle3-head`: the same with
-`chain_drafts=False`, the head drafting every step; `none`: no prediction — its attended set is the real top-K, so
-1.000, a check of the measure).
+excluded) that the prediction had made resident (`previous`: this step's query; `eagle3`: the draft token's;
+`eagle3-head`: the same with `chain_drafts=False`, the head drafting every step; `none`: no prediction — its attended
+set is the real top-K, so 1.000, a check of the measure).
 
 All rows run with `exact=True` and `num_slots` = K (`--slots`): every step attends to the real query's top-K, so
 every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row
@@ -9,7 +9,8 @@ drafts the token that trajectory actually produces next (read from a first `none
 
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
-Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`): its first
+Recall is counted per layer (`stats()["prediction_recall_per_layer"]`, in the JSON and printed) and pooled over layers
+(the table's number). Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`): its first
 `HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained on. `--sequences N` decodes N disjoint windows of
 that region as one batch (N times the samples of one window; at most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
 """
@@ -118,7 +119,8 @@ def main():
                        pad_token_id=tok.pad_token_id)
         stats = cache.stats()
         row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
-                   blocks_selected_per_step=stats["blocks_selected_per_step"])
+                   blocks_selected_per_step=stats["blocks_selected_per_step"],
+                   recall_per_layer=stats["prediction_recall_per_layer"])
         if mode in ("eagle3", "eagle3-head"):  # the drafts against the tokens that came (`stats()`)
             row["draft_accuracy"] = stats["draft_accuracy"]
         if mode == "eagle3-oracle":  # the head's drafts against the oracle's (the same trajectory)
@@ -136,6 +138,10 @@ def main():
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
                  if r.get("draft_accuracy") is not None else "")
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
+        layers = {i: v for i, v in r["recall_per_layer"].items() if v is not None}
+        low, high = min(layers, key=layers.get), max(layers, key=layers.get)
+        print(f"  {'':14} per layer: lowest {layers[low]:.3f} (layer {low}), highest {layers[high]:.3f} "
+              f"(layer {high}); " + " ".join(f"{v:.2f}" for v in layers.values()))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -299,7 +299,7 @@ class OasisLayer(CacheLayerMixin):
         real = (ranks > -torch.inf) & (ranks < torch.inf)
         # (ids past NB, picked at -inf when few blocks are allowed, are not real: clamped only to stay in range)
         predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))
-        self._cache.counters.record_recall((predicted & real).sum(), real.sum())
+        self._cache.counters.record_recall(self.layer_idx, (predicted & real).sum(), real.sum())
 
     def _offload_complete_blocks(self) -> None:
         blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]

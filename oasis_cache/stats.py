@@ -16,7 +16,7 @@ class CacheStats:
     def __init__(self, lookahead: str = "none", exact: bool = False):
         self.attention_row = 1 if lookahead != "none" and not exact else 0  # which placements attention used
         self._counts: torch.Tensor | None = None  # int64 [2, len(_FIELDS)], on the compute device
-        self._recall: torch.Tensor | None = None  # int64 [2]: predicted & real, real (measurement mode)
+        self._recall: dict[int, torch.Tensor] = {}  # layer -> int64 [2]: predicted & real, real (measurement mode)
         self.decode_steps = 0  # forwards of <= max_decode_tokens tokens on a cache with complete blocks
         self.dense_forwards = 0  # forwards attended densely (prefill, long extends)
         self.prefill_tokens = 0
@@ -32,10 +32,10 @@ class CacheStats:
             self._counts = torch.zeros((2, len(_FIELDS)), dtype=torch.int64, device=device)
         return self._counts
 
-    def record_recall(self, found: torch.Tensor, real: torch.Tensor) -> None:
-        if self._recall is None:
-            self._recall = torch.zeros(2, dtype=torch.int64, device=found.device)
-        self._recall += torch.stack((found, real))
+    def record_recall(self, layer: int, found: torch.Tensor, real: torch.Tensor) -> None:
+        if layer not in self._recall:
+            self._recall[layer] = torch.zeros(2, dtype=torch.int64, device=found.device)
+        self._recall[layer] += torch.stack((found, real))
 
     def record_layer_step(self, heads: int, recent_tokens: int) -> None:
         self.layer_steps += 1
@@ -52,9 +52,11 @@ class CacheStats:
         per_head = max(1, self.head_steps)
         steps = max(1, self.decode_steps)
         fetched_bytes = (critical + prefetched) * self.block_bytes
-        recall = None
-        if self._recall is not None:
-            found, real = self._recall.tolist()
+        recall, by_layer = None, None
+        if self._recall:
+            pairs = {layer: pair.tolist() for layer, pair in sorted(self._recall.items())}  # {layer: [found, real]}
+            by_layer = {layer: found / real if real else None for layer, (found, real) in pairs.items()}
+            found, real = (sum(pair[i] for pair in pairs.values()) for i in (0, 1))
             recall = found / real if real else None
         return {
             "decode_steps": self.decode_steps,
@@ -73,7 +75,9 @@ class CacheStats:
             "bytes_fetched_per_step": fetched_bytes / steps,  # all layers and heads of one step
             "bytes_fetched_on_critical_path_per_step": critical * self.block_bytes / steps,
             "prediction_recall": recall,  # measurement mode: the real top-K's share resident before the step
-            # (lookahead "none": after its fetch — 1.0 unless a fetch cap drops blocks, a check of the measure)
+            # (lookahead "none": after its fetch — 1.0 unless a fetch cap drops blocks, a check of the measure),
+            # pooled over layers; per layer: {layer index: recall}
+            "prediction_recall_per_layer": by_layer,
             "bytes_offloaded": self.bytes_offloaded,
             "hit_rate": counts["blocks_hit"] / counts["blocks_selected"] if counts["blocks_selected"] else 0.0,
         }

@@ -126,6 +126,9 @@ def test_recall_runs_at_ci_size(tmp_path):
     assert [r["lookahead"] for r in result["rows"]] == ["none", "previous", "eagle3", "eagle3-head", "eagle3-oracle"]
     assert result["rows"][0]["recall"] == 1.0  # no prediction: the attended set is the real top-K
     assert all(0.0 <= r["recall"] <= 1.0 for r in result["rows"])
+    for r in result["rows"]:  # per layer (JSON keys are strings): every layer of SmolLM2, within [0, 1]
+        assert len(r["recall_per_layer"]) == 30 and all(0.0 <= v <= 1.0 for v in r["recall_per_layer"].values())
+    assert all(v == 1.0 for v in result["rows"][0]["recall_per_layer"].values())
     for row in result["rows"][2:]:  # from stats() (the drafts vs the tokens that came), or against the oracle's
         assert 0.0 <= row["draft_accuracy"] <= 1.0
     assert result["meta"]["slots"] == result["meta"]["K"] == 15
