@@ -73,8 +73,8 @@ def make_cache(method: str, model, args, capacity: int = 0):
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
     method, _, variant = method.partition("@")
-    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None,
-                   **OasisConfig.variant_options(variant))
+    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
+    options.update(OasisConfig.variant_options(variant))  # a variant overrides the command line
     # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
     options["cuda_graph"] = method.endswith("-captured")
     method = method.removesuffix("-captured")

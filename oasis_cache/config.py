@@ -33,6 +33,11 @@ OPTION_VARIANTS = {
     "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
+    # the gather kernel on so many programs (default: one per block; docs/perf.md, thirteenth session)
+    "gather16": dict(gather_programs=16),
+    "gather32": dict(gather_programs=32),
+    "gather64": dict(gather_programs=64),
+    "gather128": dict(gather_programs=128),
 }
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of

@@ -201,3 +201,16 @@ def test_summary_channels_must_keep_rotary_pairs():
     cache = OasisCache(model, token_budget=256, summary_channels=0.3)
     with pytest.raises(ValueError, match=r"keeps 4.8 of this model's 16 key channels.*0.5 \(8\)"):
         generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=2, do_sample=False)
+
+
+def test_every_option_variant_is_a_valid_config():
+    """The "@name" variants of bench/eval (`OPTION_VARIANTS`) each make a valid config; an unknown name is refused
+    with the list."""
+    from oasis_cache.config import OPTION_VARIANTS
+
+    for name in OPTION_VARIANTS:
+        options = OasisConfig.variant_options(name)
+        config = OasisConfig(token_budget=512, **options)
+        assert all(getattr(config, key) == value for key, value in options.items())
+    with pytest.raises(ValueError, match="@gather32"):
+        OasisConfig.variant_options("gather33")
