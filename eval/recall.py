@@ -138,7 +138,9 @@ def main():
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
                  if r.get("draft_accuracy") is not None else "")
         print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
-        layers = {i: v for i, v in r["recall_per_layer"].items() if v is not None}
+        layers = {i: v for i, v in (r["recall_per_layer"] or {}).items() if v is not None}
+        if not layers:  # no decode step was measured
+            continue
         low, high = min(layers, key=layers.get), max(layers, key=layers.get)
         print(f"  {'':14} per layer: lowest {layers[low]:.3f} (layer {low}), highest {layers[high]:.3f} "
               f"(layer {high}); " + " ".join(f"{v:.2f}" for v in layers.values()))

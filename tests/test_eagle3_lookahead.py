@@ -196,6 +196,20 @@ def test_stats_report_how_often_the_draft_was_the_next_token():
     assert stats["draft_accuracy"] == pytest.approx(0.5)
 
 
+def _head_right_once(head, tokens: torch.Tensor, vocab_size: int) -> list:
+    """Makes `head`'s guess at decode step k (fed token k of `tokens` `[B, n]`) the true token k + 1 at k = 0 only,
+    a wrong one after; returns the list its guesses are appended to."""
+    guesses = []
+
+    def guess(logits):
+        right = tokens[:, len(guesses) + 1 : len(guesses) + 2].to(logits.device)
+        guesses.append(right if not guesses else (right + 1) % vocab_size)
+        return guesses[-1]
+
+    head.greedy_draft = guess
+    return guesses
+
+
 @pytest.mark.parametrize("chain", [True, False])
 def test_a_right_draft_chains_the_targets_next_token(chain):
     """Chained drafts (`chain_drafts`): the LM head scores the draft row too, and where the draft was right, the
@@ -209,15 +223,7 @@ def test_a_right_draft_chains_the_targets_next_token(chain):
     base = generate(model, dense_cache(model), inputs, **kw)
     tokens = base.sequences[:, inputs["input_ids"].shape[1]:]  # [B, 12]
     cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model), chain_drafts=chain)
-    guesses = []
-
-    def head_guess(logits):  # the head's guess at decode step k (fed token k): right at k = 0 only
-        k = len(guesses)
-        right = tokens[:, k + 1 : k + 2].to(logits.device)
-        guesses.append(right if k == 0 else (right + 1) % model.config.vocab_size)
-        return guesses[-1]
-
-    cache.ride_along.head.greedy_draft = head_guess
+    guesses = _head_right_once(cache.ride_along.head, tokens, model.config.vocab_size)
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, base.sequences)
     for a, b in zip(base.logits, out.logits):  # the draft row's logits were cut from the real rows'
@@ -236,14 +242,7 @@ def test_chained_drafts_survive_another_caches_steps_in_between():
                       do_sample=False).sequences[:, ids.shape[1]:]  # [1, 12]
     chained = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model))
     other = OasisCache(model, token_budget=1024, lookahead="previous")
-    guesses = []
-
-    def head_guess(logits):  # right at the first decode step only
-        right = tokens[:, len(guesses) + 1 : len(guesses) + 2]
-        guesses.append(right if not guesses else (right + 1) % model.config.vocab_size)
-        return guesses[-1]
-
-    chained.ride_along.head.greedy_draft = head_guess
+    _head_right_once(chained.ride_along.head, tokens, model.config.vocab_size)
     with torch.no_grad():
         for cache in (chained, other):
             model(input_ids=ids, past_key_values=cache)

@@ -30,6 +30,15 @@ from .head_window import HeadKV
 from .ngram_lookup import NgramLookup
 
 
+def kept_in_place(kept: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """`value` written into the kept buffer when it fits (shape, dtype, device: in place, so a captured decode step
+    reads and writes the same memory), else a copy of its own (never a view that would keep a forward's tensors
+    alive). Returns the buffer to keep."""
+    if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype and kept.device == value.device:
+        return kept.copy_(value)
+    return value.clone()
+
+
 class RideAlong:
     """The head's attention window (`Eagle3Config.attention_window`, as it was trained) also bounds its keys/values,
     whatever the context; without one (published heads) they grow with the context."""
@@ -145,9 +154,7 @@ class RideAlong:
         rode = made if chain_ready and q == 1 and made is not None and self._chained.shape == made.shape else None
         draft = self._draft(token, rode)  # [B, 1]
         if q == 1:  # the draft that rides, kept in one buffer (a captured step compares where it wrote)
-            if made is None or made.shape != draft.shape or made.device != draft.device:
-                made = torch.empty_like(draft)
-            self._made = made.copy_(draft)
+            self._made = kept_in_place(made, draft)
         kwargs = dict(kwargs)
         if args:
             args = ()
@@ -194,7 +201,7 @@ class RideAlong:
             if self.lm_head is not None:  # the LM head scores it beside the real rows (`_lm_head_before`)
                 self._draft_hidden = output.last_hidden_state[:, -1:]
             output.last_hidden_state = output.last_hidden_state[:, :-1]
-            self._keep_features(features[:, -2])
+            self._last_features = kept_in_place(self._last_features, features[:, -2])  # [B, 3H]
             self._input_ids = None
             return output
         # A prefill or a long extend: the head reads it, row j = (features j, token j+1).
@@ -210,7 +217,7 @@ class RideAlong:
             start = 0 if self.window is None else max(0, ids.shape[1] - 1 - self.window)
             self._rows += start
             self._head_rows(features[:, start:-1], ids[:, start + 1 :])
-        self._keep_features(features[:, -1])
+        self._last_features = kept_in_place(self._last_features, features[:, -1])  # [B, 3H]
         return None
 
     def _lm_head_before(self, module, args):
@@ -229,23 +236,9 @@ class RideAlong:
         self._draft_hidden = None
         # [B, 1], where the drafts are made (a model spread over devices may keep its LM head elsewhere)
         chained = output[:, -1].argmax(-1, keepdim=True).to(self.embed.weight.device)
-        kept = self._chained
-        if kept is not None and kept.shape == chained.shape and kept.device == chained.device:
-            kept.copy_(chained)
-        else:
-            self._chained = chained
+        self._chained = kept_in_place(self._chained, chained)
         self._chain_ready = True
         return output[:, :-1]
-
-    def _keep_features(self, rows: torch.Tensor) -> None:
-        """The last real row's features `[B, 3H]` for the next draft, written into the kept buffer when it fits (in
-        place: a captured decode step reads and writes that buffer), else a copy (not a view that would keep the
-        whole forward's features alive)."""
-        kept = self._last_features
-        if kept is not None and kept.shape == rows.shape and kept.dtype == rows.dtype and kept.device == rows.device:
-            kept.copy_(rows)
-        else:
-            self._last_features = rows.clone()
 
     # ------------------------------------------------------------------------------------------- captured steps
     def replayable(self, batch: int) -> bool:
