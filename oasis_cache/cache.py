@@ -9,6 +9,7 @@ sliding / chunked layers of hybrid models keep HF's own dynamic layer.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -21,6 +22,7 @@ from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
+from .memory.host_memory import check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
 from .stats import CacheStats
@@ -126,6 +128,7 @@ class OasisCache(Cache):
         self.ride_along = None
         if self.config.lookahead == "eagle3":
             self.ride_along = _attach_draft(model, self, draft)
+            weakref.finalize(self, self.ride_along.remove)  # its hooks leave the model with the cache
         elif draft is not None:
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
@@ -134,6 +137,8 @@ class OasisCache(Cache):
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
+        if layer_idx == 0 or isinstance(layer, OasisLayer):
+            self._check_attention(layer_idx)  # before anything of this forward is written
         if isinstance(layer, OasisLayer):
             pending = peek_pending()
             if layer_idx == self._first_oasis_layer:
@@ -149,22 +154,53 @@ class OasisCache(Cache):
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def _check_attention(self, layer_idx: int) -> None:
+        """Every full-attention layer must run through the "oasis" attention (the only code that reads this cache's
+        pools): at the forward's first layer all of them are checked, at each full-attention layer its own."""
+        modules = self._modules.values() if layer_idx == 0 else (self._modules.get(layer_idx),)
+        for module in modules:
+            used = getattr(getattr(module, "config", None), "_attn_implementation", ATTENTION_NAME)
+            if used != ATTENTION_NAME:
+                clear_pending()
+                raise RuntimeError(
+                    f"{type(module).__name__} (layer {module.layer_idx}) would run the {used!r} attention, which "
+                    f"cannot read an OasisCache (model.set_attn_implementation({used!r}) was called after the cache "
+                    f"was made). Nothing of this forward was written to the cache. Call "
+                    f"model.set_attn_implementation('{ATTENTION_NAME}') to go on with this cache (it is SDPA for every "
+                    f"other cache), or use a DynamicCache with {used!r}."
+                )
+
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
         Qn = key_states.shape[2] - self.draft_rows
         self._forward_memo = {}
-        if layer.decodes(key_states.shape[2]):
+        decode = layer.decodes(key_states.shape[2])
+        self.counters.consume_predictions(decode)
+        if decode:
             self.decode_clock += 1
             self.counters.decode_steps += 1
             self.counters.decode_tokens += Qn
         else:
+            self._check_host_room(Qn, key_states)
             self.counters.dense_forwards += 1
             self.reshaped = False
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
-            self._streams = PrefetchStreams(key_states.device, measure=self.measure)
-            self._transfer = TransferEngine(self.config.backend, key_states.device, self._streams,
-                                            self.config.gather_programs)
+            self._start_engine(key_states.device)
+
+    def _start_engine(self, device) -> None:
+        self._streams = PrefetchStreams(device, measure=self.measure)
+        self._transfer = TransferEngine(self.config.backend, device, self._streams, self.config.gather_programs)
+
+    def _check_host_room(self, new_tokens: int, key_states: torch.Tensor) -> None:
+        """Before a dense forward writes anything: refuse it (MemoryError with the sizes) when the host pools of all
+        full-attention layers cannot grow to hold its tokens (`memory.host_memory`)."""
+        layers = [layer for layer in self.layers if isinstance(layer, OasisLayer)]
+        needed = sum(layer.host_bytes_for(new_tokens, key_states) for layer in layers)
+        if needed:
+            B, H, _, D = key_states.shape
+            check_host_room(needed, f"the host pool of {len(layers)} layers for {self.get_seq_length(self._first_oasis_layer) + new_tokens} "
+                                    f"tokens x {B} sequences ({H} KV heads of {D}, {key_states.dtype})")
 
     @property
     def transfer(self) -> TransferEngine:
@@ -276,6 +312,48 @@ class OasisCache(Cache):
     def host_nbytes(self) -> int:
         return sum(layer.pool.nbytes for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
 
+    def to_dynamic_cache(self):
+        """A transformers `DynamicCache` holding every cached token's keys and values (moved to the compute device:
+        it takes the dense cache's memory). It pickles, and `from_dynamic_cache` makes an OasisCache of it again."""
+        from transformers import DynamicCache
+
+        model = self._model()
+        if model is None:
+            raise ReferenceError("The model this OasisCache served was deleted.")
+        if self._streams is not None:
+            self._streams.synchronize()
+        dynamic = DynamicCache(config=model.config)
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, OasisLayer):
+                if layer.is_initialized:
+                    dynamic.layers[idx].update(*layer.full_kv())
+            else:
+                dynamic.layers[idx] = copy.deepcopy(layer)
+        return dynamic
+
+    @classmethod
+    def from_dynamic_cache(cls, model, dynamic, **options) -> "OasisCache":
+        """An OasisCache for `model` (`options` as for the constructor) holding the tokens of a transformers
+        `DynamicCache` (or any cache whose layers keep `keys` / `values` `[B, Hkv, N, D]`): complete blocks go to the
+        host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens. With
+        eagle3 the draft head starts from the next forward."""
+        cache = cls(model, **options)
+        if len(dynamic.layers) != len(cache.layers):
+            raise ValueError(f"the cache holds {len(dynamic.layers)} layers; {type(model).__name__} has "
+                             f"{len(cache.layers)}.")
+        for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
+            if not getattr(source, "is_initialized", False):
+                continue
+            if not isinstance(layer, OasisLayer):
+                cache.layers[idx] = copy.deepcopy(source)
+                continue
+            if cache._transfer is None:
+                cache._start_engine(source.keys.device)
+            layer.update(source.keys, source.values)
+            clear_pending()
+            layer._offload_complete_blocks()
+        return cache
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.reshaped = True
         super().reorder_cache(beam_idx)
@@ -306,6 +384,7 @@ class OasisCache(Cache):
             self._streams.synchronize()
             self._streams.reset_measurements()
         super().reset()
+        release_cached_pinned()  # the pools' pinned memory goes back to the system, not to torch's cache
         if self.ride_along is not None:
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
@@ -315,6 +394,50 @@ class OasisCache(Cache):
         self._forward_memo = {}
         if self.captured_steps is not None:
             self.captured_steps.drop()
+
+    def __deepcopy__(self, memo):
+        """`copy.deepcopy(cache)`: an independent cache for the same model holding the same tokens (as DynamicCache
+        copies): every pool copied (the host pool pinned again), its own streams and transfer engine, no captured
+        step yet, with eagle3 a ride-along with its own hooks and a copy of its state."""
+        model = self._model()
+        if model is None:
+            raise ReferenceError("The model this OasisCache served was deleted: a copy would serve nothing.")
+        if self._streams is not None:  # transfers in flight land before their buffers are copied
+            self._streams.synchronize()
+            self._transfer.wait_host_reads()
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
+                   "captured_steps")
+        for key, value in self.__dict__.items():
+            if key not in rebuilt:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
+        new._forward_memo, new._device_clocks = {}, {}
+        new._streams = new._transfer = None
+        if self._streams is not None:
+            new._start_engine(self._streams.device)
+        for layer in new.layers:
+            if isinstance(layer, OasisLayer):
+                layer._cache = weakref.proxy(new)
+        new.captured_steps = None
+        if self.captured_steps is not None:
+            from .compute.captured_step import CapturedSteps
+
+            new.captured_steps = CapturedSteps()
+            new.captured_steps.unpadded = self.captured_steps.unpadded
+        new.ride_along = self.ride_along.copy_for(model, new) if self.ride_along is not None else None
+        if new.ride_along is not None:
+            weakref.finalize(new, new.ride_along.remove)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "An OasisCache cannot be pickled: it serves one model object in this process (its attention modules, "
+            "device streams, pinned host memory). In this process, copy.deepcopy(cache) makes an independent copy; "
+            "to keep or send the tokens' keys and values, take them out with cache.to_dynamic_cache() (a DynamicCache, "
+            "which pickles) and rebuild with OasisCache.from_dynamic_cache(model, dynamic, token_budget=...)."
+        )
 
     def device_clock(self, device) -> torch.Tensor:
         """`decode_clock` as a `[1]` int64 on `device`, what the slot map's LRU reads: advanced on the device by the
@@ -383,6 +506,7 @@ class OasisCache(Cache):
         def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)
             NB = layer.pool.num_blocks
             return (NB if NB <= cfg.slots else None, cfg.max_fetch(NB), cfg.max_fetch(NB + 1), layer.predicted,
+                    layer.fits_budget(1), layer.fits_budget(2),  # the step's and its prediction's blocks to attend
                     tuple(t.data_ptr() for t in layer.state_tensors()))
         layers = tuple(of(layer) for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())

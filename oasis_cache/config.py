@@ -51,8 +51,9 @@ class OasisConfig:
 
     Args:
         token_budget: tokens each query attends to per decode step and KV head, all included: sink, recent window,
-            selected blocks and the partial block being filled. With `token_budget` >= context, decoding equals
-            dense attention.
+            selected blocks and the partial block being filled. With `token_budget` >= context (every token the
+            step's query sees), decoding equals dense attention, at any budget, block multiple or not
+            (`blocks_for_step`).
         block_size: tokens per block (T); a positive power of two.
         sink_tokens: the first tokens of every sequence (after left padding), always attended. Rounded up to blocks.
         recent_tokens: the newest complete tokens, always attended, besides the partial block. Rounded up to blocks.
@@ -65,7 +66,8 @@ class OasisConfig:
         fetch_ratio: at most `ceil(fetch_ratio * NB)` newly fetched blocks per step and KV head (NB = complete blocks
             in the context); selected blocks beyond the cap are skipped, best-ranked first kept. None = no cap.
         num_slots: working-set slots per KV head; defaults to the number of selected blocks (twice that with
-            `exact`). More slots keep more blocks resident between steps (fewer transfers).
+            `exact`). More slots keep more blocks resident between steps (fewer transfers). A layer allocates no
+            more slots than its context has blocks (memory follows the context, not the budget).
         max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
             decoding verifies a few tokens at once); longer ones attend densely (prefill, chunked prefill).
         host_chunk_blocks: blocks per allocation of the host pool; the pool grows by such chunks.
@@ -160,10 +162,12 @@ class OasisConfig:
         if self.exact and self.lookahead == "none":
             raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous' or "
                              "'eagle3'.")
-        if self.num_slots is not None and self.num_slots < self.num_selected_blocks:
+        if self.num_slots is not None and (not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool)
+                                           or self.num_slots < self.min_slots):
             raise ValueError(
-                f"num_slots={self.num_slots} is below the {self.num_selected_blocks} blocks selected per step "
-                f"(token_budget // block_size - 1); leave num_slots=None or raise it."
+                f"num_slots={self.num_slots!r} is below the {self.min_slots} blocks a step may attend: "
+                f"{self.num_selected_blocks} selected (token_budget // block_size - 1), or every complete block of "
+                f"a context that fits token_budget ({self.num_fitting_blocks}); leave num_slots=None or raise it."
             )
         if not isinstance(self.max_decode_tokens, int) or self.max_decode_tokens < 1:
             raise ValueError(f"max_decode_tokens must be an int >= 1, got {self.max_decode_tokens!r}.")
@@ -228,9 +232,27 @@ class OasisConfig:
 
     @property
     def num_selected_blocks(self) -> int:
-        """K: complete blocks attended per step and KV head (sink and recent included); one block of the budget is
-        kept for the partial block being filled."""
+        """K: complete blocks attended per step and KV head (sink and recent included) by a context longer than the
+        budget; one block of the budget is kept for the partial block being filled."""
         return self.token_budget // self.block_size - 1
+
+    @property
+    def num_fitting_blocks(self) -> int:
+        """The most complete blocks a context within the budget holds (with at least one token in the partial
+        block): ceil(token_budget / T) - 1 — one more than K when the budget is not a multiple of T."""
+        return -(-self.token_budget // self.block_size) - 1
+
+    @property
+    def min_slots(self) -> int:
+        return max(self.num_selected_blocks, self.num_fitting_blocks)
+
+    def blocks_for_step(self, num_blocks: int, recent_tokens: int) -> int:
+        """Complete blocks a query attends to when the context is `num_blocks` complete blocks plus `recent_tokens`
+        (the partial block and the new tokens): all of them while the whole context fits the budget (budget >=
+        context: dense attention, exactly), else K (`num_selected_blocks`), so that K * T + recent <= budget."""
+        if num_blocks * self.block_size + recent_tokens <= self.token_budget:
+            return max(num_blocks, self.num_selected_blocks)
+        return self.num_selected_blocks
 
     def max_fetch(self, num_blocks: int) -> int:
         """Newly fetched blocks allowed per step and KV head."""
@@ -240,8 +262,9 @@ class OasisConfig:
 
     @property
     def slots(self) -> int:
-        """S: working-set slots per KV head (default: the selected blocks; twice that with `exact`, which prefetches
-        into the extra slots)."""
+        """S: working-set slots per KV head at most (default: the selected blocks, or every block of a context that
+        fits the budget; twice the selected blocks with `exact`, which prefetches into the extra slots). A layer
+        allocates only as many as its context can fill (`OasisLayer.reserve_slots`)."""
         if self.num_slots is not None:
             return self.num_slots
-        return self.num_selected_blocks * (2 if self.exact else 1)
+        return max(self.num_selected_blocks * (2 if self.exact else 1), self.num_fitting_blocks)

@@ -13,6 +13,7 @@ Shapes: keys/values `[B, Hkv, q, D]` in, attention output `[B, Hq, Qn, D]` out (
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
 from .pools.summaries import fp8_levels_for
 
 HOST_GROWTH_SPREAD = 16  # blocks: layers take their host pool's next chunk at up to this many different block steps
+MIN_SLOTS = 16  # slots a layer starts with (fewer when the budget needs fewer); it grows them with its context
 
 
 class OasisLayer(CacheLayerMixin):
@@ -60,9 +62,10 @@ class OasisLayer(CacheLayerMixin):
         fp8 = fp8_levels_for(cfg.fp8_levels, cfg.scorer, self.device, self.use_kernels)
         self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits", fp8_levels=fp8,
                                         kept_channels=cfg.kept_channels(D))
-        self.working_set = WorkingSet(B, H, cfg.slots, T, recent_capacity, D, dtype, self.device)
+        slots = min(cfg.slots, MIN_SLOTS)  # grown with the context (`reserve_slots`): memory follows it, not the budget
+        self.working_set = WorkingSet(B, H, slots, T, recent_capacity, D, dtype, self.device)
         self.recent = RecentTokens(self.working_set.recent_region)
-        self.slot_map = SlotMap(B, H, cfg.slots, self.device, use_kernel=self.use_kernels)
+        self.slot_map = SlotMap(B, H, slots, self.device, use_kernel=self.use_kernels)
         self.predicted = False  # the working set holds a prediction for the next decode step
         self._draft_ranks = None  # (NB, `[B, Hkv, NB]`): the draft row's ranking, scored with the real rows'
         self.is_initialized = True
@@ -73,6 +76,14 @@ class OasisLayer(CacheLayerMixin):
             self.__dict__.pop(name, None)
         self.is_initialized = False
         self.device = None
+
+    def __deepcopy__(self, memo):
+        """Every pool copied (`OasisCache.__deepcopy__` binds the copy to the cache copy); the config is shared."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key in ("_cache", "config") else copy.deepcopy(value, memo)
+        return new
 
     # ------------------------------------------------------------------------------------------- Cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -220,7 +231,7 @@ class OasisLayer(CacheLayerMixin):
     def _attend_sparse(self, query, visible, scale):
         cache, cfg = self._cache, self.config
         B, Hq, Qn, D = query.shape
-        H, T, S = self.num_kv_heads, cfg.block_size, cfg.slots
+        H, T, S = self.num_kv_heads, cfg.block_size, self.working_set.num_slots
         NB, n = self.pool.num_blocks, self.recent.num_tokens
         view = cache.step_visibility(visible, self)
         ws = self.working_set
@@ -231,10 +242,11 @@ class OasisLayer(CacheLayerMixin):
             self._measure_recall(real, view)  # the slots still hold the prediction made for this step
         approximate = cfg.lookahead != "none" and not cfg.exact and self.predicted
         if not approximate:  # select with the real query; what is not resident moves now, on the critical path
+            k = cfg.blocks_for_step(NB, n - cache.draft_rows)  # every block while the context fits the budget
             if cache.draft_rows == 1 and cfg.exact:  # the draft row is ranked in the same pass, for the prefetch
-                block_ids, ranks = self._select_with_draft(query, view, cfg.num_selected_blocks)
+                block_ids, ranks = self._select_with_draft(query, view, k)
             else:
-                block_ids, ranks = self._select(real, view, cfg.num_selected_blocks)
+                block_ids, ranks = self._select(real, view, k)
             placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device), ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
@@ -249,6 +261,7 @@ class OasisLayer(CacheLayerMixin):
             ws.visible[:, :, : S * T] &= view.block_tokens[batch, held].reshape(B, H, S * T)
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
+            self.last_recent_tokens = n - cache.draft_rows  # the real rows' recent tokens, the new ones included
         keys, values, mask = ws.attendable()
         if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale)
@@ -265,7 +278,8 @@ class OasisLayer(CacheLayerMixin):
         step repairs what is missing)."""
         cache, cfg = self._cache, self.config
         view = cache.step_visibility(visible, self)  # the blocks completed by this forward are candidates too
-        k = cfg.slots if cfg.exact else cfg.num_selected_blocks
+        # (the next step attends what is placed here, without `exact`: its query sees one more token)
+        k = cfg.slots if cfg.exact else cfg.blocks_for_step(self.pool.num_blocks, self.recent.num_tokens + 1)
         ranked, self._draft_ranks = self._draft_ranks, None
         if ranked is not None and ranked[0] == self.pool.num_blocks:  # ranked before attention, same blocks since
             block_ids, ranks = top_blocks(ranked[1], k)
@@ -273,7 +287,7 @@ class OasisLayer(CacheLayerMixin):
             block_ids, ranks = self._select(query, view, k)
         max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots
         placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device),
-                                      self.working_set.visible, cache.counters.device_counts(self.device)[1],
+                                      self.working_set.visible, cache.counters.device_counts(self.device)[2],
                                       cfg.block_size, max_fetch)
         pool, ws = self.pool, self.working_set
         cache.streams.launch(
@@ -285,7 +299,7 @@ class OasisLayer(CacheLayerMixin):
 
     def _attended_blocks(self) -> torch.Tensor:
         """`[B, H, NB]` bool: the blocks whose slots this step attends to."""
-        S, T, NB = self.config.slots, self.config.block_size, self.pool.num_blocks
+        S, T, NB = self.working_set.num_slots, self.config.block_size, self.pool.num_blocks
         B, H = self.batch_size, self.num_kv_heads
         attended = self.working_set.visible[:, :, : S * T].reshape(B, H, S, T).any(-1)
         held = self.slot_map.slot_block[..., :S]
@@ -314,6 +328,7 @@ class OasisLayer(CacheLayerMixin):
         bookkeeping of a replayed one: `advance_replayed_completion`): room ahead, and the counters."""
         self.reserve_ahead()
         self.slot_map.reserve(self.pool.num_blocks)
+        self.reserve_slots(self.pool.num_blocks)
         block_bytes = 2 * self.config.block_size * self.head_dim * self.pool.dtype.itemsize
         self._cache.counters.record_offload(n * self.batch_size * self.num_kv_heads * block_bytes)
         self._cache.counters.block_bytes = block_bytes
@@ -324,6 +339,33 @@ class OasisLayer(CacheLayerMixin):
         H200's host), so the layers should not all pay for it in the same decode step."""
         ahead = self.pool.num_blocks + blocks_coming + 1 + self.layer_idx % HOST_GROWTH_SPREAD
         self._cache.transfer.reserve(self.pool, ahead)
+
+    def host_bytes_for(self, new_tokens: int, like: torch.Tensor) -> int:
+        """Host bytes this layer's pool would add to hold `new_tokens` more tokens (shaped like `like`, `[B, Hkv, q,
+        D]`, before the layer initializes), the blocks it reserves ahead included."""
+        cfg = self.config
+        T, C = cfg.block_size, cfg.host_chunk_blocks
+        B, H, _, D = like.shape
+        blocks = (self.get_seq_length() + new_tokens) // T + 1 + HOST_GROWTH_SPREAD
+        chunks = -(-blocks // C) - (len(self.pool.chunks) if self.is_initialized else 0)
+        return max(0, chunks) * C * 2 * B * H * T * D * like.element_size()
+
+    def reserve_slots(self, num_blocks: int) -> None:
+        """Working-set slots for a context of `num_blocks` complete blocks: as many as a step may select from it, up
+        to `config.slots` (grown by doubling; slot contents and their masks stay, the recent tokens move along)."""
+        ws, most = self.working_set, self.config.slots
+        if min(num_blocks, most) <= ws.num_slots:
+            return
+        grown = ws.grown(min(most, max(num_blocks, 2 * ws.num_slots)))
+        recent = self.recent.kv.clone() if self.recent.in_region else self.recent.kv
+        self.working_set = grown
+        self.slot_map.grow_slots(grown.num_slots)
+        self.recent = RecentTokens(grown.recent_region)
+        self.recent.prepend(recent)
+
+    def fits_budget(self, new_tokens: int) -> bool:
+        """Whether the context after `new_tokens` more tokens fits the budget (every block attended)."""
+        return self.get_seq_length() + new_tokens <= self.config.token_budget
 
     # ---------------------------------------------------------------------------------------- captured steps
     def completes_block(self, query_length: int = 1) -> bool:
@@ -338,6 +380,7 @@ class OasisLayer(CacheLayerMixin):
         self.reserve_ahead(blocks_coming=1)
         self.summaries.reserve(NB + 1)
         self.slot_map.reserve(NB + 1)
+        self.reserve_slots(NB + 1)
 
     def advance_replayed_completion(self) -> None:
         """The host effects of a replayed step that completed one block (its device work: the offload at the device

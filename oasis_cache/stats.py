@@ -10,8 +10,10 @@ _FIELDS = ("blocks_selected", "blocks_hit", "blocks_fetched", "slot_tokens_atten
 
 
 class CacheStats:
-    """Device counters `[2, 4]`: row 0 placements made with the real query (their fetches are on the critical
-    path), row 1 placements made by a prediction (their fetches run on the side stream); columns `_FIELDS`."""
+    """Device counters `[3, 4]`: row 0 placements made with the real query (their fetches are on the critical
+    path), row 1 placements made by predictions that a decode step then used, row 2 those of the last forward's
+    predictions, not yet used (moved to row 1 when the next decode step starts, `consume_predictions`; dropped by a
+    dense forward: a prediction made after the last step counts its fetches but no step); columns `_FIELDS`."""
 
     def __init__(self, lookahead: str = "none", exact: bool = False):
         self.attention_row = 1 if lookahead != "none" and not exact else 0  # which placements attention used
@@ -29,8 +31,19 @@ class CacheStats:
 
     def device_counts(self, device: torch.device) -> torch.Tensor:
         if self._counts is None:
-            self._counts = torch.zeros((2, len(_FIELDS)), dtype=torch.int64, device=device)
+            self._counts = torch.zeros((3, len(_FIELDS)), dtype=torch.int64, device=device)
         return self._counts
+
+    def consume_predictions(self, decode: bool) -> None:
+        """At the start of a forward (device ops, no sync): the predictions of the forward before are used by this
+        one (a decode step) or not (a dense forward); either way row 2 starts empty."""
+        if self._counts is None:
+            return
+        if decode:
+            self._counts[1] += self._counts[2]
+        else:  # unused predictions still moved their blocks
+            self._counts[1, 2] += self._counts[2, 2]
+        self._counts[2].zero_()
 
     def record_recall(self, layer: int, found: torch.Tensor, real: torch.Tensor) -> None:
         if layer not in self._recall:
@@ -46,9 +59,9 @@ class CacheStats:
         self.bytes_offloaded += nbytes
 
     def as_dict(self) -> dict:
-        rows = self._counts.tolist() if self._counts is not None else [[0] * len(_FIELDS)] * 2
+        rows = self._counts.tolist() if self._counts is not None else [[0] * len(_FIELDS)] * 3
         counts = dict(zip(_FIELDS, rows[self.attention_row]))
-        critical, prefetched = rows[0][2], rows[1][2]
+        critical, prefetched = rows[0][2], rows[1][2] + rows[2][2]  # every prefetch moved its blocks
         per_head = max(1, self.head_steps)
         steps = max(1, self.decode_steps)
         fetched_bytes = (critical + prefetched) * self.block_bytes

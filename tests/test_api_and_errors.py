@@ -71,7 +71,7 @@ def test_attention_implementation_changed_behind_the_cache_raises():
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=256)
     model.set_attn_implementation("sdpa")
-    with pytest.raises(RuntimeError, match="did not run through the 'oasis' attention"):
+    with pytest.raises(RuntimeError, match="Nothing of this forward was written"):
         model(input_ids=prompt_ids(20), past_key_values=cache, use_cache=True)
 
 

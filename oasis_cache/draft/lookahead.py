@@ -96,6 +96,21 @@ class RideAlong:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.handles = []
+
+    def copy_for(self, model, cache) -> "RideAlong":
+        """The ride-along of `cache`, a deep copy of this one's cache: its own hooks, a copy of every piece of state
+        (the head's keys/values, features, drafts, counters), the head's weights shared."""
+        import copy
+
+        new = RideAlong(model, cache, self.head)
+        new.static_head = self.static_head
+        owned = ("head", "cache", "decoder", "embed", "lm_head", "handles", "_static", "window", "aux_ids")
+        memo = {}
+        for key, value in self.__dict__.items():
+            if key not in owned:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new  # (its static call is built again from the copied ring at its next step)
 
     def reset(self) -> None:
         self._last_features, self._rows, self._made = None, 0, None

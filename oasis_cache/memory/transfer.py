@@ -18,6 +18,7 @@ import torch
 
 from ..kernels.gather import gather_blocks, triton_available
 from ..kernels.host_store import store_block
+from .host_memory import check_host_room
 from ..pools import HostKVPool, WorkingSet
 
 
@@ -85,6 +86,9 @@ class TransferEngine:
         """Grow `pool` to hold `num_blocks` blocks; the gather's address table follows at once (a captured gather
         may read a new chunk before any eager fetch would have rebuilt it)."""
         chunks = len(pool.chunks)
+        nbytes = pool.bytes_to_reserve(num_blocks)
+        if nbytes:  # MemoryError, before anything is allocated, where the host cannot hold it
+            check_host_room(nbytes, f"growing a layer's host pool to {num_blocks} blocks")
         pool.reserve(num_blocks)
         if self.backend == "triton" and len(pool.chunks) != chunks:
             self._addresses(pool)

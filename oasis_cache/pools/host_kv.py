@@ -8,6 +8,8 @@ elements, and a range of blocks is one contiguous run (one copy per chunk when b
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -39,9 +41,15 @@ class HostKVPool:
 
     def reserve(self, num_blocks: int) -> None:
         """Make room for `num_blocks` blocks in all (allocates whole chunks)."""
+        shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, self.block_size, self.head_dim)
         while self.capacity_blocks < num_blocks:
-            shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, self.block_size, self.head_dim)
             self.chunks.append(torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin_memory))
+
+    def bytes_to_reserve(self, num_blocks: int) -> int:
+        """Host bytes `reserve(num_blocks)` would allocate."""
+        missing = max(0, -(-(num_blocks - self.capacity_blocks) // self.chunk_blocks))
+        shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, self.block_size, self.head_dim)
+        return missing * math.prod(shape) * self.dtype.itemsize
 
     def spans(self, start: int, end: int):
         """Yield `(chunk, local_start, local_end, offset)` covering blocks [start, end): blocks `local_start ..
@@ -68,6 +76,14 @@ class HostKVPool:
             _pin(chunk.index_select(2, indices), self.pin_memory) for chunk in self.chunks
         ]
         self.batch_size = int(indices.numel())
+
+    def __deepcopy__(self, memo):
+        """Every chunk copied, pinned again where the pool is pinned (a gather reads it through unified addressing)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.chunks = [_pin(chunk.clone(), self.pin_memory) for chunk in self.chunks]
+        memo[id(self)] = new
+        return new
 
     @property
     def nbytes(self) -> int:

@@ -50,6 +50,16 @@ class SlotMap:
         grown[..., : self.capacity_blocks] = self.block_slot[..., : self.capacity_blocks]
         self.block_slot = grown
 
+    def grow_slots(self, num_slots: int) -> None:
+        """Make room for `num_slots` slots (more than now): the new ones are empty; blocks stay in their slots."""
+        S = self.num_slots
+        for name in ("slot_block", "last_used"):
+            old = getattr(self, name)
+            grown = torch.full((*old.shape[:2], num_slots + 1), -1, dtype=old.dtype, device=old.device)
+            grown[..., :S] = old[..., :S]
+            setattr(self, name, grown)
+        self.num_slots = num_slots
+
     def assign(self, block_ids: torch.Tensor, ranks: torch.Tensor, step: int | torch.Tensor, visible: torch.Tensor,
                counters: torch.Tensor, block_size: int, max_fetch: int | None = None) -> Assignment:
         """Place this step's selection. Resident blocks stay where they are; each missing block takes a free slot,

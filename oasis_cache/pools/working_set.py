@@ -45,6 +45,15 @@ class WorkingSet:
         """`(keys, values, visible)` over the whole working set, `[B, Hkv, L, D]` twice and `[B, Hkv, L]`."""
         return self.kv[0], self.kv[1], self.visible
 
+    def grown(self, num_slots: int) -> "WorkingSet":
+        """A working set of `num_slots` slots holding this one's slots in its first ones (their masks too); the
+        recent region is left empty (`OasisLayer.reserve_slots` moves the recent tokens)."""
+        B, H, _, D = self.kv.shape[1:]
+        new = WorkingSet(B, H, num_slots, self.block_size, self.recent_capacity, D, self.kv.dtype, self.kv.device)
+        new.kv[:, :, :, : self.slot_tokens] = self.kv[:, :, :, : self.slot_tokens]
+        new.visible[..., : self.slot_tokens] = self.visible[..., : self.slot_tokens]
+        return new
+
     def index_batch(self, indices: torch.Tensor) -> None:
         self.kv = self.kv.index_select(1, indices.to(self.kv.device))
         self.visible = self.visible.index_select(0, indices.to(self.kv.device))

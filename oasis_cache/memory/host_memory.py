@@ -1,0 +1,89 @@
+"""Host memory: how much the host pools may still take, and refusing a pool that cannot fit before anything is
+written (an out-of-memory kill loses the whole process and says nothing).
+
+Pinned memory freed by a dropped cache stays in torch's caching host allocator, reusable only by requests of a size
+it holds; a process that makes caches of other shapes one after another piles it up (32K x 1, 32K x 4, 128K x 1 on the
+H200 host, issue 20). `release_cached_pinned` hands it back to the system: a cache does so when it is reset, and
+before refusing a pool for lack of room.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Room kept free for everything else in the process (activations staged on the host, the allocator's slack, Python):
+# a pool is refused when it would leave less than this.
+HEADROOM_BYTES = 1 << 30
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_host_bytes() -> int | None:
+    """Bytes the process may still allocate: the kernel's MemAvailable, lowered to the room left under the memory
+    cgroup's limit where one is set; None where neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            found.append(max(0, int(limit) - usage))
+        break
+    return min(found) if found else None
+
+
+def cached_pinned_bytes() -> int:
+    """Pinned bytes torch's caching host allocator holds for reuse (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (RuntimeError, AttributeError):
+        return 0
+    return max(0, int(stats.get("reserved_bytes.current", 0)) - int(stats.get("allocated_bytes.current", 0)))
+
+
+def release_cached_pinned() -> None:
+    """Hand the pinned memory torch's caching host allocator keeps (blocks no tensor holds) back to the system."""
+    if not torch.cuda.is_available():
+        return
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # torch 2.11 / 2.13
+        empty = getattr(torch._C, name, None)
+        if empty is not None:
+            empty()
+            return
+
+
+def check_host_room(nbytes: int, what: str) -> None:
+    """Raise MemoryError, naming the sizes, when `nbytes` more host memory would leave less than `HEADROOM_BYTES`
+    available (after releasing torch's cached pinned memory once). `what`: what needs it, for the message."""
+    if os.environ.get("OASIS_SKIP_HOST_MEMORY_CHECK") == "1":
+        return
+    available = available_host_bytes()
+    if available is None or nbytes + HEADROOM_BYTES <= available:
+        return
+    release_cached_pinned()
+    available = available_host_bytes()
+    if nbytes + HEADROOM_BYTES <= available:
+        return
+    raise MemoryError(
+        f"OasisCache: {what} needs {nbytes / 2**30:.2f} GiB of host memory, but {available / 2**30:.2f} GiB are "
+        f"available (keeping {HEADROOM_BYTES / 2**30:.0f} GiB for the rest of the process). Nothing was written to "
+        f"the cache. Use a shorter prompt or a smaller batch, or free host memory: drop caches you no longer use "
+        f"(del cache; gc.collect()) and call cache.reset() on one you will reuse. Set "
+        f"OASIS_SKIP_HOST_MEMORY_CHECK=1 to skip this check."
+    )

@@ -1,0 +1,274 @@
+"""The edges of the contract and the misuse a demanding user tries (issue 20): budgets at and around the context,
+the attention implementation switched behind a filled cache, memory that must follow the context (not the budget),
+copies and pickling, host memory refused up front, many caches in one process, and the statistics' step counts."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+from conftest import dense_cache, generate, left_padded, prompt_ids, random_head, tiny_model
+from oasis_cache import OasisCache
+from oasis_cache.layer import OasisLayer
+from oasis_cache.memory import host_memory
+
+ATOL = 2e-4
+PROMPT, NEW = 45, 14
+CONTEXT = PROMPT + NEW - 1  # what the last step's query sees (the last new token is not attended)
+
+
+def same_as_dense(dense, oasis):
+    if not torch.equal(dense.sequences, oasis.sequences):
+        return False
+    return all(torch.allclose(b, a, atol=ATOL, rtol=1e-4) for a, b in zip(dense.logits, oasis.logits))
+
+
+def attended_within_budget(model, cache, inputs, budget):
+    """Greedy decode through `cache`, recording every step's selection: each layer's attended tokens (selected blocks
+    and the recent ones, the new token included) never exceed the budget."""
+    cache.record_selection = True
+    worst = 0
+    layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
+    hooks = []
+
+    def check(module, args, kwargs, output):
+        nonlocal worst
+        for layer in layers:
+            selection = getattr(layer, "last_selection", None)
+            if selection is not None:
+                per_head = selection.sum(-1).max().item() * cache.config.block_size + layer.last_recent_tokens
+                worst = max(worst, per_head)
+                layer.last_selection = None
+    hooks.append(model.model.register_forward_hook(check, with_kwargs=True))
+    try:
+        generate(model, cache, inputs, max_new_tokens=NEW, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_budget_sweep_around_the_context(arch, block_size):
+    """Every budget from context - 1 to context + 2 * block_size: from the context on, exactly dense (greedy tokens,
+    logits); below it, never more tokens attended than the budget."""
+    model = tiny_model(arch)
+    inputs = {"input_ids": prompt_ids(PROMPT)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=NEW, do_sample=False)
+    small = dict(block_size=block_size, sink_tokens=block_size, recent_tokens=block_size)
+    for budget in range(CONTEXT - 1, CONTEXT + 2 * block_size + 1):
+        oasis = generate(model, OasisCache(model, token_budget=budget, **small), inputs, max_new_tokens=NEW,
+                         do_sample=False)
+        if budget >= CONTEXT:
+            assert same_as_dense(dense, oasis), f"budget {budget} >= context {CONTEXT}, block_size {block_size}"
+    below = OasisCache(model, token_budget=CONTEXT - 1, **small)
+    assert attended_within_budget(model, below, inputs, CONTEXT - 1) <= CONTEXT - 1
+
+
+@pytest.mark.parametrize("options", [
+    dict(lookahead="previous"),
+    dict(lookahead="previous", exact=True),
+    dict(lookahead="none", num_slots=40),
+])
+def test_budget_at_the_context_in_every_lookahead(options):
+    """The boundary budgets (the context, and up to the next block multiple) with predictions that decide or only
+    prefetch, and with more slots than the budget selects."""
+    model = tiny_model("llama")
+    inputs = {"input_ids": prompt_ids(PROMPT)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=NEW, do_sample=False)
+    for budget in (CONTEXT, CONTEXT + 1, -(-CONTEXT // 16) * 16 - 1):
+        oasis = generate(model, OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, **options),
+                         inputs, max_new_tokens=NEW, do_sample=False)
+        assert same_as_dense(dense, oasis), (budget, options)
+
+
+def test_budget_at_the_context_with_eagle3_sampling_and_padding():
+    model = tiny_model("llama", num_hidden_layers=4)
+    padded = left_padded([PROMPT, 30, 38])
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20)
+    dense = generate(model, dense_cache(model), padded, seed=5, **kw)
+    for budget in (CONTEXT, CONTEXT + 3):
+        cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
+                           draft=random_head(model))
+        assert same_as_dense(dense, generate(model, cache, padded, seed=5, **kw)), budget
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_attention_switched_behind_a_filled_cache_is_refused_before_writing(implementation, hybrid):
+    extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=48, use_sliding_window=True) \
+        if hybrid else {}
+    model = tiny_model("qwen3", **extra)
+    ids = prompt_ids(60)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=12, do_sample=False)
+    cache = OasisCache(model, token_budget=1024)
+    first = generate(model, cache, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    model.set_attn_implementation(implementation)
+    with pytest.raises(RuntimeError, match=r"Nothing of this forward was written.*set_attn_implementation\('oasis'\)"):
+        generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths  # untouched
+    model.set_attn_implementation("oasis")  # the fix the message names: the same cache goes on, exactly
+    again = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
+    assert torch.equal(again.sequences, dense.sequences)
+
+
+def test_device_memory_follows_the_context_not_the_budget():
+    """A budget far above the context allocates what the context fills: the same bytes as a budget just above it."""
+    model = tiny_model("llama")
+    inputs = {"input_ids": prompt_ids(110)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=20, do_sample=False)
+    held = {}
+    for budget in (10**8, 10**6, 512):
+        cache = OasisCache(model, token_budget=budget)
+        assert same_as_dense(dense, generate(model, cache, inputs, max_new_tokens=20, do_sample=False))
+        held[budget] = sum(cache.device_nbytes().values())
+    assert held[10**8] == held[10**6] == held[512] < 256 * 1024  # (before: 520 MB at 10**6)
+
+
+def test_slots_grow_with_the_context_and_keep_their_blocks():
+    """Slots are added as blocks complete (decode included), up to what the budget selects; the blocks already
+    resident stay where they are and the result stays exact."""
+    model = tiny_model("llama")
+    inputs = {"input_ids": prompt_ids(20)}
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=300, do_sample=False)
+    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead="previous", exact=True)
+    layer = cache.layers[0]
+    oasis = generate(model, cache, inputs, max_new_tokens=300, do_sample=False)
+    assert same_as_dense(dense, oasis)
+    assert 16 < layer.working_set.num_slots <= cache.config.slots
+    assert layer.slot_map.num_slots == layer.working_set.num_slots
+
+
+def test_deepcopy_is_an_independent_cache():
+    model = tiny_model("llama")
+    ids = prompt_ids(70)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    twin = copy.deepcopy(cache)
+    assert twin.get_seq_length() == cache.get_seq_length() and twin.layers[0]._cache == twin
+    kw = dict(max_new_tokens=8, do_sample=False)
+    from_twin = generate(model, twin, {"input_ids": first}, **kw)
+    from_original = generate(model, cache, {"input_ids": first}, **kw)  # untouched by the twin's steps
+    assert torch.equal(from_twin.sequences, from_original.sequences)
+    for a, b in zip(from_twin.logits, from_original.logits):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    exact = OasisCache(model, token_budget=1024)
+    first = model.generate(input_ids=ids, past_key_values=exact, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(generate(model, copy.deepcopy(exact), {"input_ids": first}, **kw).sequences, dense.sequences)
+
+
+def test_deepcopy_with_eagle3_keeps_its_own_drafts():
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt_ids(70)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
+                       draft=random_head(model))
+    first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    hooks = len(model.model._forward_hooks)
+    twin = copy.deepcopy(cache)
+    assert len(model.model._forward_hooks) == hooks + 1 and twin.ride_along is not cache.ride_along
+    kw = dict(max_new_tokens=8, do_sample=False)
+    a = generate(model, twin, {"input_ids": first}, **kw)
+    b = generate(model, cache, {"input_ids": first}, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert twin.stats()["draft_accuracy"] == cache.stats()["draft_accuracy"]
+    del twin, a  # (generate's output holds its cache)
+    assert len(model.model._forward_hooks) == hooks  # the copy's hooks left with it
+
+
+def test_pickle_names_the_way_out_and_the_dynamic_round_trip_is_exact():
+    model = tiny_model("llama")
+    ids = prompt_ids(70)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2)
+    first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with pytest.raises(TypeError, match=r"deepcopy.*to_dynamic_cache"):
+        pickle.dumps(cache)
+    shipped = pickle.loads(pickle.dumps(cache.to_dynamic_cache()))
+    assert shipped.get_seq_length() == cache.get_seq_length() == 77
+    rebuilt = OasisCache.from_dynamic_cache(model, shipped, token_budget=1024, host_chunk_blocks=2)
+    assert rebuilt.get_seq_length() == 77 and rebuilt.layers[0].pool.num_blocks == 4
+    again = generate(model, rebuilt, {"input_ids": first}, max_new_tokens=8, do_sample=False)
+    assert torch.equal(again.sequences, dense.sequences)
+
+
+def test_host_pool_that_cannot_fit_is_refused_before_writing(monkeypatch):
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=256)
+    layer = cache.layers[0]
+    like = torch.empty(1, 2, 1, 16)
+    predicted = sum(l.host_bytes_for(300, like) for l in cache.layers)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: predicted + host_memory.HEADROOM_BYTES - 1)
+    with pytest.raises(MemoryError, match=r"needs 0\.00 GiB of host memory.*Nothing was written"):
+        model(input_ids=prompt_ids(300), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and not layer.is_initialized
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: predicted + host_memory.HEADROOM_BYTES)
+    model(input_ids=prompt_ids(300), past_key_values=cache, use_cache=True)
+    assert cache.host_nbytes() <= predicted  # the accounting covers what the pools took
+    # Growth during decode is checked too (a chunk at a time), before anything is allocated.
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 0)
+    chunks = len(layer.pool.chunks)
+    with pytest.raises(MemoryError, match="growing a layer's host pool"):
+        cache.transfer.reserve(layer.pool, layer.pool.capacity_blocks + 1)
+    assert len(layer.pool.chunks) == chunks
+
+
+def test_host_bytes_for_matches_the_pools():
+    model = tiny_model("llama")
+    for chunk in (2, 256):
+        cache = OasisCache(model, token_budget=256, host_chunk_blocks=chunk)
+        like = torch.empty(3, 2, 1, 16)
+        predicted = sum(layer.host_bytes_for(500, like) for layer in cache.layers)
+        model(input_ids=prompt_ids(500, batch=3), past_key_values=cache, use_cache=True)
+        block = 2 * 3 * 2 * 16 * 16 * 4  # K and V, 3 sequences, 2 heads, 16 tokens of 16 channels, fp32
+        slack = 2 * -(-17 // chunk) * chunk * block  # the blocks reserved ahead, at most, per layer
+        assert cache.host_nbytes() <= predicted <= cache.host_nbytes() + slack
+
+
+def test_many_caches_in_one_process_return_memory():
+    """Fifty caches of varying batch and length (eagle3 among them) made, used and dropped: each is freed by
+    reference counting alone (no cycle), takes its hooks with it, and the process's memory returns to a bound."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = random_head(model)
+    hooks = len(model.model._forward_hooks)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def use(i):
+        batch, length = 1 + i % 3, 40 + 37 * (i % 5)
+        options = dict(lookahead="eagle3", draft=head) if i % 4 == 0 else {}
+        cache = OasisCache(model, token_budget=64 + 16 * (i % 3), sink_tokens=16, recent_tokens=16, **options)
+        model.generate(input_ids=prompt_ids(length, batch=batch, seed=i), past_key_values=cache, max_new_tokens=5,
+                       do_sample=False, pad_token_id=0)
+        return weakref.ref(cache)
+
+    for i in range(10):  # warm-up: allocator pools, lazily built kernels
+        use(i)
+    gc.collect()
+    start = rss()
+    for i in range(50):
+        ref = use(i)
+        assert ref() is None, f"cache {i} outlived its last reference (a cycle or a hook keeps it)"
+        assert len(model.model._forward_hooks) == hooks
+    gc.collect()
+    assert rss() - start < 64 << 20
+
+
+def test_selected_blocks_per_step_counts_only_steps():
+    """`blocks_selected_per_step` with a prediction that decides (lookahead="previous"): the prediction made after
+    the last step (for a step that never came) is not counted; the bytes it moved are."""
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous")
+    generate(model, cache, {"input_ids": prompt_ids(110)}, max_new_tokens=20, do_sample=False)
+    stats = cache.stats()
+    assert stats["blocks_selected_per_step"] == cache.config.num_selected_blocks == 3
+    assert stats["blocks_fetched"] == stats["blocks_fetched_on_critical_path"] + stats["blocks_prefetched"] > 0
