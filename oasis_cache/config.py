@@ -33,7 +33,8 @@ OPTION_VARIANTS = {
     "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
-    # the gather kernel on so many programs (default: one per block; docs/perf.md, thirteenth session)
+    # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
+    "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
     "gather32": dict(gather_programs=32),
     "gather64": dict(gather_programs=64),
@@ -74,8 +75,14 @@ class OasisConfig:
         backend: "triton" (CUDA kernels: block scores, slot assignment, and a gather that reads pinned host memory
             directly), "torch" (plain tensor ops; on CUDA the gather stages through host memory), or "auto"
             (triton on CUDA when available, else torch).
-        gather_programs: programs of the gather kernel per K/V (None: one per block). Fewer programs occupy fewer
-            SMs while they wait on PCIe, leaving the rest to the compute the prefetch hides behind.
+        gather_programs: programs of the gather kernel per K/V. None (default): chosen by the package — a prefetch
+            on the side stream runs on the largest power of two <= a quarter of the device's SMs (32 on an H200),
+            a gather that compute waits for (on the critical path) on one program per block
+            (`memory.transfer.side_stream_programs`); 0: one program per block everywhere (the default before the
+            fourteenth session); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
+            that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, captured
+            `previous` steps, 32 programs against one per block: 32K x 1 17.4 -> 12.7 ms, 32K x 4 ~35 -> ~24,
+            128K x 1 ~19.4 -> ~14 (docs/perf.md).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -199,6 +206,10 @@ class OasisConfig:
                              "CUDA).")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
+        if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or
+                                                 isinstance(self.gather_programs, bool) or self.gather_programs < 0):
+            raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
+                             f"positive int, got {self.gather_programs!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

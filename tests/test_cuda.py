@@ -367,3 +367,55 @@ def test_half_channel_summaries_on_cuda():
     generate(model, full, inputs, **kw)
     layer, whole = captured.layers[0].summaries, full.layers[0].summaries
     assert layer.levels.shape[-1] == whole.levels.shape[-1] // 2 and layer.codes.shape[-1] == whole.codes.shape[-1] // 2
+
+
+@pytest.mark.parametrize("lookahead", ["none", "previous"])
+def test_budget_at_the_context_on_cuda(lookahead):
+    """Issue 20's boundary on the default CUDA path (captured steps, Triton kernels): from the context on, every
+    budget (block multiple or not) decodes exactly what dense decodes; slots grown during decode keep it exact."""
+    model = tiny_model("llama").cuda()
+    inputs = on_cuda({"input_ids": prompt_ids(45)})
+    kw = dict(max_new_tokens=14, do_sample=False)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    context = 45 + 14 - 1
+    for budget in (context, context + 1, 63, 64, 10**7):
+        cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, lookahead=lookahead)
+        oasis = generate(model, cache, inputs, **kw)
+        assert torch.equal(dense.sequences, oasis.sequences), budget
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    long = on_cuda({"input_ids": prompt_ids(20)})
+    dense = generate(model, dense_cache(model), long, max_new_tokens=300, do_sample=False)
+    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead=lookahead)
+    assert torch.equal(generate(model, cache, long, max_new_tokens=300, do_sample=False).sequences, dense.sequences)
+    assert cache.layers[0].working_set.num_slots > 16
+
+
+def test_pinned_host_memory_is_released(monkeypatch):
+    """Caches of different shapes made and dropped one after another leave pinned memory in torch's caching host
+    allocator (issue 20: a process died at its next 128K cache); a reset, or a host pool that would not fit
+    otherwise, hands it back to the system."""
+    from oasis_cache.memory import host_memory
+
+    model = tiny_model("llama", num_key_value_heads=4, num_attention_heads=4).cuda()
+    for batch, length in ((1, 2000), (3, 1500), (2, 3000)):
+        cache = OasisCache(model, token_budget=256)
+        model(input_ids=prompt_ids(length, batch=batch).cuda(), past_key_values=cache, use_cache=True)
+        del cache
+        gc.collect()
+    torch.cuda.synchronize()
+    assert host_memory.cached_pinned_bytes() > 0
+    real = host_memory.available_host_bytes()
+    cached = host_memory.cached_pinned_bytes()
+    # short of room until the cached pinned memory is released: the check releases it and lets the pool through
+    monkeypatch.setattr(host_memory, "available_host_bytes",
+                        lambda: real + (cached - host_memory.cached_pinned_bytes()))
+    host_memory.check_host_room(real - host_memory.HEADROOM_BYTES + cached // 2, "a test pool")
+    assert host_memory.cached_pinned_bytes() == 0
+    monkeypatch.undo()
+    cache = OasisCache(model, token_budget=256)
+    model(input_ids=prompt_ids(2000).cuda(), past_key_values=cache, use_cache=True)
+    assert cache.host_nbytes() > 0
+    cache.reset()
+    torch.cuda.synchronize()
+    assert host_memory.cached_pinned_bytes() == 0

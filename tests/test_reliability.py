@@ -272,3 +272,29 @@ def test_selected_blocks_per_step_counts_only_steps():
     stats = cache.stats()
     assert stats["blocks_selected_per_step"] == cache.config.num_selected_blocks == 3
     assert stats["blocks_fetched"] == stats["blocks_fetched_on_critical_path"] + stats["blocks_prefetched"] > 0
+
+
+def test_gather_programs_are_chosen_per_stream(monkeypatch):
+    """gather_programs=None: a side-stream prefetch runs on a power of two near a quarter of the SMs (32 on an H200),
+    a gather on the critical path on one program per block; 0 and n are the user's, everywhere."""
+    from types import SimpleNamespace
+
+    from oasis_cache.memory import transfer
+
+    for sms, programs in ((132, 32), (108, 16), (170, 32), (16, 8)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, n=sms: SimpleNamespace(multi_processor_count=n))
+        assert transfer.side_stream_programs("cuda:0") == programs
+    engine = transfer.TransferEngine("torch", torch.device("cpu"))
+    side = object()
+    engine.streams, engine.side_programs = SimpleNamespace(cuda=True, side=side), 32
+    for on_side in (True, False):
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device, s=on_side: side if s else object())
+        assert engine._programs() == (32 if on_side else None)
+        engine.gather_programs = 0
+        assert engine._programs() is None
+        engine.gather_programs = 48
+        assert engine._programs() == 48
+        engine.gather_programs = None
+    with pytest.raises(ValueError, match="gather_programs"):
+        OasisCache(tiny_model("llama"), token_budget=256, gather_programs=-1)

@@ -34,10 +34,20 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+def side_stream_programs(device: torch.device) -> int:
+    """Gather programs (per K/V) for a prefetch on the side stream: the largest power of two <= a quarter of the
+    device's SMs, at least 8 (32 on an H200's 132 SMs, the count measured best there: docs/perf.md). A prefetch only
+    has to land within the step it overlaps; the fewer SMs it holds while waiting on PCIe, the faster that step."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(8, 1 << (max(1, sms // 4).bit_length() - 1))
+
+
 class TransferEngine:
     def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
-        self.gather_programs = gather_programs
+        self.gather_programs = gather_programs  # None: chosen per stream (`_programs`); 0: one per block
+        self.side_programs = side_stream_programs(device) if self.backend == "triton" and device.type == "cuda" \
+            else None
         self.device = device
         self.streams = streams  # PrefetchStreams: offloads run on its side stream
         self._offloaded: dict[int, object] = {}  # id(pool) -> side-stream event after its last offload
@@ -128,11 +138,19 @@ class TransferEngine:
         timing = self.streams.time_on_compute() if self.streams is not None else None
         if self.backend == "triton":
             gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,
-                          working_set.block_size, self.gather_programs)
+                          working_set.block_size, self._programs())
         else:
             self._fetch_torch(pool, working_set, block_ids, dest, fetch)
         if timing is not None:
             timing.record(torch.cuda.current_stream(self.device))
+
+    def _programs(self) -> int | None:
+        """The gather's programs per K/V for a launch on the current stream (None: one per block)."""
+        if self.gather_programs is not None:
+            return self.gather_programs or None
+        on_side = self.streams is not None and self.streams.cuda and \
+            torch.cuda.current_stream(self.device) == self.streams.side
+        return self.side_programs if on_side else None
 
     def _fetch_torch(self, pool, working_set, block_ids, dest, fetch) -> None:
         on_cuda = working_set.kv.device.type == "cuda"
