@@ -71,10 +71,20 @@ class OasisCache(Cache):
         **options,
     ):
         text_config = _check_supported(model)
+        self.why: dict[str, str] = {}  # option -> how it was chosen, in words (`describe`)
         if lookahead is None:
             lookahead, draft = _default_lookahead(model, text_config, draft)
             if lookahead == "eagle3":  # picked for the user: the real query's choice is attended (quality first)
                 options.setdefault("exact", True)
+                self.why["lookahead"] = "picked: a draft head for this model was given or ships with the package"
+            else:
+                self.why["lookahead"] = "picked: no draft head ships for this model; python -m oasis_cache.draft.train trains one"
+        elif lookahead == "eagle3" and draft is None:  # the head shipped for this model, when there is one
+            from .draft.bundled import bundled_head_for
+
+            draft = bundled_head_for(model)
+            if draft is not None:
+                self.why["lookahead"] = "yours, with the head shipped for this model"
         self.config = OasisConfig(
             token_budget=token_budget,
             block_size=block_size,
@@ -282,6 +292,7 @@ class OasisCache(Cache):
             device_bytes=sum(self.device_nbytes().values()),
             host_bytes=self.host_nbytes(),
         )
+        out["why"] = dict(self.why)  # option -> how it was chosen (`describe` says it all in words)
         if self.ride_along is not None:
             out.update(self.ride_along.stats())
         if self.captured_steps is not None:
@@ -541,6 +552,55 @@ class OasisCache(Cache):
         if self.ride_along is not None:
             self.ride_along.advance_replayed_step()
 
+    def describe(self) -> str:
+        """What this cache runs and why, in words (`print(cache)`)."""
+        cfg, model = self.config, self._model()
+        name = type(model).__name__ if model is not None else "a deleted model"
+        n_oasis = sum(isinstance(layer, OasisLayer) for layer in self.layers)
+        tokens = self.get_seq_length(self._first_oasis_layer)
+        lines = [f"OasisCache for {name}: {tokens} tokens cached; each decode step attends at most "
+                 f"{cfg.token_budget} tokens per KV head (every token while the context fits)."]
+        kept = len(self.layers) - n_oasis
+        lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of {cfg.block_size} "
+                     f"tokens" + (f"; {kept} sliding-window layers kept by transformers" if kept else ""))
+        modes = {"none": "the real query selects its blocks, fetched on the critical path",
+                 "previous": "each step's query predicts the next step's blocks, fetched on a side stream",
+                 "eagle3": "a draft token rides beside the real one and predicts the next step's blocks"}
+        why = self.why.get("lookahead", "yours")
+        lines.append(f"- lookahead {cfg.lookahead!r} ({why}): {modes[cfg.lookahead]}"
+                     + ("; attended blocks chosen by the real query, misses repaired" if cfg.exact else ""))
+        if self.ride_along is not None:
+            lines.append(f"- draft: an EAGLE-3 head reading layers {self.ride_along.aux_ids}"
+                         + ("; chained drafts (the target's own next token where the draft was right)"
+                            if self.ride_along.lm_head is not None else ""))
+        fp8, channels = self._summary_form()
+        form = "key channels chosen at the first forward" if channels is None else \
+            f"{channels:.0%} of the key channels{', fp8 levels' if fp8 else ''}"
+        lines.append(f"- block summaries: {cfg.scorer!r} scorer on {form}")
+        if self._transfer is None:
+            lines.append(f"- transfers: backend {cfg.backend!r}, decided at the first forward (Triton kernels on CUDA)")
+        else:
+            engine = self._transfer
+            programs = ("one per block" if engine.gather_programs == 0 else f"{engine.gather_programs}"
+                        ) if engine.gather_programs is not None else (
+                f"{engine.side_programs} for prefetches, one per block on the critical path"
+                if engine.side_programs else "one per block")
+            lines.append(f"- transfers: {engine.backend} backend; gather programs: {programs}")
+        if self.captured_steps is not None:
+            steps = self.captured_steps
+            lines.append(f"- decode steps: replayed as CUDA graphs where the shapes allow ({steps.replays} replays, "
+                         f"{steps.captures} captures so far)")
+        else:
+            lines.append("- decode steps: eager (captured CUDA graphs need one CUDA device, a checked architecture and "
+                         "the Triton backend, or cuda_graph=True)")
+        if self.get_seq_length(self._first_oasis_layer):
+            lines.append(f"- memory: {sum(self.device_nbytes().values()) / 2**20:.1f} MiB on the device, "
+                         f"{self.host_nbytes() / 2**20:.1f} MiB of host memory")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.describe()
+
     def __repr__(self):
         cfg = self.config
         return (
@@ -570,8 +630,11 @@ def _attach_draft(model, cache, draft):
 
     if draft is None:
         raise ValueError(
-            "lookahead='eagle3' needs a draft head for this model: pass draft=<Eagle3Head or checkpoint directory>, "
-            "or train one with `python -m oasis_cache.draft.train`; lookahead='previous' needs none."
+            f"lookahead='eagle3' needs a draft head, and none shipped with oasis-cache was trained for this model "
+            f"({type(model).__name__}). Pass draft=<Eagle3Head, checkpoint directory or hub id> (EAGLE-3 heads in the "
+            f"EAGLE or vLLM speculators format load), or train one: `python -m oasis_cache.draft.train --target "
+            f"<your model directory or hub id> --out <directory>` (docs in oasis_cache/draft/train.py); "
+            f"lookahead='previous' needs no head."
         )
     if any(not isinstance(layer, OasisLayer) for layer in cache.layers):
         raise NotImplementedError("lookahead='eagle3' does not support hybrid models with sliding-window layers yet; "

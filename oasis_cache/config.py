@@ -80,9 +80,9 @@ class OasisConfig:
             a gather that compute waits for (on the critical path) on one program per block
             (`memory.transfer.side_stream_programs`); 0: one program per block everywhere (the default before the
             fourteenth session); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
-            that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, captured
-            `previous` steps, 32 programs against one per block: 32K x 1 17.4 -> 12.7 ms, 32K x 4 ~35 -> ~24,
-            128K x 1 ~19.4 -> ~14 (docs/perf.md).
+            that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
+            `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/perf.md,
+            thirteenth and fourteenth sessions).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,

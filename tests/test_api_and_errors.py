@@ -214,3 +214,21 @@ def test_every_option_variant_is_a_valid_config():
         assert all(getattr(config, key) == value for key, value in options.items())
     with pytest.raises(ValueError, match="@gather32"):
         OasisConfig.variant_options("gather33")
+
+
+def test_print_says_what_was_chosen_and_why():
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=128)
+    text = str(cache)
+    assert "lookahead 'none' (picked: no draft head ships for this model" in text
+    assert "oasis_cache.draft.train" in text and "decode steps: eager" in text
+    model.generate(input_ids=prompt_ids(100), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    text = str(cache)
+    assert "102 tokens cached" in text and "50% of the key channels" in text and "torch backend" in text
+    assert cache.stats()["why"]["lookahead"].startswith("picked")
+    assert repr(cache).startswith("OasisCache(token_budget=128")  # one line, as in generate's outputs
+
+
+def test_eagle3_without_a_matching_head_names_the_trainer():
+    with pytest.raises(ValueError, match=r"python -m oasis_cache.draft.train --target"):
+        OasisCache(tiny_model("llama"), token_budget=256, lookahead="eagle3")

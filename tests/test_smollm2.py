@@ -124,6 +124,15 @@ def test_shipped_head_drafts_the_next_token_often(smollm2):
     assert stats["drafts_checked"] >= 30 and stats["draft_accuracy"] >= 0.3, stats["draft_accuracy"]
 
 
+def test_eagle3_asked_for_by_name_uses_the_shipped_head(smollm2):
+    """`OasisCache(model, lookahead="eagle3")` without `draft=` drafts with the head shipped for SmolLM2 (the user's
+    lookahead, so `exact` keeps its default); `print(cache)` says so."""
+    model, _ = smollm2
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3")
+    assert cache.ride_along is not None and not cache.config.exact
+    assert "head shipped for this model" in str(cache) and "eagle3" in cache.stats()["lookahead"]
+
+
 def test_readme_demo_runs(tmp_path):
     """The README's first command ends in `python examples/demo.py`: it runs (a shorter document here), dense finds
     the planted fact, and OasisCache picks the shipped head."""
