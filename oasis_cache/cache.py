@@ -128,6 +128,7 @@ class OasisCache(Cache):
         self._streams: PrefetchStreams | None = None
         self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
+        self.selection_log: list | None = None  # every step's selections, while `oasis_cache.plot.record` runs
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets

@@ -262,6 +262,10 @@ class OasisLayer(CacheLayerMixin):
         if cache.record_selection:
             self.last_selection = self._attended_blocks()
             self.last_recent_tokens = n - cache.draft_rows  # the real rows' recent tokens, the new ones included
+            if cache.selection_log is not None:  # `oasis_cache.plot.record` (analysis: copies to the host)
+                cache.selection_log.append(dict(step=cache.decode_clock, layer=self.layer_idx,
+                                                attended=self.last_selection.cpu(),
+                                                predicted=getattr(self, "last_prediction", None)))
         keys, values, mask = ws.attendable()
         if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale)
@@ -289,6 +293,12 @@ class OasisLayer(CacheLayerMixin):
         placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device),
                                       self.working_set.visible, cache.counters.device_counts(self.device)[2],
                                       cfg.block_size, max_fetch)
+        if cache.selection_log is not None:  # what this prediction placed, for the next step's record
+            chosen = torch.zeros((self.batch_size, self.num_kv_heads, self.pool.num_blocks + 1), dtype=torch.bool,
+                                 device=block_ids.device)
+            real = (ranks > -torch.inf) & (block_ids < self.pool.num_blocks)
+            self.last_prediction = chosen.scatter_(-1, torch.where(real, block_ids, self.pool.num_blocks),
+                                                   True)[..., :-1].cpu()
         pool, ws = self.pool, self.working_set
         cache.streams.launch(
             self.layer_idx,

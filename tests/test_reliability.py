@@ -298,3 +298,25 @@ def test_gather_programs_are_chosen_per_stream(monkeypatch):
         engine.gather_programs = None
     with pytest.raises(ValueError, match="gather_programs"):
         OasisCache(tiny_model("llama"), token_budget=256, gather_programs=-1)
+
+
+def test_selection_is_recorded_and_drawn(tmp_path):
+    """`oasis_cache.plot.record` keeps every decode step's attended blocks per layer (and, with a prediction, what it
+    had placed); `selection` draws them."""
+    from oasis_cache.plot import record, selection
+
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous", exact=True)
+    with record(cache) as rec:
+        generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=10, do_sample=False)
+    assert rec.layers == [0, 1] and len(rec.steps) == 9  # the first new token came from the prefill
+    attended = rec.matrix()
+    assert attended.shape == (9, 13)
+    K = cache.config.num_selected_blocks
+    assert torch.allclose(attended.sum(1), torch.full((9,), float(K)))  # every head attends K blocks
+    assert attended[:, 0].eq(1).all()  # the sink block, always
+    missed = rec.matrix(missed=True)
+    assert (missed <= attended).all() and missed.sum() < attended.sum()
+    fig = selection(rec, path=tmp_path / "selection.png")
+    assert (tmp_path / "selection.png").stat().st_size > 10_000 and len(fig.axes) == 4  # two panels, two colorbars
+    assert cache.selection_log is None and not cache.record_selection

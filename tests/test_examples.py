@@ -1,0 +1,56 @@
+"""The examples a user runs first: the notebook (executed headless, every cell) and the scripts under `examples/`,
+on SmolLM2 with small sizes. A failing cell or script fails the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def run_script(name: str, *args: str) -> str:
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--device", "cpu", *args],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def test_notebook_runs_every_cell():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(ROOT / "examples" / "notebook.ipynb", as_version=4)
+    env_before = os.environ.get("OASIS_NOTEBOOK_CONTEXT")
+    os.environ["OASIS_NOTEBOOK_CONTEXT"] = "600"  # the kernel inherits it: a short document in CI
+    try:
+        nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
+    finally:
+        if env_before is None:
+            os.environ.pop("OASIS_NOTEBOOK_CONTEXT")
+        else:
+            os.environ["OASIS_NOTEBOOK_CONTEXT"] = env_before
+    text = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "OasisCache for LlamaForCausalLM" in text and "lookahead 'eagle3'" in text
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in notebook.cells for o in c.get("outputs", []))  # the selection picture
+
+
+def test_chat_example_reuses_the_cache():
+    out = run_script("chat.py", "--max-new-tokens", "6")
+    runs = [line for line in out.splitlines() if "prompt tokens run so far" in line]
+    assert len(runs) == 3
+    ran, fresh = (int(x.strip(")")) for x in runs[-1].split("so far ")[1].split(", with a new cache per turn "))
+    assert ran < fresh  # the earlier turns were not run again
+
+
+def test_batch_and_pipeline_examples_run():
+    out = run_script("batch.py", "--lengths", "400", "300", "350", "--max-new-tokens", "6")
+    assert out.count("(planted:") == 3 and "OasisCache for" in out
+    out = run_script("pipeline.py", "--max-new-tokens", "6")
+    assert "OasisCache for" in out
