@@ -144,6 +144,9 @@ class OasisCache(Cache):
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self.captured_steps = _captured_steps_for(model, text_config, self.config)
+        from .compute.captured_step import CapturedForward
+
+        CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -464,6 +467,41 @@ class OasisCache(Cache):
         self._device_clocks[key] = (clock, self.decode_clock)
         return clock
 
+    # ------------------------------------------------------------------------------ the model's forward, routed
+    def route_forward(self, runner, kwargs: dict):
+        """A call of the model's forward with this cache (`CapturedForward`): a long prefill in chunks of
+        `config.prefill_chunk_tokens` tokens over the batch (`compute/prefill.py`), a decode step to the captured
+        steps where there are any, else the model's own forward. Running out of device memory in a prefill raises a
+        MemoryError that names the sizes and what to lower."""
+        from .compute.prefill import prefill_chunks, run_chunks
+
+        spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size)
+        past = self.get_seq_length(self._first_oasis_layer)
+        try:
+            if spans is not None:
+                return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past)
+            return self._forward_one(runner, kwargs)
+        except torch.OutOfMemoryError as error:
+            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:
+                raise
+            B, N = tokens.shape[:2]
+            device = tokens.device
+            free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+            chunk = (spans[0][1] - spans[0][0]) if spans else N
+            raise MemoryError(
+                f"OasisCache: the prefill of {B} x {N} tokens ran out of device memory in forwards of {B} x {chunk} "
+                f"tokens ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now). Lower "
+                f"prefill_chunk_tokens (now {self.config.prefill_chunk_tokens}; e.g. "
+                f"OasisCache(model, token_budget=..., prefill_chunk_tokens={max(self.config.block_size, B * chunk // 2)}"
+                f")), the batch, or token_budget. This cache is incomplete: cache.reset() before reusing it."
+            ) from error
+
+    def _forward_one(self, runner, kwargs: dict):
+        if self.captured_steps is not None:
+            return self.captured_steps.forward(runner, self, kwargs)
+        return runner.eager_forward(**kwargs)
+
     # ------------------------------------------------------------------------------------- captured decode steps
     def replayable_step(self) -> str | None:
         """Which captured step the next one-token decode forward of an unpadded batch may replay on a CUDA cache:
@@ -648,7 +686,7 @@ def _attach_draft(model, cache, draft):
 def _captured_steps_for(model, text_config, config: OasisConfig):
     """The cache's `CapturedSteps` (after `model.forward` was made to route to it), or None: `config.cuda_graph`
     resolved for this model (None: on where it is checked; True: on, or an error naming why it cannot be)."""
-    from .compute.captured_step import CapturedForward, CapturedSteps
+    from .compute.captured_step import CapturedSteps
 
     if config.cuda_graph is False:
         return None
@@ -667,7 +705,6 @@ def _captured_steps_for(model, text_config, config: OasisConfig):
         raise ValueError("cuda_graph=True needs the Triton backend (its gathers read pinned host memory from the "
                          "device; backend='torch' stages blocks through host copies, which a graph cannot record): "
                          "use backend='auto' with triton installed, or cuda_graph=False.")
-    CapturedForward.install(model)
     return CapturedSteps()
 
 

@@ -118,6 +118,12 @@ class OasisConfig:
             (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
             checks captured (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a model on
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
+        prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
+            and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
+            this many tokens (`compute/prefill.py`): the prompt's activations stay bounded, so a long prompt fits a
+            small card without `prefill_chunk_size`; 0: off. Same result as the whole forward (the cache's prefill is
+            dense attention either way), but for the summaries' channels (`summary_channels` < 1), chosen from the
+            blocks of the first chunk (8192 tokens by default) instead of the whole prompt's.
     """
 
     token_budget: int
@@ -139,6 +145,7 @@ class OasisConfig:
     chain_drafts: bool = True
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
+    prefill_chunk_tokens: int = 8192
 
     def __post_init__(self):
         T = self.block_size
@@ -204,6 +211,10 @@ class OasisConfig:
         if self.attention_kernel and self.backend == "torch":
             raise ValueError("attention_kernel=True runs a Triton kernel: it needs backend='triton' (or 'auto' on "
                              "CUDA).")
+        if not isinstance(self.prefill_chunk_tokens, int) or isinstance(self.prefill_chunk_tokens, bool) or \
+                self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be an int >= 0 (tokens per prefill forward over the batch; 0: "
+                             f"off), got {self.prefill_chunk_tokens!r}.")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or

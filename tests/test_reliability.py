@@ -320,3 +320,73 @@ def test_selection_is_recorded_and_drawn(tmp_path):
     fig = selection(rec, path=tmp_path / "selection.png")
     assert (tmp_path / "selection.png").stat().st_size > 10_000 and len(fig.axes) == 4  # two panels, two colorbars
     assert cache.selection_log is None and not cache.record_selection
+
+
+def count_decoder_calls(model):
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(
+        (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[1]), with_kwargs=True)
+    return calls, handle
+
+
+@pytest.mark.parametrize("lookahead", ["none", "previous"])
+def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
+    """`prefill_chunk_tokens`: generate's prefill of a prompt longer than it runs as forwards of at most that many
+    tokens over the batch (block multiples), with the same tokens and logits as dense (no `prefill_chunk_size`)."""
+    model = tiny_model("llama")
+    for inputs, chunk_tokens, expected in [({"input_ids": prompt_ids(300)}, 64, [64] * 4 + [44]),
+                                           (left_padded([200, 150, 170]), 96, [32] * 6 + [8])]:
+        dense = generate(model, dense_cache(model), inputs, max_new_tokens=12, do_sample=False)
+        cache = OasisCache(model, token_budget=1024, lookahead=lookahead, prefill_chunk_tokens=chunk_tokens)
+        calls, handle = count_decoder_calls(model)
+        try:
+            oasis = generate(model, cache, inputs, max_new_tokens=12, do_sample=False)
+        finally:
+            handle.remove()
+        assert calls[: len(expected)] == expected and set(calls[len(expected):]) == {1}
+        assert same_as_dense(dense, oasis)
+    # Sparse decode after either prefill: the same cache. (Every key channel summarized: by default the summaries'
+    # channels are chosen from the blocks of the first forward that completes any, here the first chunk.)
+    sparse = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0)
+    whole = generate(model, OasisCache(model, prefill_chunk_tokens=0, **sparse), {"input_ids": prompt_ids(300)},
+                     max_new_tokens=12, do_sample=False)
+    chunked = generate(model, OasisCache(model, prefill_chunk_tokens=64, **sparse), {"input_ids": prompt_ids(300)},
+                       max_new_tokens=12, do_sample=False)
+    assert same_as_dense(whole, chunked)
+
+
+def test_forwards_that_need_every_position_are_not_split():
+    model = tiny_model("llama")
+    ids = prompt_ids(300)
+    cache = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64)
+    calls, handle = count_decoder_calls(model)
+    try:
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits  # every position's logits
+        assert calls == [300] and logits.shape[1] == 300
+        cache.reset()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        assert calls[-1] == 300
+        cache.reset()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        assert calls[-5:] == [64, 64, 64, 64, 44] and out.logits.shape[1] == 1
+    finally:
+        handle.remove()
+    reference = model(input_ids=ids).logits[:, -1:]
+    torch.testing.assert_close(out.logits, reference, atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        OasisCache(model, token_budget=256, prefill_chunk_tokens=-1)
+
+
+def test_chunked_prefill_feeds_the_draft_head_the_same_rows():
+    """With eagle3 the head reads every chunk's features: after a chunked prefill it holds the keys it holds after the
+    whole one, and decodes the same tokens."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    head = random_head(model)
+    runs = []
+    for chunk_tokens in (0, 64):
+        cache = OasisCache(model, token_budget=96, sink_tokens=16, recent_tokens=16, lookahead="eagle3", draft=head,
+                           prefill_chunk_tokens=chunk_tokens, summary_channels=1.0)
+        out = generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=12, do_sample=False)
+        runs.append((out.sequences, cache.ride_along._head_kv.k.clone(), cache.stats()["drafts_checked"]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2] > 0
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)

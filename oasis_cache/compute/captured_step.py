@@ -49,9 +49,10 @@ _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position
 
 
 class CapturedForward:
-    """Installed once per model instance as `model.forward` (an instance attribute, same signature) when a cache with
-    captured steps is made for it; routes each call whose cache has a `CapturedSteps` to it, every other call to
-    the model's own forward."""
+    """Installed once per model instance as `model.forward` (an instance attribute, same signature) when an OasisCache
+    is made for it; hands each call with an OasisCache to `OasisCache.route_forward` (a long prefill in chunks,
+    `compute/prefill.py`; a decode step to the cache's `CapturedSteps` where it has them), every other call to the
+    model's own forward."""
 
     def __init__(self, model):
         self.eager_forward = model.forward  # the bound class forward
@@ -68,10 +69,10 @@ class CapturedForward:
 
     def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        steps = getattr(cache, "captured_steps", None)
-        if args or steps is None:
+        route = getattr(cache, "route_forward", None)  # an OasisCache: chunked prefill, captured steps
+        if args or route is None:
             return self.eager_forward(*args, **kwargs)
-        return steps.forward(self, cache, kwargs)
+        return route(self, kwargs)
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

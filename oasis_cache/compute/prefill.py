@@ -1,0 +1,67 @@
+"""Chunked prefill, arranged by the cache: a long prompt's forward runs as several forwards of at most
+`OasisConfig.prefill_chunk_tokens` tokens (over the batch), so that its activations (the MLP's intermediate states,
+the logits) stay bounded whatever the prompt's length — a small card runs a long prompt without `prefill_chunk_size`.
+
+The model's forward is routed through the cache (`compute/captured_step.CapturedForward`); a call is split only when
+the split cannot change what the caller gets back: it writes the cache (`use_cache` not False), asks for the logits
+of its last `logits_to_keep` positions only (`generate` asks for 1), and carries nothing else that runs along the
+sequence (hidden states, attentions, token types, ...). Each chunk sees the mask, positions and cache positions of
+its tokens, exactly as `generate(..., prefill_chunk_size=C)` slices them; the last chunk's output is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Arguments a split forward accepts (any other set to a value runs the forward whole).
+_SPLITTABLE = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position", "past_key_values",
+               "cache", "use_cache", "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states"}
+
+
+def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int) -> list[tuple[int, int]] | None:
+    """`[(start, end), ...]` over the call's new tokens when it should run in chunks, else None."""
+    if not chunk_tokens:
+        return None
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None or tokens.dim() < 2:
+        return None
+    B, N = tokens.shape[:2]
+    if B * N <= chunk_tokens or kwargs.get("use_cache") is False:
+        return None
+    if any(value is not None and value is not False and key not in _SPLITTABLE for key, value in kwargs.items()):
+        return None
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        return None  # (a 4D mask would need cutting along both of its last dims)
+    keep = kwargs.get("logits_to_keep")
+    length = max(block_size, chunk_tokens // B // block_size * block_size)
+    spans = [(start, min(N, start + length)) for start in range(0, N, length)]
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= spans[-1][1] - spans[-1][0]:
+        return None  # all logits (0 or None), or indices: the whole forward
+    return spans
+
+
+def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int):
+    """Call `forward(**chunk_kwargs)` per span (`past`: tokens the cache held before the call); returns the last
+    output. The mask `[B, past + N]` is cut at each chunk's end; positions `[B, N]` and cache positions `[N]` are
+    the chunk's."""
+    out = None
+    for i, (start, end) in enumerate(spans):
+        chunk = dict(kwargs)
+        for key in ("input_ids", "inputs_embeds", "position_ids"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                chunk[key] = kwargs[key][:, start:end]
+        if isinstance(kwargs.get("cache_position"), torch.Tensor):
+            chunk["cache_position"] = kwargs["cache_position"][start:end]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            chunk["attention_mask"] = mask[:, : past + end]
+        if i < len(spans) - 1:
+            chunk["logits_to_keep"] = 1  # only the last chunk's logits are returned
+        out = None  # (the previous chunk's activations and logits go before the next chunk runs)
+        out = forward(**chunk)
+    return out
