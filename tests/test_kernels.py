@@ -96,7 +96,7 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kin
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
-                          "--modes", "previous", "eagle3-exact", "--json", str(out)]
+                          "--modes", "previous", "eagle3-exact", "--layers", "3", "--json", str(out)]
                          + (["--completing"] if kind == "completing" else []), env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
