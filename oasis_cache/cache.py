@@ -479,7 +479,8 @@ class OasisCache(Cache):
         past = self.get_seq_length(self._first_oasis_layer)
         try:
             if spans is not None:
-                return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past)
+                return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
+                                  self.config.progress)
             return self._forward_one(runner, kwargs)
         except torch.OutOfMemoryError as error:
             tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))

@@ -124,6 +124,7 @@ class OasisConfig:
             small card without `prefill_chunk_size`; 0: off. Same result as the whole forward (the cache's prefill is
             dense attention either way), but for the summaries' channels (`summary_channels` < 1), chosen from the
             blocks of the first chunk (8192 tokens by default) instead of the whole prompt's.
+        progress: show a progress bar (tqdm) over a chunked prefill's tokens.
     """
 
     token_budget: int
@@ -146,6 +147,7 @@ class OasisConfig:
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     prefill_chunk_tokens: int = 8192
+    progress: bool = False
 
     def __post_init__(self):
         T = self.block_size
@@ -215,6 +217,8 @@ class OasisConfig:
                 self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 0 (tokens per prefill forward over the batch; 0: "
                              f"off), got {self.prefill_chunk_tokens!r}.")
+        if self.progress not in (True, False):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}.")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or

@@ -390,3 +390,14 @@ def test_chunked_prefill_feeds_the_draft_head_the_same_rows():
         runs.append((out.sequences, cache.ride_along._head_kv.k.clone(), cache.stats()["drafts_checked"]))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2] > 0
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)
+
+
+def test_progress_bar_over_a_chunked_prefill(capsys):
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64, progress=True)
+    generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=2, do_sample=False)
+    err = capsys.readouterr().err
+    assert "prefill" in err and "300/300" in err
+    quiet = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64)  # off by default
+    generate(model, quiet, {"input_ids": prompt_ids(300)}, max_new_tokens=2, do_sample=False)
+    assert "prefill" not in capsys.readouterr().err

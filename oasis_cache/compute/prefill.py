@@ -45,11 +45,16 @@ def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int) -> list[tup
     return spans
 
 
-def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int):
+def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, progress: bool = False):
     """Call `forward(**chunk_kwargs)` per span (`past`: tokens the cache held before the call); returns the last
     output. The mask `[B, past + N]` is cut at each chunk's end; positions `[B, N]` and cache positions `[N]` are
-    the chunk's."""
+    the chunk's. `progress`: a tqdm bar over the prompt's tokens."""
     out = None
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=spans[-1][1], unit="tok", desc="prefill")
     for i, (start, end) in enumerate(spans):
         chunk = dict(kwargs)
         for key in ("input_ids", "inputs_embeds", "position_ids"):
@@ -64,4 +69,8 @@ def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int):
             chunk["logits_to_keep"] = 1  # only the last chunk's logits are returned
         out = None  # (the previous chunk's activations and logits go before the next chunk runs)
         out = forward(**chunk)
+        if bar is not None:
+            bar.update(end - start)
+    if bar is not None:
+        bar.close()
     return out
