@@ -54,3 +54,9 @@ def test_batch_and_pipeline_examples_run():
     assert out.count("(planted:") == 3 and "OasisCache for" in out
     out = run_script("pipeline.py", "--max-new-tokens", "6")
     assert "OasisCache for" in out
+
+
+def test_selection_picture_example(tmp_path):
+    out = run_script("selection.py", "--context", "600", "--budget", "256", "--max-new-tokens", "6", "--out",
+                     str(tmp_path / "selection.png"))
+    assert "the planted fact starts near token" in out and (tmp_path / "selection.png").stat().st_size > 10_000
