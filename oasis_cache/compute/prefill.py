@@ -57,9 +57,11 @@ def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, p
         bar = tqdm(total=spans[-1][1], unit="tok", desc="prefill")
     for i, (start, end) in enumerate(spans):
         chunk = dict(kwargs)
-        for key in ("input_ids", "inputs_embeds", "position_ids"):
+        for key in ("input_ids", "inputs_embeds"):
             if isinstance(kwargs.get(key), torch.Tensor):
                 chunk[key] = kwargs[key][:, start:end]
+        if isinstance(kwargs.get("position_ids"), torch.Tensor):  # `[B, N]`, or `[3, B, N]` (multimodal rotary)
+            chunk["position_ids"] = kwargs["position_ids"][..., start:end]
         if isinstance(kwargs.get("cache_position"), torch.Tensor):
             chunk["cache_position"] = kwargs["cache_position"][start:end]
         mask = kwargs.get("attention_mask")
