@@ -36,7 +36,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 def side_stream_programs(device: torch.device) -> int:
     """Gather programs (per K/V) for a prefetch on the side stream: the largest power of two <= a quarter of the
-    device's SMs, at least 8 (32 on an H200's 132 SMs, the count measured best there: docs/perf.md). A prefetch only
+    device's SMs, at least 8 (32 on an H200's 132 SMs: 27% off a replayed step there against one program per block,
+    docs/perf.md; 16 and 64 not yet compared). A prefetch only
     has to land within the step it overlaps; the fewer SMs it holds while waiting on PCIe, the faster that step."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(8, 1 << (max(1, sms // 4).bit_length() - 1))
