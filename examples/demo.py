@@ -78,9 +78,9 @@ def main():
 
     stats = cache.stats()
     per_step, steps = stats["tokens_attended_per_step"], stats["decode_steps"]
-    dense_bytes = stats["host_bytes"] and 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+    dense_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * n * next(model.parameters()).element_size()
-    print(f"\nWhat OasisCache did: the whole {n}-token prompt went to host memory in blocks of {cfg_block(cache)} "
+    print(f"\nWhat OasisCache did: the whole {n}-token prompt went to host memory in blocks of {cache.config.block_size} "
           f"tokens. At each of the {steps} answer steps, every layer attended about {per_step:.0f} tokens "
           f"({per_step / n:.0%} of the prompt): the first tokens, the newest ones, and the blocks whose keys scored "
           f"highest against the step's query. It moved {stats['blocks_fetched_per_step']:.1f} blocks per step and "
@@ -95,10 +95,6 @@ def main():
         print("On a CPU, OasisCache is not faster than dense at this size: it exists to keep long contexts off a "
               "GPU's memory; CPU runs show that it works and what it selects.")
     print(f"\n{cache}")
-
-
-def cfg_block(cache) -> int:
-    return cache.config.block_size
 
 
 def compare(dense_text: str, oasis_text: str) -> str:

@@ -369,7 +369,7 @@ class OasisLayer(CacheLayerMixin):
         if self._cache.streams is not None:  # a prefetch in flight writes the old slots: it lands before the copy
             self._cache.streams.wait(self.layer_idx)
         grown = ws.grown(min(most, max(num_blocks, 2 * ws.num_slots)))
-        recent = self.recent.kv.clone() if self.recent.in_region else self.recent.kv
+        recent = self.recent.kv  # (a view of the old region, alive until `prepend` copies it into the new one)
         self.working_set = grown
         self.slot_map.grow_slots(grown.num_slots)
         self.recent = RecentTokens(grown.recent_region)
