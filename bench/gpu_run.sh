@@ -5,6 +5,7 @@
 #             eager decode path, which the default (captured steps) takes only where a step cannot be replayed
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
+#   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
 #             {1, 4}: what a captured decode step gives (the ceiling for a captured oasis step)
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
@@ -82,6 +83,7 @@ for arg in "$@"; do
     compiled) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --steps 12 --warmup 3 --measure-steps 0 --methods dense dense-compiled offload --out "$OUT/decode-qwen3-8b-32k-compiled.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-compiled.log" | tail -8 ;;
     bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
     capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
+    capped128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --memory-cap-gib 24 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-capped24-defaults.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped128k.log" | tail -4 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;

@@ -358,7 +358,7 @@ def test_half_channel_summaries_on_cuda():
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    captured = OasisCache(model, **options)
+    captured = OasisCache(model, cuda_graph=True, **options)
     by_kernels = generate(model, captured, inputs, **kw)
     by_torch = generate(model, OasisCache(model, backend="torch", **options), inputs, **kw)
     assert torch.equal(by_kernels.sequences, by_torch.sequences)
@@ -398,24 +398,27 @@ def test_pinned_host_memory_is_released(monkeypatch):
     from oasis_cache.memory import host_memory
 
     model = tiny_model("llama", num_key_value_heads=4, num_attention_heads=4).cuda()
+    torch.cuda.synchronize()
+    host_memory.release_cached_pinned()
+    baseline = host_memory.pinned_bytes_held()  # what other live tensors hold
     for batch, length in ((1, 2000), (3, 1500), (2, 3000)):
         cache = OasisCache(model, token_budget=256)
         model(input_ids=prompt_ids(length, batch=batch).cuda(), past_key_values=cache, use_cache=True)
         del cache
         gc.collect()
     torch.cuda.synchronize()
-    assert host_memory.cached_pinned_bytes() > 0
+    cached = host_memory.pinned_bytes_held() - baseline  # no cache lives: all of it is kept for reuse
+    assert cached > 0
     real = host_memory.available_host_bytes()
-    cached = host_memory.cached_pinned_bytes()
     # short of room until the cached pinned memory is released: the check releases it and lets the pool through
     monkeypatch.setattr(host_memory, "available_host_bytes",
-                        lambda: real + (cached - host_memory.cached_pinned_bytes()))
+                        lambda: real + (baseline + cached - host_memory.pinned_bytes_held()))
     host_memory.check_host_room(real - host_memory.HEADROOM_BYTES + cached // 2, "a test pool")
-    assert host_memory.cached_pinned_bytes() == 0
+    assert host_memory.pinned_bytes_held() <= baseline
     monkeypatch.undo()
     cache = OasisCache(model, token_budget=256)
     model(input_ids=prompt_ids(2000).cuda(), past_key_values=cache, use_cache=True)
-    assert cache.host_nbytes() > 0
+    assert cache.host_nbytes() > 0 and host_memory.pinned_bytes_held() > baseline
     cache.reset()
     torch.cuda.synchronize()
-    assert host_memory.cached_pinned_bytes() == 0
+    assert host_memory.pinned_bytes_held() <= baseline

@@ -46,21 +46,24 @@ def available_host_bytes() -> int | None:
     return min(found) if found else None
 
 
-def cached_pinned_bytes() -> int:
-    """Pinned bytes torch's caching host allocator holds for reuse (0 without CUDA)."""
-    if not torch.cuda.is_available():
+def pinned_bytes_held() -> int:
+    """Pinned bytes torch's caching host allocator owns: blocks tensors hold and blocks it keeps for reuse (0 without
+    CUDA). Its "active" counters are not a way to tell the two apart (torch 2.11 keeps a freed block active until its
+    events are processed, and never counts it down on an empty-cache), so what is cached shows as the drop across
+    `release_cached_pinned`."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0
     try:
-        stats = torch.cuda.host_memory_stats()
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (RuntimeError, AttributeError):
         return 0
-    return max(0, int(stats.get("reserved_bytes.current", 0)) - int(stats.get("allocated_bytes.current", 0)))
 
 
 def release_cached_pinned() -> None:
     """Hand the pinned memory torch's caching host allocator keeps (blocks no tensor holds) back to the system."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
+    torch.cuda.synchronize()  # a block an asynchronous copy still reads is freed only once its event has completed
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # torch 2.11 / 2.13
         empty = getattr(torch._C, name, None)
         if empty is not None:
