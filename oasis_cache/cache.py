@@ -595,6 +595,15 @@ class OasisCache(Cache):
         if self.ride_along is not None:
             self.ride_along.advance_replayed_step()
 
+    def generate_kwargs(self) -> dict:
+        """This cache under the keyword `generate` takes it by on the installed transformers: `{"cache": self}` from
+        5.24 on, `{"past_key_values": self}` before (5.24 still takes `past_key_values=`, with a FutureWarning).
+        `model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=...)` runs warning-free on both."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("OasisCache.generate_kwargs: the model this cache was made for has been deleted.")
+        return {compat.generate_cache_argument(model): self}
+
     def describe(self) -> str:
         """What this cache runs and why, in words (`print(cache)`)."""
         cfg, model = self.config, self._model()

@@ -232,3 +232,25 @@ def test_print_says_what_was_chosen_and_why():
 def test_eagle3_without_a_matching_head_names_the_trainer():
     with pytest.raises(ValueError, match=r"python -m oasis_cache.draft.train --target"):
         OasisCache(tiny_model("llama"), token_budget=256, lookahead="eagle3")
+
+
+def test_generate_kwargs_run_without_a_deprecation_warning():
+    """`model.generate(**inputs, **cache.generate_kwargs())`: the keyword the installed transformers wants (`cache`
+    from 5.24, `past_key_values` before), no FutureWarning, and the tokens of `past_key_values=`."""
+    import warnings
+
+    import transformers
+
+    model = tiny_model("llama")
+    ids = prompt_ids(90)
+    cache = OasisCache(model, token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16)
+    kwargs = cache.generate_kwargs()
+    newer = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)
+    assert list(kwargs) == (["cache"] if newer else ["past_key_values"]) and kwargs[next(iter(kwargs))] is cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(input_ids=ids, **kwargs, max_new_tokens=12, do_sample=False)
+    other = OasisCache(model, token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert torch.equal(model.generate(input_ids=ids, past_key_values=other, max_new_tokens=12, do_sample=False), out)

@@ -101,3 +101,30 @@ def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
     scales = full["summary_blocks_capacity"] * 1 * 2 * 4  # fp8 levels' scale per block and KV head (fp32)
     assert half["summary_blocks_capacity"] == full["summary_blocks_capacity"]
     assert half["summaries_bytes"] - channels - scales == (full["summaries_bytes"] - scales) // 2  # codes + levels
+
+
+def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
+    """`bench/capacity.py`: each method's batches tried in increasing order, the largest that ran reported with its
+    tokens per second; the first failure (here a child process that runs out of memory, made to by the test) ends the
+    climb and is named in the row."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import capacity
+
+    def fake_try(args, context, cap, method, batch):
+        if batch > 2 and method == "dense":
+            return {"ok": False, "error": "OutOfMemoryError: CUDA out of memory"}
+        return capacity.run_one(types.SimpleNamespace(
+            model="tiny", device="cpu", dtype="float32", cap=cap, context=context, batch=batch, new_tokens=4,
+            method=method, budget=128))
+
+    import types
+
+    monkeypatch.setattr(capacity, "try_in_child", fake_try)
+    out = tmp_path / "capacity.json"
+    capacity.main(["--model", "tiny", "--device", "cpu", "--contexts", "200", "--caps", "0", "--methods", "dense",
+                   "oasis", "--batches", "1", "2", "3", "--out", str(out)])
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["dense"]["max_batch"] == 2 and "batch 3: OutOfMemoryError" in rows["dense"]["stopped_by"]
+    assert rows["oasis"]["max_batch"] == 3 and rows["oasis"]["stopped_by"] == "the largest batch tried"
+    assert all(row["tok_s"] > 0 and row["step_ms"] > 0 for row in rows.values())
+    assert [t["batch"] for t in rows["dense"]["tries"]] == [1, 2, 3]
