@@ -111,8 +111,8 @@ def record_kernel_launches(recorder_of) -> None:
         setattr(module, name, launch)
 
 
-def audit(model, ids, mode, head, budget, backend, state, completing=False) -> dict:
-    step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0)
+def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16) -> dict:
+    step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0, block_size=block_size)
     if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
         cache.ride_along.static_head = "eager"
     for _ in range(2):
@@ -169,7 +169,7 @@ def main():
           f"{args.backend} backend")
     findings = {}
     for mode in args.modes:
-        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing)
+        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size)
         findings[mode] = dict(ops=result["ops"], same_order=result["same_order"], syncs=dict(result["syncs"]),
                               differing=[dict(site=site, op=name, count=n)
                                          for (site, name), n in sorted(result["differing"].items())])

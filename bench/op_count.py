@@ -46,7 +46,8 @@ def count_kernels_as_launches() -> None:
         setattr(module, name, launch)
 
 
-def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", warm_steps: int = 3):
+def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", warm_steps: int = 3,
+             block_size: int = 16):
     """A cache for `mode` (below), prefilled with `ids` `[B, n]` and decoded `warm_steps` steps. Returns `step()`,
     which runs the next decode step (one token, the mask of the whole sequence as `generate` passes it), and the
     cache. `mode`: "dense" (HF's SDPA + DynamicCache, the baseline) or a lookahead, optionally with `-exact` (miss
@@ -58,7 +59,7 @@ def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", w
         lookahead, _, exact = mode.partition("-")
         draft = dict(draft=head) if lookahead == "eagle3" else {}
         cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
-                           **draft)
+                           block_size=block_size, sink_tokens=block_size, recent_tokens=4 * block_size, **draft)
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     B, n = ids.shape
     state = {"mask": torch.ones(B, n, dtype=torch.long)}
@@ -103,6 +104,7 @@ def step_arguments(parser, layers: int, modes: list[str]):
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16, help="block size T (sink T tokens, recent 4T)")
     parser.add_argument("--modes", nargs="+", default=modes)
     parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
                         help="triton: the CUDA path's operators, run with TRITON_INTERPRET=1 on CPU")

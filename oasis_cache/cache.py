@@ -133,6 +133,7 @@ class OasisCache(Cache):
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
+        self.remote_tier = None  # the store's request this cache was admitted from (`oasis_cache.remote.admit`)
         self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
         self._transfer: TransferEngine | None = None
@@ -305,6 +306,12 @@ class OasisCache(Cache):
             steps = self.captured_steps
             out.update(captured_replays=steps.replays, completing_replays=steps.completing_replays,
                        captures=steps.captures)
+        if self.remote_tier is not None:  # admitted from a store (`oasis_cache.remote.admit`)
+            links = [layer.pool.remote for layer in self.layers
+                     if isinstance(layer, OasisLayer) and layer.is_initialized and layer.pool.remote is not None]
+            out.update(remote_request=self.remote_tier.request, remote_bytes_fetched=self.remote_tier.bytes_got,
+                       remote_blocks_fetched=sum(link.fetched_blocks for link in links),
+                       remote_blocks_published=sum(link.published for link in links))
         return out
 
     def _summary_form(self) -> tuple[bool | None, float | None]:
@@ -402,6 +409,10 @@ class OasisCache(Cache):
             self._streams.reset_measurements()
         super().reset()
         release_cached_pinned()  # the pools' pinned memory goes back to the system, not to torch's cache
+        if self.remote_tier is not None:  # admitted from a store: the request's keys go with its tokens
+            self.remote_tier.delete()
+            self._remote_release.detach()
+            self.remote_tier = None
         if self.ride_along is not None:
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
@@ -425,13 +436,13 @@ class OasisCache(Cache):
         new = object.__new__(type(self))
         memo[id(self)] = new
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
-                   "captured_steps")
+                   "captured_steps", "remote_tier", "_remote_release")  # (an admitted cache's pools fetch every block for the copy)
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
         new._forward_memo, new._device_clocks = {}, {}
-        new._streams = new._transfer = None
+        new._streams = new._transfer = new.remote_tier = None
         if self._streams is not None:
             new._start_engine(self._streams.device)
         for layer in new.layers:

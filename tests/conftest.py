@@ -19,6 +19,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: the cores shared among the workers (and their children)
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 import oasis_cache  # noqa: F401  (registers "oasis")
 from oasis_cache import OasisCache
 from oasis_cache.compat import generate_cache_argument

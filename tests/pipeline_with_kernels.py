@@ -1,5 +1,7 @@
 """Run as a script under TRITON_INTERPRET=1: the whole decode pipeline with backend="triton" on CPU tensors (kernels
-interpreted), against dense generation and against the masked-dense reference. Exit code 0 = all agree."""
+interpreted), against dense generation and against the masked-dense reference. Exit code 0 = all agree.
+`python pipeline_with_kernels.py [dense|sparse|draft]`: one part (default: all) — budget >= context against dense;
+sparse decode against the masked reference; a riding draft row and half-channel summaries."""
 
 from __future__ import annotations
 
@@ -14,10 +16,23 @@ from oasis_cache.layer import OasisLayer
 from conftest import dense_cache, generate, left_padded, random_head, tiny_model
 
 
-def main():
+def main(part: str = "all"):
+    if part not in ("all", "dense", "sparse", "draft"):
+        sys.exit(f"unknown part {part!r}: all, dense, sparse or draft")
     model = tiny_model("qwen3")
     inputs = left_padded([150, 121])
     kw = dict(max_new_tokens=6, do_sample=False)
+    ok = sparse_ok = ride_ok = half_ok = True
+    if part in ("all", "dense"):
+        ok = dense_part(model, inputs)
+    if part in ("all", "sparse"):
+        sparse_ok = sparse_part(model, inputs, kw)
+    if part in ("all", "draft"):
+        ride_ok, half_ok = draft_part(inputs, kw)
+    sys.exit(0 if ok and sparse_ok and ride_ok and half_ok else 1)
+
+
+def dense_part(model, inputs) -> bool:
     longer = dict(max_new_tokens=12, do_sample=False)  # past 160 tokens: a decode step completes a block (its
     dense = generate(model, dense_cache(model), inputs, **longer)  # offload by the store kernel)
     ok = True
@@ -27,7 +42,10 @@ def main():
         ok &= torch.equal(dense.sequences, full.sequences)
         ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(dense.logits, full.logits))
     print("budget >= context equals dense:", ok)
+    return ok
 
+
+def sparse_part(model, inputs, kw) -> bool:
     calls = []
     attend = OasisLayer.attend
 
@@ -48,7 +66,10 @@ def main():
         ref = block_masked_attention(query, keys, values, sel, visible, 16, scale)
         sparse_ok &= torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     print("sparse decode equals masked reference:", sparse_ok, f"({len(calls)} layer steps)")
+    return sparse_ok
 
+
+def draft_part(inputs, kw) -> tuple[bool, bool]:
     # A riding draft row: the kernels read the real and draft rows as strided slices of the two-row queries; with
     # exact, the real rows' choice is attended, so the tokens are those of lookahead="none".
     model = tiny_model("qwen3", num_hidden_layers=4)
@@ -65,8 +86,8 @@ def main():
     by_torch = generate(model, OasisCache(model, backend="torch", **half), inputs, **kw)
     half_ok = torch.equal(by_kernels.sequences, by_torch.sequences)
     print("half-channel summaries, kernels equal torch:", half_ok)
-    sys.exit(0 if ok and sparse_ok and ride_ok and half_ok else 1)
+    return ride_ok, half_ok
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")

@@ -31,10 +31,11 @@ def test_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_decode_pipeline_with_kernels_in_triton_interpreter():
+@pytest.mark.parametrize("part", ["dense", "sparse", "draft"])
+def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    run = subprocess.run([sys.executable, str(HERE / "pipeline_with_kernels.py")], env=env, capture_output=True,
-                         text=True, timeout=900)
+    run = subprocess.run([sys.executable, str(HERE / "pipeline_with_kernels.py"), part], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
 
 
@@ -87,8 +88,9 @@ STEP_VARYING = {
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
 @pytest.mark.parametrize("kind", ["steady", "completing"])
-def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kind):
+def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kind, mode):
     """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) — steady ones, or ones that
     each complete a block (what the completing step's graph replays: its offload and summary at the block number
     read on the device) — run the same operators in the same order, make no host sync but the CPU-only mask check,
@@ -96,7 +98,8 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kin
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
-                          "--modes", "previous", "eagle3-exact", "--layers", "3", "--json", str(out)]
+                          "--modes", mode, "--layers", "3", "--context", "300", "--budget", "128",
+                          "--block-size", "8", "--json", str(out)]
                          + (["--completing"] if kind == "completing" else []), env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]

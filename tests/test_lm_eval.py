@@ -33,7 +33,7 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tokenizer = load_smollm2()[1]  # also writes the fp32 copy that `hf` loads below
-    build(tmp_path / "tasks", ["single_needle"], [512], 4, "pydoc", tokenizer)
+    build(tmp_path / "tasks", ["single_needle"], [512], 2, "pydoc", tokenizer)
 
     oasis, oasis_out = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=2048,lookahead=previous", "oasis")
     hf, hf_out = run(tmp_path, "hf", f"pretrained={DEFAULT_CACHE_DIR},dtype=float32", "hf")

@@ -74,10 +74,10 @@ def dense(model):
 @pytest.mark.slow
 def test_budget_above_the_context_is_dense(qwen):
     model, tok = qwen
-    inputs = dict(tok(code_prompt(tok, 1500), return_tensors="pt"))
+    inputs = dict(tok(code_prompt(tok, 700), return_tensors="pt"))
     kw = dict(max_new_tokens=12, do_sample=False)
     base = generate(model, dense(model), inputs, **kw)
-    out = generate(model, OasisCache(model, token_budget=2048, prefill_chunk_tokens=512), inputs, **kw)
+    out = generate(model, OasisCache(model, token_budget=1024, prefill_chunk_tokens=256), inputs, **kw)
     assert torch.equal(out.sequences, base.sequences)
     for a, b in zip(base.logits, out.logits):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
@@ -87,11 +87,11 @@ def test_budget_above_the_context_is_dense(qwen):
 def test_left_padded_batch_is_dense(qwen):
     model, tok = qwen
     tok.padding_side = "left"
-    inputs = dict(tok([code_prompt(tok, 900, seed=1), code_prompt(tok, 500, seed=2)], return_tensors="pt",
+    inputs = dict(tok([code_prompt(tok, 500, seed=1), code_prompt(tok, 260, seed=2)], return_tensors="pt",
                       padding=True))
     kw = dict(max_new_tokens=8, do_sample=False)
     base = generate(model, dense(model), inputs, **kw)
-    assert torch.equal(generate(model, OasisCache(model, token_budget=1024), inputs, **kw).sequences, base.sequences)
+    assert torch.equal(generate(model, OasisCache(model, token_budget=640), inputs, **kw).sequences, base.sequences)
 
 
 @pytest.mark.slow

@@ -39,27 +39,49 @@ def empty_like(pool: HostKVPool) -> HostKVPool:
     return fresh
 
 
-def publish_in_another_process(master: str, request: str) -> None:
+SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2)]  # (budget, lookahead, batch)
+SPLIT_LENGTH = 803
+
+
+def publish_everything(master: str) -> dict:
+    """The prefill process's work (run in a child): the pools of `prefilled()` under "exited-prefill", then each
+    split of SPLITS prefilled (all but the last prompt token) and published. Returns the publish reports."""
+    from oasis_cache.remote import publish
+
+    store = connect(master)
+    tier = RemoteTier(store, "exited-prefill")
+    for idx, layer in enumerate(prefilled().layers):
+        if isinstance(layer, OasisLayer):
+            tier.publish(idx, layer.pool)
+    reports = {}
+    for budget, lookahead, batch in SPLITS:
+        model = tiny_model("llama")
+        cache = OasisCache(model, **{**OPTIONS, "token_budget": budget, "lookahead": lookahead})
+        model(input_ids=prompt_ids(SPLIT_LENGTH, batch=batch)[:, :-1], past_key_values=cache, use_cache=True)
+        name = f"split-{budget}-{lookahead}-{batch}"
+        reports[name] = publish(cache, store, name)
+        if (budget, lookahead, batch) == SPLITS[1]:
+            reports["midway"] = publish(cache, store, "midway")  # the same cache, a second request
+    store.close()
+    return reports
+
+
+@pytest.fixture(scope="module")
+def published(mooncake_master) -> dict:
+    """One prefill process publishes everything this file reads, then exits."""
     code = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {str(TESTS)!r})
-        from test_remote import prefilled
-        from oasis_cache.layer import OasisLayer
-        from oasis_cache.remote import RemoteTier, connect
-        store = connect({master!r})
-        tier = RemoteTier(store, {request!r})
-        cache = prefilled()
-        for idx, layer in enumerate(cache.layers):
-            if isinstance(layer, OasisLayer):
-                tier.publish(idx, layer.pool)
-        print("published", tier.bytes_put)
-        store.close()
+        import json, sys; sys.path.insert(0, {str(TESTS)!r})
+        from test_remote import publish_everything
+        print(json.dumps(publish_everything({mooncake_master!r})))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "published" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_blocks_published_by_a_process_that_exited_come_back_bit_for_bit(mooncake_master):
-    publish_in_another_process(mooncake_master, "exited-prefill")
+def test_blocks_published_by_a_process_that_exited_come_back_bit_for_bit(mooncake_master, published):
     local = prefilled()
     store = connect(mooncake_master)
     tier = RemoteTier(store, "exited-prefill")
@@ -110,3 +132,72 @@ def test_bad_names_and_an_absent_master_are_refused_quickly():
         RemoteTier(object(), "a/b")
     with pytest.raises(ConnectionError, match="mooncake_master --rpc_port=1"):
         connect("127.0.0.1:1")
+
+
+@pytest.mark.parametrize("budget, lookahead, batch", SPLITS)
+def test_prefill_process_then_decode_process_equals_one_process(mooncake_master, published, budget, lookahead, batch):
+    """A prefill process publishes and exits; this process admits the request from the store and generates: the
+    tokens (and logits) of one process doing the same (prefill all but the last prompt token, then generate on that
+    cache); with the budget over the context, those of dense attention. The admission moved a record, not the KV."""
+    from oasis_cache.remote import admit
+
+    length, request = SPLIT_LENGTH, f"split-{budget}-{lookahead}-{batch}"
+    report = published[request]
+    model = tiny_model("llama")
+    ids = prompt_ids(length, batch=batch)
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    local = OasisCache(model, **{**OPTIONS, "token_budget": budget, "lookahead": lookahead})
+    model(input_ids=ids[:, :-1], past_key_values=local, use_cache=True)
+    expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
+    store = connect(mooncake_master)
+    cache = admit(model, store, request)
+    got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    stats = cache.stats()
+    layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
+    assert layers >= 2 and stats["remote_blocks_published"] == layers * ((length - 1) // 8)  # 100 blocks per layer
+    if budget >= length + 8:
+        from conftest import dense_cache
+
+        dense = model.generate(input_ids=ids, past_key_values=dense_cache(model), **kw)
+        assert torch.equal(got.sequences, dense.sequences)
+        # (the prefill's prediction placed every block in the working set, which the record carries: nothing to fetch)
+        assert stats["remote_blocks_fetched"] <= stats["remote_blocks_published"]
+    else:
+        assert 0 < stats["remote_blocks_fetched"] < stats["remote_blocks_published"]  # partial fetch
+        assert report["record"] < report["full_kv"]
+    assert report["blocks"] == stats["remote_blocks_published"] * 2 * batch * 2 * 8 * 16 * 4  # fp32 [2,B,H,T,D]
+    tier = cache.remote_tier
+    cache.reset()  # the request's keys go with its tokens
+    assert not any(tier.exists(0, range(3)))
+    store.close()
+
+
+def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published):
+    """The store loses the blocks (deleted, or a restarted store) between two `generate` calls of one conversation:
+    the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix; what was generated
+    before stays with the caller."""
+    from oasis_cache.remote import admit
+
+    model = tiny_model("llama")
+    ids = prompt_ids(SPLIT_LENGTH, batch=1)
+    store = connect(mooncake_master)
+    cache = admit(model, store, "midway")
+    first = model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=3, do_sample=False)
+    length = cache.get_seq_length()
+    tier = cache.remote_tier
+    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer)]
+    lost = [f"{tier.key(link.layer_idx, b)}" for link in links for b in range(link.published) if not link.resident[b]]
+    assert lost and all(status == 0 for status in store.batch_remove(lost, True))
+    with pytest.raises(RemoteBlocksMissing, match=r"of request 'midway' are not in the Mooncake Store.*Publish the "
+                                                  r"request again"):
+        model.generate(input_ids=first, **cache.generate_kwargs(), max_new_tokens=40, do_sample=False)
+    assert first.shape[1] == SPLIT_LENGTH + 3 and length == SPLIT_LENGTH + 2
+    del cache
+    import gc
+
+    gc.collect()  # dropped: the request's remaining keys (its admission record) are deleted
+    assert store.get(tier.key("admission", 0)) in (None, b"")
+    store.close()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from transformers import DynamicCache
 
 from oasis_cache import OasisCache
 from oasis_cache.loaders import load_smollm2
@@ -94,12 +97,15 @@ def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
     ids = tok("\n\n".join(topics.topics.values()), return_tensors="pt")["input_ids"][:, :4000]
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
     model.set_attn_implementation("sdpa")
-    truth = model.generate(input_ids=ids, **kw)[0]
+    prompt = DynamicCache(config=model.config)  # one prefill (all but the last token) for the three runs below
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=prompt, use_cache=True)
+    truth = model.generate(input_ids=ids, past_key_values=copy.deepcopy(prompt), **kw)[0]
     budget = dict(token_budget=512, sink_tokens=16, recent_tokens=16)  # 1/8 of the context, K = 31 blocks
-    previous = OasisCache(model, lookahead="previous", measure=True, **budget)
+    previous = OasisCache.from_dynamic_cache(model, prompt, lookahead="previous", measure=True, **budget)
     model.generate(input_ids=ids, past_key_values=previous, **kw)
     head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=256))  # untrained: the oracle drafts
-    oracle = OasisCache(model, lookahead="eagle3", draft=head, measure=True, **budget)
+    oracle = OasisCache.from_dynamic_cache(model, prompt, lookahead="eagle3", draft=head, measure=True, **budget)
     oracle.ride_along.oracle = lambda position: truth[position].view(1, 1)
     model.generate(input_ids=ids, past_key_values=oracle, **kw)
     recall, baseline = oracle.stats()["prediction_recall"], previous.stats()["prediction_recall"]

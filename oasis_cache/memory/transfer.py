@@ -126,6 +126,8 @@ class TransferEngine:
     def load_range(self, pool: HostKVPool, start: int, end: int) -> torch.Tensor:
         """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`."""
         self._wait_offloads(pool)
+        if pool.remote is not None:  # blocks still in a store (a decode side, `remote.disaggregate`)
+            pool.remote.ensure_range(pool, start, end)
         parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
         if not parts:
             shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
@@ -136,6 +138,8 @@ class TransferEngine:
     def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
         """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
         self._wait_offloads(pool)
+        if pool.remote is not None:  # blocks still in a store: the selected ones come first (a host sync on CUDA)
+            pool.remote.ensure(pool, block_ids[fetch])
         timing = self.streams.time_on_compute() if self.streams is not None else None
         if self.backend == "triton":
             gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,

@@ -33,6 +33,7 @@ class HostKVPool:
         self.pin_memory = pin_memory
         self.chunks: list[torch.Tensor] = []  # each [C, 2, B, Hkv, T, D]
         self.num_blocks = 0  # NB: complete blocks stored
+        self.remote = None  # `remote.disaggregate.RemoteBlocks` on a decode side: blocks still in a store
 
     # ----------------------------------------------------------------------------------------------------- capacity
     @property
@@ -68,10 +69,13 @@ class HostKVPool:
         if not 0 <= num_blocks <= self.num_blocks:
             raise ValueError(f"cannot truncate a pool of {self.num_blocks} blocks to {num_blocks}")
         self.num_blocks = num_blocks
+        if self.remote is not None:
+            self.remote.truncate(num_blocks)
 
     def index_batch(self, indices: torch.Tensor) -> None:
         """Keep or reorder sequences: sequence i becomes old sequence `indices[i]` (beam search, batch selection)."""
         indices = indices.to("cpu")
+        self.fetch_all_remote()  # the store holds the old order
         self.chunks = [
             _pin(chunk.index_select(2, indices), self.pin_memory) for chunk in self.chunks
         ]
@@ -79,11 +83,19 @@ class HostKVPool:
 
     def __deepcopy__(self, memo):
         """Every chunk copied, pinned again where the pool is pinned (a gather reads it through unified addressing)."""
+        self.fetch_all_remote()  # the copy owns every block (the store's keys go with the original)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
+        new.remote = None
         new.chunks = [_pin(chunk.clone(), self.pin_memory) for chunk in self.chunks]
         memo[id(self)] = new
         return new
+
+    def fetch_all_remote(self) -> None:
+        """Bring every block still in a store into the pool and drop the link (no-op for a local pool)."""
+        if self.remote is not None:
+            self.remote.ensure_range(self, 0, self.num_blocks)
+            self.remote = None
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,7 @@
 """The remote tier beside the host pool: blocks published to a distributed KV store (Mooncake Store) under
 request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
+from .disaggregate import RemoteBlocks, admit, publish
 from .mooncake import RemoteBlocksMissing, RemoteTier, connect
 
-__all__ = ["RemoteTier", "RemoteBlocksMissing", "connect"]
+__all__ = ["RemoteTier", "RemoteBlocksMissing", "RemoteBlocks", "connect", "publish", "admit"]

@@ -102,6 +102,7 @@ class RemoteTier:
         blocks = list(range(start, end))
         if not blocks:
             return 0
+        self._check_open("publish blocks")
         addresses, size = self._slabs(pool, blocks)
         status = self.store.batch_put_from([self.key(layer_idx, b) for b in blocks], addresses, [size] * len(blocks))
         failed = [b for b, s in zip(blocks, status) if s != 0]
@@ -118,6 +119,7 @@ class RemoteTier:
         blocks = [int(b) for b in blocks]
         if not blocks:
             return 0
+        self._check_open("fetch blocks")
         addresses, size = self._slabs(pool, blocks)
         got = self.store.batch_get_into([self.key(layer_idx, b) for b in blocks], addresses, [size] * len(blocks))
         missing = [b for b, n in zip(blocks, got) if n != size]
@@ -134,6 +136,15 @@ class RemoteTier:
     def exists(self, layer_idx: int, blocks) -> list[bool]:
         return [s == 1 for s in self.store.batch_is_exist([self.key(layer_idx, int(b)) for b in blocks])]
 
+    def _check_open(self, what: str) -> None:
+        """A closed client crashes the process on most calls; `health_check` is safe: 0 open, 1 closed, 2 master
+        unreachable."""
+        status = self.store.health_check()
+        if status != 0:
+            raise ConnectionError(f"Cannot {what} for request {self.request!r}: the Mooncake Store client is "
+                                  f"{'closed' if status == 1 else 'cut off from its master'} (health_check {status}).")
+
     def delete(self) -> int:
         """Remove every key of this request from the store (leases skipped). Returns how many were removed."""
+        self._check_open("delete the keys")
         return int(self.store.remove_by_regex(f"^{KEY_PREFIX}/{re.escape(self.request)}/", True))

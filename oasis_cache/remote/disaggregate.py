@@ -1,0 +1,182 @@
+"""Prefill here, decode there: a prefill process publishes its cache to a Mooncake Store and a decode process admits
+it with a small record, fetching the rest of the blocks from the store as decode steps select them.
+
+    # prefill process
+    cache = OasisCache(model, token_budget=2048, lookahead="previous")
+    model(input_ids=prompt[:, :-1], past_key_values=cache, use_cache=True)    # all but the last prompt token
+    report = publish(cache, connect(master), "req-7")                        # blocks + admission record
+    # decode process (same model, same weights)
+    cache = admit(model, connect(master), "req-7")
+    out = model.generate(input_ids=prompt, **cache.generate_kwargs(), max_new_tokens=256)
+
+The admission record (`oasis/{request}/admission` in the store) holds what a decode step reads on the device: each
+full-attention layer's block summaries, sink and recent tokens, its working set as the prefill left it (with a
+lookahead, the first step's predicted blocks already in their slots) and slot map; the kept layers of hybrid models
+whole; the options. The blocks stay in the store: the decode side's host pool fetches a block the first time a step
+selects it (`RemoteBlocks.ensure`), so admission moves the record, not the KV.
+
+What is not yet there (issue 24): the decode side's host pool is allocated at full size (a bounded local cache with
+eviction is next), a fetch reads the selected block ids on the host (a sync: remote-backed caches decode eagerly,
+without captured CUDA graphs), and eagle3 caches (the draft head's state) cannot be published yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import weakref
+
+import torch
+
+from ..cache import OasisCache
+from ..layer import OasisLayer
+from ..pools.host_kv import HostKVPool
+from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier
+
+RECORD_VERSION = 1
+_LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
+
+
+class RemoteBlocks:
+    """A decode-side host pool's link to the store: blocks below `published` are fetched from the store the first
+    time they are read (`ensure`); blocks written later (decode completes them locally) are always local."""
+
+    def __init__(self, tier: RemoteTier, layer_idx: int, published: int):
+        self.tier = tier
+        self.layer_idx = layer_idx
+        self.published = published
+        self.resident = torch.zeros(published, dtype=torch.bool)  # host
+
+    def ensure(self, pool: HostKVPool, blocks: torch.Tensor) -> None:
+        """Fetch the blocks of `blocks` (ids, any shape and device; ids past `published` ignored) not yet local."""
+        ids = blocks.reshape(-1).to("cpu")  # a sync on CUDA: the remote path decodes eagerly
+        ids = ids[(ids >= 0) & (ids < self.published)].unique()
+        missing = ids[~self.resident[ids]]
+        if missing.numel():
+            self.tier.fetch(self.layer_idx, pool, missing.tolist())
+            self.resident[missing] = True
+
+    def ensure_range(self, pool: HostKVPool, start: int, end: int) -> None:
+        self.ensure(pool, torch.arange(start, min(end, self.published)))
+
+    def truncate(self, num_blocks: int) -> None:
+        """Blocks from `num_blocks` on are forgotten (crop): later ones at those ids will be written locally."""
+        self.published = min(self.published, num_blocks)
+        self.resident = self.resident[: self.published]
+
+    @property
+    def fetched_blocks(self) -> int:
+        return int(self.resident.sum())
+
+
+def publish(cache: OasisCache, store, request: str) -> dict:
+    """Write every full-attention layer's complete blocks and the admission record of `cache` (prefilled, on this
+    process) to the store under `request`. Returns the bytes: `blocks`, `record`, and `full_kv` (what a whole
+    transfer of the cache's keys and values would move)."""
+    if cache.ride_along is not None:
+        raise NotImplementedError("publish: caches with lookahead='eagle3' (a draft head's state) cannot be published "
+                                  "yet; use lookahead='previous' or 'none' for a prefill / decode split.")
+    layers = [(idx, layer) for idx, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
+    if not any(layer.is_initialized for _, layer in layers):
+        raise ValueError("publish: the cache is empty. Run the prompt through the model with this cache first "
+                         "(all but its last token: the decode side's generate computes that one).")
+    if cache.streams is not None:
+        cache.streams.synchronize()  # prefetches and offloads landed
+    if any(layer.pool.pin_memory for _, layer in layers if layer.is_initialized) and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the offload copies into the host pools
+    tier = RemoteTier(store, request)
+    blocks_bytes = full = 0
+    state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {}}
+    for idx, layer in enumerate(cache.layers):
+        if not isinstance(layer, OasisLayer):
+            state["kept"][idx] = layer.__dict__
+            continue
+        if not layer.is_initialized:
+            raise ValueError(f"publish: layer {idx} holds no tokens while others do.")
+        pool = layer.pool
+        blocks_bytes += tier.publish(idx, pool)
+        recent = layer.recent.kv
+        full += pool.num_blocks * (pool.chunks[0][0].nbytes if pool.chunks else 0) + recent.numel() * recent.element_size()
+        state["oasis"][idx] = dict(
+            layer={k: v for k, v in layer.__dict__.items() if k not in _LAYER_SKIP},
+            pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                      block_size=pool.block_size, dtype=pool.dtype, chunk_blocks=pool.chunk_blocks,
+                      num_blocks=pool.num_blocks))
+    buffer = io.BytesIO()
+    torch.save(_detached(state), buffer)  # one save: views (the recent tokens in the working set) stay views
+    record = buffer.getvalue()
+    if store.put(tier.key("admission", 0), record) != 0:
+        raise RuntimeError(f"Mooncake Store refused the admission record of request {request!r} ({len(record)} bytes).")
+    return {"blocks": blocks_bytes, "record": len(record), "full_kv": full}
+
+
+def admit(model, store, request: str, device=None) -> OasisCache:
+    """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
+    model's). Its decode steps fetch blocks from the store as they select them; the request's keys are deleted from
+    the store when the cache is reset or dropped."""
+    tier = RemoteTier(store, request)
+    record = store.get(tier.key("admission", 0))
+    if not record:
+        raise RemoteBlocksMissing(f"No admission record for request {request!r} in the Mooncake Store: publish it "
+                                  f"from the prefill process first (oasis_cache.remote.publish), or it was deleted.")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    state = torch.load(io.BytesIO(bytes(record)), map_location=device, weights_only=False)
+    if state.get("version") != RECORD_VERSION:
+        raise ValueError(f"admission record version {state.get('version')} of request {request!r}; this oasis-cache "
+                         f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
+    options = dict(state["config"])
+    options["cuda_graph"] = False  # a remote fetch reads the selected blocks on the host
+    cache = OasisCache(model, **options)
+    if len(cache.layers) != len(state["oasis"]) + len(state["kept"]):
+        raise ValueError(f"the admission record of request {request!r} holds {len(state['oasis']) + len(state['kept'])} "
+                         f"layers; {type(model).__name__} has {len(cache.layers)}: admit with the prefill's model.")
+    cache._start_engine(device)
+    for idx, kept in state["kept"].items():
+        cache.layers[idx].__dict__.update(kept)
+    for idx, saved in state["oasis"].items():
+        layer = cache.layers[idx]
+        if not isinstance(layer, OasisLayer):
+            raise ValueError(f"layer {idx} of the admission record is a full-attention layer; not in this model.")
+        layer.__dict__.update(saved["layer"])
+        layer.device = device
+        layer.use_kernels = cache.backend_for(device) == "triton"  # this side's device decides
+        layer.attention_kernel = layer.use_kernels if cache.config.attention_kernel is None \
+            else cache.config.attention_kernel
+        layer.slot_map.use_kernel = layer.use_kernels
+        meta = dict(saved["pool"])
+        published = meta.pop("num_blocks")
+        layer.pool = HostKVPool(**meta, pin_memory=device.type == "cuda")
+        layer.pool.num_blocks = published
+        layer.reserve_ahead()  # room for every block: fetched ones land in place (a bounded local cache: next)
+        layer.pool.remote = RemoteBlocks(tier, idx, published)
+    cache.remote_tier = tier
+    cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
+    return cache
+
+
+def _detached(value):
+    """`value` with every tensor detached (a prefill run outside `torch.no_grad` leaves tensors that require grad),
+    objects copied shallowly with their attributes detached; the originals untouched."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type) and \
+            type(value).__module__.startswith(("oasis_cache.", "transformers.")):
+        new = copy.copy(value)
+        new.__dict__ = _detached(vars(value))
+        return new
+    return value
+
+
+def _delete_quietly(tier: RemoteTier) -> None:
+    try:
+        tier.delete()
+    except Exception:  # the store may be gone at interpreter exit
+        pass
+
+
+__all__ = ["publish", "admit", "RemoteBlocks", "KEY_PREFIX"]
