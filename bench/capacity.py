@@ -32,11 +32,12 @@ HERE = Path(__file__).resolve().parent
 def run_one(args) -> dict:
     """One try in this process: `{"ok": True, "tok_s", "step_ms", "peak_gib", "prefill_s"}` or `{"ok": False, "error"}`."""
     import torch
-    from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
+    from transformers import DynamicCache, StaticCache, StoppingCriteriaList
 
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     from models import load_model
+    from token_clock import TokenClock
 
     from oasis_cache import OasisCache
     from oasis_cache.compat import generate_cache_argument
@@ -59,33 +60,22 @@ def run_one(args) -> dict:
             cache = DynamicCache(config=model.config, offloading=True)
         else:
             cache = DynamicCache(config=model.config)
-    stamps = []
-
-    class Stamp(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            if cuda:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                stamps.append(event)
-            else:
-                stamps.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
+    clock = TokenClock(cuda)
     keyword = generate_cache_argument(model)  # `cache` on transformers >= 5.24, else `past_key_values`
     t0 = time.perf_counter()
     try:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([Stamp()]), **{keyword: cache})
+                       do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **{keyword: cache})
         if cuda:
             torch.cuda.synchronize()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:  # RuntimeError: e.g. pinned allocation
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return {"ok": False, "error": f"{type(error).__name__}: {first[:300]}"}
     total = time.perf_counter() - t0
-    if len(stamps) < 2:
-        return {"ok": False, "error": f"only {len(stamps)} tokens stamped"}
-    span = stamps[0].elapsed_time(stamps[-1]) / 1e3 if cuda else stamps[-1] - stamps[0]
-    step_s = span / (len(stamps) - 1)
+    if len(clock.stamps) < 2:
+        return {"ok": False, "error": f"only {len(clock.stamps)} tokens stamped"}
+    span = clock.span_s()
+    step_s = span / (len(clock.stamps) - 1)
     return {"ok": True, "tok_s": batch / step_s, "step_ms": step_s * 1e3, "generate_s": total,
             "prefill_s": total - span, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 

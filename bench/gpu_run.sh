@@ -7,6 +7,8 @@
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   capacity32k / capacity128k  bench/capacity.py: the largest batch under a 24 GiB cap and uncapped, dense (eager,
 #             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table)
+#   disagg    bench/disagg.py on CUDA: admission bytes, decode-side host bytes, remote fetches, TPOT remote vs local
+#             (needs Mooncake's CUDA wheel on the machine: mooncake-transfer-engine, carried in)
 #   firstcall  bench/first_call.py: a process's first generate against its later ones, a new machine's kernel cache
 #   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -90,6 +92,7 @@ for arg in "$@"; do
     capacity32k) python3 bench/capacity.py --model qwen3-8b --contexts 32768 --caps 24 0 --methods dense dense-compiled offload oasis --batches 1 2 4 8 16 24 --try-timeout 240 --out "$OUT/capacity-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k.log" ;;
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps 24 0 --methods dense dense-compiled offload oasis --batches 1 2 4 --try-timeout 300 --out "$OUT/capacity-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k.log" ;;
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
+    disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;

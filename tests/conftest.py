@@ -151,68 +151,11 @@ def _eager_steps_everywhere(monkeypatch):
     monkeypatch.setattr(OasisCache, "__init__", eager)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _mooncake_binary(name: str) -> str:
-    import shutil
-    import sys
-    from pathlib import Path
-
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if found is None:
-        raise RuntimeError(f"{name} not found: pip install -e '.[test]' (the remote extra brings Mooncake Store) and "
-                           f"apt-get install -y libibverbs1.")
-    return found
-
-
 @pytest.fixture(scope="session")
-def mooncake_master(tmp_path_factory):
-    """A Mooncake Store for the whole run: `mooncake_master` and one storage process (`mooncake_client`, 512 MB) on
-    free localhost ports, started here and stopped at the end; yields the master's "host:port"."""
-    import subprocess
-    import time
+def mooncake_master():
+    """A Mooncake Store for the whole run (`oasis_cache.remote.local_store`: `mooncake_master` and one 512 MB storage
+    process on free localhost ports, started here and stopped at the end); yields the master's "host:port"."""
+    from oasis_cache.remote import local_store
 
-    from oasis_cache.remote import connect
-
-    logs = tmp_path_factory.mktemp("mooncake")
-    master = f"127.0.0.1:{_free_port()}"
-    processes = []
-    try:
-        processes.append(subprocess.Popen(
-            [_mooncake_binary("mooncake_master"), f"--rpc_port={master.rsplit(':', 1)[1]}",
-             f"--metrics_port={_free_port()}"], stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT))
-        time.sleep(0.5)
-        processes.append(subprocess.Popen(
-            [_mooncake_binary("mooncake_client"), f"--master_server_address={master}",
-             "--metadata_server=P2PHANDSHAKE", "--global_segment_size=512MB", "--host=127.0.0.1",
-             f"--port={_free_port()}"], stdout=open(logs / "storage.log", "w"), stderr=subprocess.STDOUT))
-        deadline = time.time() + 30
-        while True:
-            try:
-                store = connect(master)
-                ok = store.put("oasis-test/ready", b"1") == 0
-                store.remove("oasis-test/ready", True)
-                store.close()
-                if ok:
-                    break
-            except ConnectionError:
-                pass
-            if time.time() > deadline or any(p.poll() is not None for p in processes):
-                raise RuntimeError(f"Mooncake Store did not start: {(logs / 'master.log').read_text()[-800:]} "
-                                   f"{(logs / 'storage.log').read_text()[-800:]}")
-            time.sleep(0.5)
+    with local_store("512MB") as master:
         yield master
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()

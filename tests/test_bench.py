@@ -128,3 +128,18 @@ def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
     assert rows["oasis"]["max_batch"] == 3 and rows["oasis"]["stopped_by"] == "the largest batch tried"
     assert all(row["tok_s"] > 0 and row["step_ms"] > 0 for row in rows.values())
     assert [t["batch"] for t in rows["dense"]["tries"]] == [1, 2, 3]
+
+
+def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
+    """`bench/disagg.py` (a store of its own, one process in both roles): the remote and local runs decode the same
+    tokens; admission moves less than the full KV; the decode side fetched some of the published blocks."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import disagg
+
+    out = tmp_path / "disagg.json"
+    disagg.main(["--context", "600", "--budget", "128", "--steps", "4", "--dtype", "float32", "--segment", "256MB",
+                 "--out", str(out)])
+    row = json.loads(out.read_text())["row"]
+    assert row["same_tokens"] and 0 < row["admission_bytes"] < row["full_kv_bytes"]
+    assert 0 < row["remote_blocks_fetched"] <= row["remote_blocks_published"] == 2 * (599 // 16)
+    assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0

@@ -2,6 +2,6 @@
 request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
 from .disaggregate import RemoteBlocks, admit, publish
-from .mooncake import RemoteBlocksMissing, RemoteTier, connect
+from .mooncake import RemoteBlocksMissing, RemoteTier, connect, local_store
 
-__all__ = ["RemoteTier", "RemoteBlocksMissing", "RemoteBlocks", "connect", "publish", "admit"]
+__all__ = ["RemoteTier", "RemoteBlocksMissing", "RemoteBlocks", "connect", "local_store", "publish", "admit"]

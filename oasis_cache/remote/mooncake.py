@@ -19,8 +19,15 @@ that mounts a segment), not in the publishing process, which may exit once it ha
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
@@ -148,3 +155,60 @@ class RemoteTier:
         """Remove every key of this request from the store (leases skipped). Returns how many were removed."""
         self._check_open("delete the keys")
         return int(self.store.remove_by_regex(f"^{KEY_PREFIX}/{re.escape(self.request)}/", True))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pip install 'oasis-cache[remote]' (Mooncake Store) and, on Debian / "
+                                f"Ubuntu, apt-get install -y libibverbs1.")
+    return found
+
+
+@contextlib.contextmanager
+def local_store(segment: str = "512MB", timeout: float = 30.0):
+    """A Mooncake Store on this host for tests, benchmarks and demos: `mooncake_master` and one storage process
+    (`mooncake_client`, `segment` of memory) on free localhost ports, stopped on exit. Yields the master's
+    "host:port" (for `connect`). Logs: a temporary folder, quoted in the error when the store does not come up."""
+    logs = Path(tempfile.mkdtemp(prefix="oasis-mooncake-"))
+    master = f"127.0.0.1:{_free_port()}"
+    processes = []
+    try:
+        processes.append(subprocess.Popen(
+            [_binary("mooncake_master"), f"--rpc_port={master.rsplit(':', 1)[1]}", f"--metrics_port={_free_port()}"],
+            stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT))
+        time.sleep(0.5)
+        processes.append(subprocess.Popen(
+            [_binary("mooncake_client"), f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
+             f"--global_segment_size={segment}", "--host=127.0.0.1", f"--port={_free_port()}"],
+            stdout=open(logs / "storage.log", "w"), stderr=subprocess.STDOUT))
+        deadline = time.time() + timeout
+        while True:
+            try:
+                store = connect(master)
+                ok = store.put("oasis-probe/ready", b"1") == 0
+                store.remove("oasis-probe/ready", True)
+                store.close()
+                if ok:
+                    break
+            except ConnectionError:
+                pass
+            if time.time() > deadline or any(p.poll() is not None for p in processes):
+                raise RuntimeError(f"Mooncake Store did not start within {timeout:.0f} s (logs in {logs}): "
+                                   f"{(logs / 'master.log').read_text()[-600:]} {(logs / 'storage.log').read_text()[-600:]}")
+            time.sleep(0.5)
+        yield master
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,0 +1,128 @@
+"""Prefill / decode disaggregation through a Mooncake Store (issue 24): what admission moves against a full KV
+transfer, what the decode side holds, what it fetches per step, and its time per token against the same cache
+decoding from its local host pool.
+
+    python bench/disagg.py --context 32768 --budget 2048 --steps 16 --out bench/results/disagg-cpu.json
+    python bench/disagg.py --device cuda --context 32768 ...
+
+The model has Qwen3-8B's KV geometry (8 KV heads of 128, bf16) on `--layers` layers with small other dimensions
+(random weights): bytes per layer are those of the 8B model, and the ratios do not depend on the layer count. One
+process plays both roles one after the other (a store started here, `oasis_cache.remote.local_store`): prefill all
+but the last prompt token with `lookahead="previous"`, `publish`; `admit` from the store and `generate` `--steps`
+tokens (the remote run); then the prefill's own cache generates the same tokens from its local pool (the local run).
+That two processes give the same tokens is in `tests/test_remote.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.compat import generate_cache_argument  # noqa: E402
+from oasis_cache.remote import admit, connect, local_store, publish  # noqa: E402
+
+
+def model_with_8b_kv(layers: int, device, dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=140000,
+                         rope_theta=1e6)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def timed_generate(model, ids, cache, steps, cuda):
+    """`(sequences, ms per decode step)`, the first token excluded (`token_clock.TokenClock`)."""
+    from transformers import StoppingCriteriaList
+
+    from token_clock import TokenClock
+
+    clock = TokenClock(cuda)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
+                         **cache.generate_kwargs())
+    if cuda:
+        torch.cuda.synchronize()
+    return out, clock.ms_per_step()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--segment", default="2GB", help="the store's storage process memory")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cuda = device.type == "cuda"
+    model = model_with_8b_kv(args.layers, device, dtype)
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+    with local_store(args.segment) as master:
+        prefill = OasisCache(model, token_budget=args.budget, lookahead="previous")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], **{generate_cache_argument(model): prefill}, use_cache=True)
+        prefill_s = time.perf_counter() - t0
+        store = connect(master)
+        t0 = time.perf_counter()
+        report = publish(prefill, store, "bench")
+        publish_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        remote = admit(model, store, "bench")
+        admit_s = time.perf_counter() - t0
+        out_remote, remote_ms = timed_generate(model, ids, remote, args.steps, cuda)
+        stats = remote.stats()
+        local_host = prefill.host_nbytes()
+        out_local, local_ms = timed_generate(model, ids, prefill, args.steps, cuda)
+        remote_host = remote.host_nbytes()
+        del remote
+        store.close()
+    same = torch.equal(out_remote, out_local)
+    steps = args.steps
+    row = dict(
+        context=args.context, budget=args.budget, layers=args.layers, steps=steps, device=str(device),
+        dtype=args.dtype, same_tokens=same,
+        full_kv_bytes=report["full_kv"], admission_bytes=report["record"], blocks_published_bytes=report["blocks"],
+        admission_share=report["record"] / report["full_kv"],
+        decode_host_bytes=remote_host, local_host_bytes=local_host, decode_host_share=remote_host / report["full_kv"],
+        remote_blocks_published=stats["remote_blocks_published"], remote_blocks_fetched=stats["remote_blocks_fetched"],
+        remote_bytes_fetched=stats["remote_bytes_fetched"],
+        remote_bytes_per_step=stats["remote_bytes_fetched"] / steps,
+        tpot_remote_ms=remote_ms, tpot_local_ms=local_ms, tpot_ratio=remote_ms / local_ms,
+        prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s,
+    )
+    header = (f"disaggregation, KV of Qwen3-8B ({args.layers} layers), {args.dtype} on {device}, torch {torch.__version__}, "
+              f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(header)
+    print(f"context {args.context}, budget {args.budget}: admission {report['record'] / 2**20:.1f} MiB of "
+          f"{report['full_kv'] / 2**20:.1f} MiB full KV = 1/{1 / row['admission_share']:.1f}; decode-side host "
+          f"{remote_host / 2**20:.1f} MiB ({row['decode_host_share']:.2f} of the KV; a bounded local cache is not built "
+          f"yet); fetched {row['remote_blocks_fetched']} of {row['remote_blocks_published']} blocks over {steps} steps "
+          f"({row['remote_bytes_per_step'] / 2**20:.2f} MiB per step); TPOT remote {remote_ms:.1f} ms, local "
+          f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x); same tokens: {same}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(header=header, command="python " + " ".join(sys.argv), row=row),
+                                             indent=1))
+    if not same:
+        sys.exit("the remote and local runs decoded different tokens")
+
+
+if __name__ == "__main__":
+    main()
