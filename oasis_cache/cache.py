@@ -607,9 +607,10 @@ class OasisCache(Cache):
             self.ride_along.advance_replayed_step()
 
     def generate_kwargs(self) -> dict:
-        """This cache under the keyword `generate` takes it by on the installed transformers: `{"cache": self}` from
-        5.24 on, `{"past_key_values": self}` before (5.24 still takes `past_key_values=`, with a FutureWarning).
-        `model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=...)` runs warning-free on both."""
+        """This cache under the keyword `generate` (and the model's forward) takes it by on the installed
+        transformers: `{"cache": self}` from 5.24 on, `{"past_key_values": self}` before (5.24 still takes
+        `past_key_values=`, with a FutureWarning). `model.generate(**inputs, **cache.generate_kwargs(),
+        max_new_tokens=...)` runs warning-free on both."""
         model = self._model()
         if model is None:
             raise RuntimeError("OasisCache.generate_kwargs: the model this cache was made for has been deleted.")

@@ -3,7 +3,7 @@ it with a small record, fetching the rest of the blocks from the store as decode
 
     # prefill process
     cache = OasisCache(model, token_budget=2048, lookahead="previous")
-    model(input_ids=prompt[:, :-1], past_key_values=cache, use_cache=True)    # all but the last prompt token
+    model(input_ids=prompt[:, :-1], **cache.generate_kwargs())              # all but the last prompt token
     report = publish(cache, connect(master), "req-7")                        # blocks + admission record
     # decode process (same model, same weights)
     cache = admit(model, connect(master), "req-7")
