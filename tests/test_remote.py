@@ -201,3 +201,35 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     gc.collect()  # dropped: the request's remaining keys (its admission record) are deleted
     assert store.get(tier.key("admission", 0)) in (None, b"")
     store.close()
+
+
+def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
+    """An admitted cache cropped into its complete blocks (those come back from the store) continues as the
+    prefill's own cache does; `copy.deepcopy` and `batch_select_indices` first bring every block home."""
+    import copy
+
+    from oasis_cache.remote import admit, publish
+
+    model = tiny_model("llama")
+    ids = prompt_ids(403, batch=2)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    prefill = OasisCache(model, **OPTIONS)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
+    store = connect(mooncake_master)
+    publish(prefill, store, "crop-copy-select")
+    cache = admit(model, store, "crop-copy-select")
+    for c in (prefill, cache):
+        c.crop(-37)  # into complete blocks
+    short = ids[:, :-37]
+    expected = model.generate(input_ids=short, **prefill.generate_kwargs(), **kw)
+    got = model.generate(input_ids=short, **cache.generate_kwargs(), **kw)
+    assert torch.equal(got, expected)
+    copied = copy.deepcopy(cache)
+    assert copied.remote_tier is None and all(layer.pool.remote is None for layer in copied.layers)
+    assert torch.equal(model.generate(input_ids=got, **copied.generate_kwargs(), **kw),
+                       model.generate(input_ids=got, **cache.generate_kwargs(), **kw))
+    other = admit(model, store, "crop-copy-select")
+    other.batch_select_indices(torch.tensor([1]))
+    assert all(layer.pool.remote is None and layer.pool.batch_size == 1 for layer in other.layers)
+    store.close()
