@@ -205,7 +205,7 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
 
 def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
     """An admitted cache cropped into its complete blocks (those come back from the store) continues as the
-    prefill's own cache does; `copy.deepcopy` and `batch_select_indices` first bring every block home."""
+    prefill's own cache does; `copy.deepcopy`, `batch_select_indices` and `publish` first bring every block home."""
     import copy
 
     from oasis_cache.remote import admit, publish
@@ -232,4 +232,10 @@ def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
     other = admit(model, store, "crop-copy-select")
     other.batch_select_indices(torch.tensor([1]))
     assert all(layer.pool.remote is None and layer.pool.batch_size == 1 for layer in other.layers)
+    source = admit(model, store, "crop-copy-select")
+    publish(source, store, "republished")  # an admitted cache publishes every block (fetched first)
+    assert all(layer.pool.remote is None for layer in source.layers)
+    again = admit(model, store, "republished")
+    assert torch.equal(model.generate(input_ids=ids, **again.generate_kwargs(), **kw),
+                       model.generate(input_ids=ids, **source.generate_kwargs(), **kw))
     store.close()

@@ -95,6 +95,7 @@ def publish(cache: OasisCache, store, request: str) -> dict:
         if not layer.is_initialized:
             raise ValueError(f"publish: layer {idx} holds no tokens while others do.")
         pool = layer.pool
+        pool.fetch_all_remote()  # a cache admitted from a store publishes every block, not only those it fetched
         blocks_bytes += tier.publish(idx, pool)
         recent = layer.recent.kv
         full += pool.num_blocks * (pool.chunks[0][0].nbytes if pool.chunks else 0) + recent.numel() * recent.element_size()
