@@ -435,8 +435,9 @@ class OasisCache(Cache):
             self._transfer.wait_host_reads()
         new = object.__new__(type(self))
         memo[id(self)] = new
+        # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
-                   "captured_steps", "remote_tier", "_remote_release")  # (an admitted cache's pools fetch every block for the copy)
+                   "captured_steps", "remote_tier", "_remote_release")
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)

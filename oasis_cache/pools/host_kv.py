@@ -8,8 +8,6 @@ elements, and a range of blocks is one contiguous run (one copy per chunk when b
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -46,11 +44,15 @@ class HostKVPool:
         while self.capacity_blocks < num_blocks:
             self.chunks.append(torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin_memory))
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: its `[2, B, Hkv, T, D]` run in a chunk."""
+        return 2 * self.batch_size * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
     def bytes_to_reserve(self, num_blocks: int) -> int:
         """Host bytes `reserve(num_blocks)` would allocate."""
         missing = max(0, -(-(num_blocks - self.capacity_blocks) // self.chunk_blocks))
-        shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, self.block_size, self.head_dim)
-        return missing * math.prod(shape) * self.dtype.itemsize
+        return missing * self.chunk_blocks * self.block_nbytes
 
     def spans(self, start: int, end: int):
         """Yield `(chunk, local_start, local_end, offset)` covering blocks [start, end): blocks `local_start ..

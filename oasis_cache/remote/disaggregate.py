@@ -98,7 +98,7 @@ def publish(cache: OasisCache, store, request: str) -> dict:
         pool.fetch_all_remote()  # a cache admitted from a store publishes every block, not only those it fetched
         blocks_bytes += tier.publish(idx, pool)
         recent = layer.recent.kv
-        full += pool.num_blocks * (pool.chunks[0][0].nbytes if pool.chunks else 0) + recent.numel() * recent.element_size()
+        full += pool.num_blocks * pool.block_nbytes + recent.numel() * recent.element_size()
         state["oasis"][idx] = dict(
             layer={k: v for k, v in layer.__dict__.items() if k not in _LAYER_SKIP},
             pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,

@@ -56,20 +56,17 @@ def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
             f"Ubuntu `apt-get install -y libibverbs1`, which its binaries link even over TCP ({error})."
         ) from error
     host, _, port = master.rpartition(":")
+    start = (f"Start it with `mooncake_master --rpc_port={port}` and a storage process (`mooncake_client "
+             f"--master_server_address={master} --metadata_server={metadata_server} --global_segment_size=4GB`).")
     try:  # the client's own setup waits minutes on a master that is not there
         socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError) as error:
-        raise ConnectionError(
-            f"No Mooncake master answers at {master!r} ({error}). Start it with `mooncake_master --rpc_port={port}` "
-            f"and a storage process (`mooncake_client --master_server_address={master} --metadata_server="
-            f"{metadata_server} --global_segment_size=4GB`).") from error
+        raise ConnectionError(f"No Mooncake master answers at {master!r} ({error}). {start}") from error
     store = MooncakeDistributedStore()
     status = store.setup(hostname, metadata_server, segment_bytes, buffer_bytes, protocol, "", master)
     if status != 0:
         raise ConnectionError(
-            f"Could not join the Mooncake Store whose master is {master!r} (setup returned {status}). Start it with "
-            f"`mooncake_master --rpc_port={master.rsplit(':', 1)[-1]}` and a storage process (`mooncake_client "
-            f"--master_server_address={master} --metadata_server={metadata_server} --global_segment_size=4GB`).")
+            f"Could not join the Mooncake Store whose master is {master!r} (setup returned {status}). {start}")
     return store
 
 
@@ -100,7 +97,7 @@ class RemoteTier:
             if not 0 <= block < pool.capacity_blocks:
                 raise IndexError(f"block {block} is outside the pool ({pool.capacity_blocks} blocks reserved)")
         addresses = [pool.chunks[b // C][b % C].data_ptr() for b in blocks]
-        return addresses, pool.chunks[0][0].nbytes if pool.chunks else 0
+        return addresses, pool.block_nbytes
 
     def publish(self, layer_idx: int, pool: HostKVPool, start: int = 0, end: int | None = None) -> int:
         """Put blocks [start, end) of `pool` (default: every complete block) under this request's keys, read in
@@ -112,10 +109,10 @@ class RemoteTier:
         self._check_open("publish blocks")
         addresses, size = self._slabs(pool, blocks)
         status = self.store.batch_put_from([self.key(layer_idx, b) for b in blocks], addresses, [size] * len(blocks))
-        failed = [b for b, s in zip(blocks, status) if s != 0]
+        failed = [(b, s) for b, s in zip(blocks, status) if s != 0]
         if failed:
             raise RuntimeError(f"Mooncake Store refused {len(failed)} of {len(blocks)} blocks of layer {layer_idx} "
-                               f"(request {self.request!r}; first block {failed[0]}, status {status[blocks.index(failed[0])]}): "
+                               f"(request {self.request!r}; first block {failed[0][0]}, status {failed[0][1]}): "
                                f"is its storage full? Give the storage processes a larger --global_segment_size.")
         self.bytes_put += size * len(blocks)
         return size * len(blocks)
