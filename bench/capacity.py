@@ -5,10 +5,10 @@ uncapped, and its decode tokens per second, measured through `model.generate` as
         --methods dense dense-compiled offload oasis --batches 1 2 4 8 16 32
     python bench/capacity.py --model tiny --device cpu --contexts 256 --caps 0 --batches 1 2 --new-tokens 6   # smoke
 
-For each (context, cap, method) the batches are tried in increasing order, each in a fresh child process (a cap is
-per process, and an out-of-memory error can leave a process fragmented), until one fails or exceeds `--try-timeout`;
-the row reports the largest that ran. A try: random prompt tokens, `model.generate(max_new_tokens=min_new_tokens=N,
-do_sample=False)`; a stopping criterion stamps each new token (a CUDA event, no sync), and tokens per second =
+For each (context, cap, method) a fresh child process (a cap is per process) loads the model once and tries the batches
+in increasing order until one fails (an out-of-memory error can leave a process fragmented, so it stops there) or the
+child exceeds `--try-timeout` seconds per batch; the row reports the largest that ran. A try: random prompt tokens,
+`model.generate(max_new_tokens=min_new_tokens=N, do_sample=False)`; a stopping criterion stamps each new token (a CUDA event, no sync), and tokens per second =
 batch × (N − 1) / the time from the first new token to the last (the decode alone, prefill excluded). Methods:
 dense (`DynamicCache`), dense-compiled (a `StaticCache`, which `generate` compiles on its own), offload
 (`DynamicCache(offloading=True)`), oasis (`OasisCache(model, token_budget=--budget)`, every other option the
@@ -29,8 +29,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_one(args) -> dict:
-    """One try in this process: `{"ok": True, "tok_s", "step_ms", "peak_gib", "prefill_s"}` or `{"ok": False, "error"}`."""
+def run_batches(args) -> None:
+    """One (context, cap, method) in this process: the batches in increasing order, one JSON line per try
+    (`{"batch", "ok": True, "tok_s", "step_ms", "peak_gib", "prefill_s", "generate_s"}` or `{"batch", "ok": False,
+    "error"}`), stopping at the first failure (an out-of-memory error can leave the process fragmented). The model is
+    loaded once; each try's cache is dropped and the allocators emptied before the next one."""
+    import gc
+
     import torch
     from transformers import DynamicCache, StaticCache, StoppingCriteriaList
 
@@ -41,58 +46,93 @@ def run_one(args) -> dict:
 
     from oasis_cache import OasisCache
     from oasis_cache.compat import generate_cache_argument
+    from oasis_cache.memory.host_memory import available_host_bytes, release_cached_pinned
 
     cuda = torch.device(args.device).type == "cuda"
     dtype = getattr(torch, args.dtype)
     if cuda and args.cap:
         torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     model, vocab = load_model(args.model, args.device, dtype)
-    context, batch, n = args.context, args.batch, args.new_tokens
-    torch.manual_seed(1)
-    ids = torch.randint(0, vocab, (batch, context), device=args.device)
-    if args.method == "oasis":
-        cache = OasisCache(model, token_budget=args.budget)
-    else:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+    if args.method != "oasis":
         model.set_attn_implementation("sdpa")
-        if args.method == "dense-compiled":
-            cache = StaticCache(config=model.config, max_cache_len=context + n)
-        elif args.method == "offload":
-            cache = DynamicCache(config=model.config, offloading=True)
-        else:
-            cache = DynamicCache(config=model.config)
-    clock = TokenClock(cuda)
     keyword = generate_cache_argument(model)  # `cache` on transformers >= 5.24, else `past_key_values`
-    t0 = time.perf_counter()
-    try:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **{keyword: cache})
+    context, n = args.context, args.new_tokens
+    for batch in args.try_batches:
+        def report(**fields):
+            print(json.dumps(dict(batch=batch, **fields)), flush=True)
+            return fields.get("ok", False)
+
+        host_kv = batch * (context + n) * kv_bytes_per_token
+        available = available_host_bytes()
+        if args.method == "offload" and available is not None and host_kv > 0.85 * available:
+            # HF's offloaded cache does not check; the kernel's out-of-memory killer would end the whole process
+            report(ok=False, error=f"host memory: the offloaded KV needs {host_kv / 2**30:.1f} GiB, "
+                                   f"{available / 2**30:.1f} GiB available")
+            return
+        torch.manual_seed(1)
+        ids = torch.randint(0, vocab, (batch, context), device=args.device)
+        if args.method == "oasis":
+            cache = OasisCache(model, token_budget=args.budget)
+        elif args.method == "dense-compiled":
+            cache = StaticCache(config=config, max_cache_len=context + n)
+        elif args.method == "offload":
+            cache = DynamicCache(config=config, offloading=True)
+        else:
+            cache = DynamicCache(config=config)
+        clock = TokenClock(cuda)
         if cuda:
-            torch.cuda.synchronize()
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:  # RuntimeError: e.g. pinned allocation
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return {"ok": False, "error": f"{type(error).__name__}: {first[:300]}"}
-    total = time.perf_counter() - t0
-    if len(clock.stamps) < 2:
-        return {"ok": False, "error": f"only {len(clock.stamps)} tokens stamped"}
-    span = clock.span_s()
-    step_s = span / (len(clock.stamps) - 1)
-    return {"ok": True, "tok_s": batch / step_s, "step_ms": step_s * 1e3, "generate_s": total,
-            "prefill_s": total - span, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        error = None
+        try:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **{keyword: cache})
+            if cuda:
+                torch.cuda.synchronize()
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as caught:  # RuntimeError: e.g. pinned allocation
+            first = str(caught).strip().splitlines()[0] if str(caught).strip() else type(caught).__name__
+            error = f"{type(caught).__name__}: {first[:300]}"
+        total = time.perf_counter() - t0
+        if error is None and len(clock.stamps) < 2:
+            error = f"only {len(clock.stamps)} tokens stamped"
+        if error is not None:
+            report(ok=False, error=error)
+            return
+        span = clock.span_s()
+        step_s = span / (len(clock.stamps) - 1)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        del cache, ids, clock
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            release_cached_pinned()
+        report(ok=True, tok_s=batch / step_s, step_ms=step_s * 1e3, generate_s=total, prefill_s=total - span,
+               peak_gib=peak)
 
 
-def try_in_child(args, context, cap, method, batch) -> dict:
+def tries_in_child(args, context, cap, method, batches) -> list:
+    """Run `run_batches` in a child process (a cap is per process); the tries it reported, the last one failed when the
+    child died or ran past `--try-timeout` per batch."""
     command = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device, "--dtype",
                args.dtype, "--budget", str(args.budget), "--new-tokens", str(args.new_tokens), "--context",
-               str(context), "--cap", str(cap), "--method", method, "--batch", str(batch)]
+               str(context), "--cap", str(cap), "--method", method, "--try-batches", *map(str, batches)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.try_timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"over {args.try_timeout} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "error": f"exit {done.returncode}: {tail[:300]}"}
-    return json.loads(lines[-1])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.try_timeout * len(batches))
+        stdout, failure = done.stdout, None if done.returncode == 0 else \
+            f"exit {done.returncode}: {((done.stderr or '').strip().splitlines() or ['no output'])[-1][:300]}"
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout or ""
+        stdout, failure = out.decode() if isinstance(out, bytes) else out, f"over {args.try_timeout * len(batches):.0f} s"
+    tries = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if failure and (not tries or tries[-1]["ok"]):
+        done_batches = {t["batch"] for t in tries}
+        next_batch = next((b for b in batches if b not in done_batches), None)
+        if next_batch is not None:
+            tries.append(dict(batch=next_batch, ok=False, error=failure))
+    return tries
 
 
 def main(argv=None):
@@ -112,10 +152,10 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=float, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--method", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--try-batches", type=int, nargs="+", default=[1], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_one(args)), flush=True)
+        run_batches(args)
         return
     unknown = set(args.methods) - {"dense", "dense-compiled", "offload", "oasis"}
     if unknown:
@@ -134,14 +174,13 @@ def main(argv=None):
     for context in args.contexts:
         for cap in args.caps:
             for method in args.methods:
-                best, stopped, tries = None, "the largest batch tried", []
-                for batch in sorted(args.batches):
-                    result = try_in_child(args, context, cap, method, batch)
-                    tries.append(dict(batch=batch, **result))
+                best, stopped = None, "the largest batch tried"
+                tries = tries_in_child(args, context, cap, method, sorted(args.batches))
+                for result in tries:
                     if not result["ok"]:
-                        stopped = f"batch {batch}: {result['error']}"
+                        stopped = f"batch {result['batch']}: {result['error']}"
                         break
-                    best = dict(batch=batch, **result)
+                    best = result
                 row = dict(context=context, cap_gib=cap, method=method, max_batch=best["batch"] if best else 0,
                            tok_s=best["tok_s"] if best else 0.0, step_ms=best["step_ms"] if best else 0.0,
                            peak_gib=best["peak_gib"] if best else 0.0, stopped_by=stopped, tries=tries)

@@ -5,7 +5,8 @@
 #             eager decode path, which the default (captured steps) takes only where a step cannot be replayed
 #   exact32k  exactness of a Qwen3-8B-shaped random model at 32K (fp32)
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
-#   capacity32k / capacity128k  bench/capacity.py: the largest batch under a 24 GiB cap and uncapped, dense (eager,
+#   capacity32k / capacity128k  bench/capacity.py: the largest batch under a 24 GiB cap and uncapped (CAPS="24" or
+#             "0" runs one of them; BATCHES overrides the batches tried), dense (eager,
 #             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table)
 #   disagg    bench/disagg.py on CUDA: admission bytes, decode-side host bytes, remote fetches, TPOT remote vs local
 #             (needs Mooncake's CUDA wheel on the machine: mooncake-transfer-engine, carried in)
@@ -89,13 +90,13 @@ for arg in "$@"; do
     bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
     capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
     capped128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --memory-cap-gib 24 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-capped24-defaults.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped128k.log" | tail -4 ;;
-    capacity32k) python3 bench/capacity.py --model qwen3-8b --contexts 32768 --caps 24 0 --methods dense dense-compiled offload oasis --batches 1 2 4 8 16 24 --try-timeout 240 --out "$OUT/capacity-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k.log" ;;
-    capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps 24 0 --methods dense dense-compiled offload oasis --batches 1 2 4 --try-timeout 300 --out "$OUT/capacity-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k.log" ;;
+    capacity32k) python3 bench/capacity.py --model qwen3-8b --contexts 32768 --caps ${CAPS:-24 0} --methods dense dense-compiled offload oasis --batches ${BATCHES:-1 2 4 8 16} --new-tokens 16 --try-timeout 120 --out "$OUT/capacity-qwen3-8b-32k${CAPS:+-cap${CAPS// /-}}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}.log" ;;
+    capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods dense dense-compiled offload oasis --batches ${BATCHES:-1 2 4} --new-tokens 16 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}.log" ;;
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
     disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
-    profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 4 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
+    profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
       python3 -m oasis_cache.draft.train --target smollm2 --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "

@@ -23,6 +23,27 @@ from models import load_model  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
+KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
+    ("host->device gather", ("_gather_blocks", "memcpy", "Memcpy")),
+    ("matmuls (weights)", ("nvjet", "gemm", "Gemm", "cublas", "cutlass", "splitKreduce", "sm90_xmma")),
+    ("attention", ("flash", "fmha", "sdpa", "_decode_attention", "attention")),
+    ("block selection", ("_block_scores", "topk", "TopK", "radixSort", "sort", "_slot_assign", "_bits")),
+)
+
+
+def kernel_groups(events, steps: int) -> list:
+    """`[(group, ms per step, kernels per step)]` over the device kernels of `events`, largest first."""
+    totals: dict = {}
+    for event in events:
+        if event.device_type.name != "CUDA" or not event.self_device_time_total:
+            continue
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in event.key for k in keys)), "other (elementwise, norms, "
+                     "rotary, copies)")
+        ms, count = totals.get(group, (0.0, 0))
+        totals[group] = (ms + event.self_device_time_total / 1e3 / steps, count + event.count / steps)
+    return sorted(((g, ms, n) for g, (ms, n) in totals.items()), key=lambda row: -row[1])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-8b")
@@ -67,6 +88,9 @@ def main():
                    f"kernel launches {sum(e.count for e in events if e.device_type.name == 'CUDA') // args.steps}"
                    f"/step")
         cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
+        groups = "\n".join(f"   {g:<42} {ms:7.2f} ms/step {n:7.0f} kernels/step" for g, ms, n in
+                            kernel_groups(events, args.steps))
+        summary += "\n" + groups
         print(summary)
         print(table)
         print(cpu_table)
