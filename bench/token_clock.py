@@ -29,5 +29,16 @@ class TokenClock(StoppingCriteria):
             return self.stamps[0].elapsed_time(self.stamps[-1]) / 1e3
         return self.stamps[-1] - self.stamps[0]
 
+    def step_s(self) -> list:
+        """Seconds between consecutive new tokens (call after a device sync on CUDA)."""
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+    def median_step_s(self) -> float:
+        """The median time per token: steady decode, without a first step's compilation or a graph capture."""
+        steps = sorted(self.step_s())
+        return steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] + steps[len(steps) // 2]) / 2
+
     def ms_per_step(self) -> float:
         return self.span_s() * 1e3 / (len(self.stamps) - 1)
