@@ -26,7 +26,7 @@ from oasis_cache.compat import generate_cache_argument  # noqa: E402
 KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("host->device gather", ("_gather_blocks", "memcpy", "Memcpy")),
     ("matmuls (weights)", ("nvjet", "gemm", "Gemm", "cublas", "cutlass", "splitKreduce", "sm90_xmma")),
-    ("attention", ("flash", "fmha", "sdpa", "_decode_attention", "attention")),
+    ("attention", ("flash", "fmha", "sdpa", "_split_kernel", "_combine_kernel", "attention")),
     ("block selection", ("_block_scores", "topk", "TopK", "radixSort", "sort", "_slot_assign", "_bits")),
 )
 
