@@ -101,7 +101,8 @@ def main(argv=None):
         full_kv_bytes=report["full_kv"], admission_bytes=report["record"], blocks_published_bytes=report["blocks"],
         admission_share=report["record"] / report["full_kv"],
         decode_host_bytes=remote_host, local_host_bytes=local_host, decode_host_share=remote_host / report["full_kv"],
-        remote_blocks_published=stats["remote_blocks_published"], remote_blocks_fetched=stats["remote_blocks_fetched"],
+        remote_units_published=stats["remote_units_published"], remote_units_fetched=stats["remote_units_fetched"],
+        remote_units_evicted=stats["remote_units_evicted"], local_cache_bytes=stats["remote_local_cache_bytes"],
         remote_bytes_fetched=stats["remote_bytes_fetched"],
         remote_bytes_per_step=stats["remote_bytes_fetched"] / steps,
         tpot_remote_ms=remote_ms, tpot_local_ms=local_ms, tpot_ratio=remote_ms / local_ms,
@@ -112,8 +113,9 @@ def main(argv=None):
     print(header)
     print(f"context {args.context}, budget {args.budget}: admission {report['record'] / 2**20:.1f} MiB of "
           f"{report['full_kv'] / 2**20:.1f} MiB full KV = 1/{1 / row['admission_share']:.1f}; decode-side host "
-          f"{remote_host / 2**20:.1f} MiB ({row['decode_host_share']:.2f} of the KV; a bounded local cache is not built "
-          f"yet); fetched {row['remote_blocks_fetched']} of {row['remote_blocks_published']} blocks over {steps} steps "
+          f"{remote_host / 2**20:.1f} MiB = 1/{1 / row['decode_host_share']:.1f} of the KV (local caches "
+          f"{row['local_cache_bytes'] / 2**20:.1f} MiB); fetched {row['remote_units_fetched']} of "
+          f"{row['remote_units_published']} (block, sequence, KV head) units over {steps} steps "
           f"({row['remote_bytes_per_step'] / 2**20:.2f} MiB per step); TPOT remote {remote_ms:.1f} ms, local "
           f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x); same tokens: {same}")
     if args.out:

@@ -310,8 +310,11 @@ class OasisCache(Cache):
             links = [layer.pool.remote for layer in self.layers
                      if isinstance(layer, OasisLayer) and layer.is_initialized and layer.pool.remote is not None]
             out.update(remote_request=self.remote_tier.request, remote_bytes_fetched=self.remote_tier.bytes_got,
-                       remote_blocks_fetched=sum(link.fetched_blocks for link in links),
-                       remote_blocks_published=sum(link.published for link in links))
+                       remote_units_fetched=sum(link.units_fetched for link in links),
+                       remote_units_evicted=sum(link.units_evicted for link in links),
+                       remote_units_published=sum(link.published * link.batch_size * link.num_kv_heads
+                                                  for link in links),
+                       remote_local_cache_bytes=sum(link.nbytes for link in links))
         return out
 
     def _summary_form(self) -> tuple[bool | None, float | None]:
@@ -334,7 +337,9 @@ class OasisCache(Cache):
         return total
 
     def host_nbytes(self) -> int:
-        return sum(layer.pool.nbytes for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
+        """Host bytes of the pools (and, admitted from a store, of the local caches in front of it)."""
+        return sum(layer.pool.nbytes + (layer.pool.remote.nbytes if layer.pool.remote is not None else 0)
+                   for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
 
     def to_dynamic_cache(self):
         """A transformers `DynamicCache` holding every cached token's keys and values (moved to the compute device:

@@ -49,6 +49,34 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     return torch.equal(got, expected)
 
 
+def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
+    """`gather_blocks(per_unit=True)`: the host side is an arena of single (sequence, KV head) blocks `[U, 2, 1, 1, T,
+    D]` (a remote tier's local cache) and the ids are its slots; each entry lands in its own sequence's and head's
+    row of the working set."""
+    g = torch.Generator().manual_seed(B * 10 + D)
+    U = NB + 3
+    arena = torch.randn(U, 2, 1, 1, T, D, generator=g).to(dtype)
+    if device.type == "cuda":
+        arena = arena.pin_memory()
+    ws = WorkingSet(B, H, S, T, 2 * T, D, dtype, device)
+    ws.kv.fill_(-7.0)
+    K = min(S, NB)
+    slots = torch.randint(0, U, (B, H, K), generator=g)
+    dest = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    fetch = torch.rand(B, H, K, generator=g) < 0.7
+    table = torch.tensor([arena.data_ptr()], dtype=torch.int64, device=device)
+    gather_blocks(table, U, slots.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
+                  per_unit=True)
+    got = ws.kv.cpu()
+    expected = torch.full_like(got, -7.0)
+    for b in range(B):
+        for h in range(H):
+            for k in range(K):
+                if fetch[b, h, k]:
+                    expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = arena[slots[b, h, k], :, 0, 0]
+    return torch.equal(got, expected)
+
+
 def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
     """`store_block` writes one block at a block number read on the device into the right chunk and place of a host
     pool (the same layout `offload` writes), and nothing else."""
@@ -185,6 +213,7 @@ if __name__ == "__main__":
     ok = True
     few = [lambda *c, device: check_case(*c, device=device, max_programs=3)]
     for name, cases, check in (("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], few[0]),
+                               ("gather-units", CASES[1:], check_unit_gather),
                                ("store", CASES, check_store),
                                ("scores", SCORE_CASES, check_scores),
                                ("assign", ASSIGN_CASES, check_assign),

@@ -104,22 +104,28 @@ def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
 
 
 def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
-    """`bench/capacity.py`: each method's batches tried in increasing order, the largest that ran reported with its
-    tokens per second; the first failure (here a child process that runs out of memory, made to by the test) ends the
-    climb and is named in the row."""
+    """`bench/capacity.py`: each method's batches tried in increasing order in one process, the largest that ran
+    reported with its tokens per second (the median step); the first failure (here an out-of-memory error, made to by
+    the test) ends the climb and is named in the row."""
+    import contextlib
+    import io
+    import types
+
     sys.path.insert(0, str(ROOT / "bench"))
     import capacity
 
-    def fake_try(args, context, cap, method, batch):
-        if batch > 2 and method == "dense":
-            return {"ok": False, "error": "OutOfMemoryError: CUDA out of memory"}
-        return capacity.run_one(types.SimpleNamespace(
-            model="tiny", device="cpu", dtype="float32", cap=cap, context=context, batch=batch, new_tokens=4,
-            method=method, budget=128))
+    def tries_here(args, context, cap, method, batches):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            capacity.run_batches(types.SimpleNamespace(
+                model="tiny", device="cpu", dtype="float32", cap=cap, context=context, new_tokens=4, method=method,
+                budget=128, try_batches=[b for b in batches if method != "dense" or b <= 2]))
+        tries = [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
+        if method == "dense":
+            tries.append({"batch": 3, "ok": False, "error": "OutOfMemoryError: CUDA out of memory"})
+        return tries
 
-    import types
-
-    monkeypatch.setattr(capacity, "try_in_child", fake_try)
+    monkeypatch.setattr(capacity, "tries_in_child", tries_here)
     out = tmp_path / "capacity.json"
     capacity.main(["--model", "tiny", "--device", "cpu", "--contexts", "200", "--caps", "0", "--methods", "dense",
                    "oasis", "--batches", "1", "2", "3", "--out", str(out)])
@@ -128,6 +134,7 @@ def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
     assert rows["oasis"]["max_batch"] == 3 and rows["oasis"]["stopped_by"] == "the largest batch tried"
     assert all(row["tok_s"] > 0 and row["step_ms"] > 0 for row in rows.values())
     assert [t["batch"] for t in rows["dense"]["tries"]] == [1, 2, 3]
+    assert all(t["mean_step_ms"] > 0 for t in rows["oasis"]["tries"])
 
 
 def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
@@ -141,5 +148,7 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
                  "--out", str(out)])
     row = json.loads(out.read_text())["row"]
     assert row["same_tokens"] and 0 < row["admission_bytes"] < row["full_kv_bytes"]
-    assert 0 < row["remote_blocks_fetched"] <= row["remote_blocks_published"] == 2 * (599 // 16)
+    assert 0 < row["remote_units_fetched"] < row["remote_units_published"] == 2 * (599 // 16) * 8  # 8 KV heads
+    # (at 600 tokens the decode side's pool chunk for the blocks it completes outweighs the rest: 32K in the bench)
+    assert 0 < row["local_cache_bytes"] < row["full_kv_bytes"] / 2.2
     assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0

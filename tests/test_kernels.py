@@ -15,7 +15,7 @@ import torch
 from oasis_cache.kernels.gather import triton_available
 
 from kernel_cases import (ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, check_assign, check_case, check_decode,
-                          check_scores, check_store)
+                          check_scores, check_store, check_unit_gather)
 
 HERE = Path(__file__).parent
 
@@ -44,6 +44,13 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
 def test_gather_kernel_on_cuda(case):
     assert check_case(*case, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
+def test_unit_gather_kernel_on_cuda(case):
+    assert check_unit_gather(*case, device=torch.device("cuda"))
 
 
 @pytest.mark.gpu

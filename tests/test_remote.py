@@ -62,6 +62,8 @@ def publish_everything(master: str) -> dict:
         reports[name] = publish(cache, store, name)
         if (budget, lookahead, batch) == SPLITS[1]:
             reports["midway"] = publish(cache, store, "midway")  # the same cache, a second request
+        if (budget, lookahead, batch) == SPLITS[0]:
+            reports["evict"] = publish(cache, store, "evict")
     store.close()
     return reports
 
@@ -81,6 +83,19 @@ def published(mooncake_master) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def units_of(pool: HostKVPool) -> torch.Tensor:
+    """Every block of a local pool unit-major: `[NB, B, Hkv, 2, T, D]` (what the store holds, one object per row)."""
+    return torch.cat([chunk for chunk in pool.chunks])[: pool.num_blocks].permute(0, 2, 3, 1, 4, 5).contiguous()
+
+
+def get_units(tier, idx, units, like) -> torch.Tensor:
+    """Units `[(block, sequence, head)]` of layer `idx` got into a NaN-filled tensor `[n, 2, T, D]` like `like`."""
+    out = torch.full((len(units),) + tuple(like.shape[-3:]), float("nan"), dtype=like.dtype)
+    size = out[0].numel() * out.element_size()
+    assert tier.get_units(idx, units, [row.data_ptr() for row in out], size) == size * len(units)
+    return out
+
+
 def test_blocks_published_by_a_process_that_exited_come_back_bit_for_bit(mooncake_master, published):
     local = prefilled()
     store = connect(mooncake_master)
@@ -89,21 +104,14 @@ def test_blocks_published_by_a_process_that_exited_come_back_bit_for_bit(mooncak
         layers = [(idx, layer) for idx, layer in enumerate(local.layers) if isinstance(layer, OasisLayer)]
         assert layers and all(layer.pool.num_blocks == 203 // 8 for _, layer in layers)
         for idx, layer in layers:
-            pool = layer.pool
-            whole = empty_like(pool)
-            assert tier.fetch(idx, whole, range(pool.num_blocks)) == pool.num_blocks * pool.chunks[0][0].nbytes
-            for block in range(pool.num_blocks):
-                C = pool.chunk_blocks
-                assert torch.equal(whole.chunks[block // C][block % C], pool.chunks[block // C][block % C])
-            part = empty_like(pool)  # partial fetch: only the blocks asked for are written
-            tier.fetch(idx, part, [0, 5, pool.num_blocks - 1])
-            for block in range(pool.num_blocks):
-                C = pool.chunk_blocks
-                got = part.chunks[block // C][block % C]
-                if block in (0, 5, pool.num_blocks - 1):
-                    assert torch.equal(got, pool.chunks[block // C][block % C])
-                else:
-                    assert torch.isnan(got).all()
+            want = units_of(layer.pool)  # [NB, B, H, 2, T, D]
+            NB, B, H = want.shape[:3]
+            every = [(n, b, h) for n in range(NB) for b in range(B) for h in range(H)]
+            assert torch.equal(get_units(tier, idx, every, want), want.reshape(-1, *want.shape[3:]))
+            some = [(0, 1, 0), (5, 0, 1), (NB - 1, 1, 1)]  # partial: one sequence's one head of a block
+            got = get_units(tier, idx, some, want)
+            for row, (n, b, h) in zip(got, some):
+                assert torch.equal(row, want[n, b, h])
     finally:
         assert tier.delete() > 0
         assert not any(tier.exists(0, range(4)))
@@ -117,12 +125,13 @@ def test_missing_blocks_are_named(mooncake_master):
     tier = RemoteTier(store, "half-published")
     try:
         tier.publish(idx, layer.pool, 0, 4)
-        target = empty_like(layer.pool)
-        with pytest.raises(RemoteBlocksMissing, match=r"2 of 4 blocks of layer 0 of request 'half-published'.*\[4, 5\]"):
-            tier.fetch(idx, target, [2, 3, 4, 5])
-        assert tier.delete() == 4
+        like = units_of(layer.pool)
+        with pytest.raises(RemoteBlocksMissing, match=r"2 of 4 \(block, sequence, KV head\) units of layer 0 of "
+                                                      r"request 'half-published'.*blocks \[4, 5\]"):
+            get_units(tier, idx, [(2, 0, 0), (3, 0, 1), (4, 0, 0), (5, 0, 1)], like)
+        assert tier.delete() == 4 * layer.pool.batch_size * layer.pool.num_kv_heads
         with pytest.raises(RemoteBlocksMissing, match="deleted"):
-            tier.fetch(idx, target, [0])
+            get_units(tier, idx, [(0, 0, 0)], like)
     finally:
         store.close()
 
@@ -157,21 +166,49 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
     layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
-    assert layers >= 2 and stats["remote_blocks_published"] == layers * ((length - 1) // 8)  # 100 blocks per layer
+    heads = cache.layers[0].pool.num_kv_heads
+    # 100 blocks per layer, one unit per (block, sequence, KV head)
+    assert layers >= 2 and stats["remote_units_published"] == layers * ((length - 1) // 8) * batch * heads
     if budget >= length + 8:
         from conftest import dense_cache
 
         dense = model.generate(input_ids=ids, past_key_values=dense_cache(model), **kw)
         assert torch.equal(got.sequences, dense.sequences)
         # (the prefill's prediction placed every block in the working set, which the record carries: nothing to fetch)
-        assert stats["remote_blocks_fetched"] <= stats["remote_blocks_published"]
+        assert stats["remote_units_fetched"] <= stats["remote_units_published"]
     else:
-        assert 0 < stats["remote_blocks_fetched"] < stats["remote_blocks_published"]  # partial fetch
+        assert 0 < stats["remote_units_fetched"] < stats["remote_units_published"] / 2  # partial fetch, per head
         assert report["record"] < report["full_kv"]
-    assert report["blocks"] == stats["remote_blocks_published"] * 2 * batch * 2 * 8 * 16 * 4  # fp32 [2,B,H,T,D]
+        # the decode side holds its local caches and the blocks decode completed, not the prompt's KV
+        assert stats["remote_local_cache_bytes"] < report["full_kv"] / 2.2
+    assert report["blocks"] == stats["remote_units_published"] * 2 * 8 * 16 * 4  # fp32 [2, T, D] per unit
     tier = cache.remote_tier
     cache.reset()  # the request's keys go with its tokens
     assert not any(tier.exists(0, range(3)))
+    store.close()
+
+
+def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master, published):
+    """A local cache of one working set per layer (half the default) evicts least recently used units and still
+    generates the default's tokens; one that cannot hold a step's selection raises a MemoryError naming the fix."""
+    from oasis_cache.remote import admit
+
+    model = tiny_model("llama")
+    ids = prompt_ids(SPLIT_LENGTH, batch=SPLITS[0][2])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    store = connect(mooncake_master)
+    default = admit(model, store, "evict")
+    expected = model.generate(input_ids=ids, **default.generate_kwargs(), **kw)
+    layer = next(layer for layer in default.layers if isinstance(layer, OasisLayer))
+    one_step = layer.pool.batch_size * layer.pool.num_kv_heads * layer.working_set.num_slots
+    small = admit(model, store, "evict", local_cache_units=one_step)
+    assert torch.equal(model.generate(input_ids=ids, **small.generate_kwargs(), **kw), expected)
+    stats = small.stats()
+    assert stats["remote_units_evicted"] > 0
+    assert stats["remote_local_cache_bytes"] * 2 == default.stats()["remote_local_cache_bytes"]
+    starved = admit(model, store, "evict", local_cache_units=1)
+    with pytest.raises(MemoryError, match=r"more than the local cache holds \(1\).*local_cache_units="):
+        model.generate(input_ids=ids, **starved.generate_kwargs(), **kw)
     store.close()
 
 
@@ -189,7 +226,8 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     length = cache.get_seq_length()
     tier = cache.remote_tier
     links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer)]
-    lost = [f"{tier.key(link.layer_idx, b)}" for link in links for b in range(link.published) if not link.resident[b]]
+    lost = [tier.key(link.layer_idx, *unit) for link in links
+            for unit in link.triples((link.slot_of.view(-1) < 0).nonzero().flatten())]
     assert lost and all(status == 0 for status in store.batch_remove(lost, True))
     with pytest.raises(RemoteBlocksMissing, match=r"of request 'midway' are not in the Mooncake Store.*Publish the "
                                                   r"request again"):

@@ -2,7 +2,8 @@
 
 Shapes and strides (all contiguous, element type E = the model's K/V dtype):
     host chunk c         `[C, 2, B, Hkv, T, D]`   base address `chunk_addrs[c]` (pinned, read through unified
-                                                 addressing: the kernel's loads cross PCIe, no staging copy)
+                                                 addressing: the kernel's loads cross PCIe, no staging copy);
+                         `[C, 2, 1, 1, T, D]`     with `per_unit` (an arena of (sequence, KV head) blocks)
     working set          `[2, B, Hkv, L, D]`, L >= S*T: slot s is tokens [s*T, s*T + T) of each row
     block_ids, dest      `[B, Hkv, K]` int64      block to read, slot to write
     fetch                `[B, Hkv, K]` int8       1 = copy this entry, 0 = skip
@@ -50,6 +51,7 @@ if triton is not None:
         C,
         ROW,
         num_entries,
+        SRC_BH,
         BLOCK_ELEMS: tl.constexpr,
         BLOCK_POW2: tl.constexpr,
     ):
@@ -61,7 +63,7 @@ if triton is not None:
                 block = tl.load(block_ids + entry)
                 slot = tl.load(dest + entry)
                 bh = (entry // K).to(tl.int64)
-                src = host_block(chunk_addrs, block, C, kv, BH, bh, out, BLOCK_ELEMS)
+                src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, out, BLOCK_ELEMS)
                 dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
                 tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
@@ -75,8 +77,11 @@ def gather_blocks(
     out: torch.Tensor,
     block_size: int,
     max_programs: int | None = None,
+    per_unit: bool = False,
 ) -> None:
-    """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above)."""
+    """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above). `per_unit`:
+    the host side is an arena of single (sequence, KV head) blocks, `[C, 2, 1, 1, T, D]` per chunk, and `block_ids`
+    are its slots (the local cache of a remote tier, `remote/local_cache.py`)."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]
@@ -95,6 +100,7 @@ def gather_blocks(
         chunk_blocks,
         L * D,
         entries,
+        1 if per_unit else B * H,
         BLOCK_ELEMS=T * D,
         BLOCK_POW2=triton.next_power_of_2(T * D),
     )

@@ -64,7 +64,8 @@ class TransferEngine:
         start = pool.num_blocks
         self.reserve(pool, start + n)
         if n == 1 and number is not None and self.backend == "triton":
-            table, at = self._addresses(pool), number.clone()  # (the count moves on after this launch)
+            table = self._addresses(pool)
+            at = number - pool.first_block if pool.first_block else number.clone()  # (the count moves on after)
             block = blocks[:, :, :, 0].contiguous()  # [2, B, Hkv, T, D]
 
             def copy():
@@ -126,8 +127,9 @@ class TransferEngine:
     def load_range(self, pool: HostKVPool, start: int, end: int) -> torch.Tensor:
         """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`."""
         self._wait_offloads(pool)
-        if pool.remote is not None:  # blocks still in a store (a decode side, `remote.disaggregate`)
-            pool.remote.ensure_range(pool, start, end)
+        if pool.remote is not None and start < pool.first_block:  # a dense read of blocks in a store: all of them
+            self.wait_host_reads()  # come local (`crop` into them, a dense step over the past: not the sparse path)
+            pool.fetch_all_remote()
         parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
         if not parts:
             shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
@@ -138,16 +140,36 @@ class TransferEngine:
     def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
         """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
         self._wait_offloads(pool)
-        if pool.remote is not None:  # blocks still in a store: the selected ones come first (a host sync on CUDA)
-            pool.remote.ensure(pool, block_ids[fetch])
         timing = self.streams.time_on_compute() if self.streams is not None else None
-        if self.backend == "triton":
-            gather_blocks(self._addresses(pool), pool.chunk_blocks, block_ids, dest, fetch, working_set.kv,
-                          working_set.block_size, self._programs())
-        else:
-            self._fetch_torch(pool, working_set, block_ids, dest, fetch)
+        if pool.remote is not None:  # a decode side: blocks below `first_block` are in a store
+            cache = pool.remote
+            cache.ensure(block_ids, fetch)  # the selected units come to the local cache first (a host sync on CUDA)
+            in_store = block_ids < pool.first_block
+            self._gather(cache, working_set, cache.slots_for(block_ids), dest, fetch & in_store)
+            fetch = fetch & ~in_store
+            block_ids = (block_ids - pool.first_block).clamp(min=0)
+        if pool.num_blocks > pool.first_block or pool.remote is None:
+            self._gather(pool, working_set, block_ids, dest, fetch)
         if timing is not None:
             timing.record(torch.cuda.current_stream(self.device))
+
+    def _gather(self, source, working_set, block_ids, dest, fetch) -> None:
+        """`fetch` entries of `block_ids` (ids in `source`: a pool's local blocks, or slots of a remote tier's local
+        cache) into slots `dest` of the working set."""
+        per_unit = not isinstance(source, HostKVPool)
+        if self.backend == "triton":
+            if per_unit:
+                if source.arena_table is None:
+                    source.arena_table = torch.tensor([source.arena.data_ptr()], dtype=torch.int64).to(self.device)
+                table, C = source.arena_table, source.capacity
+            else:
+                table, C = self._addresses(source), source.chunk_blocks
+            gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, self._programs(),
+                          per_unit=per_unit)
+        elif per_unit:
+            self._fetch_units_torch(source, working_set, block_ids, dest, fetch)
+        else:
+            self._fetch_torch(source, working_set, block_ids, dest, fetch)
 
     def _programs(self) -> int | None:
         """The gather's programs per K/V for a launch on the current stream (None: one per block)."""
@@ -156,6 +178,17 @@ class TransferEngine:
         on_side = self.streams is not None and self.streams.cuda and \
             torch.cuda.current_stream(self.device) == self.streams.side
         return self.side_programs if on_side else None
+
+    def _fetch_units_torch(self, cache, working_set, slots, dest, fetch) -> None:
+        """The torch path of a gather from a remote tier's local cache (its arena of (sequence, KV head) units)."""
+        b, h, k = fetch.nonzero(as_tuple=True)
+        if not b.numel():
+            return
+        source, target = slots[b, h, k], dest[b, h, k]
+        data = cache.arena[source.to("cpu")][:, :, 0, 0]  # [n, 2, T, D]
+        if working_set.kv.device.type == "cuda":
+            data = data.pin_memory().to(working_set.kv.device, non_blocking=True)
+        working_set.slots[:, b, h, target] = data.transpose(0, 1)
 
     def _fetch_torch(self, pool, working_set, block_ids, dest, fetch) -> None:
         on_cuda = working_set.kv.device.type == "cuda"

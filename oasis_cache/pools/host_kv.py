@@ -3,7 +3,12 @@ on CUDA), grown by fixed-size chunks and never reallocated per token.
 
 Layout of one chunk: `[C, 2, B, Hkv, T, D]` (C = `chunk_blocks`; 0 = keys, 1 = values). Block `block_id` lives in
 chunk `block_id // C` at index `block_id % C`; one (block, K or V, sequence, KV head) is one contiguous run of T*D
-elements, and a range of blocks is one contiguous run (one copy per chunk when blocks are offloaded). The pool holds data and answers where a block is; bytes are moved by `oasis_cache.memory`.
+elements, and a range of blocks is one contiguous run (one copy per chunk when blocks are offloaded). The pool holds
+data and answers where a block is; bytes are moved by `oasis_cache.memory`.
+
+A decode side admitted from a store (`remote/disaggregate.py`) holds only the blocks completed after admission:
+`first_block` = the blocks published, which `remote` (a `remote.local_cache.LocalBlockCache`) reads from the store;
+block `first_block + i` is the pool's local block i.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ class HostKVPool:
         self.chunk_blocks = chunk_blocks
         self.pin_memory = pin_memory
         self.chunks: list[torch.Tensor] = []  # each [C, 2, B, Hkv, T, D]
-        self.num_blocks = 0  # NB: complete blocks stored
-        self.remote = None  # `remote.disaggregate.RemoteBlocks` on a decode side: blocks still in a store
+        self.num_blocks = 0  # NB: complete blocks of the layer (those below `first_block` are not in this pool)
+        self.first_block = 0  # blocks [0, first_block) live in a store, behind `remote`
+        self.remote = None  # `remote.local_cache.LocalBlockCache` on a decode side
 
     # ----------------------------------------------------------------------------------------------------- capacity
     @property
     def capacity_blocks(self) -> int:
-        return len(self.chunks) * self.chunk_blocks
+        """The block count the pool has room for (blocks below `first_block` included: they are elsewhere)."""
+        return self.first_block + len(self.chunks) * self.chunk_blocks
 
     def reserve(self, num_blocks: int) -> None:
         """Make room for `num_blocks` blocks in all (allocates whole chunks)."""
@@ -55,10 +62,13 @@ class HostKVPool:
         return missing * self.chunk_blocks * self.block_nbytes
 
     def spans(self, start: int, end: int):
-        """Yield `(chunk, local_start, local_end, offset)` covering blocks [start, end): blocks `local_start ..
-        local_end` of `chunk` are blocks `offset + 0 ..` of the range."""
+        """Yield `(chunk, local_start, local_end, offset)` covering blocks [start, end) (all at or past
+        `first_block`): blocks `local_start .. local_end` of `chunk` are blocks `offset + 0 ..` of the range."""
+        if start < self.first_block:
+            raise IndexError(f"blocks below {self.first_block} are in a store, not in this pool (asked from {start})")
         C = self.chunk_blocks
-        block = start
+        block = start - self.first_block
+        start, end = block, end - self.first_block
         while block < end:
             chunk_idx, local = divmod(block, C)
             n = min(C - local, end - block)
@@ -70,9 +80,10 @@ class HostKVPool:
         """Forget blocks from `num_blocks` on (used by `crop`); their chunks stay allocated for reuse."""
         if not 0 <= num_blocks <= self.num_blocks:
             raise ValueError(f"cannot truncate a pool of {self.num_blocks} blocks to {num_blocks}")
-        self.num_blocks = num_blocks
-        if self.remote is not None:
+        if num_blocks < self.first_block:  # into the published blocks: the decode-side blocks go, the store's stay
             self.remote.truncate(num_blocks)
+            self.first_block = num_blocks
+        self.num_blocks = num_blocks
 
     def index_batch(self, indices: torch.Tensor) -> None:
         """Keep or reorder sequences: sequence i becomes old sequence `indices[i]` (beam search, batch selection)."""
@@ -94,10 +105,22 @@ class HostKVPool:
         return new
 
     def fetch_all_remote(self) -> None:
-        """Bring every block still in a store into the pool and drop the link (no-op for a local pool)."""
-        if self.remote is not None:
-            self.remote.ensure_range(self, 0, self.num_blocks)
-            self.remote = None
+        """Make this a local pool holding every block from 0: the blocks in a store are read into new chunks (what
+        the local cache holds is copied, the rest fetched) and the link is dropped (no-op for a local pool)."""
+        if self.remote is None:
+            return
+        remote, first, local = self.remote, self.first_block, self.chunks
+        self.chunks, self.first_block = [], 0
+        self.reserve(self.num_blocks)
+        remote.read_all_into(self)
+        if self.num_blocks > first:  # the blocks completed here, moved up by `first`
+            old = object.__new__(type(self))
+            old.__dict__.update(self.__dict__)
+            old.chunks, old.first_block = local, first
+            for src, lo, hi, offset in old.spans(first, self.num_blocks):
+                for dst, dlo, dhi, doffset in self.spans(first + offset, first + offset + hi - lo):
+                    dst[dlo:dhi].copy_(src[lo + doffset : lo + doffset + dhi - dlo])
+        self.remote = None
 
     @property
     def nbytes(self) -> int:

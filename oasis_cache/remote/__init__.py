@@ -1,7 +1,8 @@
 """The remote tier beside the host pool: blocks published to a distributed KV store (Mooncake Store) under
 request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
-from .disaggregate import RemoteBlocks, admit, publish
+from .disaggregate import admit, publish
+from .local_cache import LocalBlockCache
 from .mooncake import RemoteBlocksMissing, RemoteTier, connect, local_store
 
-__all__ = ["RemoteTier", "RemoteBlocksMissing", "RemoteBlocks", "connect", "local_store", "publish", "admit"]
+__all__ = ["RemoteTier", "RemoteBlocksMissing", "LocalBlockCache", "connect", "local_store", "publish", "admit"]

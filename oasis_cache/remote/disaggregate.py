@@ -13,11 +13,13 @@ The admission record (`oasis/{request}/admission` in the store) holds what a dec
 full-attention layer's block summaries, sink and recent tokens, its working set as the prefill left it (with a
 lookahead, the first step's predicted blocks already in their slots) and slot map; the kept layers of hybrid models
 whole; the options. The blocks stay in the store: the decode side's host pool fetches a block the first time a step
-selects it (`RemoteBlocks.ensure`), so admission moves the record, not the KV.
+selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV.
 
-What is not yet there (issue 24): the decode side's host pool is allocated at full size (a bounded local cache with
-eviction is next), a fetch reads the selected block ids on the host (a sync: remote-backed caches decode eagerly,
-without captured CUDA graphs), and eagle3 caches (the draft head's state) cannot be published yet.
+The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
+LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
+blocks decode completes, not the prompt's KV. What is not yet there (issue 24): a fetch reads the selected block ids
+on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs), and eagle3 caches (the draft
+head's state) cannot be published yet.
 """
 
 from __future__ import annotations
@@ -32,42 +34,11 @@ import torch
 from ..cache import OasisCache
 from ..layer import OasisLayer
 from ..pools.host_kv import HostKVPool
+from .local_cache import LocalBlockCache
 from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier
 
 RECORD_VERSION = 1
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
-
-
-class RemoteBlocks:
-    """A decode-side host pool's link to the store: blocks below `published` are fetched from the store the first
-    time they are read (`ensure`); blocks written later (decode completes them locally) are always local."""
-
-    def __init__(self, tier: RemoteTier, layer_idx: int, published: int):
-        self.tier = tier
-        self.layer_idx = layer_idx
-        self.published = published
-        self.resident = torch.zeros(published, dtype=torch.bool)  # host
-
-    def ensure(self, pool: HostKVPool, blocks: torch.Tensor) -> None:
-        """Fetch the blocks of `blocks` (ids, any shape and device; ids past `published` ignored) not yet local."""
-        ids = blocks.reshape(-1).to("cpu")  # a sync on CUDA: the remote path decodes eagerly
-        ids = ids[(ids >= 0) & (ids < self.published)].unique()
-        missing = ids[~self.resident[ids]]
-        if missing.numel():
-            self.tier.fetch(self.layer_idx, pool, missing.tolist())
-            self.resident[missing] = True
-
-    def ensure_range(self, pool: HostKVPool, start: int, end: int) -> None:
-        self.ensure(pool, torch.arange(start, min(end, self.published)))
-
-    def truncate(self, num_blocks: int) -> None:
-        """Blocks from `num_blocks` on are forgotten (crop): later ones at those ids will be written locally."""
-        self.published = min(self.published, num_blocks)
-        self.resident = self.resident[: self.published]
-
-    @property
-    def fetched_blocks(self) -> int:
-        return int(self.resident.sum())
 
 
 def publish(cache: OasisCache, store, request: str) -> dict:
@@ -112,10 +83,15 @@ def publish(cache: OasisCache, store, request: str) -> dict:
     return {"blocks": blocks_bytes, "record": len(record), "full_kv": full}
 
 
-def admit(model, store, request: str, device=None) -> OasisCache:
+LOCAL_CACHE_STEPS = 2  # default local cache: this many working sets of units per layer
+DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode completes: grown by small chunks
+
+
+def admit(model, store, request: str, device=None, local_cache_units: int | None = None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
-    model's). Its decode steps fetch blocks from the store as they select them; the request's keys are deleted from
-    the store when the cache is reset or dropped."""
+    model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
+    local cache per layer (`local_cache_units` units each; default: two working sets, B x Hkv x 2 x the slots); the
+    request's keys are deleted from the store when the cache is reset or dropped."""
     tier = RemoteTier(store, request)
     record = store.get(tier.key("admission", 0))
     if not record:
@@ -147,10 +123,16 @@ def admit(model, store, request: str, device=None) -> OasisCache:
         layer.slot_map.use_kernel = layer.use_kernels
         meta = dict(saved["pool"])
         published = meta.pop("num_blocks")
-        layer.pool = HostKVPool(**meta, pin_memory=device.type == "cuda")
-        layer.pool.num_blocks = published
-        layer.reserve_ahead()  # room for every block: fetched ones land in place (a bounded local cache: next)
-        layer.pool.remote = RemoteBlocks(tier, idx, published)
+        meta["chunk_blocks"] = min(meta["chunk_blocks"], DECODE_CHUNK_BLOCKS)
+        pin = device.type == "cuda"
+        pool = layer.pool = HostKVPool(**meta, pin_memory=pin)
+        pool.num_blocks = pool.first_block = published  # the pool holds the blocks decode completes
+        layer.reserve_ahead()
+        units = local_cache_units or LOCAL_CACHE_STEPS * pool.batch_size * pool.num_kv_heads * \
+            layer.working_set.num_slots
+        if published:
+            pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
+                                          pool.head_dim, pool.dtype, units, pin, device)
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
@@ -180,4 +162,4 @@ def _delete_quietly(tier: RemoteTier) -> None:
         pass
 
 
-__all__ = ["publish", "admit", "RemoteBlocks", "KEY_PREFIX"]
+__all__ = ["publish", "admit", "KEY_PREFIX"]

@@ -1,9 +1,10 @@
 """Complete blocks of a cache's host pools in a Mooncake Store.
 
-One store object per (request, layer, block): the block's keys and values of every sequence and KV head,
-`[2, B, Hkv, T, D]` — one contiguous run of the host pool's chunk (`pools/host_kv.py`), so a publish reads the chunk
-in place (`batch_put_from`) and a fetch writes into it in place (`batch_get_into`), both batched over blocks. Keys:
-`oasis/{request}/{layer}/{block}`. The bytes live in the store's storage processes (`mooncake_client`, or any client
+One store object per (request, layer, block, sequence, KV head): that head's keys and values of the block, `[2, T,
+D]` — what a decode step that selects the block for that head reads, so a decode side fetches only the heads it
+selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
+(`batch_put_from`) and got straight into the decode side's local cache (`batch_get_into`), both batched. Keys:
+`oasis/{request}/{layer}/{block}/{sequence}/{head}`. The bytes live in the store's storage processes (`mooncake_client`, or any client
 that mounts a segment), not in the publishing process, which may exit once it has published.
 
     mooncake_master --rpc_port=50051 &
@@ -13,7 +14,7 @@ that mounts a segment), not in the publishing process, which may exit once it ha
     store = connect("127.0.0.1:50051")
     tier = RemoteTier(store, request="req-7")
     tier.publish(layer_idx, pool)              # every complete block of the pool
-    tier.fetch(layer_idx, pool, [3, 17, 18])   # those blocks into the pool's chunks
+    tier.get_units(layer_idx, [(3, 0, 1)], [address], size)   # block 3 of sequence 0, KV head 1
     tier.delete()                              # every key of the request
 """
 
@@ -86,59 +87,65 @@ class RemoteTier:
         self.bytes_put = 0
         self.bytes_got = 0
 
-    def key(self, layer_idx: int, block: int) -> str:
-        return f"{KEY_PREFIX}/{self.request}/{layer_idx}/{block}"
-
-    @staticmethod
-    def _slabs(pool: HostKVPool, blocks) -> tuple[list[int], int]:
-        """Addresses of blocks' `[2, B, Hkv, T, D]` runs in the pool's chunks, and the bytes of one run."""
-        C = pool.chunk_blocks
-        for block in blocks:
-            if not 0 <= block < pool.capacity_blocks:
-                raise IndexError(f"block {block} is outside the pool ({pool.capacity_blocks} blocks reserved)")
-        addresses = [pool.chunks[b // C][b % C].data_ptr() for b in blocks]
-        return addresses, pool.block_nbytes
+    def key(self, layer_idx, block, sequence=None, head=None) -> str:
+        """A unit's key (`sequence`, `head` given) or a request-level one (`key("admission", 0)`)."""
+        tail = "" if sequence is None else f"/{sequence}/{head}"
+        return f"{KEY_PREFIX}/{self.request}/{layer_idx}/{block}{tail}"
 
     def publish(self, layer_idx: int, pool: HostKVPool, start: int = 0, end: int | None = None) -> int:
-        """Put blocks [start, end) of `pool` (default: every complete block) under this request's keys, read in
-        place from the pool's chunks (the caller makes sure no copy into them is in flight). Returns the bytes put."""
+        """Put blocks [start, end) of `pool` (a local pool; default: every complete block) under this request's keys,
+        one object per (block, sequence, KV head), `[2, T, D]`: each chunk's blocks are laid out unit-major in one
+        staging copy and put with one batch call (the caller makes sure no copy into the pool is in flight).
+        Returns the bytes put."""
         end = pool.num_blocks if end is None else end
-        blocks = list(range(start, end))
-        if not blocks:
+        if end <= start:
             return 0
+        if pool.first_block:
+            raise ValueError("publish reads a local pool from block 0: call pool.fetch_all_remote() first.")
         self._check_open("publish blocks")
-        addresses, size = self._slabs(pool, blocks)
-        status = self.store.batch_put_from([self.key(layer_idx, b) for b in blocks], addresses, [size] * len(blocks))
-        failed = [(b, s) for b, s in zip(blocks, status) if s != 0]
-        if failed:
-            raise RuntimeError(f"Mooncake Store refused {len(failed)} of {len(blocks)} blocks of layer {layer_idx} "
-                               f"(request {self.request!r}; first block {failed[0][0]}, status {failed[0][1]}): "
-                               f"is its storage full? Give the storage processes a larger --global_segment_size.")
-        self.bytes_put += size * len(blocks)
-        return size * len(blocks)
+        B, H = pool.batch_size, pool.num_kv_heads
+        total = 0
+        for chunk, lo, hi, offset in pool.spans(start, end):
+            staging = chunk[lo:hi].permute(0, 2, 3, 1, 4, 5).contiguous()  # [n, B, H, 2, T, D]: one unit per row
+            units = staging.view(-1, *staging.shape[3:])
+            size = units[0].numel() * units.element_size()
+            keys = [self.key(layer_idx, start + offset + i, b, h)
+                    for i in range(hi - lo) for b in range(B) for h in range(H)]
+            addresses = [units.data_ptr() + r * size for r in range(len(keys))]
+            status = self.store.batch_put_from(keys, addresses, [size] * len(keys))
+            failed = [(k, st) for k, st in zip(keys, status) if st != 0]
+            if failed:
+                raise RuntimeError(
+                    f"Mooncake Store refused {len(failed)} of {len(keys)} objects of layer {layer_idx} (request "
+                    f"{self.request!r}; first {failed[0][0]}, status {failed[0][1]}): is its storage full? Give the "
+                    f"storage processes a larger --global_segment_size.")
+            total += size * len(keys)
+        self.bytes_put += total
+        return total
 
-    def fetch(self, layer_idx: int, pool: HostKVPool, blocks) -> int:
-        """Get `blocks` (ids) of layer `layer_idx` into the pool's chunks, in place (reserved beforehand:
-        `pool.reserve`). Raises `RemoteBlocksMissing` naming them when the store lacks some. Returns the bytes got."""
-        blocks = [int(b) for b in blocks]
-        if not blocks:
+    def get_units(self, layer_idx: int, units, addresses, size: int) -> int:
+        """Get `units` (`[(block, sequence, KV head)]`) of layer `layer_idx`, each `size` bytes (`[2, T, D]`), into
+        `addresses` (host memory), in one batch. Raises `RemoteBlocksMissing` naming them when the store lacks some.
+        Returns the bytes got."""
+        if not units:
             return 0
         self._check_open("fetch blocks")
-        addresses, size = self._slabs(pool, blocks)
-        got = self.store.batch_get_into([self.key(layer_idx, b) for b in blocks], addresses, [size] * len(blocks))
-        missing = [b for b, n in zip(blocks, got) if n != size]
+        got = self.store.batch_get_into([self.key(layer_idx, *u) for u in units], list(addresses), [size] * len(units))
+        missing = [u for u, n in zip(units, got) if n != size]
         if missing:
-            codes = sorted({n for b, n in zip(blocks, got) if n != size})
+            codes = sorted({n for n in got if n != size})
+            blocks = sorted({u[0] for u in missing})
             raise RemoteBlocksMissing(
-                f"{len(missing)} of {len(blocks)} blocks of layer {layer_idx} of request {self.request!r} are not in "
-                f"the Mooncake Store (blocks {missing[:8]}{' ...' if len(missing) > 8 else ''}; status {codes}): "
-                f"never published, deleted (the request's cache was reset or dropped), or lost when the store "
-                f"restarted. Publish the request again from its prefill.")
-        self.bytes_got += size * len(blocks)
-        return size * len(blocks)
+                f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {layer_idx} of request "
+                f"{self.request!r} are not in the Mooncake Store (blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}; "
+                f"status {codes}): never published, deleted (the request's cache was reset or dropped), or lost when "
+                f"the store restarted. Publish the request again from its prefill.")
+        self.bytes_got += size * len(units)
+        return size * len(units)
 
-    def exists(self, layer_idx: int, blocks) -> list[bool]:
-        return [s == 1 for s in self.store.batch_is_exist([self.key(layer_idx, int(b)) for b in blocks])]
+    def exists(self, layer_idx: int, blocks, sequence: int = 0, head: int = 0) -> list[bool]:
+        return [s == 1 for s in self.store.batch_is_exist([self.key(layer_idx, int(b), sequence, head)
+                                                           for b in blocks])]
 
     def _check_open(self, what: str) -> None:
         """A closed client crashes the process on most calls; `health_check` is safe: 0 open, 1 closed, 2 master
