@@ -39,7 +39,19 @@ def empty_like(pool: HostKVPool) -> HostKVPool:
     return fresh
 
 
-SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2)]  # (budget, lookahead, batch)
+SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2), (64, "eagle3", 2)]  # (budget, lookahead, batch)
+
+
+def split_model(lookahead):
+    return tiny_model("llama", **({"num_hidden_layers": 4} if lookahead == "eagle3" else {}))  # the head reads 3
+
+
+def split_options(model, budget, lookahead) -> dict:
+    """A split's cache options; eagle3 with a random head both processes build alike (`conftest.random_head`)."""
+    from conftest import random_head
+
+    return {**OPTIONS, "token_budget": budget, "lookahead": lookahead,
+            **({"draft": random_head(model)} if lookahead == "eagle3" else {})}
 SPLIT_LENGTH = 803
 
 
@@ -55,8 +67,8 @@ def publish_everything(master: str) -> dict:
             tier.publish(idx, layer.pool)
     reports = {}
     for budget, lookahead, batch in SPLITS:
-        model = tiny_model("llama")
-        cache = OasisCache(model, **{**OPTIONS, "token_budget": budget, "lookahead": lookahead})
+        model = split_model(lookahead)
+        cache = OasisCache(model, **split_options(model, budget, lookahead))
         model(input_ids=prompt_ids(SPLIT_LENGTH, batch=batch)[:, :-1], past_key_values=cache, use_cache=True)
         name = f"split-{budget}-{lookahead}-{batch}"
         reports[name] = publish(cache, store, name)
@@ -152,19 +164,27 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
 
     length, request = SPLIT_LENGTH, f"split-{budget}-{lookahead}-{batch}"
     report = published[request]
-    model = tiny_model("llama")
+    model = split_model(lookahead)
     ids = prompt_ids(length, batch=batch)
     kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    local = OasisCache(model, **{**OPTIONS, "token_budget": budget, "lookahead": lookahead})
+    local = OasisCache(model, **split_options(model, budget, lookahead))
     model(input_ids=ids[:, :-1], past_key_values=local, use_cache=True)
     expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
     store = connect(mooncake_master)
-    cache = admit(model, store, request)
+    if lookahead == "eagle3":  # the decode side continues with the prefill's head, and refuses another
+        from conftest import random_head
+
+        with pytest.raises(ValueError, match="published with lookahead='eagle3' and a draft head that this process "
+                                             "does not have"):
+            admit(model, store, request, draft=random_head(model, seed=1))
+    cache = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"))
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
+    if lookahead == "eagle3":  # the head's state came along: its drafts were checked as in one process
+        assert stats["draft_accuracy"] == local.stats()["draft_accuracy"]
     layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
     heads = cache.layers[0].pool.num_kv_heads
     # 100 blocks per layer, one unit per (block, sequence, KV head)

@@ -18,8 +18,8 @@ selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV
 The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
 LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
 blocks decode completes, not the prompt's KV. What is not yet there (issue 24): a fetch reads the selected block ids
-on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs), and eagle3 caches (the draft
-head's state) cannot be published yet.
+on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs). With lookahead="eagle3" the
+record also carries the draft head's state (its window's keys/values, the last features, the pending drafts).
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ def publish(cache: OasisCache, store, request: str) -> dict:
     """Write every full-attention layer's complete blocks and the admission record of `cache` (prefilled, on this
     process) to the store under `request`. Returns the bytes: `blocks`, `record`, and `full_kv` (what a whole
     transfer of the cache's keys and values would move)."""
-    if cache.ride_along is not None:
-        raise NotImplementedError("publish: caches with lookahead='eagle3' (a draft head's state) cannot be published "
-                                  "yet; use lookahead='previous' or 'none' for a prefill / decode split.")
     layers = [(idx, layer) for idx, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
     if not any(layer.is_initialized for _, layer in layers):
         raise ValueError("publish: the cache is empty. Run the prompt through the model with this cache first "
@@ -58,7 +55,8 @@ def publish(cache: OasisCache, store, request: str) -> dict:
         torch.cuda.synchronize()  # the offload copies into the host pools
     tier = RemoteTier(store, request)
     blocks_bytes = full = 0
-    state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {}}
+    state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {},
+             "draft": _draft_state(cache.ride_along) if cache.ride_along is not None else None}
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, OasisLayer):
             state["kept"][idx] = layer.__dict__
@@ -87,11 +85,14 @@ LOCAL_CACHE_STEPS = 2  # default local cache: this many working sets of units pe
 DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode completes: grown by small chunks
 
 
-def admit(model, store, request: str, device=None, local_cache_units: int | None = None) -> OasisCache:
+def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: two working sets, B x Hkv x 2 x the slots); the
-    request's keys are deleted from the store when the cache is reset or dropped."""
+    request's keys are deleted from the store when the cache is reset or dropped. A request published with
+    lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
+    `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
+    record."""
     tier = RemoteTier(store, request)
     record = store.get(tier.key("admission", 0))
     if not record:
@@ -104,7 +105,12 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
                          f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
     options = dict(state["config"])
     options["cuda_graph"] = False  # a remote fetch reads the selected blocks on the host
+    drafted = state.get("draft")
+    if drafted is not None:
+        options["draft"] = draft
     cache = OasisCache(model, **options)
+    if drafted is not None:
+        _restore_draft(cache, drafted, request)
     if len(cache.layers) != len(state["oasis"]) + len(state["kept"]):
         raise ValueError(f"the admission record of request {request!r} holds {len(state['oasis']) + len(state['kept'])} "
                          f"layers; {type(model).__name__} has {len(cache.layers)}: admit with the prefill's model.")
@@ -136,6 +142,31 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
+
+
+_RIDE_ALONG_OWNED = ("head", "cache", "decoder", "embed", "lm_head", "handles", "_static", "window", "aux_ids", "oracle",
+                     "_aux", "static_head")  # rebuilt by the decode side's OasisCache, or transient
+
+
+def _head_fingerprint(head) -> list:
+    """A few numbers that tell draft heads apart: shapes, and the first weights of its input and output layers."""
+    return [list(head.fc.weight.shape), list(head.lm_head.weight.shape),
+            head.fc.weight.detach().float().flatten()[:8].cpu().tolist(),
+            head.lm_head.weight.detach().float().flatten()[:8].cpu().tolist()]
+
+
+def _draft_state(ride) -> dict:
+    return {"fingerprint": _head_fingerprint(ride.head),
+            "state": {k: v for k, v in ride.__dict__.items() if k not in _RIDE_ALONG_OWNED}}
+
+
+def _restore_draft(cache: OasisCache, drafted: dict, request: str) -> None:
+    ride = cache.ride_along
+    if ride is None or _head_fingerprint(ride.head) != drafted["fingerprint"]:
+        raise ValueError(f"request {request!r} was published with lookahead='eagle3' and a draft head that this "
+                         f"process {'did not load' if ride is None else 'does not have'}: admit with the prefill's "
+                         f"head (admit(..., draft=<the same head or checkpoint>)).")
+    ride.__dict__.update(drafted["state"])
 
 
 def _detached(value):
