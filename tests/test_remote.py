@@ -249,8 +249,8 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     lost = [tier.key(link.layer_idx, *unit) for link in links
             for unit in link.triples((link.slot_of.view(-1) < 0).nonzero().flatten())]
     assert lost and all(status == 0 for status in store.batch_remove(lost, True))
-    with pytest.raises(RemoteBlocksMissing, match=r"of request 'midway' are not in the Mooncake Store.*Publish the "
-                                                  r"request again"):
+    with pytest.raises(RemoteBlocksMissing, match=r"of request 'midway' \(blocks .*\) are not in the Mooncake "
+                                                  r"Store.*Publish the request again"):
         model.generate(input_ids=first, **cache.generate_kwargs(), max_new_tokens=40, do_sample=False)
     assert first.shape[1] == SPLIT_LENGTH + 3 and length == SPLIT_LENGTH + 2
     del cache
@@ -258,6 +258,33 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
 
     gc.collect()  # dropped: the request's remaining keys (its admission record) are deleted
     assert store.get(tier.key("admission", 0)) in (None, b"")
+    store.close()
+
+
+def test_a_store_that_stops_mid_decode_is_named_and_the_tokens_so_far_kept():
+    """The store (master and storage process) stops between two `generate` calls of an admitted request: the next step
+    that needs a unit not in the local cache raises `RemoteBlocksMissing` saying the store did not serve them and what
+    to do; the tokens generated before stay with the caller; dropping the cache afterwards does not raise."""
+    import gc
+
+    from oasis_cache.remote import admit, local_store, publish
+
+    model = tiny_model("llama")
+    ids = prompt_ids(SPLIT_LENGTH, batch=1)
+    with local_store() as master:
+        store = connect(master)
+        prefill = OasisCache(model, **OPTIONS)
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
+        publish(prefill, store, "stops")
+        cache = admit(model, store, "stops")
+        first = model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=3, do_sample=False)
+    with pytest.raises(RemoteBlocksMissing, match=r"request 'stops'.*(did not serve them|not in the Mooncake "
+                                                  r"Store).*publish the request again"):
+        model.generate(input_ids=first, **cache.generate_kwargs(), max_new_tokens=40, do_sample=False)
+    assert first.shape[1] == SPLIT_LENGTH + 3
+    del cache
+    gc.collect()
     store.close()
 
 

@@ -135,11 +135,16 @@ class RemoteTier:
         if missing:
             codes = sorted({n for n in got if n != size})
             blocks = sorted({u[0] for u in missing})
+            where = (f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {layer_idx} of request "
+                     f"{self.request!r} (blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}; status {codes})")
+            if all(code == NOT_FOUND for code in codes):
+                raise RemoteBlocksMissing(
+                    f"{where} are not in the Mooncake Store: never published, deleted (the request's cache was reset "
+                    f"or dropped), or lost when the store restarted. Publish the request again from its prefill.")
             raise RemoteBlocksMissing(
-                f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {layer_idx} of request "
-                f"{self.request!r} are not in the Mooncake Store (blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}; "
-                f"status {codes}): never published, deleted (the request's cache was reset or dropped), or lost when "
-                f"the store restarted. Publish the request again from its prefill.")
+                f"{where} could not be read: the Mooncake Store did not serve them (its master or storage process "
+                f"stopped, restarted or cannot be reached). Start the store again and publish the request again "
+                f"from its prefill.")
         self.bytes_got += size * len(units)
         return size * len(units)
 
