@@ -158,8 +158,9 @@ def test_readme_demo_runs(tmp_path):
 
 def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path):
     """`eval/recall.py --sequences 2`: two windows of the held-out documentation decoded as one batch (chat prompts,
-    so left-padded); `none` is 1.000 by definition, the head drafts some tokens right in both of its rows; too many
-    windows for the held-out region are refused."""
+    so left-padded); every row measured, per layer too; `none` is 1.000 by definition, the head drafts some tokens
+    right in both of its rows (from stats(), or against the oracle's); too many windows for the held-out region are
+    refused."""
     import json
     import subprocess
     import sys
@@ -176,8 +177,13 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path):
     rows = {r["lookahead"]: r for r in result["rows"]}
     assert result["meta"]["sequences"] == 2 and set(rows) == {"none", "previous", "eagle3", "eagle3-head",
                                                                 "eagle3-oracle"}
+    assert [r["lookahead"] for r in result["rows"]] == ["none", "previous", "eagle3", "eagle3-head", "eagle3-oracle"]
     assert rows["none"]["recall"] == 1.0
     assert all(0.0 < r["recall"] <= 1.0 for r in rows.values())
+    for r in result["rows"]:  # per layer (JSON keys are strings): every layer of SmolLM2, within [0, 1]
+        assert len(r["recall_per_layer"]) == 30 and all(0.0 <= v <= 1.0 for v in r["recall_per_layer"].values())
+    assert all(v == 1.0 for v in rows["none"]["recall_per_layer"].values())
+    assert result["meta"]["slots"] == result["meta"]["K"] > 0
     assert all(0.0 < rows[m]["draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-head", "eagle3-oracle"))
     refused = subprocess.run(args + ["--sequences", "50"], capture_output=True, text=True, timeout=900)
     assert refused.returncode != 0 and "at most" in refused.stderr
