@@ -156,7 +156,8 @@ def test_bad_names_and_an_absent_master_are_refused_quickly():
 
 
 @pytest.mark.parametrize("budget, lookahead, batch", SPLITS)
-def test_prefill_process_then_decode_process_equals_one_process(mooncake_master, published, budget, lookahead, batch):
+def test_prefill_process_then_decode_process_equals_one_process(mooncake_master, published, budget, lookahead, batch,
+                                                                monkeypatch):
     """A prefill process publishes and exits; this process admits the request from the store and generates: the
     tokens (and logits) of one process doing the same (prefill all but the last prompt token, then generate on that
     cache); with the budget over the context, those of dense attention. The admission moved a record, not the KV."""
@@ -178,6 +179,13 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
                                              "does not have"):
             admit(model, store, request, draft=random_head(model, seed=1))
     cache = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"))
+    import threading
+
+    from oasis_cache.remote import LocalBlockCache
+
+    threads, ensure = set(), LocalBlockCache.ensure
+    monkeypatch.setattr(LocalBlockCache, "ensure", lambda self, *a: threads.add(threading.current_thread().name)
+                        or ensure(self, *a))
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
@@ -198,6 +206,8 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         assert stats["remote_units_fetched"] <= stats["remote_units_published"]
     else:
         assert 0 < stats["remote_units_fetched"] < stats["remote_units_published"] / 2  # partial fetch, per head
+        # a lookahead's prefetches read the store on the host worker, off the step's thread
+        assert any(name.startswith("oasis-prefetch") for name in threads) == (lookahead != "none")
         assert report["record"] < report["full_kv"]
         # the decode side holds its local caches and the blocks decode completed, not the prompt's KV
         assert stats["remote_local_cache_bytes"] < report["full_kv"] / 2.2

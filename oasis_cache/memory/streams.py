@@ -6,11 +6,20 @@ that layer's event only — never a device-wide synchronize. Offloads (device ->
 so a gather never reads a host block before its offload has landed, and the offload of layer l overlaps the
 compute of layer l+1. On CPU there are no streams: the work runs inline.
 
+A cache admitted from a remote store (`remote/disaggregate.py`) also hands its prefetches to a host thread
+(`use_host_worker`): a prefetch there first reads the selected blocks on the host and fetches the ones not yet local
+from the store, which would block the step's host thread (a sync, then network time). The worker runs the prefetches
+in launch order (one thread), each on the side stream after the compute event recorded when it was launched;
+`wait(layer)` joins that layer's prefetch (its errors surface there) before the compute stream waits on its event.
+Mooncake's calls release the GIL, so the store's time overlaps the rest of the step.
+
 In measurement mode each wait on a prefetch, and each fetch made on the compute stream (critical path), records
 timing events, so `exposed_wait_ms` tells how long compute stalled on transfers (read once, at `stats()` time).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -24,6 +33,25 @@ class PrefetchStreams:
         self._done: dict[int, torch.cuda.Event] = {}  # layer -> event after its pending prefetch
         self._timings: list[tuple] = []  # (arrive, done) event pairs, measurement mode
         self._forked = False  # side-stream work was queued since the last join
+        self._worker = None  # a one-thread executor for prefetches that read a remote store (`use_host_worker`)
+        self._futures: dict = {}  # layer -> the worker's future for its pending prefetch
+
+    def use_host_worker(self) -> None:
+        """Run `launch`ed prefetches on a host thread from now on (see the module's docstring)."""
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-prefetch")
+
+    def settle(self) -> None:
+        """Join every prefetch the host worker holds (their side-stream work is then queued; errors raise here)."""
+        if not self._futures or threading.current_thread().name.startswith("oasis-prefetch"):
+            return  # (a prefetch running on the worker never waits for itself)
+        futures, self._futures = self._futures, {}
+        for layer_idx, future in futures.items():
+            done = future.result()
+            if done is not None:
+                self._done[layer_idx] = (done, self.measure)
 
     def run_after_compute(self, work, *tensors: torch.Tensor) -> None:
         """Run `work()` on the side stream after everything queued so far on the compute stream. `tensors` are
@@ -56,14 +84,46 @@ class PrefetchStreams:
 
     def launch(self, layer_idx: int, work, *tensors: torch.Tensor) -> None:
         """`run_after_compute`, and remember an event that `wait(layer_idx)` will make compute wait on."""
+        if self._worker is not None:
+            self._launch_on_worker(layer_idx, work, tensors)
+            return
         self.run_after_compute(work, *tensors)
         if self.cuda:
             done = torch.cuda.Event(enable_timing=self.measure)
             done.record(self.side)
             self._done[layer_idx] = (done, self.measure)
 
+    def _launch_on_worker(self, layer_idx: int, work, tensors) -> None:
+        start = None
+        if self.cuda:
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(self.device))
+            for t in tensors:
+                t.record_stream(self.side)
+            self._forked = True
+
+        def task():
+            if not self.cuda:
+                work()
+                return None
+            with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+                self.side.wait_event(start)
+                work()
+                done = torch.cuda.Event(enable_timing=self.measure)
+                done.record(self.side)
+            return done
+
+        if layer_idx in self._futures:  # a layer's earlier prefetch not waited for: joined first
+            self.settle()
+        self._futures[layer_idx] = self._worker.submit(task)
+
     def wait(self, layer_idx: int) -> None:
         """Make the compute stream wait for `layer_idx`'s pending prefetch, if any."""
+        future = self._futures.pop(layer_idx, None)
+        if future is not None:
+            done = future.result()
+            if done is not None:
+                self._done[layer_idx] = (done, self.measure)
         pending = self._done.pop(layer_idx, None)
         if pending is None:
             return
@@ -87,11 +147,13 @@ class PrefetchStreams:
 
     def compute_waits_for_side(self) -> None:
         """Before compute reads what the side stream writes outside the per-layer protocol (host blocks)."""
+        self.settle()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def synchronize(self) -> None:
         """Let every pending side-stream transfer finish before compute goes on (batch reorder, reset)."""
+        self.settle()
         self._done.clear()
         self.compute_waits_for_side()
 
@@ -102,6 +164,7 @@ class PrefetchStreams:
     def join(self) -> None:
         """End of a captured step: compute waits for the side-stream work forked since `forget_side_work` (a graph
         must join every stream it forked; waiting on a side stream that did not fork from it would be an error)."""
+        self.settle()
         self._done.clear()
         if self.cuda and self._forked:
             self.compute_waits_for_side()

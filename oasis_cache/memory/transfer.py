@@ -214,6 +214,8 @@ class TransferEngine:
 
     def wait_host_reads(self) -> None:
         """Before host buffers are replaced or read by the CPU: let queued transfers that use them finish."""
+        if self.streams is not None:
+            self.streams.settle()  # prefetches a host worker holds are queued (or, on CPU, done)
         if self.device.type == "cuda":
             if self.streams is not None:
                 self.streams.side.synchronize()

@@ -115,6 +115,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         raise ValueError(f"the admission record of request {request!r} holds {len(state['oasis']) + len(state['kept'])} "
                          f"layers; {type(model).__name__} has {len(cache.layers)}: admit with the prefill's model.")
     cache._start_engine(device)
+    cache.streams.use_host_worker()  # a prefetch's store reads overlap the rest of the step
     for idx, kept in state["kept"].items():
         cache.layers[idx].__dict__.update(kept)
     for idx, saved in state["oasis"].items():
