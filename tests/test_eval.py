@@ -113,3 +113,30 @@ def test_scoring_comparison_runs_at_ci_size(tmp_path):
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
 
 
+
+
+def test_in_decode_workload_at_ci_size(tmp_path):
+    """eval/in_decode.py --tiny: dense's trajectory teacher-forced through each cache (the script checks that dense
+    reproduces its own greedy tokens that way: positions of left-padded prompts as generate sets them); a budget at
+    the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs."""
+    report = _run_eval_script("in_decode.py", tmp_path / "in_decode.json", "--modes", "previous", "--fractions", "4",
+                              "1")
+    rows = {(r["mode"], r.get("fraction")): r for r in report["rows"]}
+    assert report["meta"]["new_tokens"] == 96 and report["meta"]["context"] > 96 + 20
+    whole = rows[("previous", 1)]
+    assert whole["budget"] >= report["meta"]["context"]
+    assert abs(whole["nll_delta"]) < 1e-4 and whole["prefix"] == 96 and whole["full_match"] == 1.0
+    assert whole["argmax_agreement"] == 1.0
+    sparse = rows[("previous", 4)]
+    assert sparse["budget"] < report["meta"]["context"] and 0 <= sparse["prefix"] <= 96
+    assert all(0.0 <= r["compiles"] <= 1.0 for r in report["rows"])
+
+
+def test_in_decode_helpers():
+    from eval.in_decode import compiles, equal_prefix, first_python_block
+
+    text = "Here it is:\n```python\ndef f(x):\n    return x + 1\n```\nDone."
+    assert first_python_block(text) == "def f(x):\n    return x + 1\n" and compiles(text)
+    assert not compiles("```python\ndef f(:\n```") and compiles("x = 1")
+    a = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    assert equal_prefix(a, torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])) == [2, 4]

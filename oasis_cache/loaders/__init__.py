@@ -1,6 +1,20 @@
-"""Offline loaders for real models used by the demo, tests and evaluations."""
+"""Offline loaders for real models used by the demo, tests and evaluations.
+
+`load_offline(name, device)`: "smollm2" (SmolLM2-135M-Instruct, 8K context) or "qwen25-coder-0.5b" (alias "qwen05":
+Qwen2.5-Coder-0.5B-Instruct, 32K context), each from its PyPI wheels, no hub."""
 
 from .qwen25_coder import load_qwen25_coder_05b, qwen25_coder_gguf_path
 from .smollm2 import load_smollm2, smollm2_gguf_path
 
-__all__ = ["load_smollm2", "smollm2_gguf_path", "load_qwen25_coder_05b", "qwen25_coder_gguf_path"]
+OFFLINE_MODELS = {"smollm2": load_smollm2, "qwen25-coder-0.5b": load_qwen25_coder_05b, "qwen05": load_qwen25_coder_05b}
+
+
+def load_offline(name: str, device: str = "cpu", dtype=None):
+    """`(model, tokenizer)` of an offline model by name (`OFFLINE_MODELS`)."""
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}: {', '.join(OFFLINE_MODELS)}")
+    return OFFLINE_MODELS[name](device=device, dtype=dtype)
+
+
+__all__ = ["load_smollm2", "smollm2_gguf_path", "load_qwen25_coder_05b", "qwen25_coder_gguf_path", "load_offline",
+           "OFFLINE_MODELS"]
