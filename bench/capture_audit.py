@@ -14,7 +14,8 @@ kernels with its arguments) of two consecutive decode steps that complete no blo
   `oasis_cache` or `transformers`): what must move to fixed-capacity buffers and device-side counters.
 `--completing` compares two consecutive steps that complete a block (16 steps apart), each after
 `OasisCache.prepare_step("completing")` as the captured forward calls it: what the completing step's own graph
-replays (its offload and summary must read the block number on the device, not a host value).
+replays (its offload and summary must read the block number on the device, not a host value). `--steady-too` also
+records two steady steps between those two (one decoding for both audits: what the tests run).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def record_kernel_launches(recorder_of) -> None:
         setattr(module, name, launch)
 
 
-def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16) -> dict:
+def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16, steady_too=False) -> dict:
+    """Findings for two consecutive steps (`completing`: two that each complete a block; with `steady_too`, also two
+    steady steps recorded between them, under `result["steady"]`: one decoding for both audits)."""
     step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0, block_size=block_size)
     if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
         cache.ride_along.static_head = "eager"
@@ -126,19 +129,37 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
     else:
         while cache.get_seq_length() % T in (0, T - 1, T - 2):  # the two recorded steps must complete no block
             step()
-    runs = []
-    for _ in range(2):
+    runs, steady_runs = [], []
+    for index in range(2):
         if completing:
             assert cache.completing_step()
             cache.prepare_step("completing")
-        state["recorder"] = Recorder()
-        with state["recorder"]:
-            step()
-        runs.append(state["recorder"].ops)
-        state["recorder"] = None
+        runs.append(record(state, step))
+        if completing and index == 0 and steady_too:  # two steady steps between the two completing ones
+            step()  # (to a length that is neither a block's end nor the one before)
+            steady_runs = [record(state, step), record(state, step)]
+            while cache.get_seq_length() % T != T - 1:
+                step()
+            continue
         for _ in range(T - 1 if completing else 0):  # to the next completing step
             step()
-    first, second = runs
+    result = compare(*runs)
+    if steady_runs:
+        result["steady"] = compare(*steady_runs)
+    return result
+
+
+def record(state, step) -> list:
+    """The operators (and kernel launches) of one `step()`."""
+    state["recorder"] = Recorder()
+    with state["recorder"]:
+        step()
+    ops = state["recorder"].ops
+    state["recorder"] = None
+    return ops
+
+
+def compare(first, second) -> dict:
     syncs = collections.Counter(op.site for op in first if op.name in HOST_SYNCS)
     same_order = [op.name for op in first] == [op.name for op in second]
     differing = collections.Counter()
@@ -158,6 +179,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="also write the findings here")
     parser.add_argument("--completing", action="store_true", help="two steps that each complete a block")
+    parser.add_argument("--steady-too", action="store_true",
+                        help="with --completing: also two steady steps between them (reported as '<mode> steady')")
     args = step_arguments(parser, 4, ["dense", "previous", "eagle3-exact"])
     state = {"recorder": None}
     if args.backend == "triton":
@@ -169,17 +192,21 @@ def main():
           f"{args.backend} backend")
     findings = {}
     for mode in args.modes:
-        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size)
-        findings[mode] = dict(ops=result["ops"], same_order=result["same_order"], syncs=dict(result["syncs"]),
-                              differing=[dict(site=site, op=name, count=n)
-                                         for (site, name), n in sorted(result["differing"].items())])
-        differing, syncs = result["differing"], result["syncs"]
-        print(f"\n== {mode}: {result['ops'][0]} / {result['ops'][1]} operators, same order: {result['same_order']}, "
-              f"host syncs: {sum(syncs.values())}, operators that differ: {sum(differing.values())}")
-        for site, n in syncs.most_common():
-            print(f"  sync    {n:3}  {site}")
-        for (site, name), n in sorted(differing.items()):
-            print(f"  differs {n:3}  {name:28} {site}")
+        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size,
+                       args.steady_too and args.completing)
+        for name, part in ((mode, result), (f"{mode} steady", result.get("steady"))):
+            if part is None:
+                continue
+            findings[name] = dict(ops=part["ops"], same_order=part["same_order"], syncs=dict(part["syncs"]),
+                                  differing=[dict(site=site, op=op, count=n)
+                                             for (site, op), n in sorted(part["differing"].items())])
+            differing, syncs = part["differing"], part["syncs"]
+            print(f"\n== {name}: {part['ops'][0]} / {part['ops'][1]} operators, same order: {part['same_order']}, "
+                  f"host syncs: {sum(syncs.values())}, operators that differ: {sum(differing.values())}")
+            for site, n in syncs.most_common():
+                print(f"  sync    {n:3}  {site}")
+            for (site, op), n in sorted(differing.items()):
+                print(f"  differs {n:3}  {op:28} {site}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(command="python " + " ".join(sys.argv), layers=args.layers,
                                                    context=args.context, backend=args.backend, modes=findings),

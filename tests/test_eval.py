@@ -66,12 +66,12 @@ def _run_eval_script(script: str, out, *args: str) -> dict:
 
 def test_report_runs_at_ci_size(tmp_path):
     report = _run_eval_script("report.py", tmp_path / "report.json", "--tasks", "single_needle",
-                              "--modes", "none", "previous-exact", "none@half")
+                              "--modes", "none@full", "previous-exact")
     assert {"command", "date", "machine"} <= set(report["meta"])
     modes = {(r["mode"], r["budget"]) for r in report["tasks"]}
-    assert modes == {("dense", None), ("none", 256), ("previous-exact", 256), ("none@half", 256)}
+    assert modes == {("dense", None), ("none@full", 256), ("previous-exact", 256)}
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
-    assert [r["mode"] for r in report["nll"]] == ["dense", "none", "previous-exact", "none@half"]
+    assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
 
 
 def test_scorers_order_bound_half_bound_and_exact_max():

@@ -96,25 +96,25 @@ STEP_VARYING = {
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
-@pytest.mark.parametrize("kind", ["steady", "completing"])
-def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, kind, mode):
-    """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) — steady ones, or ones that
+def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mode):
+    """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) — steady ones, and ones that
     each complete a block (what the completing step's graph replays: its offload and summary at the block number
-    read on the device) — run the same operators in the same order, make no host sync but the CPU-only mask check,
-    and differ only at the known sites above."""
+    read on the device), from one decoding — run the same operators in the same order, make no host sync but the
+    CPU-only mask check, and differ only at the known sites above."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
                           "--modes", mode, "--layers", "3", "--context", "300", "--budget", "128",
-                          "--block-size", "8", "--json", str(out)]
-                         + (["--completing"] if kind == "completing" else []), env=env, capture_output=True,
-                         text=True, timeout=900)
+                          "--block-size", "8", "--completing", "--steady-too", "--json", str(out)], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     import json
 
-    for mode, found in json.loads(out.read_text())["modes"].items():
-        assert found["same_order"], mode
-        assert all("_all_true_on_cpu" in site for site in found["syncs"]), (mode, found["syncs"])
+    found_modes = json.loads(out.read_text())["modes"]
+    assert set(found_modes) == {mode, f"{mode} steady"}
+    for name, found in found_modes.items():
+        assert found["same_order"], name
+        assert all("_all_true_on_cpu" in site for site in found["syncs"]), (name, found["syncs"])
         sites = {(d["site"].split(":")[0], d["site"].split("(")[-1].rstrip(")")) for d in found["differing"]}
-        assert sites <= STEP_VARYING, (mode, sites - STEP_VARYING)
-        assert found["differing"], mode  # the audit sees what varies (the caller's mask at least)
+        assert sites <= STEP_VARYING, (name, sites - STEP_VARYING)
+        assert found["differing"], name  # the audit sees what varies (the caller's mask at least)
