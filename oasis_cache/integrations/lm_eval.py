@@ -5,7 +5,8 @@ a launcher that registers it, then runs lm-eval's own command line.
         --model_args pretrained=smollm2,token_budget=1024,lookahead=previous \\
         --tasks oasis_single_needle --include_path eval/lm_eval_tasks/build --apply_chat_template
 
-`pretrained=smollm2` loads SmolLM2-135M-Instruct offline (`oasis_cache.loaders`); any other value goes to `hf`.
+`pretrained=smollm2` (or `qwen25-coder-0.5b`) loads that model offline (`oasis_cache.loaders.load_offline`); any
+other value goes to `hf`.
 Every OasisCache option goes in `model_args` (`CACHE_OPTIONS`: token_budget, required, lookahead, exact, scorer,
 draft — a head directory —, cuda_graph, ...). Only generation (`generate_until` tasks) goes through the cache;
 log-likelihood tasks score whole sequences in one dense forward, as with `hf`.
@@ -42,10 +43,10 @@ class OasisLM(HFLM):
         if device.startswith("cuda") and not torch.cuda.is_available():  # lm_eval's default device is cuda
             device = "cpu"
         kwargs["device"] = device
-        if pretrained == "smollm2":
-            from ..loaders import load_smollm2
+        from ..loaders import OFFLINE_MODELS, load_offline
 
-            pretrained, tokenizer = load_smollm2(device=kwargs["device"])
+        if pretrained in OFFLINE_MODELS:
+            pretrained, tokenizer = load_offline(pretrained, device=kwargs["device"])
             kwargs.setdefault("tokenizer", tokenizer)
         super().__init__(pretrained=pretrained, **kwargs)
         self.cache_stats: list[dict] = []  # one entry per generate call
