@@ -40,13 +40,16 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
     gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs)
     got = ws.kv.cpu()
+    return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: data[:, b, h, block_ids[b, h, k]]))
+
+
+def gathered(got: torch.Tensor, fetch, dest, T: int, source) -> torch.Tensor:
+    """What a gather into a working set poisoned with -7 must leave: `source(b, h, k)` (`[2, T, D]`) in slot
+    `dest[b, h, k]` of each fetched entry, the poison elsewhere."""
     expected = torch.full_like(got, -7.0)
-    for b in range(B):
-        for h in range(H):
-            for k in range(K):
-                if fetch[b, h, k]:
-                    expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = data[:, b, h, block_ids[b, h, k]]
-    return torch.equal(got, expected)
+    for b, h, k in fetch.nonzero().tolist():
+        expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = source(b, h, k)
+    return expected
 
 
 def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
@@ -68,13 +71,7 @@ def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None) ->
     gather_blocks(table, U, slots.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
                   per_unit=True)
     got = ws.kv.cpu()
-    expected = torch.full_like(got, -7.0)
-    for b in range(B):
-        for h in range(H):
-            for k in range(K):
-                if fetch[b, h, k]:
-                    expected[:, b, h, dest[b, h, k] * T : dest[b, h, k] * T + T] = arena[slots[b, h, k], :, 0, 0]
-    return torch.equal(got, expected)
+    return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: arena[slots[b, h, k], :, 0, 0]))
 
 
 def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
