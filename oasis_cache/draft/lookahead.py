@@ -104,13 +104,16 @@ class RideAlong:
         import copy
 
         new = RideAlong(model, cache, self.head)
-        new.static_head = self.static_head
-        owned = ("head", "cache", "decoder", "embed", "lm_head", "handles", "_static", "window", "aux_ids")
-        memo = {}
-        for key, value in self.__dict__.items():
-            if key not in owned:
-                new.__dict__[key] = copy.deepcopy(value, memo)
+        new.__dict__.update(copy.deepcopy(self.state(), {}))
         return new  # (its static call is built again from the copied ring at its next step)
+
+    # what a new RideAlong builds for its own model and cache (hooks, modules, the static call)
+    REBUILT = ("head", "cache", "decoder", "embed", "lm_head", "handles", "_static", "window", "aux_ids")
+
+    def state(self) -> dict:
+        """Every piece of state a copy or an admitted cache carries over (the head's keys/values, features, drafts,
+        counters, options), by reference: not the attributes in `REBUILT`."""
+        return {key: value for key, value in self.__dict__.items() if key not in self.REBUILT}
 
     def reset(self) -> None:
         self._last_features, self._rows, self._made = None, 0, None

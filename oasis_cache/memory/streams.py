@@ -49,9 +49,13 @@ class PrefetchStreams:
             return  # (a prefetch running on the worker never waits for itself)
         futures, self._futures = self._futures, {}
         for layer_idx, future in futures.items():
-            done = future.result()
-            if done is not None:
-                self._done[layer_idx] = (done, self.measure)
+            self._joined(layer_idx, future)
+
+    def _joined(self, layer_idx: int, future) -> None:
+        """The worker's prefetch for `layer_idx` has run (its error raises here); its end event is the layer's."""
+        done = future.result()
+        if done is not None:
+            self._done[layer_idx] = (done, self.measure)
 
     def run_after_compute(self, work, *tensors: torch.Tensor) -> None:
         """Run `work()` on the side stream after everything queued so far on the compute stream. `tensors` are
@@ -121,9 +125,7 @@ class PrefetchStreams:
         """Make the compute stream wait for `layer_idx`'s pending prefetch, if any."""
         future = self._futures.pop(layer_idx, None)
         if future is not None:
-            done = future.result()
-            if done is not None:
-                self._done[layer_idx] = (done, self.measure)
+            self._joined(layer_idx, future)
         pending = self._done.pop(layer_idx, None)
         if pending is None:
             return

@@ -145,8 +145,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     return cache
 
 
-_RIDE_ALONG_OWNED = ("head", "cache", "decoder", "embed", "lm_head", "handles", "_static", "window", "aux_ids", "oracle",
-                     "_aux", "static_head")  # rebuilt by the decode side's OasisCache, or transient
+_DRAFT_NOT_PUBLISHED = ("oracle", "_aux", "static_head")  # analysis hooks, one forward's captures, a local choice
 
 
 def _head_fingerprint(head) -> list:
@@ -158,7 +157,7 @@ def _head_fingerprint(head) -> list:
 
 def _draft_state(ride) -> dict:
     return {"fingerprint": _head_fingerprint(ride.head),
-            "state": {k: v for k, v in ride.__dict__.items() if k not in _RIDE_ALONG_OWNED}}
+            "state": {k: v for k, v in ride.state().items() if k not in _DRAFT_NOT_PUBLISHED}}
 
 
 def _restore_draft(cache: OasisCache, drafted: dict, request: str) -> None:
