@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from eval.nll import teacher_forced_nll  # noqa: E402
 from eval.report import load, make_cache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from oasis_cache.loaders import OFFLINE_MODELS, load_offline  # noqa: E402
@@ -84,29 +85,6 @@ def greedy(model, enc, cache, new_tokens: int, pad_token_id) -> torch.Tensor:
     out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=pad_token_id, **{generate_cache_argument(model): cache})
     return out[:, enc["input_ids"].shape[1]:]
-
-
-@torch.no_grad()
-def teacher_forced_nll(model, enc, trajectory: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """`([B, n] NLL in nats, [B, n] bool: the step's argmax is the trajectory's token)` of `trajectory` (`[B, n]`),
-    each token predicted by a decode step that fed the previous one through `cache` (left-padded prompts: positions
-    follow the attention mask, as `generate` sets them, so dense's own greedy trajectory is its argmax throughout)."""
-    arg = generate_cache_argument(model)
-    mask = enc["attention_mask"]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
-                   logits_to_keep=1, **{arg: cache}).logits[:, -1]
-    position = positions[:, -1:]
-    losses, agree = [], []
-    for t in range(trajectory.shape[1]):
-        losses.append(torch.nn.functional.cross_entropy(logits.float(), trajectory[:, t], reduction="none"))
-        agree.append(logits.argmax(-1) == trajectory[:, t])
-        if t + 1 < trajectory.shape[1]:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            position = position + 1
-            logits = model(input_ids=trajectory[:, t : t + 1], attention_mask=mask, position_ids=position,
-                           use_cache=True, **{arg: cache}).logits[:, -1]
-    return torch.stack(losses, dim=1), torch.stack(agree, dim=1)
 
 
 def equal_prefix(a: torch.Tensor, b: torch.Tensor) -> list[int]:

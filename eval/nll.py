@@ -26,17 +26,35 @@ def pydoc_token_ids(tokenizer, count: int, offset: int = 0) -> torch.Tensor:
 def decode_nll(model, input_ids: torch.Tensor, prefill: int, cache) -> torch.Tensor:
     """Per-token NLL `[n]` (nats) of `input_ids[:, prefill:]` (`[1, prefill + n]`), each token predicted by a decode
     step that fed the previous one through `cache`."""
+    ids = input_ids.to(model.device)
+    prompt = {"input_ids": ids[:, :prefill], "attention_mask": torch.ones_like(ids[:, :prefill])}
+    return teacher_forced_nll(model, prompt, ids[:, prefill:], cache)[0][0]
+
+
+@torch.no_grad()
+def teacher_forced_nll(model, prompt: dict, trajectory: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([B, n] NLL in nats, [B, n] bool: the step's argmax is the trajectory's token)` of `trajectory` (`[B, n]`)
+    after `prompt` (`input_ids` and `attention_mask`, `[B, P]`, left-padded), each token predicted by a decode step
+    that fed the previous one through `cache`. Positions follow the attention mask, as `generate` sets them, so a
+    model's own greedy trajectory is its argmax throughout."""
     from oasis_cache.compat import generate_cache_argument
 
     arg = generate_cache_argument(model)
-    ids = input_ids.to(model.device)
-    logits = model(input_ids=ids[:, :prefill], use_cache=True, logits_to_keep=1, **{arg: cache}).logits[:, -1]
-    losses = []
-    for t in range(prefill, ids.shape[1]):
-        losses.append(torch.nn.functional.cross_entropy(logits.float(), ids[:, t]))
-        if t + 1 < ids.shape[1]:
-            logits = model(input_ids=ids[:, t : t + 1], use_cache=True, **{arg: cache}).logits[:, -1]
-    return torch.stack(losses)
+    mask = prompt["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=prompt["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
+                   logits_to_keep=1, **{arg: cache}).logits[:, -1]
+    position = positions[:, -1:]
+    losses, agree = [], []
+    for t in range(trajectory.shape[1]):
+        losses.append(torch.nn.functional.cross_entropy(logits.float(), trajectory[:, t], reduction="none"))
+        agree.append(logits.argmax(-1) == trajectory[:, t])
+        if t + 1 < trajectory.shape[1]:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            position = position + 1
+            logits = model(input_ids=trajectory[:, t : t + 1], attention_mask=mask, position_ids=position,
+                           use_cache=True, **{arg: cache}).logits[:, -1]
+    return torch.stack(losses, dim=1), torch.stack(agree, dim=1)
 
 
 def main():
