@@ -8,13 +8,13 @@ uncapped, and its decode tokens per second, measured through `model.generate` as
 For each (context, cap, method) a fresh child process (a cap is per process) loads the model once and tries the batches
 in increasing order until one fails (an out-of-memory error can leave a process fragmented, so it stops there) or the
 child exceeds `--try-timeout` seconds per batch; the row reports the largest that ran. A try: random prompt tokens,
-`model.generate(max_new_tokens=min_new_tokens=N, do_sample=False)`; a stopping criterion stamps each new token (a
-CUDA event, no sync), and tokens per second = batch / the median time between consecutive new tokens (steady decode: a first step's compilation and graph
-captures excluded; the mean over the N − 1 steps is kept too). Methods: dense (`DynamicCache`), dense-chunked (the
-same, `generate(prefill_chunk_size=8192)`: a dense prefill that fits a small card), dense-compiled (a `StaticCache`,
-which `generate` compiles on its own), offload
-(`DynamicCache(offloading=True)`), oasis (`OasisCache(model, token_budget=--budget)`, every other option the
-package's default). Writes JSON (`--out`) and prints a table.
+`model.generate(max_new_tokens=min_new_tokens=N, do_sample=False)`; a stopping criterion stamps each new token (a CUDA
+event, no sync), and tokens per second = batch / the median time between consecutive new tokens (steady decode: a
+first step's compilation and graph captures excluded; the mean over the N − 1 steps is kept too). Methods: dense
+(`DynamicCache`), dense-chunked (the same, `generate(prefill_chunk_size=8192)`: a dense prefill that fits a small
+card), dense-compiled (a `StaticCache`, which `generate` compiles on its own), offload
+(`DynamicCache(offloading=True)`), oasis (`OasisCache(model, token_budget=--budget)`, every other option the package's
+default). Writes JSON (`--out`) and prints a table.
 """
 
 from __future__ import annotations

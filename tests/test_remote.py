@@ -334,3 +334,31 @@ def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
     assert torch.equal(model.generate(input_ids=ids, **again.generate_kwargs(), **kw),
                        model.generate(input_ids=ids, **source.generate_kwargs(), **kw))
     store.close()
+
+
+def test_a_copy_made_after_decode_completed_blocks_continues_as_the_prefills_cache(mooncake_master):
+    """`copy.deepcopy` of an admitted cache whose pools hold blocks completed during decode (past the published ones)
+    makes every block local in order: the copy, the admitted cache and the prefill's own cache continue alike."""
+    import copy
+
+    from oasis_cache.remote import admit, publish
+
+    model = tiny_model("llama")
+    ids = prompt_ids(403, batch=2)
+    kw = dict(max_new_tokens=30, do_sample=False)
+    prefill = OasisCache(model, **OPTIONS)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
+    store = connect(mooncake_master)
+    publish(prefill, store, "copied-after-decode")
+    cache = admit(model, store, "copied-after-decode")
+    got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    assert torch.equal(got, model.generate(input_ids=ids, **prefill.generate_kwargs(), **kw))
+    pools = [layer.pool for layer in cache.layers if isinstance(layer, OasisLayer)]
+    assert all(pool.num_blocks > pool.first_block > 0 for pool in pools)  # blocks completed here, after the store's
+    twin = copy.deepcopy(cache)
+    assert all(layer.pool.first_block == 0 and layer.pool.remote is None for layer in twin.layers)
+    expected = model.generate(input_ids=got, **prefill.generate_kwargs(), **kw)
+    assert torch.equal(model.generate(input_ids=got, **twin.generate_kwargs(), **kw), expected)
+    assert torch.equal(model.generate(input_ids=got, **cache.generate_kwargs(), **kw), expected)
+    store.close()

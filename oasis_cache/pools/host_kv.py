@@ -113,13 +113,10 @@ class HostKVPool:
         self.chunks, self.first_block = [], 0
         self.reserve(self.num_blocks)
         remote.read_all_into(self)
-        if self.num_blocks > first:  # the blocks completed here, moved up by `first`
-            old = object.__new__(type(self))
-            old.__dict__.update(self.__dict__)
-            old.chunks, old.first_block = local, first
-            for src, lo, hi, offset in old.spans(first, self.num_blocks):
-                for dst, dlo, dhi, doffset in self.spans(first + offset, first + offset + hi - lo):
-                    dst[dlo:dhi].copy_(src[lo + doffset : lo + doffset + dhi - dlo])
+        if self.num_blocks > first:  # the blocks completed here: local block i is block first + i
+            completed = torch.cat(local)[: self.num_blocks - first]  # [n, 2, B, Hkv, T, D]
+            for chunk, lo, hi, offset in self.spans(first, self.num_blocks):
+                chunk[lo:hi].copy_(completed[offset : offset + hi - lo])
         self.remote = None
 
     @property

@@ -4,8 +4,9 @@ One store object per (request, layer, block, sequence, KV head): that head's key
 D]` — what a decode step that selects the block for that head reads, so a decode side fetches only the heads it
 selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
 (`batch_put_from`) and got straight into the decode side's local cache (`batch_get_into`), both batched. Keys:
-`oasis/{request}/{layer}/{block}/{sequence}/{head}`. The bytes live in the store's storage processes (`mooncake_client`, or any client
-that mounts a segment), not in the publishing process, which may exit once it has published.
+`oasis/{request}/{layer}/{block}/{sequence}/{head}`. The bytes live in the store's storage processes
+(`mooncake_client`, or any client that mounts a segment), not in the publishing process, which may exit once it has
+published.
 
     mooncake_master --rpc_port=50051 &
     mooncake_client --master_server_address=127.0.0.1:50051 --metadata_server=P2PHANDSHAKE \
