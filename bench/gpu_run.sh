@@ -13,7 +13,9 @@
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
 #             nine parts, ../shared/tools/qwen05-parts.sh): the in-decode workload (eval/in_decode.py), the quality
 #             suite at 8K-32K, recall at 8K and 16K (the held-out region is 16K tokens); REPORT_HEAD=1 adds eagle3
-#             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head.
+#             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
+#             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
+#             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length)
 #   firstcall  bench/first_call.py: a process's first generate against its later ones, a new machine's kernel cache
 #   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -101,11 +103,22 @@ for arg in "$@"; do
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     qwenindecode) python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts "${INDECODE_PROMPTS:-8}" --new-tokens "${INDECODE_TOKENS:-4096}" --fractions ${INDECODE_FRACTIONS:-8 16} --modes ${INDECODE_MODES:-none previous} --out "$OUT/in-decode-qwen05.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/in-decode-qwen05.log" | tail -8 ;;
-    qwenreport) python3 eval/report.py --model qwen25-coder-0.5b --tasks ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words} --filler noise --lengths ${REPORT_LENGTHS:-8192 16384 32768} --samples "${REPORT_SAMPLES:-24}" --batch-size 8 --fractions 16 32 --modes ${REPORT_MODES:-none previous} ${REPORT_HEAD:+--head "$HEAD"} --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-qwen05.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-qwen05.log" | tail -40 ;;
-    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} --context $context --budget $((context / 16)) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
+    qwenindecodepar) N=${INDECODE_TOKENS:-4096}; D=/tmp/in-decode-dense-$N.pt; files=()  # dense once (kept in $D), then one process per (mode, budget)
+      common="--model qwen25-coder-0.5b --prompts ${INDECODE_PROMPTS:-8} --new-tokens $N --dense $D ${REPORT_HEAD:+--head $HEAD}"
+      python3 eval/in_decode.py $common --modes --out "$OUT/in-decode-qwen05-$N-dense.json" 2>&1 | grep --line-buffered -v Warning | tail -3
+      [ -n "${INDECODE_DENSE_ONLY:-}" ] && continue
+      for mode in ${INDECODE_MODES:-none previous}; do for f in ${INDECODE_FRACTIONS:-8 16}; do
+        python3 eval/in_decode.py $common --modes $mode --fractions $f --out "$OUT/in-decode-qwen05-$N-$mode-$f.json" > "$OUT/in-decode-qwen05-$N-$mode-$f.log" 2>&1 &
+        files+=("$OUT/in-decode-qwen05-$N-$mode-$f.json"); done; done; wait
+      python3 eval/in_decode.py --merge "${files[@]}" --out "$OUT/in-decode-qwen05-$N.json" | tee "$OUT/in-decode-qwen05-$N.log" ;;
+    qwenreport) python3 eval/report.py --model qwen25-coder-0.5b ${REPORT_DTYPE:+--dtype "$REPORT_DTYPE"} --tasks ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words} --filler noise --lengths ${REPORT_LENGTHS:-8192 16384 32768} --samples "${REPORT_SAMPLES:-24}" --batch-size 8 --fractions ${REPORT_FRACTIONS:-16 32} --modes ${REPORT_MODES:-none previous} ${REPORT_HEAD:+--head "$HEAD"} --nll-prefill 7936 --nll-tokens "${REPORT_NLL_TOKENS:-256}" --out "$OUT/report-qwen05${REPORT_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-qwen05${REPORT_TAG:-}.log" | tail -40 ;;
+    qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)
+        HEAD=$HEAD REPORT_LENGTHS=$L REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
+      tail -n 45 "$OUT"/report-qwen05-*${REPORT_TAG:-}.log ;;
+    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
-      python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
+      python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_INTERMEDIATE:+--intermediate-size "$TRAIN_INTERMEDIATE"} ${TRAIN_DTYPE:+--dtype "$TRAIN_DTYPE"} ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
@@ -113,7 +126,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       { [ -z "${TRAIN_INIT:-}" ] || [ -n "${TRAIN_LAYERS:-}" ]; } && cp "$HO/config.json" "$OUT/head/"  # else $HEAD's
       [ -z "${TRAIN_INIT:-}" ] && cp "$HO/target.json" "$OUT/head/"  # from $HEAD: its target
       [ -z "${TRAIN_DATA:-}" ] && cp "$TD/data.pt" "$OUT/head/"; HEAD=$HO ;;
-    gendata) python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "${GEN_DIR:-/tmp/oasis-gen}" --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
+    gendata) python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "${GEN_DIR:-/tmp/oasis-gen}" --no-chats --documents "${GEN_DOCUMENTS:-400}" --document-tokens 4096 --document-source "${GEN_SOURCE:-mixed}" --seed "${GEN_SEED:-1}" ${GEN_PLAIN:+--continue-documents} ${GEN_GREEDY:+--greedy} --generate-batch 64 --steps 0 ${TRAIN_DTYPE:+--dtype "$TRAIN_DTYPE"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gendata.log" | tail -3
       cp "${GEN_DIR:-/tmp/oasis-gen}/data.pt" "$OUT/gen-data.pt" ;;
     recall) for budget in ${RECALL_BUDGETS:-336 512}; do for prompt in document chat; do python3 eval/recall.py --head "$HEAD" --oracle --prompt $prompt --context 4000 --budget $budget --steps 64 --sequences "${RECALL_SEQUENCES:-4}" ${RECALL_LOOKUP:+--draft-lookup "$RECALL_LOOKUP"} --out "$OUT/recall-$prompt-$budget.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     report) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking frequent_words --lengths 4096 --samples 32 --batch-size 16 --fractions 8 --modes none none@bound previous eagle3 --head "$HEAD" --out "$OUT/report-smollm2-4k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-4k.log" | tail -45 ;;

@@ -10,9 +10,10 @@ drafts the token that trajectory actually produces next (read from a first `none
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
 
 Recall is counted per layer (`stats()["prediction_recall_per_layer"]`, in the JSON and printed) and pooled over layers
-(the table's number). Runs SmolLM2-135M-Instruct offline on Python's own documentation (`pydoc_data.topics`): its first
-`HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained on. `--sequences N` decodes N disjoint windows of
-that region as one batch (N times the samples of one window; at most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
+(the table's number). Runs SmolLM2-135M-Instruct (or `--model qwen25-coder-0.5b`) offline on Python's own
+documentation (`pydoc_data.topics`): its first `HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained
+on. `--sequences N` decodes N disjoint windows of that region as one batch (N times the samples of one window; at
+most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 import oasis_cache  # noqa: F401
-from oasis_cache import OasisCache
+from oasis_cache import OasisCache, OasisConfig
 from oasis_cache.config import OasisConfig
 from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import OFFLINE_MODELS, load_offline
@@ -103,7 +104,10 @@ def main():
                                pad_token_id=tok.pad_token_id,
                                past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer,
                                                           summary_channels=args.summary_channels))
-    K = args.budget // 16 - 1
+    # K: the blocks a step selects; the slots hold at least every block of a context that fits the budget
+    # (`OasisConfig.min_slots`: one more than K when the budget is not a multiple of the block size)
+    K = OasisConfig(token_budget=args.budget).num_selected_blocks
+    min_slots = OasisConfig(token_budget=args.budget).min_slots
     for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
@@ -111,7 +115,7 @@ def main():
             draft["draft_lookup"] = args.draft_lookup
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
-        predicting = dict(exact=True, num_slots=args.slots or K) if lookahead != "none" else {}
+        predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            summary_channels=args.summary_channels,
                            **predicting, **draft)
@@ -129,10 +133,10 @@ def main():
             hits, made = cache.ride_along.draft_hits
             row["draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
-    meta = dict(command="python " + " ".join(sys.argv), slots=args.slots or K, sequences=args.sequences,
+    meta = dict(command="python " + " ".join(sys.argv), slots=max(args.slots or K, min_slots), sequences=args.sequences,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
-                model="SmolLM2-135M-Instruct", K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
+                model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
                 draft_lookup=args.draft_lookup if args.draft_lookup is not None else OasisConfig.draft_lookup)
     print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
           f"{args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")

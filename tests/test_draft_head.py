@@ -272,6 +272,9 @@ def test_trainer_learns_and_resumes(tmp_path):
     # cropped texts train too (windows of 8 rows with the head's window as history); a crop under one row is refused
     cropped = train(model, _Tok(), tmp_path / "crop", steps=3, crop=8, data=tmp_path / "data.pt", **kw)
     assert cropped["steps"] == 3 and 0.0 <= cropped["top1_agreement"] <= 1.0
+    # a narrower MLP than the target's (what keeps a shipped head small) trains, saves and loads with its width
+    narrow = train(model, _Tok(), tmp_path / "narrow", steps=2, intermediate_size=24, data=tmp_path / "data.pt", **kw)
+    assert narrow["steps"] == 2 and load_eagle3(tmp_path / "narrow" / "head").config.intermediate_size == 24
     with pytest.raises(ValueError, match="crop"):
         train(model, _Tok(), tmp_path / "crop0", steps=1, crop=0, data=tmp_path / "data.pt", **kw)
     # a cosine schedule ends near 0 (the last step's rate is what the saved optimizer holds); a wrong name fails

@@ -118,10 +118,22 @@ def test_scoring_comparison_runs_at_ci_size(tmp_path):
 def test_in_decode_workload_at_ci_size(tmp_path):
     """eval/in_decode.py --tiny: dense's trajectory teacher-forced through each cache (the script checks that dense
     reproduces its own greedy tokens that way: positions of left-padded prompts as generate sets them); a budget at
-    the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs."""
-    report = _run_eval_script("in_decode.py", tmp_path / "in_decode.json", "--modes", "previous", "--fractions", "4",
-                              "1")
+    the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs. Two processes
+    share dense's passes through `--dense` (the second reads them) and `--merge` joins their rows."""
+    dense = tmp_path / "dense.pt"
+    whole_run = _run_eval_script("in_decode.py", tmp_path / "whole.json", "--modes", "previous", "--fractions", "1",
+                                 "--dense", str(dense))
+    assert dense.exists()
+    _run_eval_script("in_decode.py", tmp_path / "sparse.json", "--modes", "previous", "--fractions", "4",
+                     "--dense", str(dense))
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "in_decode.py"), "--merge", str(tmp_path / "whole.json"),
+                          str(tmp_path / "sparse.json"), "--out", str(tmp_path / "in_decode.json")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "in_decode.json").read_text())
+    assert report["rows"][0] == whole_run["rows"][0] and report["meta"]["processes"] == 2
     rows = {(r["mode"], r.get("fraction")): r for r in report["rows"]}
+    assert len(rows) == len(report["rows"]) == 3
     assert report["meta"]["new_tokens"] == 96 and report["meta"]["context"] > 96 + 20
     whole = rows[("previous", 1)]
     assert whole["budget"] >= report["meta"]["context"]

@@ -114,3 +114,26 @@ def test_small_budget_equals_the_masked_dense_reference(qwen, monkeypatch):
         assert int(call["selection"].sum(-1).max()) <= cache.config.num_selected_blocks
         checked += 1
     assert checked == 3 * 3  # three decode steps (the first token comes from the prefill), three layers
+
+
+@pytest.mark.slow
+def test_the_shipped_head_is_picked_and_drafts(qwen):
+    """`OasisCache(model)` on Qwen2.5-Coder-0.5B-Instruct drafts with the head shipped for it (≤ 40 MB): the default
+    lookahead is eagle3 with miss repair, and on a code prompt the head's own drafts agree with the target's next
+    tokens often (an untrained or mismatched head agrees ~never). Budget ≥ context stays dense in that mode
+    (`test_budget_above_the_context_is_dense` runs it: the default)."""
+    from oasis_cache.draft.bundled import bundled_head_for
+
+    model, tok = qwen
+    head = bundled_head_for(model)
+    assert head is not None and head.name == "qwen2.5-coder-0.5b-instruct"
+    assert (head / "model.safetensors").stat().st_size <= 40_000_000
+    default = OasisCache(model, token_budget=256)
+    assert default.config.lookahead == "eagle3" and default.config.exact
+    # The head's own drafts (not chained with the target's prediction, which greedy decoding always confirms).
+    cache = OasisCache(model, token_budget=256, chain_drafts=False)
+    inputs = dict(tok(code_prompt(tok, 600, seed=4), return_tensors="pt"))
+    model.generate(**inputs, past_key_values=cache, max_new_tokens=24, do_sample=False,
+                   pad_token_id=tok.eos_token_id)
+    stats = cache.stats()
+    assert stats["drafts_checked"] >= 20 and stats["draft_accuracy"] > 0.3, stats["draft_accuracy"]  # 0.59 here
