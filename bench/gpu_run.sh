@@ -15,7 +15,8 @@
 #             suite at 8K-32K, recall at 8K and 16K (the held-out region is 16K tokens); REPORT_HEAD=1 adds eagle3
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
-#             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length)
+#             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
+#             qwenindecodeprompts: one process per prompt, each an unpadded batch of one (captured decode steps)
 #   firstcall  bench/first_call.py: a process's first generate against its later ones, a new machine's kernel cache
 #   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -110,6 +111,11 @@ for arg in "$@"; do
       for mode in ${INDECODE_MODES:-none previous}; do for f in ${INDECODE_FRACTIONS:-8 16}; do
         python3 eval/in_decode.py $common --modes $mode --fractions $f --out "$OUT/in-decode-qwen05-$N-$mode-$f.json" > "$OUT/in-decode-qwen05-$N-$mode-$f.log" 2>&1 &
         files+=("$OUT/in-decode-qwen05-$N-$mode-$f.json"); done; done; wait
+      python3 eval/in_decode.py --merge "${files[@]}" --out "$OUT/in-decode-qwen05-$N.json" | tee "$OUT/in-decode-qwen05-$N.log" ;;
+    qwenindecodeprompts) N=${INDECODE_TOKENS:-4096}; files=()  # one process per prompt, each its own unpadded batch (captured steps): dense, then every (mode, budget)
+      for i in $(seq 0 $(( ${INDECODE_PROMPTS:-8} - 1 ))); do
+        python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts ${INDECODE_PROMPTS:-8} --only $i --per-prompt --new-tokens $N --modes ${INDECODE_MODES:-none previous} --fractions ${INDECODE_FRACTIONS:-8 16} ${REPORT_HEAD:+--head $HEAD} --out "$OUT/in-decode-qwen05-$N-p$i.json" > "$OUT/in-decode-qwen05-$N-p$i.log" 2>&1 &
+        files+=("$OUT/in-decode-qwen05-$N-p$i.json"); done; wait
       python3 eval/in_decode.py --merge "${files[@]}" --out "$OUT/in-decode-qwen05-$N.json" | tee "$OUT/in-decode-qwen05-$N.log" ;;
     qwenreport) python3 eval/report.py --model qwen25-coder-0.5b ${REPORT_DTYPE:+--dtype "$REPORT_DTYPE"} --tasks ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words} --filler noise --lengths ${REPORT_LENGTHS:-8192 16384 32768} --samples "${REPORT_SAMPLES:-24}" --batch-size 8 --fractions ${REPORT_FRACTIONS:-16 32} --modes ${REPORT_MODES:-none previous} ${REPORT_HEAD:+--head "$HEAD"} --nll-prefill 7936 --nll-tokens "${REPORT_NLL_TOKENS:-256}" --out "$OUT/report-qwen05${REPORT_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-qwen05${REPORT_TAG:-}.log" | tail -40 ;;
     qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)

@@ -15,10 +15,13 @@ Budgets are fractions of the final context (prompt + new tokens), at least `--mi
     python eval/in_decode.py --model qwen25-coder-0.5b --new-tokens 4096 --fractions 8 16 --modes none previous
     python eval/in_decode.py --tiny      # CI size: random weights (plumbing only), two prompts, 96 new tokens
 
-Several processes can share the work (each (mode, budget) pass is independent; `bench/gpu_run.sh qwenindecodepar`
-runs them side by side on one GPU): `--dense FILE` keeps dense's trajectory, NLL and scores in FILE (made by the
-first process that finds it missing, read by the others); each process writes its rows to `--out` after every row;
-`--merge A.json B.json ...` prints and writes (with `--out`) the rows of several such files as one table.
+The prompts run as one left-padded batch, or with `--per-prompt` each as its own batch of one: unpadded, so on CUDA
+the decode steps are replayed as graphs (a padded batch's steps run eagerly, several times slower). Several processes
+can share the work (`bench/gpu_run.sh qwenindecodepar` runs them side by side on one GPU): by mode and budget, with
+`--dense FILE` keeping dense's trajectories (made by the first process that finds them missing, read by the others),
+or by prompt (`--only 0 3`). Each process writes its rows to `--out` after every row; `--merge A.json B.json ...`
+prints and writes (with `--out`) one table of such files: rows of other modes are added, other prompts join the rows
+of their mode and budget (each row keeps its per-prompt figures).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import sys
@@ -105,6 +109,11 @@ def main(argv=None):
     parser.add_argument("--model", default="qwen25-coder-0.5b", choices=sorted(OFFLINE_MODELS) + ["tiny"],
                         help="an offline model, or 'tiny' (random weights, SmolLM2's tokenizer: CI plumbing only)")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--only", type=int, nargs="+", default=None,
+                        help="run only these of the first --prompts prompts (0-based; --merge joins the parts)")
+    parser.add_argument("--per-prompt", action="store_true",
+                        help="each prompt as its own batch of one: no padding, so CUDA decode steps are replayed as "
+                        "graphs (a left-padded batch's steps run eagerly)")
     parser.add_argument("--new-tokens", type=int, default=4096)
     parser.add_argument("--modes", nargs="*", default=["none", "previous"],
                         help="OasisCache modes as eval/report.py names them (none, previous, previous-exact, ...)")
@@ -138,15 +147,20 @@ def main(argv=None):
         from oasis_cache.draft import load_eagle3
 
         eval.report.HEAD = load_eagle3(args.head, target_model=model)  # what make_cache's eagle3 modes draft with
-    enc = encode(tokenizer, PROMPTS[: args.prompts], args.device)
-    context = enc["input_ids"].shape[1] + args.new_tokens
-    pad = tokenizer.pad_token_id
-    dense_tokens, dense_nll, dense_row = dense_pass(model, tokenizer, enc, args)
+    indexes = args.only if args.only is not None else list(range(args.prompts))
+    if not indexes or any(not 0 <= i < args.prompts for i in indexes):
+        raise SystemExit(f"--only: indexes among the first {args.prompts} prompts (0 to {args.prompts - 1})")
+    groups = [[i] for i in indexes] if args.per_prompt else [indexes]
+    encs = [encode(tokenizer, [PROMPTS[i] for i in group], args.device) for group in groups]
+    contexts = [enc["input_ids"].shape[1] + args.new_tokens for enc in encs]
+    dense = [dense_pass(model, tokenizer, enc, group, args) for enc, group in zip(encs, groups)]
+    dense_row = summarize(dict(mode="dense", budget=None, prompt_indexes=indexes, budgets=[None] * len(indexes),
+                               **{k: [v for d in dense for v in d[2][k]] for k in PER_PROMPT}), args.new_tokens)
     rows = [dense_row]
     meta = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor() or
                 platform.machine(), model=args.model, prompts=args.prompts, new_tokens=args.new_tokens,
-                context=context, dtype=str(next(model.parameters()).dtype))
+                context=max(contexts), per_prompt=args.per_prompt, dtype=str(next(model.parameters()).dtype))
 
     def write():
         if args.out:
@@ -154,50 +168,74 @@ def main(argv=None):
             Path(args.out).write_text(json.dumps(dict(meta=dict(meta, seconds=time.time() - started), rows=rows),
                                                  indent=1))
 
-    print(f"{args.model}, {args.prompts} prompts x {args.new_tokens} new tokens (context {context}) on {args.device}")
+    print(f"{args.model}, prompts {indexes} x {args.new_tokens} new tokens (context up to {max(contexts)}"
+          f"{', one prompt per batch' if args.per_prompt else ''}) on {args.device}")
     print_header()
     print_row(dense_row)
     write()
+    pad = tokenizer.pad_token_id
     for mode in args.modes:
         for fraction in args.fractions:
-            budget = max(args.min_budget, context // fraction)
-            nll, agree = teacher_forced_nll(model, enc, dense_tokens, make_cache(model, mode, budget))
-            tokens = greedy(model, enc, make_cache(model, mode, budget), args.new_tokens, pad)
-            prefix = equal_prefix(tokens, dense_tokens)
-            done = [compiles(tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
-            row = dict(mode=mode, budget=budget, fraction=fraction, nll=nll.mean().item(),
-                       nll_delta=(nll - dense_nll).mean().item(), argmax_agreement=agree.float().mean().item(),
-                       prefix=sum(prefix) / len(prefix),
-                       prefixes=prefix, full_match=sum(p == args.new_tokens for p in prefix) / len(prefix),
-                       compiles=sum(done) / len(done))
+            lists = {k: [] for k in ("budgets", *PER_PROMPT)}
+            for enc, context, (dense_tokens, dense_nll, _) in zip(encs, contexts, dense):
+                budget = max(args.min_budget, context // fraction)
+                nll, agree = teacher_forced_nll(model, enc, dense_tokens, make_cache(model, mode, budget))
+                tokens = greedy(model, enc, make_cache(model, mode, budget), args.new_tokens, pad)
+                lists["budgets"] += [budget] * len(tokens)
+                lists["nll_per_prompt"] += nll.mean(1).tolist()
+                lists["dense_nll_per_prompt"] += dense_nll.mean(1).tolist()
+                lists["agreement_per_prompt"] += agree.float().mean(1).tolist()
+                lists["prefixes"] += equal_prefix(tokens, dense_tokens)
+                lists["compiled"] += [compiles(tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
+            row = summarize(dict(mode=mode, fraction=fraction, prompt_indexes=indexes, **lists), args.new_tokens)
             rows.append(row)
             print_row(row)
             write()
 
 
-def dense_pass(model, tokenizer, enc, args):
-    """`(tokens [B, N], nll [B, N], row)`: dense's greedy trajectory, its teacher-forced NLL and its table row; read
-    from `args.dense` when that file exists (made by a run with the same model, prompts and length), else computed
-    (and saved there when given)."""
-    key = dict(model=args.model, prompts=args.prompts, new_tokens=args.new_tokens)
-    if args.dense and Path(args.dense).exists():
-        saved = torch.load(args.dense)
-        if saved["key"] != key:
-            raise SystemExit(f"--dense {args.dense} holds {saved['key']}, not {key}: give another file")
-        return saved["tokens"].to(args.device), saved["nll"].to(args.device), saved["row"]
-    tokens = greedy(model, enc, make_cache(model, "dense", None), args.new_tokens, tokenizer.pad_token_id)
-    nll, agree = teacher_forced_nll(model, enc, tokens, make_cache(model, "dense", None))
-    if agree.float().mean().item() < 0.99:  # positions or masks differ from generate's: every figure would be off
-        raise SystemExit(f"teacher forcing does not reproduce dense's greedy tokens ({int((~agree).sum())} differ)")
-    done = [compiles(tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
-    row = dict(mode="dense", budget=None, nll=nll.mean().item(), nll_delta=0.0, prefix=float(args.new_tokens),
-               full_match=1.0, argmax_agreement=agree.float().mean().item(), compiles=sum(done) / len(done))
-    if args.dense:
-        Path(args.dense).parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(f"{args.dense}.partial")
-        torch.save(dict(key=key, tokens=tokens.cpu(), nll=nll.cpu(), row=row), partial)
-        partial.replace(args.dense)  # whole or absent: a process reading it never sees half a file
-    return tokens, nll, row
+# What a row keeps per prompt (in `prompt_indexes` order), from which `summarize` computes its figures; `--merge`
+# joins the lists of processes that ran different prompts.
+PER_PROMPT = ("nll_per_prompt", "dense_nll_per_prompt", "agreement_per_prompt", "prefixes", "compiled")
+
+
+def summarize(row: dict, new_tokens: int) -> dict:
+    """`row` with its figures over its prompts: NLL and its delta to dense (nats per token, every prompt has
+    `new_tokens`), argmax agreement, the mean greedy prefix equal to dense's, the share matched to the end, the share
+    that compiles, and the budget (one value, or the mean of per-prompt budgets)."""
+    n = len(row["prefixes"])
+    budgets = [b for b in row["budgets"] if b is not None]
+    return dict(
+        row, budget=(round(sum(budgets) / len(budgets)) if budgets else None),
+        nll=sum(row["nll_per_prompt"]) / n,
+        nll_delta=sum(a - b for a, b in zip(row["nll_per_prompt"], row["dense_nll_per_prompt"])) / n,
+        argmax_agreement=sum(row["agreement_per_prompt"]) / n, prefix=sum(row["prefixes"]) / n,
+        full_match=sum(p == new_tokens for p in row["prefixes"]) / n, compiles=sum(row["compiled"]) / n)
+
+
+def dense_pass(model, tokenizer, enc, group, args):
+    """`(tokens [B, N], nll [B, N], per-prompt lists)`: dense's greedy trajectory for the prompts `group` (encoded as
+    `enc`), its teacher-forced NLL, and the `PER_PROMPT` lists of its row; read from `args.dense` when that file holds
+    them (a run with the same model, length and batching), else computed (and added there when given)."""
+    key = f"{args.model}/{args.new_tokens}/{'-'.join(map(str, group))}"
+    path = Path(args.dense) if args.dense else None
+    if path is not None and path.exists() and key in (saved := torch.load(path)):
+        tokens, nll, agree = (t.to(args.device) for t in saved[key])
+    else:
+        tokens = greedy(model, enc, make_cache(model, "dense", None), args.new_tokens, tokenizer.pad_token_id)
+        nll, agree = teacher_forced_nll(model, enc, tokens, make_cache(model, "dense", None))
+        if agree.float().mean().item() < 0.99:  # positions or masks differ from generate's: every figure would be off
+            raise SystemExit(f"teacher forcing does not reproduce dense's greedy tokens ({int((~agree).sum())} differ)")
+        if path is not None:  # (processes that share a file run different modes of the same prompts: same keys)
+            saved = torch.load(path) if path.exists() else {}
+            saved[key] = (tokens.cpu(), nll.cpu(), agree.cpu())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            torch.save(saved, partial)
+            partial.replace(path)  # whole or absent: a process reading it never sees half a file
+    lists = dict(nll_per_prompt=nll.mean(1).tolist(), dense_nll_per_prompt=nll.mean(1).tolist(),
+                 agreement_per_prompt=agree.float().mean(1).tolist(), prefixes=[args.new_tokens] * len(tokens),
+                 compiled=[compiles(tokenizer.decode(row, skip_special_tokens=True)) for row in tokens])
+    return tokens, nll, lists
 
 
 def print_header():
@@ -210,17 +248,35 @@ def print_row(row):
 
 
 def merge(paths, out):
-    """One table (and, with `out`, one file) of the rows of several runs' files (dense's row once)."""
+    """One table (and, with `out`, one file) of several runs' files: runs of other modes add rows, runs of other
+    prompts (`--only`) add their prompts to each row of the same mode and budget."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     metas = [r["meta"] for r in runs]
-    shape = {(m["model"], m["prompts"], m["new_tokens"]) for m in metas}
+    shape = {(m["model"], m["prompts"], m["new_tokens"], m.get("per_prompt", False)) for m in metas}
     if len(shape) != 1:
-        raise SystemExit(f"--merge: the files are of different runs (model, prompts, new tokens): {sorted(shape)}")
-    rows = [runs[0]["rows"][0]] + [r for run in runs for r in run["rows"] if r["mode"] != "dense"]
+        raise SystemExit(f"--merge: the files are of different runs (model, prompts, new tokens, per prompt): "
+                         f"{sorted(shape)}")
+    new_tokens = metas[0]["new_tokens"]
+    joined: dict = {}
+    for run in runs:
+        for row in run["rows"]:
+            key = (row["mode"], row.get("fraction"))
+            have = joined.get(key)
+            if have is None:
+                joined[key] = dict(row)
+                continue
+            fresh = [i for i in row["prompt_indexes"] if i not in have["prompt_indexes"]]
+            if len(fresh) not in (0, len(row["prompt_indexes"])):
+                raise SystemExit(f"--merge: {key} ran prompts {row['prompt_indexes']} in one file and some of them "
+                                 "in another")
+            if fresh:  # the same mode and budget on other prompts
+                for name in ("prompt_indexes", "budgets", *PER_PROMPT):
+                    have[name] = have[name] + row[name]
+    rows = [summarize(row, new_tokens) for row in joined.values()]
     meta = dict(metas[0], command=[m["command"] for m in metas], seconds=max(m["seconds"] for m in metas),
-                processes=len(runs))
-    print(f"{meta['model']}, {meta['prompts']} prompts x {meta['new_tokens']} new tokens (context {meta['context']}), "
-          f"{meta['machine']}, {len(runs)} processes, {meta['seconds']:.0f} s")
+                context=max(m["context"] for m in metas), processes=len(runs))
+    print(f"{meta['model']}, {meta['prompts']} prompts x {meta['new_tokens']} new tokens (context up to "
+          f"{meta['context']}), {meta['machine']}, {len(runs)} processes, {meta['seconds']:.0f} s")
     print_header()
     for row in rows:
         print_row(row)

@@ -119,7 +119,8 @@ def test_in_decode_workload_at_ci_size(tmp_path):
     """eval/in_decode.py --tiny: dense's trajectory teacher-forced through each cache (the script checks that dense
     reproduces its own greedy tokens that way: positions of left-padded prompts as generate sets them); a budget at
     the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs. Two processes
-    share dense's passes through `--dense` (the second reads them) and `--merge` joins their rows."""
+    share dense's passes through `--dense` (the second reads them) and `--merge` joins their rows; one prompt as its
+    own batch (`--per-prompt --only 1`) equals dense too."""
     dense = tmp_path / "dense.pt"
     whole_run = _run_eval_script("in_decode.py", tmp_path / "whole.json", "--modes", "previous", "--fractions", "1",
                                  "--dense", str(dense))
@@ -136,12 +137,47 @@ def test_in_decode_workload_at_ci_size(tmp_path):
     assert len(rows) == len(report["rows"]) == 3
     assert report["meta"]["new_tokens"] == 96 and report["meta"]["context"] > 96 + 20
     whole = rows[("previous", 1)]
-    assert whole["budget"] >= report["meta"]["context"]
+    assert whole["budget"] >= report["meta"]["context"] and whole["prompt_indexes"] == [0, 1]
     assert abs(whole["nll_delta"]) < 1e-4 and whole["prefix"] == 96 and whole["full_match"] == 1.0
     assert whole["argmax_agreement"] == 1.0
     sparse = rows[("previous", 4)]
     assert sparse["budget"] < report["meta"]["context"] and 0 <= sparse["prefix"] <= 96
     assert all(0.0 <= r["compiles"] <= 1.0 for r in report["rows"])
+    alone = _run_eval_script("in_decode.py", tmp_path / "alone.json", "--modes", "previous", "--fractions", "1",
+                             "--per-prompt", "--only", "1")
+    (dense_row, row) = alone["rows"]
+    assert alone["meta"]["per_prompt"] and row["prompt_indexes"] == dense_row["prompt_indexes"] == [1]
+    assert abs(row["nll_delta"]) < 1e-4 and row["prefixes"] == [96] and row["argmax_agreement"] == 1.0
+
+
+def test_in_decode_merge_joins_prompts_and_modes(tmp_path):
+    """`--merge`: processes that ran other prompts of a mode and budget join that row (its figures recomputed over
+    all prompts); other modes add rows; a prompt run twice for one row is refused."""
+    from eval.in_decode import merge, summarize
+
+    def run(name, indexes, rows):
+        meta = dict(model="m", prompts=4, new_tokens=10, per_prompt=True, context=50, machine="x", command=name,
+                    seconds=1.0)
+        made = [summarize(dict(r, prompt_indexes=indexes, budgets=[r["budget"]] * len(indexes),
+                               nll_per_prompt=[r["nll"]] * len(indexes), dense_nll_per_prompt=[1.0] * len(indexes),
+                               agreement_per_prompt=[1.0] * len(indexes), prefixes=[r["prefix"]] * len(indexes),
+                               compiled=[True] * len(indexes)), 10) for r in rows]
+        (tmp_path / name).write_text(json.dumps(dict(meta=meta, rows=made)))
+        return str(tmp_path / name)
+
+    dense = dict(mode="dense", budget=None, nll=1.0, prefix=10)
+    a = run("a.json", [0, 1], [dense, dict(mode="none", fraction=8, budget=16, nll=1.5, prefix=4)])
+    b = run("b.json", [2], [dense, dict(mode="none", fraction=8, budget=32, nll=1.2, prefix=10)])
+    c = run("c.json", [0, 1], [dense, dict(mode="previous", fraction=8, budget=16, nll=1.1, prefix=10)])
+    merge([a, b, c], str(tmp_path / "all.json"))
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "all.json").read_text())["rows"]}
+    assert rows["dense"]["prompt_indexes"] == [0, 1, 2] and rows["dense"]["nll_delta"] == 0.0
+    assert rows["none"]["prompt_indexes"] == [0, 1, 2] and rows["none"]["budget"] == round((16 + 16 + 32) / 3)
+    assert rows["none"]["nll_delta"] == pytest.approx((0.5 + 0.5 + 0.2) / 3)
+    assert rows["none"]["prefix"] == pytest.approx(6.0) and rows["none"]["full_match"] == pytest.approx(1 / 3)
+    assert rows["previous"]["prompt_indexes"] == [0, 1]
+    with pytest.raises(SystemExit, match="some of them"):
+        merge([a, run("d.json", [1, 3], [dense])], None)
 
 
 def test_in_decode_helpers():
@@ -152,3 +188,21 @@ def test_in_decode_helpers():
     assert not compiles("```python\ndef f(:\n```") and compiles("x = 1")
     a = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     assert equal_prefix(a, torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])) == [2, 4]
+
+
+def test_report_table_reads_json_and_log_lines(tmp_path):
+    """eval/report_table.py: kept/dense-solved per mode and budget, a task dense never fully solves as accuracies;
+    rows from a report's JSON and from the JSON lines of a run's log land in one table."""
+    from eval.report_table import read_rows, table
+
+    full = [dict(task="multikey", length=8192, mode="dense", budget=None, accuracy=0.5),
+            dict(task="multikey", length=8192, mode="none", budget=512, fraction=16, accuracy=0.5, kept=11,
+                 dense_solved=12)]
+    (tmp_path / "a.json").write_text(json.dumps(dict(tasks=full)))
+    (tmp_path / "b.jsonl").write_text("noise\n" + json.dumps(dict(task="variable_tracking", length=16384, mode="none",
+                                                                   budget=1024, fraction=16, accuracy=0.71,
+                                                                   kept=0, dense_solved=0)) + "\n")
+    rows = read_rows(tmp_path / "a.json") + read_rows(tmp_path / "b.jsonl")
+    lines = table(rows).splitlines()
+    assert lines[0] == "| task | length | dense accuracy | `none` 1/16 |"
+    assert lines[2] == "| multikey | 8K | 0.50 | 11/12 |" and lines[3] == "| variable_tracking | 16K | – | 0.71 |"

@@ -1,0 +1,55 @@
+"""A markdown table of `eval/report.py` results (its JSON files, or the JSON lines its log prints as it runs): per
+task and length, how many of the samples dense answers each mode and budget also answers (`kept/dense-solved`), or,
+for tasks scored by partial credit (no sample fully solved by dense), the mode's accuracy beside dense's.
+
+    python eval/report_table.py eval/results/report-qwen05-8k-h200-2026-12-01.json \\
+        eval/results/report-qwen05-16384-partial-h200-2026-12-01.jsonl ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_rows(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return json.loads(path.read_text())["tasks"]
+
+
+def cell(row: dict) -> str:
+    if row.get("dense_solved"):
+        return f"{row['kept']}/{row['dense_solved']}"
+    return f"{row['accuracy']:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    columns = sorted({(r["mode"], r["fraction"]) for r in rows if r["mode"] != "dense"},
+                     key=lambda c: (c[0], c[1]))
+    cells, dense = {}, {}
+    for r in rows:
+        key = (r["task"], r["length"])
+        if r["mode"] == "dense":
+            dense[key] = r["accuracy"]
+        else:
+            cells.setdefault(key, {})[(r["mode"], r["fraction"])] = cell(r)
+    lines = ["| task | length | dense accuracy | " + " | ".join(f"`{m}` 1/{f}" for m, f in columns) + " |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in columns) + " |"]
+    for key in sorted(cells, key=lambda k: (k[0], k[1])):
+        accuracy = f"{dense[key]:.2f}" if key in dense else "–"
+        lines.append(f"| {key[0]} | {key[1] // 1024}K | {accuracy} | "
+                     + " | ".join(cells[key].get(c, "–") for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    print(table([r for path in args.files for r in read_rows(path)]))
+
+
+if __name__ == "__main__":
+    main()
