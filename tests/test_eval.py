@@ -65,9 +65,10 @@ def _run_eval_script(script: str, out, *args: str) -> dict:
 
 
 def test_report_runs_at_ci_size(tmp_path):
-    report = _run_eval_script("report.py", tmp_path / "report.json", "--tasks", "single_needle",
+    """The report's plumbing on random weights (SmolLM2's own quality runs in tests/test_smollm2.py)."""
+    report = _run_eval_script("report.py", tmp_path / "report.json", "--model", "tiny", "--tasks", "single_needle",
                               "--modes", "none@full", "previous-exact")
-    assert {"command", "date", "machine"} <= set(report["meta"])
+    assert {"command", "date", "machine"} <= set(report["meta"]) and report["meta"]["model"] == "tiny"
     modes = {(r["mode"], r["budget"]) for r in report["tasks"]}
     assert modes == {("dense", None), ("none@full", 256), ("previous-exact", 256)}
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
@@ -118,19 +119,22 @@ def test_scoring_comparison_runs_at_ci_size(tmp_path):
 def test_in_decode_workload_at_ci_size(tmp_path):
     """eval/in_decode.py --tiny: dense's trajectory teacher-forced through each cache (the script checks that dense
     reproduces its own greedy tokens that way: positions of left-padded prompts as generate sets them); a budget at
-    the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs. Two processes
-    share dense's passes through `--dense` (the second reads them) and `--merge` joins their rows; one prompt as its
-    own batch (`--per-prompt --only 1`) equals dense too."""
+    the final context equals dense (NLL delta 0, the whole trajectory matched), a smaller one runs. Two runs share
+    dense's passes through `--dense` (the second reads them) and `--merge` joins their rows; one prompt as its own
+    batch (`--per-prompt --only 1`) equals dense too. (In this process: the script's `main`, as its CLI calls it.)"""
+    from eval.in_decode import main as in_decode
+
+    def run(name, *args):
+        in_decode(["--tiny", *args, "--out", str(tmp_path / name)])
+        return json.loads((tmp_path / name).read_text())
+
     dense = tmp_path / "dense.pt"
-    whole_run = _run_eval_script("in_decode.py", tmp_path / "whole.json", "--modes", "previous", "--fractions", "1",
-                                 "--dense", str(dense))
-    assert dense.exists()
-    _run_eval_script("in_decode.py", tmp_path / "sparse.json", "--modes", "previous", "--fractions", "4",
-                     "--dense", str(dense))
-    run = subprocess.run([sys.executable, str(ROOT / "eval" / "in_decode.py"), "--merge", str(tmp_path / "whole.json"),
-                          str(tmp_path / "sparse.json"), "--out", str(tmp_path / "in_decode.json")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
+    whole_run = run("whole.json", "--modes", "previous", "--fractions", "1", "--dense", str(dense))
+    written = dense.stat().st_mtime_ns
+    run("sparse.json", "--modes", "previous", "--fractions", "4", "--dense", str(dense))
+    assert dense.stat().st_mtime_ns == written  # read, not made again
+    in_decode(["--merge", str(tmp_path / "whole.json"), str(tmp_path / "sparse.json"), "--out",
+               str(tmp_path / "in_decode.json")])
     report = json.loads((tmp_path / "in_decode.json").read_text())
     assert report["rows"][0] == whole_run["rows"][0] and report["meta"]["processes"] == 2
     rows = {(r["mode"], r.get("fraction")): r for r in report["rows"]}
@@ -143,8 +147,7 @@ def test_in_decode_workload_at_ci_size(tmp_path):
     sparse = rows[("previous", 4)]
     assert sparse["budget"] < report["meta"]["context"] and 0 <= sparse["prefix"] <= 96
     assert all(0.0 <= r["compiles"] <= 1.0 for r in report["rows"])
-    alone = _run_eval_script("in_decode.py", tmp_path / "alone.json", "--modes", "previous", "--fractions", "1",
-                             "--per-prompt", "--only", "1")
+    alone = run("alone.json", "--modes", "previous", "--fractions", "1", "--per-prompt", "--only", "1")
     (dense_row, row) = alone["rows"]
     assert alone["meta"]["per_prompt"] and row["prompt_indexes"] == dense_row["prompt_indexes"] == [1]
     assert abs(row["nll_delta"]) < 1e-4 and row["prefixes"] == [96] and row["argmax_agreement"] == 1.0

@@ -74,7 +74,7 @@ def dense(model):
 @pytest.mark.slow
 def test_budget_above_the_context_is_dense(qwen):
     model, tok = qwen
-    inputs = dict(tok(code_prompt(tok, 700), return_tensors="pt"))
+    inputs = dict(tok(code_prompt(tok, 420), return_tensors="pt"))  # two prefill chunks of 256
     kw = dict(max_new_tokens=12, do_sample=False)
     base = generate(model, dense(model), inputs, **kw)
     out = generate(model, OasisCache(model, token_budget=1024, prefill_chunk_tokens=256), inputs, **kw)
@@ -87,7 +87,7 @@ def test_budget_above_the_context_is_dense(qwen):
 def test_left_padded_batch_is_dense(qwen):
     model, tok = qwen
     tok.padding_side = "left"
-    inputs = dict(tok([code_prompt(tok, 500, seed=1), code_prompt(tok, 260, seed=2)], return_tensors="pt",
+    inputs = dict(tok([code_prompt(tok, 330, seed=1), code_prompt(tok, 170, seed=2)], return_tensors="pt",
                       padding=True))
     kw = dict(max_new_tokens=8, do_sample=False)
     base = generate(model, dense(model), inputs, **kw)
