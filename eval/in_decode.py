@@ -120,7 +120,8 @@ def main(argv=None):
     parser.add_argument("--fractions", type=int, nargs="+", default=None,
                         help="budgets as fractions of the final context (default 8 16; --tiny: 4)")
     parser.add_argument("--min-budget", type=int, default=256)
-    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the loader's, fp32)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the offline model's dtype (default: the loader's, float32)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true",
                         help="CI size: random weights (plumbing only), two prompts, 96 new tokens, budget 96")
@@ -157,7 +158,8 @@ def main(argv=None):
     dense_row = summarize(dict(mode="dense", budget=None, prompt_indexes=indexes, budgets=[None] * len(indexes),
                                **{k: [v for d in dense for v in d[2][k]] for k in PER_PROMPT}), args.new_tokens)
     rows = [dense_row]
-    meta = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
+    command = " ".join(["python eval/in_decode.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = dict(command=command, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor() or
                 platform.machine(), model=args.model, prompts=args.prompts, new_tokens=args.new_tokens,
                 context=max(contexts), per_prompt=args.per_prompt, dtype=str(next(model.parameters()).dtype))

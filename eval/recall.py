@@ -138,8 +138,8 @@ def main():
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
                 draft_lookup=args.draft_lookup if args.draft_lookup is not None else OasisConfig.draft_lookup)
-    print(f"SmolLM2, {args.prompt} prompt, context {args.context}, budget {args.budget} (K={meta['K']} blocks of 16), "
-          f"{args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
+    print(f"{args.model}, {args.prompt} prompt, context {args.context}, budget {args.budget} "
+          f"(K={meta['K']} blocks of 16), {args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
                  if r.get("draft_accuracy") is not None else "")
@@ -150,7 +150,8 @@ def main():
         low, high = min(layers, key=layers.get), max(layers, key=layers.get)
         print(f"  {'':14} per layer: lowest {layers[low]:.3f} (layer {low}), highest {layers[high]:.3f} "
               f"(layer {high}); " + " ".join(f"{v:.2f}" for v in layers.values()))
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"recall-smollm2-{meta['date'][:10]}.json"
+    out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
+                                           f"recall-{args.model}-{meta['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 

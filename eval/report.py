@@ -105,7 +105,8 @@ def add_run_arguments(parser, max_new_tokens: int, tiny: str) -> None:
                         "(random weights: CI plumbing only)")
     parser.add_argument("--tiny", action="store_true", help="CI size: " + tiny)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="the offline model's dtype, e.g. bfloat16 (default: float32)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the offline model's dtype (default: float32)")
     parser.add_argument("--out", default=None)
 
 

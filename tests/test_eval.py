@@ -155,7 +155,8 @@ def test_in_decode_workload_at_ci_size(tmp_path):
 
 def test_in_decode_merge_joins_prompts_and_modes(tmp_path):
     """`--merge`: processes that ran other prompts of a mode and budget join that row (its figures recomputed over
-    all prompts); other modes add rows; a prompt run twice for one row is refused."""
+    all prompts); other modes add rows; the same prompts again (dense's row in every file) are taken once; a row
+    that shares some but not all of its prompts with another file's is refused."""
     from eval.in_decode import merge, summarize
 
     def run(name, indexes, rows):
