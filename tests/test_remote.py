@@ -30,6 +30,17 @@ def prefilled(batch=2, length=203):
     return cache
 
 
+def published_and_admitted(model, ids, store, request: str):
+    """`(prefill, admitted)`: the prefill's own cache over all of `ids` but the last token, published as `request`,
+    and the cache a decode process admits from that record."""
+    from oasis_cache.remote import admit, publish
+
+    prefill = OasisCache(model, **OPTIONS)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
+    publish(prefill, store, request)
+    return prefill, admit(model, store, request)
+
 def empty_like(pool: HostKVPool) -> HostKVPool:
     fresh = HostKVPool(pool.batch_size, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype,
                        pool.chunk_blocks, pin_memory=False)
@@ -277,17 +288,13 @@ def test_a_store_that_stops_mid_decode_is_named_and_the_tokens_so_far_kept():
     to do; the tokens generated before stay with the caller; dropping the cache afterwards does not raise."""
     import gc
 
-    from oasis_cache.remote import admit, local_store, publish
+    from oasis_cache.remote import local_store
 
     model = tiny_model("llama")
     ids = prompt_ids(SPLIT_LENGTH, batch=1)
     with local_store() as master:
         store = connect(master)
-        prefill = OasisCache(model, **OPTIONS)
-        with torch.no_grad():
-            model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
-        publish(prefill, store, "stops")
-        cache = admit(model, store, "stops")
+        _, cache = published_and_admitted(model, ids, store, "stops")
         first = model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=3, do_sample=False)
     with pytest.raises(RemoteBlocksMissing, match=r"request 'stops'.*(did not serve them|not in the Mooncake "
                                                   r"Store).*publish the request again"):
@@ -308,12 +315,8 @@ def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
     model = tiny_model("llama")
     ids = prompt_ids(403, batch=2)
     kw = dict(max_new_tokens=6, do_sample=False)
-    prefill = OasisCache(model, **OPTIONS)
-    with torch.no_grad():
-        model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
     store = connect(mooncake_master)
-    publish(prefill, store, "crop-copy-select")
-    cache = admit(model, store, "crop-copy-select")
+    prefill, cache = published_and_admitted(model, ids, store, "crop-copy-select")
     for c in (prefill, cache):
         c.crop(-37)  # into complete blocks
     short = ids[:, :-37]
@@ -341,17 +344,11 @@ def test_a_copy_made_after_decode_completed_blocks_continues_as_the_prefills_cac
     makes every block local in order: the copy, the admitted cache and the prefill's own cache continue alike."""
     import copy
 
-    from oasis_cache.remote import admit, publish
-
     model = tiny_model("llama")
     ids = prompt_ids(403, batch=2)
     kw = dict(max_new_tokens=30, do_sample=False)
-    prefill = OasisCache(model, **OPTIONS)
-    with torch.no_grad():
-        model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
     store = connect(mooncake_master)
-    publish(prefill, store, "copied-after-decode")
-    cache = admit(model, store, "copied-after-decode")
+    prefill, cache = published_and_admitted(model, ids, store, "copied-after-decode")
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     assert torch.equal(got, model.generate(input_ids=ids, **prefill.generate_kwargs(), **kw))
     pools = [layer.pool for layer in cache.layers if isinstance(layer, OasisLayer)]
