@@ -112,10 +112,15 @@ def record_kernel_launches(recorder_of) -> None:
         setattr(module, name, launch)
 
 
-def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16, steady_too=False) -> dict:
+def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16, steady_too=False,
+          padded=0) -> dict:
     """Findings for two consecutive steps (`completing`: two that each complete a block; with `steady_too`, also two
-    steady steps recorded between them, under `result["steady"]`: one decoding for both audits)."""
-    step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0, block_size=block_size)
+    steady steps recorded between them, under `result["steady"]`: one decoding for both audits; `padded`: a batch of
+    two whose first sequence starts with that many padding tokens, `op_count.decoding`)."""
+    if padded:
+        ids = ids.expand(2, -1).clone()
+    step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0, block_size=block_size,
+                           padded=padded)
     if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
         cache.ride_along.static_head = "eager"
     for _ in range(2):
@@ -146,6 +151,10 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
     result = compare(*runs)
     if steady_runs:
         result["steady"] = compare(*steady_runs)
+    padding = getattr(cache, "padding", None)  # the steps read the prompt's recorded padding (`padded`)
+    for part in (result, result.get("steady")):
+        if part is not None:
+            part["padding_recorded"] = padding is not None and padding.tokens is not None
     return result
 
 
@@ -179,6 +188,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="also write the findings here")
     parser.add_argument("--completing", action="store_true", help="two steps that each complete a block")
+    parser.add_argument("--padded", type=int, default=0,
+                        help="a batch of two, the first sequence left-padded by this many tokens, each step called "
+                             "without a mask as a captured step is")
     parser.add_argument("--steady-too", action="store_true",
                         help="with --completing: also two steady steps between them (reported as '<mode> steady')")
     args = step_arguments(parser, 4, ["dense", "previous", "eagle3-exact"])
@@ -193,11 +205,12 @@ def main():
     findings = {}
     for mode in args.modes:
         result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size,
-                       args.steady_too and args.completing)
+                       args.steady_too and args.completing, args.padded)
         for name, part in ((mode, result), (f"{mode} steady", result.get("steady"))):
             if part is None:
                 continue
             findings[name] = dict(ops=part["ops"], same_order=part["same_order"], syncs=dict(part["syncs"]),
+                                  padding_recorded=part["padding_recorded"],
                                   differing=[dict(site=site, op=op, count=n)
                                              for (site, op), n in sorted(part["differing"].items())])
             differing, syncs = part["differing"], part["syncs"]
@@ -209,7 +222,8 @@ def main():
                 print(f"  differs {n:3}  {op:28} {site}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(command="python " + " ".join(sys.argv), layers=args.layers,
-                                                   context=args.context, backend=args.backend, modes=findings),
+                                                   context=args.context, backend=args.backend, padded=args.padded,
+                                                   modes=findings),
                                               indent=1))
 
 

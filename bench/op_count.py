@@ -47,11 +47,13 @@ def count_kernels_as_launches() -> None:
 
 
 def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", warm_steps: int = 3,
-             block_size: int = 16):
+             block_size: int = 16, padded: int = 0):
     """A cache for `mode` (below), prefilled with `ids` `[B, n]` and decoded `warm_steps` steps. Returns `step()`,
     which runs the next decode step (one token, the mask of the whole sequence as `generate` passes it), and the
     cache. `mode`: "dense" (HF's SDPA + DynamicCache, the baseline) or a lookahead, optionally with `-exact` (miss
-    repair), e.g. `eagle3-exact` (the default with a head)."""
+    repair), e.g. `eagle3-exact` (the default with a head). `padded` > 0: the first sequence's first `padded` tokens
+    are left padding, and each step is called as a captured step records it: no mask, each sequence's own
+    `position_ids` (the cache reads the padding it recorded at the prefill)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -63,14 +65,19 @@ def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", w
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     B, n = ids.shape
     state = {"mask": torch.ones(B, n, dtype=torch.long)}
+    state["mask"][0, :padded] = 0
+    positions = (state["mask"].cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=state["mask"], **kw)
+        out = model(input_ids=ids, attention_mask=state["mask"], position_ids=positions, **kw)
     state["token"] = out.logits[:, -1:].argmax(-1)
+    state["position"] = positions[:, -1:]
 
     @torch.no_grad()
     def step():
-        state["mask"] = torch.cat((state["mask"], state["mask"][:, :1]), 1)
-        out = model(input_ids=state["token"], attention_mask=state["mask"], **kw)
+        state["mask"] = torch.cat((state["mask"], torch.ones_like(state["mask"][:, :1])), 1)
+        state["position"] = state["position"] + 1
+        inputs = dict(position_ids=state["position"]) if padded else dict(attention_mask=state["mask"])
+        out = model(input_ids=state["token"], **inputs, **kw)
         state["token"] = out.logits[:, -1:].argmax(-1)
 
     for _ in range(warm_steps):

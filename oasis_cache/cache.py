@@ -19,7 +19,7 @@ from . import compat
 from .compute.attention import clear_pending, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
-from .control import StepVisibility, step_visibility
+from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
 from .memory.host_memory import check_host_room, release_cached_pinned
@@ -132,6 +132,9 @@ class OasisCache(Cache):
         self.selection_log: list | None = None  # every step's selections, while `oasis_cache.plot.record` runs
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
+        # the batch's padding from the last multi-token dense forward's mask (`control.Padding`), which one-token
+        # decode steps read instead of their masks; None: unknown (decode steps read their masks)
+        self.padding: Padding | None = None
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self.remote_tier = None  # the store's request this cache was admitted from (`oasis_cache.remote.admit`)
         self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
@@ -196,6 +199,8 @@ class OasisCache(Cache):
             self.decode_clock += 1
             self.counters.decode_steps += 1
             self.counters.decode_tokens += Qn
+            if Qn > 1:
+                self.padding = None  # a multi-token sparse forward's mask is not recorded: masks are read from now on
         else:
             self._check_host_room(Qn, key_states)
             self.counters.dense_forwards += 1
@@ -238,14 +243,41 @@ class OasisCache(Cache):
             value = self._forward_memo[key] = build()
         return value
 
-    def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer) -> StepVisibility:
+    def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer, decode: bool = False) -> StepVisibility:
         """Block visibility of the current forward, once per number of complete blocks (before and after this
-        forward's offload), as wide as the summaries' capacity (the block count read on the device)."""
+        forward's offload), as wide as the summaries' capacity (the block count read on the device). A decode step
+        (`decode`) reads the batch's recorded padding instead of its mask once every padding token is in a complete
+        block (`padding_covers`): fixed shapes, no mask, what a captured step replays."""
         cfg, num_blocks, summaries = self.config, layer.pool.num_blocks, layer.summaries
         width = summaries.capacity_blocks
-        return self._shared(("visibility", num_blocks, width, str(layer.device)), lambda: step_visibility(
-            visible, layer.batch_size, num_blocks, summaries.count, width, cfg.block_size, cfg.sink_tokens,
-            cfg.num_recent_blocks, layer.device))
+        padding = self.padding if decode and self.padding_covers(num_blocks, visible) else None
+        if padding is not None:
+            visible = None
+        return self._shared(("visibility", num_blocks, width, padding is not None, str(layer.device)),
+                            lambda: step_visibility(visible, layer.batch_size, num_blocks, summaries.count, width,
+                                                    cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
+                                                    layer.device, padding))
+
+    def note_padding(self, visible: torch.Tensor | None, layer: OasisLayer) -> None:
+        """After a multi-token dense forward (first full-attention layer): keep its mask's padding for the decode
+        steps that follow (one host sync, in the prefill)."""
+        self.padding = Padding.of(visible, layer.batch_size, layer.device)
+
+    def padding_covers(self, num_blocks: int, visible: torch.Tensor | None = None) -> bool:
+        """Whether a decode step with `num_blocks` complete blocks may read the recorded padding instead of its mask:
+        every padding token lies in a complete block. On the CPU, where reading the mask costs no sync, a mask given
+        must also agree with the record (else the step reads its mask); on CUDA decode masks are taken to extend
+        the prompt's with ones, as `generate`'s do."""
+        padding = self.padding
+        if padding is None or padding.clear_from > num_blocks * self.config.block_size:
+            return False
+        if visible is not None and visible.device.type == "cpu":
+            if padding.tokens is None:
+                return bool(visible.all())
+            L = padding.tokens.shape[1]
+            return visible.shape[1] >= L and bool(torch.equal(visible[:, :L], padding.tokens)) and \
+                bool(visible[:, L:].all())
+        return True
 
     def new_token_bias(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
                        dtype: torch.dtype, device) -> torch.Tensor:
@@ -385,24 +417,29 @@ class OasisCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.reshaped = True
+        self.padding = None
         super().reorder_cache(beam_idx)
         if self.ride_along is not None:
             self.ride_along.index_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reshaped = True
+        self.padding = None
         super().batch_select_indices(indices)
         if self.ride_along is not None:
             self.ride_along.index_batch(torch.as_tensor(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.reshaped = True
+        self.padding = None
         super().batch_repeat_interleave(repeats)
         if self.ride_along is not None:
             self.ride_along.repeat_interleave(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
         self.reshaped = self.reshaped or int(tokens_to_remove) != 0
+        if int(tokens_to_remove) != 0:
+            self.padding = None
         super().crop(tokens_to_remove)
         if self.ride_along is not None and int(tokens_to_remove) != 0:
             self.ride_along.reset()  # its rows no longer line up with the tokens: it starts over
@@ -422,6 +459,7 @@ class OasisCache(Cache):
             self.ride_along.reset()
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False
+        self.padding = None
         self.decode_clock = 0
         self._device_clocks = {}
         self._forward_memo = {}
@@ -459,7 +497,6 @@ class OasisCache(Cache):
             from .compute.captured_step import CapturedSteps
 
             new.captured_steps = CapturedSteps()
-            new.captured_steps.unpadded = self.captured_steps.unpadded
         new.ride_along = self.ride_along.copy_for(model, new) if self.ride_along is not None else None
         if new.ride_along is not None:
             weakref.finalize(new, new.ride_along.remove)
@@ -494,7 +531,8 @@ class OasisCache(Cache):
         MemoryError that names the sizes and what to lower."""
         from .compute.prefill import prefill_chunks, run_chunks
 
-        spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size)
+        spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
+                               self.config.max_decode_tokens)
         past = self.get_seq_length(self._first_oasis_layer)
         try:
             if spans is not None:
@@ -525,13 +563,14 @@ class OasisCache(Cache):
 
     # ------------------------------------------------------------------------------------- captured decode steps
     def replayable_step(self) -> str | None:
-        """Which captured step the next one-token decode forward of an unpadded batch may replay on a CUDA cache:
+        """Which captured step the next one-token decode forward may replay on a CUDA cache (its batch's padding
+        recorded and in complete blocks, `padding_covers`):
         "steady", "completing" (one block completes: with the Triton backend, whose offload reads the block number
         on the device), or None (the forward runs eagerly)."""
         layer = self.layers[self._first_oasis_layer]
         # (summaries' channels are chosen at the first append, in the same forward for every layer)
         if not (layer.is_initialized and layer.device.type == "cuda" and self._decode_step_of_fixed_shapes()
-                and layer.summaries.channels_fixed):
+                and layer.summaries.channels_fixed and self.padding_covers(layer.pool.num_blocks)):
             return None
         if not layer.completes_block():
             return "steady"

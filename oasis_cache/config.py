@@ -112,7 +112,7 @@ class OasisConfig:
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
             wherever the Triton backend runs. True: the kernel (an error unless the backend is Triton on CUDA).
             False: SDPA.
-        cuda_graph: replay one-token decode steps of an unpadded batch as CUDA graphs (`compute/captured_step.py`):
+        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; a left-padded batch's too):
             one graph for the steps that complete no block, one for those that complete one, recaptured when a pool's
             capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
             (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
@@ -120,8 +120,8 @@ class OasisConfig:
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
-            this many tokens (`compute/prefill.py`): the prompt's activations stay bounded, so a long prompt fits a
-            small card without `prefill_chunk_size`; 0: off. Same result as the whole forward (the cache's prefill is
+            this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
+            prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0: off. Same result as the whole forward (the cache's prefill is
             dense attention either way), but for the summaries' channels (`summary_channels` < 1), chosen from the
             blocks of the first chunk (8192 tokens by default) instead of the whole prompt's.
         progress: show a progress bar (tqdm) over a chunked prefill's tokens.

@@ -189,6 +189,8 @@ class OasisLayer(CacheLayerMixin):
             out = self._attend_dense(query, visible, scale)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
+            if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
+                self._cache.note_padding(visible, self)  # the decode steps after it read this padding
         draft_rows = self._cache.draft_rows
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)
@@ -233,7 +235,7 @@ class OasisLayer(CacheLayerMixin):
         B, Hq, Qn, D = query.shape
         H, T, S = self.num_kv_heads, cfg.block_size, self.working_set.num_slots
         NB, n = self.pool.num_blocks, self.recent.num_tokens
-        view = cache.step_visibility(visible, self)
+        view = cache.step_visibility(visible, self, decode=True)
         ws = self.working_set
         cache.streams.wait(self.layer_idx)  # the blocks prefetched for this step have landed
 
@@ -281,7 +283,7 @@ class OasisLayer(CacheLayerMixin):
         runs on the side stream while the rest of this step computes. With `exact`, all slots are filled (the next
         step repairs what is missing)."""
         cache, cfg = self._cache, self.config
-        view = cache.step_visibility(visible, self)  # the blocks completed by this forward are candidates too
+        view = cache.step_visibility(visible, self, decode=after_decode)  # blocks completed here count too
         # (the next step attends what is placed here, without `exact`: its query sees one more token)
         k = cfg.slots if cfg.exact else cfg.blocks_for_step(self.pool.num_blocks, self.recent.num_tokens + 1)
         ranked, self._draft_ranks = self._draft_ranks, None

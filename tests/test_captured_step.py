@@ -169,7 +169,8 @@ def test_routed_forward_keeps_the_model_as_it_was():
     cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous")
     cache.captured_steps = steps = CapturedSteps()  # as cuda_graph=True would (on CUDA)
     out = generate(model, cache, inputs, **kw)
-    assert torch.equal(out.sequences, expected.sequences) and steps.unpadded
+    assert torch.equal(out.sequences, expected.sequences)
+    assert cache.padding is not None and cache.padding.tokens is None  # the prompt's record: no padding
     assert steps.captures == steps.replays == 0
 
 
@@ -189,3 +190,66 @@ def test_a_reshaped_cache_runs_eagerly_until_its_next_prefill():
     step(model, cache, prompt_ids(400))  # a new prompt: steady steps again
     token = step(model, cache, token)
     assert cache.steady_step()
+
+
+def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_prefill(monkeypatch):
+    """A captured step cannot read a mask that grows every step: the prefill records the batch's padding
+    (`control.Padding`) and one-token decode steps read that record instead (fixed shapes, the block count on the
+    device). Same tokens and logits, bit for bit, as steps that read their masks; on the CPU a mask that disagrees
+    with the record is read instead; a reshaped cache forgets the record."""
+    from conftest import generate, left_padded
+
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    inputs = left_padded([150, 97, 123])
+    kw = dict(max_new_tokens=24, do_sample=False)
+    options = dict(token_budget=64, recent_tokens=32, lookahead="previous")  # sparse: 150 tokens, 64 attended
+    covered = []
+    padding_covers = OasisCache.padding_covers
+
+    def spy(self, num_blocks, visible=None):
+        covered.append(padding_covers(self, num_blocks, visible))
+        return covered[-1]
+
+    monkeypatch.setattr(OasisCache, "padding_covers", spy)
+    cache = OasisCache(model, **options)
+    recorded = generate(model, cache, inputs, **kw)
+    assert any(covered) and cache.padding.tokens is not None
+    assert cache.padding.clear_from == 150 - 97  # after the last padding token (the shortest sequence's)
+    assert cache.padding.first.flatten().tolist() == [0, 53, 27]
+    monkeypatch.setattr(OasisCache, "padding_covers", lambda self, num_blocks, visible=None: False)
+    read = generate(model, OasisCache(model, **options), inputs, **kw)  # every step reads its mask
+    assert torch.equal(recorded.sequences, read.sequences)
+    for a, b in zip(recorded.logits, read.logits):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(OasisCache, "padding_covers", padding_covers)
+    NB = cache.layers[0].pool.num_blocks
+    mask = torch.cat((inputs["attention_mask"], torch.ones(3, cache.get_seq_length() - 150, dtype=torch.long)), 1)
+    assert cache.padding_covers(NB, mask.bool()) and cache.padding_covers(NB)
+    mask[1, 60] = 0  # a mask that hides one more token than the prompt's: read, not the record
+    assert not cache.padding_covers(NB, mask.bool())
+    assert not cache.padding_covers(2, None)  # padding tokens past the complete blocks: masks are read
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert cache.padding is None
+
+
+def test_step_visibility_from_a_padding_record_equals_the_one_from_the_mask():
+    """`step_visibility` from a `Padding` (any capacity width, the block count on the device) gives the mask's blocks
+    and tokens wherever a step reads them (blocks below the count)."""
+    from oasis_cache.control import Padding, step_visibility
+
+    T, B = 8, 3
+    visible = torch.ones(B, 200, dtype=torch.bool)
+    visible[0, :37], visible[2, :5] = False, False
+    for num_blocks, width in ((20, 24), (23, 24), (24, 32)):
+        N = num_blocks * T + 5
+        mask = torch.cat((visible, torch.ones(B, max(0, N - 200), dtype=torch.bool)), 1)[:, :N]
+        record = Padding.of(visible[:, :150], B, "cpu")
+        assert record.clear_from == 37
+        count = torch.tensor([num_blocks])
+        a = step_visibility(mask, B, num_blocks, count, width, T, T, 2, "cpu")
+        b = step_visibility(None, B, num_blocks, count, width, T, T, 2, "cpu", record)
+        assert torch.equal(a.allowed, b.allowed) and torch.equal(a.forced, b.forced)
+        assert torch.equal(a.block_tokens, b.block_tokens[:, :num_blocks]) and b.recent is None
+        assert a.recent.all()
+    unpadded = Padding.of(torch.ones(B, 50, dtype=torch.bool), B, "cpu")
+    assert unpadded.tokens is None and unpadded.clear_from == 0

@@ -279,8 +279,8 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
     3; sparse, one graph per kind of step (steady, completing a block) serves every block count (the blocks exceed
     the slots), dense-equal they are recaptured as blocks complete (every block selected: shapes follow the count);
-    a left-padded batch runs eagerly (no replay),
-    with the same result. With eagle3 the ride-along is in the graph: the same drafts (their count of right guesses)
+    a left-padded batch replays too (its steps read the padding recorded at the prefill, not their masks), sparse and
+    dense-equal, with the same result. With eagle3 the ride-along is in the graph: the same drafts (their count of right guesses)
     and, without `exact` (the draft's choice is attended), the same tokens."""
     from conftest import random_head
 
@@ -292,7 +292,8 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
         ({"input_ids": prompt_ids(300)}, 128, True),
         ({"input_ids": prompt_ids(300, batch=3)}, 128, True),
         ({"input_ids": prompt_ids(300)}, 1024, True),
-        (left_padded([250, 190, 220]), 128, False),
+        (left_padded([250, 190, 220]), 128, True),
+        (left_padded([250, 190, 220]), 1024, True),
     ]:
         inputs = on_cuda(inputs)
         options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)

@@ -332,10 +332,12 @@ def count_decoder_calls(model):
 @pytest.mark.parametrize("lookahead", ["none", "previous"])
 def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
     """`prefill_chunk_tokens`: generate's prefill of a prompt longer than it runs as forwards of at most that many
-    tokens over the batch (block multiples), with the same tokens and logits as dense (no `prefill_chunk_size`)."""
+    tokens over the batch (block multiples; a tail of at most `max_decode_tokens` joins the chunk before, so that
+    the prefill stays dense and records the batch's padding), with the same tokens and logits as dense (no
+    `prefill_chunk_size`)."""
     model = tiny_model("llama")
     for inputs, chunk_tokens, expected in [({"input_ids": prompt_ids(300)}, 64, [64] * 4 + [44]),
-                                           (left_padded([200, 150, 170]), 96, [32] * 6 + [8])]:
+                                           (left_padded([200, 150, 170]), 96, [32] * 5 + [40])]:
         dense = generate(model, dense_cache(model), inputs, max_new_tokens=12, do_sample=False)
         cache = OasisCache(model, token_budget=1024, lookahead=lookahead, prefill_chunk_tokens=chunk_tokens)
         calls, handle = count_decoder_calls(model)
@@ -345,6 +347,7 @@ def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
             handle.remove()
         assert calls[: len(expected)] == expected and set(calls[len(expected):]) == {1}
         assert same_as_dense(dense, oasis)
+        assert (cache.padding.tokens is None) == ("attention_mask" not in inputs)  # decode steps read the record
     # Sparse decode after either prefill: the same cache. (Every key channel summarized: by default the summaries'
     # channels are chosen from the blocks of the first forward that completes any, here the first chunk.)
     sparse = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0)

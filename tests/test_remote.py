@@ -250,7 +250,14 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     starved = admit(model, store, "evict", local_cache_units=1)
     with pytest.raises(MemoryError, match=r"more than the local cache holds \(1\).*local_cache_units="):
         model.generate(input_ids=ids, **starved.generate_kwargs(), **kw)
+    assert not starved.streams._futures  # every prefetch was joined before the error left `generate`
+    # Closing the store while caches use it (a prefetch may still be fetching on the host thread) is safe: the
+    # next fetch raises an error naming it, not a crash of the process (Mooncake's closed clients crash).
     store.close()
+    with pytest.raises(ConnectionError, match=r"client is closed"):
+        model.generate(input_ids=expected, **small.generate_kwargs(), max_new_tokens=40, do_sample=False)
+    with pytest.raises(ConnectionError, match=r"store.close\(\) was called.*connect\(\) again"):
+        store.get("oasis/evict/admission/0")
 
 
 def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published):

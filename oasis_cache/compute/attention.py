@@ -102,7 +102,12 @@ def oasis_attention_forward(
             "supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as [batch, tokens]."
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = layer.attend(query, attention_mask, scale)
+    try:
+        out = layer.attend(query, attention_mask, scale)
+    except BaseException:
+        if layer._cache.streams is not None:
+            layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error
+        raise
     return out.transpose(1, 2).contiguous(), None
 
 

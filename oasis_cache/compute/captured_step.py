@@ -10,10 +10,12 @@ cache's `CapturedSteps`, which, for a call that
     - completes no block ("steady": no offload, every shape stays fixed) or exactly one ("completing", with the
       Triton backend: the block is offloaded at the block number read on the device, its summary written at it, the
       count advanced on the device; `OasisCache.prepare_step` first makes room in every pool, on the host),
-    - belongs to an unpadded batch (known since the last prefill; decode masks are taken to extend it with ones, as
-      `generate` does), with no measurement mode and no outputs beyond the logits,
+    - belongs to a batch whose padding the cache recorded at the last prefill and which lies in complete blocks
+      (`OasisCache.padding_covers`: the step reads that record, not its mask; decode masks are taken to extend the
+      prompt's with ones, as `generate`'s do), with no measurement mode and no outputs beyond the logits,
 
-copies the token and its position into static buffers and replays the graph of its kind captured for the cache's
+copies the token and its position (the caller's `position_ids`: a left-padded sequence's own; else the cache's
+length) into static buffers and replays the graph of its kind captured for the cache's
 current layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the
 slots).
 Any other call runs the eager forward. Selection ranks blocks over the summaries' capacity and reads the block count
@@ -43,7 +45,7 @@ import torch
 from ..compat import generate_cache_argument
 
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
-# except the inputs below: HF's caller passes masks / positions that the unpadded decode step already implies.
+# except the token and its positions: the step reads the cache's recorded padding, not the caller's mask.
 _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "cache",
                   "use_cache", "return_dict", "logits_to_keep"}
 
@@ -104,7 +106,6 @@ class CapturedSteps:
 
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
-        self.unpadded = False  # the last prefill's mask had no padding (one check per prefill)
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
@@ -119,11 +120,7 @@ class CapturedSteps:
         input_ids = kwargs.get("input_ids")
         kind = self._replayable(cache, input_ids, kwargs)
         if kind is None:
-            out = runner.eager_forward(**kwargs)
-            if input_ids is not None and input_ids.shape[1] > 1 or cache.counters.decode_steps == 0:
-                mask = kwargs.get("attention_mask")  # a prefill: does its batch hold padding? (once per prompt)
-                self.unpadded = mask is None or bool(mask.all())
-            return out
+            return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
             with self._on_capture_stream(input_ids.device):
@@ -134,11 +131,14 @@ class CapturedSteps:
         cache.prepare_step(kind)
         slot = self.graphs.setdefault(kind, _Graph())
         if cache.replay_signature() != slot.signature:
-            return self._capture(runner, cache, input_ids, slot)
-        return self._replay(cache, input_ids, kind, slot)
+            return self._capture(runner, cache, input_ids, slot, kwargs)
+        return self._replay(cache, input_ids, kind, slot, kwargs)
 
     def _replayable(self, cache, input_ids, kwargs) -> str | None:
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1 or not self.unpadded:
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return None
+        positions = kwargs.get("position_ids")
+        if positions is not None and tuple(positions.shape) != tuple(input_ids.shape):
             return None
         if any(v is not None and v is not False and k not in _REPLAY_KWARGS for k, v in kwargs.items()):
             return None
@@ -154,7 +154,17 @@ class CapturedSteps:
             yield
         caller.wait_stream(self.stream)
 
-    def _capture(self, runner, cache, input_ids, slot: _Graph):
+    def _set_inputs(self, cache, input_ids, kwargs) -> None:
+        """The step's token and positions into the static buffers: the caller's `position_ids` (`generate` passes a
+        left-padded sequence's own), else the cache's length (what the model computes without them)."""
+        self.input_ids.copy_(input_ids)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            self.position_ids.fill_(cache.get_seq_length())
+        else:
+            self.position_ids.copy_(positions)
+
+    def _capture(self, runner, cache, input_ids, slot: _Graph, kwargs):
         """Record this step's forward for the current layout, then replay it (the capture itself runs nothing)."""
         previous = slot.graph  # kept until the new graph holds the pool: what its capture freed is reused
         slot.graph = slot.signature = slot.output = None
@@ -163,12 +173,11 @@ class CapturedSteps:
         device = input_ids.device
         if self.input_ids is None or self.input_ids.shape != input_ids.shape:
             self.input_ids = input_ids.clone()  # [B, 1]
-            self.position_ids = torch.empty_like(input_ids)  # [B, 1]: no padding
+            self.position_ids = torch.empty_like(input_ids)  # [B, 1]
             for other in self.graphs.values():  # (graphs of other inputs' buffers would read stale ones)
                 if other is not slot:
                     other.graph = other.signature = other.output = None
-        self.input_ids.copy_(input_ids)
-        self.position_ids.fill_(cache.get_seq_length())
+        self._set_inputs(cache, input_ids, kwargs)
         call = {runner.cache_argument: cache, "use_cache": True, "return_dict": True}
         if "logits_to_keep" in runner.__signature__.parameters:
             call["logits_to_keep"] = 1
@@ -198,10 +207,9 @@ class CapturedSteps:
         graph.replay()
         return self._result(slot)
 
-    def _replay(self, cache, input_ids, kind: str, slot: _Graph):
+    def _replay(self, cache, input_ids, kind: str, slot: _Graph, kwargs):
         cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
-        self.input_ids.copy_(input_ids)
-        self.position_ids.fill_(cache.get_seq_length())
+        self._set_inputs(cache, input_ids, kwargs)
         slot.graph.replay()
         cache.advance_replayed_step(kind)
         self.replays += 1

@@ -18,8 +18,10 @@ _SPLITTABLE = {"input_ids", "inputs_embeds", "attention_mask", "position_ids", "
                "cache", "use_cache", "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states"}
 
 
-def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int) -> list[tuple[int, int]] | None:
-    """`[(start, end), ...]` over the call's new tokens when it should run in chunks, else None."""
+def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int, shortest: int = 0) -> list[tuple[int, int]] | None:
+    """`[(start, end), ...]` over the call's new tokens when it should run in chunks, else None. A last chunk of at
+    most `shortest` tokens joins the one before (it would decode sparsely: a prefill's tail stays dense, and its mask
+    is the padding record decode steps read, `control.Padding`)."""
     if not chunk_tokens:
         return None
     tokens = kwargs.get("input_ids")
@@ -40,6 +42,8 @@ def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int) -> list[tup
     keep = kwargs.get("logits_to_keep")
     length = max(block_size, chunk_tokens // B // block_size * block_size)
     spans = [(start, min(N, start + length)) for start in range(0, N, length)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] <= shortest:
+        spans[-2:] = [(spans[-2][0], N)]
     if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= spans[-1][1] - spans[-1][0]:
         return None  # all logits (0 or None), or indices: the whole forward
     return spans

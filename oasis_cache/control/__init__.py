@@ -2,6 +2,6 @@
 predictors, eviction and fetch caps). No bytes move here."""
 
 from .selection import all_blocks, rank_blocks, score_blocks, top_blocks
-from .visibility import StepVisibility, step_visibility
+from .visibility import Padding, StepVisibility, step_visibility
 
-__all__ = ["score_blocks", "rank_blocks", "top_blocks", "all_blocks", "StepVisibility", "step_visibility"]
+__all__ = ["score_blocks", "rank_blocks", "top_blocks", "all_blocks", "Padding", "StepVisibility", "step_visibility"]

@@ -1,6 +1,11 @@
 """What one forward lets every layer see, computed once per forward from the 2D attention mask: which blocks hold
 visible tokens, which blocks are always attended (sink and recent), and the per-token visibility that attention
-applies inside blocks and among the recent tokens. All layers of a forward share it (same mask, same length)."""
+applies inside blocks and among the recent tokens. All layers of a forward share it (same mask, same length).
+
+A one-token decode step of a padded batch does not read its mask: the padding lies in the prompt, and `generate`'s
+decode masks extend the prompt's with ones. The cache keeps the prompt's padding (`Padding`, taken from the last
+multi-token forward's mask) and the step's visibility is computed from it and from the block count on the device, in
+shapes that do not change from step to step — what a captured step replays (`compute/captured_step.py`)."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ class StepVisibility:
 
     allowed:      `[B, W]` bool, blocks holding at least one visible token
     forced:       `[B, W]` bool, sink blocks (from each sequence's first visible token) and the newest blocks
-    block_tokens: `[B, NB, T]` bool visibility of each block's tokens, or None when every token is visible
+    block_tokens: `[B, NB, T]` bool visibility of each block's tokens (`[B, W, T]` from a `Padding`), or None when
+                  every token is visible
     recent:       `[B, n]` bool visibility of the recent tokens, or None when every token is visible
     """
 
@@ -26,6 +32,31 @@ class StepVisibility:
     forced: torch.Tensor
     block_tokens: torch.Tensor | None
     recent: torch.Tensor | None
+
+
+@dataclass
+class Padding:
+    """The batch's padding, from the mask of the last multi-token forward (`Padding.of`), for the decode steps after it.
+
+    tokens:     `[B, L]` bool, True = a real token, over the cache's first L tokens (tokens from L on are real), or None
+                when no token is padding
+    first:      `[B, 1]` int64, each sequence's first real token
+    clear_from: the position after the last padding token of any sequence (0 without padding), on the host: a decode
+                step takes its visibility from here once every padding token is in a complete block
+    """
+
+    tokens: torch.Tensor | None
+    first: torch.Tensor
+    clear_from: int
+
+    @classmethod
+    def of(cls, visible: torch.Tensor | None, batch_size: int, device) -> "Padding":
+        """The padding of a forward's mask `visible` (`[B, N]` bool over all N tokens, or None); one host sync."""
+        if visible is not None:
+            padded = (~visible).any(dim=0).nonzero()
+            if padded.numel():
+                return cls(visible.clone(), visible.int().argmax(dim=1, keepdim=True), int(padded[-1]) + 1)
+        return cls(None, torch.zeros((batch_size, 1), dtype=torch.long, device=device), 0)
 
 
 def step_visibility(
@@ -38,13 +69,21 @@ def step_visibility(
     sink_tokens: int,
     num_recent_blocks: int,
     device: torch.device,
+    padding: Padding | None = None,
 ) -> StepVisibility:
     """`visible`: `[B, N]` bool (True = a real token) over all N = NB*T + n tokens, or None (no padding). `count`:
-    NB as a `[1]` int64 on the device — without padding the masks are computed from it alone, so that a captured
-    step replays them for the next block count."""
+    NB as a `[1]` int64 on the device — without a mask the masks are computed from it alone, so that a captured
+    step replays them for the next block count. `padding` (with `visible` None: a decode step whose padding tokens
+    are all in complete blocks): the batch's padding, read in fixed shapes — `block_tokens` is then `[B, W, T]`."""
     blocks = torch.arange(width, device=device)
     exists = blocks < count  # [W]
-    if visible is None:
+    if visible is None and padding is not None and padding.tokens is not None:
+        tokens, cover = padding.tokens[:, : width * block_size], width * block_size
+        block_tokens = torch.nn.functional.pad(tokens, (0, cover - tokens.shape[1]), value=True).view(
+            batch_size, width, block_size)
+        allowed = block_tokens.any(dim=-1) & exists
+        first, recent = padding.first, None
+    elif visible is None:
         allowed = exists.expand(batch_size, width).contiguous()  # (once per forward: the kernel reads it as int8)
         first = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
         block_tokens = recent = None

@@ -48,8 +48,26 @@ class PrefetchStreams:
         if not self._futures or threading.current_thread().name.startswith("oasis-prefetch"):
             return  # (a prefetch running on the worker never waits for itself)
         futures, self._futures = self._futures, {}
-        for layer_idx, future in futures.items():
-            self._joined(layer_idx, future)
+        error = None
+        for layer_idx, future in futures.items():  # every one joined, so none runs on after an error leaves
+            try:
+                self._joined(layer_idx, future)
+            except BaseException as raised:
+                error = error or raised
+        if error is not None:
+            raise error
+
+    def quiesce(self) -> None:
+        """Wait out every prefetch the host worker holds, dropping their results and errors: an error leaves the
+        step, and none of this cache's store reads may still run after it (the caller may close the store next)."""
+        if threading.current_thread().name.startswith("oasis-prefetch"):
+            return
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            try:
+                future.result()
+            except BaseException:
+                pass
 
     def _joined(self, layer_idx: int, future) -> None:
         """The worker's prefetch for `layer_idx` has run (its error raises here); its end event is the layer's."""
@@ -125,7 +143,11 @@ class PrefetchStreams:
         """Make the compute stream wait for `layer_idx`'s pending prefetch, if any."""
         future = self._futures.pop(layer_idx, None)
         if future is not None:
-            self._joined(layer_idx, future)
+            try:
+                self._joined(layer_idx, future)
+            except BaseException:
+                self.quiesce()
+                raise
         pending = self._done.pop(layer_idx, None)
         if pending is None:
             return

@@ -3,6 +3,6 @@ request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
 from .disaggregate import admit, publish
 from .local_cache import LocalBlockCache
-from .mooncake import RemoteBlocksMissing, RemoteTier, connect, local_store
+from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, connect, local_store
 
-__all__ = ["RemoteTier", "RemoteBlocksMissing", "LocalBlockCache", "connect", "local_store", "publish", "admit"]
+__all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "connect", "local_store", "publish", "admit"]

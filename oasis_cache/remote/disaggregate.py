@@ -76,7 +76,7 @@ def publish(cache: OasisCache, store, request: str) -> dict:
     buffer = io.BytesIO()
     torch.save(_detached(state), buffer)  # one save: views (the recent tokens in the working set) stay views
     record = buffer.getvalue()
-    if store.put(tier.key("admission", 0), record) != 0:
+    if tier.store.put(tier.key("admission", 0), record) != 0:
         raise RuntimeError(f"Mooncake Store refused the admission record of request {request!r} ({len(record)} bytes).")
     return {"blocks": blocks_bytes, "record": len(record), "full_kv": full}
 
@@ -94,7 +94,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
     record."""
     tier = RemoteTier(store, request)
-    record = store.get(tier.key("admission", 0))
+    record = tier.store.get(tier.key("admission", 0))
     if not record:
         raise RemoteBlocksMissing(f"No admission record for request {request!r} in the Mooncake Store: publish it "
                                   f"from the prefill process first (oasis_cache.remote.publish), or it was deleted.")

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,26 +65,70 @@ def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
         socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError) as error:
         raise ConnectionError(f"No Mooncake master answers at {master!r} ({error}). {start}") from error
-    store = MooncakeDistributedStore()
-    status = store.setup(hostname, metadata_server, segment_bytes, buffer_bytes, protocol, "", master)
+    client = MooncakeDistributedStore()
+    status = client.setup(hostname, metadata_server, segment_bytes, buffer_bytes, protocol, "", master)
     if status != 0:
         raise ConnectionError(
             f"Could not join the Mooncake Store whose master is {master!r} (setup returned {status}). {start}")
-    return store
+    return StoreClient(client)
+
+
+class StoreClient:
+    """A `MooncakeDistributedStore` client that is safe to close while caches still use it (what `connect` returns).
+
+    Mooncake's client crashes the process on most calls once it is closed, and an admitted cache calls it from a
+    host thread too (its prefetches, `memory/streams.py`), which may still be fetching when `generate` has returned.
+    Here every call and `close()` take one lock: `close` waits for a call in flight, and a call after it raises
+    `ConnectionError` naming the fix instead of reaching the closed client. Every method of the client is here
+    (`put`, `get`, `batch_get_into`, ...), with the same arguments and results; `client` is the wrapped one."""
+
+    def __init__(self, client):
+        self.client = client
+        self.closed = False
+        self._lock = threading.RLock()
+
+    def close(self) -> int:
+        """Close the client (once), after the call in flight, if any; later calls raise `ConnectionError`."""
+        with self._lock:
+            if self.closed:
+                return 0
+            self.closed = True
+            return self.client.close()
+
+    def health_check(self) -> int:
+        """0 open, 1 closed, 2 cut off from its master (Mooncake's codes)."""
+        with self._lock:
+            return 1 if self.closed else self.client.health_check()
+
+    def __getattr__(self, name: str):
+        method = getattr(self.client, name)
+        if not callable(method):
+            return method
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                if self.closed:
+                    raise ConnectionError(f"The Mooncake Store client is closed (store.close() was called); {name} "
+                                          f"needs an open one: connect() again, and publish the request again if "
+                                          f"its blocks are gone.")
+                return method(*args, **kwargs)
+
+        return locked
 
 
 class RemoteTier:
     """One request's blocks in a Mooncake Store.
 
     Args:
-        store: a `MooncakeDistributedStore` (`connect`).
+        store: a client of the store: `connect`'s, or a `MooncakeDistributedStore` set up by the caller (its calls
+            from this tier then go through a `StoreClient` of the tier's own).
         request: the request's name, unique among live requests in the store (letters, digits, `-`, `_`, `.`).
     """
 
     def __init__(self, store, request: str):
         if not isinstance(request, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", request):
             raise ValueError(f"request must be a non-empty name of letters, digits, '-', '_' or '.', got {request!r}.")
-        self.store = store
+        self.store = store if isinstance(store, StoreClient) else StoreClient(store)
         self.request = request
         self.bytes_put = 0
         self.bytes_got = 0
@@ -154,8 +199,8 @@ class RemoteTier:
                                                            for b in blocks])]
 
     def _check_open(self, what: str) -> None:
-        """A closed client crashes the process on most calls; `health_check` is safe: 0 open, 1 closed, 2 master
-        unreachable."""
+        """A closed client (closed by its caller, outside a `StoreClient`) crashes the process on most calls;
+        `health_check` is safe: 0 open, 1 closed, 2 master unreachable."""
         status = self.store.health_check()
         if status != 0:
             raise ConnectionError(f"Cannot {what} for request {self.request!r}: the Mooncake Store client is "
