@@ -141,6 +141,29 @@ def test_blocks_published_by_a_process_that_exited_come_back_bit_for_bit(mooncak
         store.close()
 
 
+def test_more_objects_than_one_store_call_takes_are_put_and_got(mooncake_master):
+    """Mooncake's batched calls fail every object of a batch of more than ~2K objects (after a 60 s timeout): a pool
+    of 3,200 (block, sequence, KV head) units goes in and comes back bit for bit, in calls of `BATCH_OBJECTS`."""
+    pool = HostKVPool(4, 8, 8, 8, torch.float32, 128, pin_memory=False)  # B 4, Hkv 8, D 8, T 8: 512-byte units
+    pool.reserve(100)
+    pool.num_blocks = 100
+    torch.manual_seed(0)
+    for chunk in pool.chunks:
+        chunk.normal_()
+    want = units_of(pool)
+    every = [(n, b, h) for n in range(100) for b in range(4) for h in range(8)]
+    assert len(every) == 3200  # (3,000 in one call failed)
+    store = connect(mooncake_master)
+    tier = RemoteTier(store, "many-units")
+    try:
+        assert tier.publish(0, pool) == want.numel() * 4
+        assert torch.equal(get_units(tier, 0, every, want), want.reshape(-1, *want.shape[3:]))
+        assert all(tier.exists(0, range(100), sequence=3, head=7))
+    finally:
+        assert tier.delete() == len(every)
+        store.close()
+
+
 def test_missing_blocks_are_named(mooncake_master):
     cache = prefilled(batch=1, length=64)
     idx, layer = next((i, l) for i, l in enumerate(cache.layers) if isinstance(l, OasisLayer))

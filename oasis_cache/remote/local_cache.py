@@ -13,7 +13,7 @@ in host memory (pinned on CUDA, read by the same gather kernel as the host pool,
     last_used  `[capacity]` int64            the step that last read a slot: eviction takes the least recent
 
 `ensure` runs before a step's gather: it reads the step's selected block ids on the host (a sync: a remote-backed
-cache decodes eagerly), fetches the units not here from the store in one batch, into the free slots first and then
+cache decodes eagerly), fetches the units not here from the store (batched calls), into the free slots first and then
 into the least recently used ones, and updates both maps. Blocks completed during decode are written to the layer's
 host pool (which starts at block `published`) and never evicted. This cache is the one owner of its slots; a slot is
 freed only by `ensure` (eviction) or with the whole cache.

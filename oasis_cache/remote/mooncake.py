@@ -38,6 +38,10 @@ from ..pools.host_kv import HostKVPool
 
 KEY_PREFIX = "oasis"
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+# Objects per batched call. Mooncake 0.3.13's batch_put_from / batch_get_into fail every object of a batch of more
+# than ~2K objects after a 60 s timeout (status -800; 2,049 objects pass, 3,000 fail, whatever their size: measured
+# on loopback TCP, docs/perf.md), so every batch here is cut into calls of at most this many.
+BATCH_OBJECTS = 1024
 
 
 class RemoteBlocksMissing(RuntimeError):
@@ -141,8 +145,8 @@ class RemoteTier:
     def publish(self, layer_idx: int, pool: HostKVPool, start: int = 0, end: int | None = None) -> int:
         """Put blocks [start, end) of `pool` (a local pool; default: every complete block) under this request's keys,
         one object per (block, sequence, KV head), `[2, T, D]`: each chunk's blocks are laid out unit-major in one
-        staging copy and put with one batch call (the caller makes sure no copy into the pool is in flight).
-        Returns the bytes put."""
+        staging copy and put by batched calls of at most `BATCH_OBJECTS` objects (the caller makes sure no copy into
+        the pool is in flight). Returns the bytes put."""
         end = pool.num_blocks if end is None else end
         if end <= start:
             return 0
@@ -158,7 +162,10 @@ class RemoteTier:
             keys = [self.key(layer_idx, start + offset + i, b, h)
                     for i in range(hi - lo) for b in range(B) for h in range(H)]
             addresses = [units.data_ptr() + r * size for r in range(len(keys))]
-            status = self.store.batch_put_from(keys, addresses, [size] * len(keys))
+            status = [st for lo_key in range(0, len(keys), BATCH_OBJECTS)
+                      for st in self.store.batch_put_from(keys[lo_key: lo_key + BATCH_OBJECTS],
+                                                          addresses[lo_key: lo_key + BATCH_OBJECTS],
+                                                          [size] * len(keys[lo_key: lo_key + BATCH_OBJECTS]))]
             failed = [(k, st) for k, st in zip(keys, status) if st != 0]
             if failed:
                 raise RuntimeError(
@@ -171,12 +178,15 @@ class RemoteTier:
 
     def get_units(self, layer_idx: int, units, addresses, size: int) -> int:
         """Get `units` (`[(block, sequence, KV head)]`) of layer `layer_idx`, each `size` bytes (`[2, T, D]`), into
-        `addresses` (host memory), in one batch. Raises `RemoteBlocksMissing` naming them when the store lacks some.
-        Returns the bytes got."""
+        `addresses` (host memory), by batched calls of at most `BATCH_OBJECTS` objects. Raises `RemoteBlocksMissing`
+        naming them when the store lacks some. Returns the bytes got."""
         if not units:
             return 0
         self._check_open("fetch blocks")
-        got = self.store.batch_get_into([self.key(layer_idx, *u) for u in units], list(addresses), [size] * len(units))
+        keys, addresses = [self.key(layer_idx, *u) for u in units], list(addresses)
+        got = [n for lo in range(0, len(keys), BATCH_OBJECTS)
+               for n in self.store.batch_get_into(keys[lo: lo + BATCH_OBJECTS], addresses[lo: lo + BATCH_OBJECTS],
+                                                  [size] * len(keys[lo: lo + BATCH_OBJECTS]))]
         missing = [u for u, n in zip(units, got) if n != size]
         if missing:
             codes = sorted({n for n in got if n != size})
@@ -195,8 +205,9 @@ class RemoteTier:
         return size * len(units)
 
     def exists(self, layer_idx: int, blocks, sequence: int = 0, head: int = 0) -> list[bool]:
-        return [s == 1 for s in self.store.batch_is_exist([self.key(layer_idx, int(b), sequence, head)
-                                                           for b in blocks])]
+        keys = [self.key(layer_idx, int(b), sequence, head) for b in blocks]
+        return [s == 1 for lo in range(0, len(keys), BATCH_OBJECTS)
+                for s in self.store.batch_is_exist(keys[lo: lo + BATCH_OBJECTS])]
 
     def _check_open(self, what: str) -> None:
         """A closed client (closed by its caller, outside a `StoreClient`) crashes the process on most calls;
