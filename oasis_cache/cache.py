@@ -152,8 +152,13 @@ class OasisCache(Cache):
         from .compute.captured_step import CapturedForward
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
+        if self.config.compile_decode:
+            from .compute.compiled_layers import CompiledDecode
+
+            CompiledDecode.install(model, attention_modules.values())  # decode-sized calls of the layers compiled
 
     # ----------------------------------------------------------------------------------------------- forwarding
+    @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if layer_idx == 0 or isinstance(layer, OasisLayer):

@@ -33,6 +33,7 @@ OPTION_VARIANTS = {
     "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
+    "compiled": dict(compile_decode=True),  # the layers' own work torch.compile'd in decode steps
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
@@ -118,6 +119,10 @@ class OasisConfig:
             (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
             checks captured (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a model on
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
+        compile_decode: run each decoder layer's own work (norms, rotary, activations, residuals) `torch.compile`d
+            in decode steps (`compute/compiled_layers.py`), the cache's update and the oasis attention left as they
+            are: fewer, fused kernels per layer; compiled at the first decode steps of a process. Same tokens as
+            eager within floating-point rounding. Off by default until measured on the GPU.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -146,6 +151,7 @@ class OasisConfig:
     chain_drafts: bool = True
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
+    compile_decode: bool = False
     prefill_chunk_tokens: int = 8192
     progress: bool = False
 
@@ -221,6 +227,8 @@ class OasisConfig:
             raise ValueError(f"progress must be True or False, got {self.progress!r}.")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
+        if self.compile_decode not in (True, False):
+            raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}.")
         if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "

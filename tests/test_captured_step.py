@@ -253,3 +253,32 @@ def test_step_visibility_from_a_padding_record_equals_the_one_from_the_mask():
         assert a.recent.all()
     unpadded = Padding.of(torch.ones(B, 50, dtype=torch.bool), B, "cpu")
     assert unpadded.tokens is None and unpadded.clear_from == 0
+
+
+def test_compiled_decode_steps_decode_what_eager_steps_decode():
+    """`compile_decode=True` runs each decoder layer's own work compiled in decode steps (the cache's update and the
+    oasis attention left out of the graphs): the same greedy tokens as eager and logits within rounding, with a
+    riding draft too; a second cache compiles nothing new; a cache without the option runs the layers as they are."""
+    from torch._dynamo.utils import counters
+
+    from conftest import generate, left_padded
+
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    kw = dict(max_new_tokens=24, do_sample=False)
+    cases = [({"input_ids": prompt_ids(300, batch=2)}, dict(token_budget=128, recent_tokens=32, lookahead="previous")),
+             (left_padded([250, 190]), dict(token_budget=96, recent_tokens=32, lookahead="eagle3", exact=True,
+                                            draft=random_head(model)))]
+    for inputs, options in cases:
+        expected = generate(model, OasisCache(model, **options), inputs, **kw)
+        before = counters["stats"]["unique_graphs"]
+        got = generate(model, OasisCache(model, compile_decode=True, **options), inputs, **kw)
+        assert counters["stats"]["unique_graphs"] > before  # (one and two query rows: each its own graphs)
+        assert torch.equal(got.sequences, expected.sequences)
+        for a, b in zip(got.logits, expected.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    graphs = counters["stats"]["unique_graphs"]
+    again = generate(model, OasisCache(model, compile_decode=True, **cases[0][1]), cases[0][0], **kw)
+    assert torch.equal(again.sequences, generate(model, OasisCache(model, **cases[0][1]), cases[0][0], **kw).sequences)
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once per process, not per cache
+    with pytest.raises(ValueError, match="compile_decode must be True or False"):
+        OasisCache(model, token_budget=128, compile_decode="yes")

@@ -72,6 +72,7 @@ def _all_true_on_cpu(visible: torch.Tensor) -> bool:
     return visible.device.type == "cpu" and bool(visible.all())
 
 
+@torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
 def oasis_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -123,8 +123,8 @@ class CapturedSteps:
             return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
-            with self._on_capture_stream(input_ids.device):
-                out = runner.eager_forward(**kwargs)
+            with self._on_capture_stream(input_ids.device):  # called as a capture calls it (compiled layers meet
+                out = runner.eager_forward(**self._static_call(runner, cache, input_ids, kwargs))  # it here first)
                 logits = out.logits.clone()
             out["logits"] = logits
             return out
@@ -154,6 +154,23 @@ class CapturedSteps:
             yield
         caller.wait_stream(self.stream)
 
+    def _static_call(self, runner, cache, input_ids, kwargs, keep=None) -> dict:
+        """The keyword arguments of a captured step's forward: the static token and positions (set to this step's,
+        `_set_inputs`), the cache, logits of the last position; no mask (the cache reads its padding record).
+        Buffers of a new shape invalidate the graphs other than `keep`, which read the old ones."""
+        if self.input_ids is None or self.input_ids.shape != input_ids.shape:
+            self.input_ids = input_ids.clone()  # [B, 1]
+            self.position_ids = torch.empty_like(input_ids)  # [B, 1]
+            for other in self.graphs.values():
+                if other is not keep:
+                    other.graph = other.signature = other.output = None
+        self._set_inputs(cache, input_ids, kwargs)
+        call = {"input_ids": self.input_ids, "position_ids": self.position_ids, runner.cache_argument: cache,
+                "use_cache": True, "return_dict": True}
+        if "logits_to_keep" in runner.__signature__.parameters:
+            call["logits_to_keep"] = 1
+        return call
+
     def _set_inputs(self, cache, input_ids, kwargs) -> None:
         """The step's token and positions into the static buffers: the caller's `position_ids` (`generate` passes a
         left-padded sequence's own), else the cache's length (what the model computes without them)."""
@@ -171,16 +188,7 @@ class CapturedSteps:
         if slot.pool is None:
             slot.pool = torch.cuda.graph_pool_handle()
         device = input_ids.device
-        if self.input_ids is None or self.input_ids.shape != input_ids.shape:
-            self.input_ids = input_ids.clone()  # [B, 1]
-            self.position_ids = torch.empty_like(input_ids)  # [B, 1]
-            for other in self.graphs.values():  # (graphs of other inputs' buffers would read stale ones)
-                if other is not slot:
-                    other.graph = other.signature = other.output = None
-        self._set_inputs(cache, input_ids, kwargs)
-        call = {runner.cache_argument: cache, "use_cache": True, "return_dict": True}
-        if "logits_to_keep" in runner.__signature__.parameters:
-            call["logits_to_keep"] = 1
+        call = self._static_call(runner, cache, input_ids, kwargs, keep=slot)
         cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
         signature = cache.replay_signature()  # the layout the step starts from (a completing step moves the count)
         graph = torch.cuda.CUDAGraph()
@@ -189,8 +197,7 @@ class CapturedSteps:
                 # relaxed: Triton may load a kernel for the new layout during the capture
                 graph.capture_begin(pool=slot.pool, capture_error_mode="relaxed")
                 try:
-                    slot.output = runner.eager_forward(input_ids=self.input_ids, position_ids=self.position_ids,
-                                                       **call)
+                    slot.output = runner.eager_forward(**call)
                     cache.streams.join()  # the prefetches for the next step end inside the graph
                 finally:
                     graph.capture_end()
