@@ -15,8 +15,8 @@ Budgets are fractions of the final context (prompt + new tokens), at least `--mi
     python eval/in_decode.py --model qwen25-coder-0.5b --new-tokens 4096 --fractions 8 16 --modes none previous
     python eval/in_decode.py --tiny      # CI size: random weights (plumbing only), two prompts, 96 new tokens
 
-The prompts run as one left-padded batch, or with `--per-prompt` each as its own batch of one: unpadded, so on CUDA
-the decode steps are replayed as graphs (a padded batch's steps run eagerly, several times slower). Several processes
+The prompts run as one left-padded batch, or with `--per-prompt` each as its own batch of one (on CUDA both replay
+their decode steps as graphs since the eighteenth session; before, a padded batch's ran eagerly). Several processes
 can share the work (`bench/gpu_run.sh qwenindecodepar` runs them side by side on one GPU): by mode and budget, with
 `--dense FILE` keeping dense's trajectories (made by the first process that finds them missing, read by the others),
 or by prompt (`--only 0 3`). Each process writes its rows to `--out` after every row; `--merge A.json B.json ...`
@@ -112,8 +112,7 @@ def main(argv=None):
     parser.add_argument("--only", type=int, nargs="+", default=None,
                         help="run only these of the first --prompts prompts (0-based; --merge joins the parts)")
     parser.add_argument("--per-prompt", action="store_true",
-                        help="each prompt as its own batch of one: no padding, so CUDA decode steps are replayed as "
-                        "graphs (a left-padded batch's steps run eagerly)")
+                        help="each prompt as its own batch of one (no padding; work split by prompt with --only)")
     parser.add_argument("--new-tokens", type=int, default=4096)
     parser.add_argument("--modes", nargs="*", default=["none", "previous"],
                         help="OasisCache modes as eval/report.py names them (none, previous, previous-exact, ...)")

@@ -92,7 +92,7 @@ class LocalBlockCache:
         flat[old[old >= 0]] = -1
         try:
             self.tier.get_units(self.layer_idx, self.triples(missing),
-                                [self.arena[s].data_ptr() for s in victims.tolist()], self.unit_nbytes)
+                                [self.arena[s].data_ptr() for s in victims.tolist()], self.unit_nbytes, self.arena)
         except BaseException:
             self.unit_of[victims] = -1  # those slots hold nothing usable now
             self.last_used[victims] = -1
@@ -142,7 +142,7 @@ class LocalBlockCache:
                 block = lo + rows // (B * H)
                 bh = rows % (B * H)
                 self.tier.get_units(self.layer_idx, list(zip(block.tolist(), (bh // H).tolist(), (bh % H).tolist())),
-                                    [staging[r].data_ptr() for r in rows.tolist()], self.unit_nbytes)
+                                    [staging[r].data_ptr() for r in rows.tolist()], self.unit_nbytes, staging)
             # [n * B * H, 2, 1, 1, T, D] -> the pool's [n, 2, B, H, T, D]
             T, D = staging.shape[-2:]
             pool.chunks[chunk_index][:n].copy_(staging.view(n, B, H, 2, T, D).permute(0, 3, 1, 2, 4, 5))

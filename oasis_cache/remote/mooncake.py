@@ -42,6 +42,9 @@ NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 # than ~2K objects after a 60 s timeout (status -800; 2,049 objects pass, 3,000 fail, whatever their size: measured
 # on loopback TCP, docs/perf.md), so every batch here is cut into calls of at most this many.
 BATCH_OBJECTS = 1024
+# Memory a failed transfer may still write into or read from: Mooncake can leave a timed-out transfer's I/O in flight
+# after the call returns, so the tensors behind its addresses are kept until the process exits (never freed).
+_KEPT_AFTER_FAILED_TRANSFER: list[torch.Tensor] = []
 
 
 class RemoteBlocksMissing(RuntimeError):
@@ -168,6 +171,7 @@ class RemoteTier:
                                                           [size] * len(keys[lo_key: lo_key + BATCH_OBJECTS]))]
             failed = [(k, st) for k, st in zip(keys, status) if st != 0]
             if failed:
+                _KEPT_AFTER_FAILED_TRANSFER.append(staging)
                 raise RuntimeError(
                     f"Mooncake Store refused {len(failed)} of {len(keys)} objects of layer {layer_idx} (request "
                     f"{self.request!r}; first {failed[0][0]}, status {failed[0][1]}): is its storage full? Give the "
@@ -176,10 +180,11 @@ class RemoteTier:
         self.bytes_put += total
         return total
 
-    def get_units(self, layer_idx: int, units, addresses, size: int) -> int:
+    def get_units(self, layer_idx: int, units, addresses, size: int, owner: torch.Tensor | None = None) -> int:
         """Get `units` (`[(block, sequence, KV head)]`) of layer `layer_idx`, each `size` bytes (`[2, T, D]`), into
         `addresses` (host memory), by batched calls of at most `BATCH_OBJECTS` objects. Raises `RemoteBlocksMissing`
-        naming them when the store lacks some. Returns the bytes got."""
+        naming them when the store lacks some. Returns the bytes got. `owner`: the tensor `addresses` point into,
+        kept alive for good when a transfer fails otherwise than by a missing object (its I/O may still run)."""
         if not units:
             return 0
         self._check_open("fetch blocks")
@@ -193,6 +198,8 @@ class RemoteTier:
             blocks = sorted({u[0] for u in missing})
             where = (f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {layer_idx} of request "
                      f"{self.request!r} (blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}; status {codes})")
+            if owner is not None and any(code != NOT_FOUND for code in codes):
+                _KEPT_AFTER_FAILED_TRANSFER.append(owner)
             if all(code == NOT_FOUND for code in codes):
                 raise RemoteBlocksMissing(
                     f"{where} are not in the Mooncake Store: never published, deleted (the request's cache was reset "
