@@ -251,13 +251,12 @@ class OasisCache(Cache):
     def step_visibility(self, visible: torch.Tensor | None, layer: OasisLayer, decode: bool = False) -> StepVisibility:
         """Block visibility of the current forward, once per number of complete blocks (before and after this
         forward's offload), as wide as the summaries' capacity (the block count read on the device). A decode step
-        (`decode`) reads the batch's recorded padding instead of its mask once every padding token is in a complete
-        block (`padding_covers`): fixed shapes, no mask, what a captured step replays."""
+        (`decode`) called without a mask — a captured step is — reads the batch's recorded padding once every
+        padding token is in a complete block (`padding_covers`): fixed shapes, what a captured step replays. A mask
+        given is read, as HF reads it."""
         cfg, num_blocks, summaries = self.config, layer.pool.num_blocks, layer.summaries
         width = summaries.capacity_blocks
-        padding = self.padding if decode and self.padding_covers(num_blocks, visible) else None
-        if padding is not None:
-            visible = None
+        padding = self.padding if decode and visible is None and self.padding_covers(num_blocks) else None
         return self._shared(("visibility", num_blocks, width, padding is not None, str(layer.device)),
                             lambda: step_visibility(visible, layer.batch_size, num_blocks, summaries.count, width,
                                                     cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
@@ -268,21 +267,12 @@ class OasisCache(Cache):
         steps that follow (one host sync, in the prefill)."""
         self.padding = Padding.of(visible, layer.batch_size, layer.device)
 
-    def padding_covers(self, num_blocks: int, visible: torch.Tensor | None = None) -> bool:
-        """Whether a decode step with `num_blocks` complete blocks may read the recorded padding instead of its mask:
-        every padding token lies in a complete block. On the CPU, where reading the mask costs no sync, a mask given
-        must also agree with the record (else the step reads its mask); on CUDA decode masks are taken to extend
-        the prompt's with ones, as `generate`'s do."""
+    def padding_covers(self, num_blocks: int) -> bool:
+        """Whether a decode step with `num_blocks` complete blocks may be called without its mask (a captured step
+        is): the batch's padding is recorded and every padding token lies in a complete block. Its decode masks are
+        then taken to extend the prompt's with ones, as `generate`'s do."""
         padding = self.padding
-        if padding is None or padding.clear_from > num_blocks * self.config.block_size:
-            return False
-        if visible is not None and visible.device.type == "cpu":
-            if padding.tokens is None:
-                return bool(visible.all())
-            L = padding.tokens.shape[1]
-            return visible.shape[1] >= L and bool(torch.equal(visible[:, :L], padding.tokens)) and \
-                bool(visible[:, L:].all())
-        return True
+        return padding is not None and padding.clear_from <= num_blocks * self.config.block_size
 
     def new_token_bias(self, num_queries: int, group: int, length: int, slot_tokens: int, count: torch.Tensor,
                        dtype: torch.dtype, device) -> torch.Tensor:

@@ -192,42 +192,51 @@ def test_a_reshaped_cache_runs_eagerly_until_its_next_prefill():
     assert cache.steady_step()
 
 
-def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_prefill(monkeypatch):
-    """A captured step cannot read a mask that grows every step: the prefill records the batch's padding
-    (`control.Padding`) and one-token decode steps read that record instead (fixed shapes, the block count on the
-    device). Same tokens and logits, bit for bit, as steps that read their masks; on the CPU a mask that disagrees
-    with the record is read instead; a reshaped cache forgets the record."""
+def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_prefill():
+    """A captured step cannot read a mask that grows every step: it is called without one, and the prefill has
+    recorded the batch's padding (`control.Padding`) for it (fixed shapes, the block count on the device). `generate`
+    with its one-token steps called that way gives the tokens and logits of steps that read their masks, bit for bit;
+    a mask given is still read (one that hides a token more counts); a reshaped cache forgets the record."""
+    import copy
+
     from conftest import generate, left_padded
 
     model = tiny_model("qwen3", num_hidden_layers=3)
     inputs = left_padded([150, 97, 123])
     kw = dict(max_new_tokens=24, do_sample=False)
     options = dict(token_budget=64, recent_tokens=32, lookahead="previous")  # sparse: 150 tokens, 64 attended
-    covered = []
-    padding_covers = OasisCache.padding_covers
-
-    def spy(self, num_blocks, visible=None):
-        covered.append(padding_covers(self, num_blocks, visible))
-        return covered[-1]
-
-    monkeypatch.setattr(OasisCache, "padding_covers", spy)
-    cache = OasisCache(model, **options)
-    recorded = generate(model, cache, inputs, **kw)
-    assert any(covered) and cache.padding.tokens is not None
-    assert cache.padding.clear_from == 150 - 97  # after the last padding token (the shortest sequence's)
-    assert cache.padding.first.flatten().tolist() == [0, 53, 27]
-    monkeypatch.setattr(OasisCache, "padding_covers", lambda self, num_blocks, visible=None: False)
     read = generate(model, OasisCache(model, **options), inputs, **kw)  # every step reads its mask
+    maskless = []
+
+    def as_captured(module, args, kwargs):  # one-token steps without their mask, as a captured step is called
+        if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1:
+            maskless.append(kwargs.pop("attention_mask", None) is not None)
+        return args, kwargs
+
+    handle = model.register_forward_pre_hook(as_captured, with_kwargs=True)
+    try:
+        cache = OasisCache(model, **options)
+        recorded = generate(model, cache, inputs, **kw)
+    finally:
+        handle.remove()
+    assert len(maskless) == 23 and all(maskless)
+    assert cache.padding.tokens is not None and cache.padding.clear_from == 150 - 97  # after the last padding token
+    assert cache.padding.first.flatten().tolist() == [0, 53, 27]
     assert torch.equal(recorded.sequences, read.sequences)
     for a, b in zip(recorded.logits, read.logits):
         assert torch.equal(a, b)
-    monkeypatch.setattr(OasisCache, "padding_covers", padding_covers)
-    NB = cache.layers[0].pool.num_blocks
-    mask = torch.cat((inputs["attention_mask"], torch.ones(3, cache.get_seq_length() - 150, dtype=torch.long)), 1)
-    assert cache.padding_covers(NB, mask.bool()) and cache.padding_covers(NB)
-    mask[1, 60] = 0  # a mask that hides one more token than the prompt's: read, not the record
-    assert not cache.padding_covers(NB, mask.bool())
-    assert not cache.padding_covers(2, None)  # padding tokens past the complete blocks: masks are read
+    assert cache.padding_covers(cache.layers[0].pool.num_blocks) and not cache.padding_covers(2)
+
+    def step(c, mask=None):
+        with torch.no_grad():
+            return model(input_ids=recorded.sequences[:, -1:], past_key_values=c, attention_mask=mask).logits
+
+    length = cache.get_seq_length() + 1
+    mask = torch.cat((inputs["attention_mask"], torch.ones(3, length - 150, dtype=torch.long)), 1)
+    without = step(copy.deepcopy(cache))
+    assert torch.equal(step(copy.deepcopy(cache), mask), without)
+    mask[1, 60] = 0  # a token of the prompt hidden by this step's mask: the mask is read
+    assert not torch.allclose(step(copy.deepcopy(cache), mask)[1], without[1])
     cache.batch_select_indices(torch.tensor([0, 2]))
     assert cache.padding is None
 

@@ -11,8 +11,9 @@ cache's `CapturedSteps`, which, for a call that
       Triton backend: the block is offloaded at the block number read on the device, its summary written at it, the
       count advanced on the device; `OasisCache.prepare_step` first makes room in every pool, on the host),
     - belongs to a batch whose padding the cache recorded at the last prefill and which lies in complete blocks
-      (`OasisCache.padding_covers`: the step reads that record, not its mask; decode masks are taken to extend the
-      prompt's with ones, as `generate`'s do), with no measurement mode and no outputs beyond the logits,
+      (`OasisCache.padding_covers`: the step is called without its mask and reads that record; decode masks are
+      taken to extend the prompt's with ones, as `generate`'s do), with no measurement mode and no outputs beyond
+      the logits,
 
 copies the token and its position (the caller's `position_ids`: a left-padded sequence's own; else the cache's
 length) into static buffers and replays the graph of its kind captured for the cache's

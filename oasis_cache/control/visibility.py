@@ -2,10 +2,11 @@
 visible tokens, which blocks are always attended (sink and recent), and the per-token visibility that attention
 applies inside blocks and among the recent tokens. All layers of a forward share it (same mask, same length).
 
-A one-token decode step of a padded batch does not read its mask: the padding lies in the prompt, and `generate`'s
-decode masks extend the prompt's with ones. The cache keeps the prompt's padding (`Padding`, taken from the last
-multi-token forward's mask) and the step's visibility is computed from it and from the block count on the device, in
-shapes that do not change from step to step — what a captured step replays (`compute/captured_step.py`)."""
+A captured decode step cannot read a mask that grows every step: it is called without one. The padding lies in the
+prompt, and `generate`'s decode masks extend the prompt's with ones, so the cache keeps the prompt's padding
+(`Padding`, taken from the last multi-token forward's mask) and a one-token step without a mask computes its
+visibility from it and from the block count on the device, in shapes that do not change from step to step
+(`compute/captured_step.py`). A step given a mask reads the mask."""
 
 from __future__ import annotations
 
