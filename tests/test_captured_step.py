@@ -289,5 +289,18 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
     again = generate(model, OasisCache(model, compile_decode=True, **cases[0][1]), cases[0][0], **kw)
     assert torch.equal(again.sequences, generate(model, OasisCache(model, **cases[0][1]), cases[0][0], **kw).sequences)
     assert counters["stats"]["unique_graphs"] == graphs  # compiled once per process, not per cache
+    # Called as a captured step is (no mask, its own positions), across steps that complete blocks: nothing is
+    # compiled after the first step (a compilation inside a CUDA graph's capture would fail it).
+    cache = OasisCache(model, compile_decode=True, **cases[0][1])
+    ids = prompt_ids(300, batch=2)
+    with torch.no_grad():
+        token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for position in range(300, 340):
+            out = model(input_ids=token, position_ids=torch.full((2, 1), position), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            if position == 300:
+                graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs and cache.layers[0].pool.num_blocks >= 21
     with pytest.raises(ValueError, match="compile_decode must be True or False"):
         OasisCache(model, token_budget=128, compile_decode="yes")
