@@ -164,6 +164,22 @@ def test_more_objects_than_one_store_call_takes_are_put_and_got(mooncake_master)
         store.close()
 
 
+def test_a_full_store_is_named():
+    """Publishing more than the store's storage holds raises an error that says so and names the fix."""
+    from oasis_cache.remote import local_store
+
+    pool = HostKVPool(1, 8, 128, 16, torch.float32, 64, pin_memory=False)  # 16 KiB units
+    pool.reserve(256)
+    pool.num_blocks = 256  # 32 MiB of units
+    with local_store("16MB") as master:
+        store = connect(master)
+        with pytest.raises(RuntimeError, match=r"refused .* objects of layer 0 \(request 'too-big'.*status \[-200\]\): "
+                                               r"its storage is full: give the storage processes a larger "
+                                               r"--global_segment_size"):
+            RemoteTier(store, "too-big").publish(0, pool)
+        store.close()
+
+
 def test_missing_blocks_are_named(mooncake_master):
     cache = prefilled(batch=1, length=64)
     idx, layer = next((i, l) for i, l in enumerate(cache.layers) if isinstance(l, OasisLayer))

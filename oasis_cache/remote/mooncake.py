@@ -38,6 +38,8 @@ from ..pools.host_kv import HostKVPool
 
 KEY_PREFIX = "oasis"
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room
+TRANSFER_FAILED = -800  # TRANSFER_FAIL (also a transfer that timed out)
 # Objects per batched call. Mooncake 0.3.13's batch_put_from / batch_get_into fail every object of a batch of more
 # than ~2K objects after a 60 s timeout (status -800; 2,049 objects pass, 3,000 fail, whatever their size: measured
 # on loopback TCP, docs/perf.md), so every batch here is cut into calls of at most this many.
@@ -172,10 +174,15 @@ class RemoteTier:
             failed = [(k, st) for k, st in zip(keys, status) if st != 0]
             if failed:
                 _KEPT_AFTER_FAILED_TRANSFER.append(staging)
+                codes = sorted({st for _, st in failed})
+                why = ("its storage is full: give the storage processes a larger --global_segment_size, or delete "
+                       "requests no longer decoded" if NO_SPACE in codes else
+                       "the transfer to its storage processes failed (one stopped, or cannot be reached in time): "
+                       "check the store, then publish again" if TRANSFER_FAILED in codes else
+                       "see Mooncake's ErrorCode for the status")
                 raise RuntimeError(
                     f"Mooncake Store refused {len(failed)} of {len(keys)} objects of layer {layer_idx} (request "
-                    f"{self.request!r}; first {failed[0][0]}, status {failed[0][1]}): is its storage full? Give the "
-                    f"storage processes a larger --global_segment_size.")
+                    f"{self.request!r}; first {failed[0][0]}, status {codes}): {why}.")
             total += size * len(keys)
         self.bytes_put += total
         return total
