@@ -133,7 +133,7 @@ class OasisCache(Cache):
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
         # the batch's padding from the last multi-token dense forward's mask (`control.Padding`), which one-token
-        # decode steps read instead of their masks; None: unknown (decode steps read their masks)
+        # decode steps called without a mask (captured steps) read; None: unknown
         self.padding: Padding | None = None
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self.remote_tier = None  # the store's request this cache was admitted from (`oasis_cache.remote.admit`)

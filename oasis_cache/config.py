@@ -126,9 +126,10 @@ class OasisConfig:
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
-            prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0: off. Same result as the whole forward (the cache's prefill is
-            dense attention either way), but for the summaries' channels (`summary_channels` < 1), chosen from the
-            blocks of the first chunk (8192 tokens by default) instead of the whole prompt's.
+            prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0:
+            off. Same result as the whole forward (the cache's prefill is dense attention either way), but for the
+            summaries' channels (`summary_channels` < 1), chosen from the blocks of the first chunk (8192 tokens by
+            default) instead of the whole prompt's.
         progress: show a progress bar (tqdm) over a chunked prefill's tokens.
     """
 

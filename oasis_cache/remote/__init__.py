@@ -5,4 +5,5 @@ from .disaggregate import admit, publish
 from .local_cache import LocalBlockCache
 from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, connect, local_store
 
-__all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "connect", "local_store", "publish", "admit"]
+__all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "connect", "local_store", "publish",
+           "admit"]
