@@ -203,6 +203,10 @@ def test_bad_names_and_an_absent_master_are_refused_quickly():
         RemoteTier(object(), "a/b")
     with pytest.raises(ConnectionError, match="mooncake_master --rpc_port=1"):
         connect("127.0.0.1:1")
+    from oasis_cache.remote import admit
+
+    with pytest.raises(TypeError, match=r"store must be a Mooncake Store client: oasis_cache.remote.connect"):
+        admit(tiny_model("llama"), "127.0.0.1:50051", "req-7")  # the master's address, not a client
 
 
 @pytest.mark.parametrize("budget, lookahead, batch", SPLITS)

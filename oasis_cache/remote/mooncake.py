@@ -137,6 +137,10 @@ class RemoteTier:
     def __init__(self, store, request: str):
         if not isinstance(request, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", request):
             raise ValueError(f"request must be a non-empty name of letters, digits, '-', '_' or '.', got {request!r}.")
+        if not isinstance(store, StoreClient) and not all(hasattr(store, name) for name in
+                                                          ("batch_put_from", "batch_get_into", "remove_by_regex")):
+            raise TypeError(f"store must be a Mooncake Store client: oasis_cache.remote.connect('host:port') (or a "
+                            f"MooncakeDistributedStore you set up), got {type(store).__name__}.")
         self.store = store if isinstance(store, StoreClient) else StoreClient(store)
         self.request = request
         self.bytes_put = 0
