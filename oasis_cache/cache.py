@@ -603,8 +603,8 @@ class OasisCache(Cache):
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
         tensors' addresses (which change when a capacity grows), its block count while it is small enough to decide
-        the selection's shapes (NB <= slots: every block selected), and the cache's device counters and address
-        tables. Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a
+        the selection's shapes (NB <= slots: every block selected), the cache's device counters and address
+        tables, and the padding record's tensors (addresses and shape). Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a
         completed block does not invalidate it (selection reads the block count on the device)."""
         cfg = self.config
 
@@ -617,7 +617,10 @@ class OasisCache(Cache):
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()
         riding = tuple(t.data_ptr() for t in self.ride_along.state_tensors()) if self.ride_along is not None else ()
-        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding
+        padding = self.padding  # a step without a mask reads the record's tensors (a new prefill makes new ones)
+        padded = () if padding is None or padding.tokens is None else (
+            padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
+        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded
 
     def prepare_capture(self) -> None:
         """Before a step is captured: compute joins the side stream, so that the graph need not wait on events

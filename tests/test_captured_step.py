@@ -237,6 +237,15 @@ def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_pr
     assert torch.equal(step(copy.deepcopy(cache), mask), without)
     mask[1, 60] = 0  # a token of the prompt hidden by this step's mask: the mask is read
     assert not torch.allclose(step(copy.deepcopy(cache), mask)[1], without[1])
+    # A next turn (a multi-token forward) records the padding anew: a graph captured over the old record's tensors
+    # is not replayed over the new one (its signature names them).
+    signature = cache.replay_signature()
+    mask[1, 60] = 1
+    turn = prompt_ids(40, batch=3, seed=5)
+    with torch.no_grad():
+        model(input_ids=turn, past_key_values=cache, attention_mask=torch.cat((mask[:, :-1], torch.ones(3, 40,
+              dtype=torch.long)), 1))
+    assert cache.padding.tokens.shape[1] == length - 1 + 40 and cache.replay_signature() != signature
     cache.batch_select_indices(torch.tensor([0, 2]))
     assert cache.padding is None
 
