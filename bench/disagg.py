@@ -3,7 +3,7 @@ transfer, what the decode side holds, what it fetches per step, and its time per
 decoding from its local host pool.
 
     python bench/disagg.py --context 32768 --budget 2048 --steps 16 --out bench/results/disagg-cpu.json
-    python bench/disagg.py --device cuda --context 32768 ...
+    python bench/disagg.py --device cuda --context 32768 ... [--measure: exposed wait per step]
 
 The model has Qwen3-8B's KV geometry (8 KV heads of 128, bf16) on `--layers` layers with small other dimensions
 (random weights): bytes per layer are those of the 8B model, and the ratios do not depend on the layer count. One
@@ -66,6 +66,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--segment", default="2GB", help="the store's storage process memory")
+    parser.add_argument("--measure", action="store_true",
+                        help="both runs in measurement mode: exposed wait per step (compute waiting on prefetches; "
+                             "eager steps, so their TPOT is not the captured one)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -74,7 +77,7 @@ def main(argv=None):
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
     with local_store(args.segment) as master:
-        prefill = OasisCache(model, token_budget=args.budget, lookahead="previous")
+        prefill = OasisCache(model, token_budget=args.budget, lookahead="previous", measure=args.measure)
         t0 = time.perf_counter()
         with torch.no_grad():
             model(input_ids=ids[:, :-1], **{generate_cache_argument(model): prefill}, use_cache=True)
@@ -84,12 +87,13 @@ def main(argv=None):
         report = publish(prefill, store, "bench")
         publish_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        remote = admit(model, store, "bench")
+        remote = admit(model, store, "bench", measure=args.measure)
         admit_s = time.perf_counter() - t0
         out_remote, remote_ms = timed_generate(model, ids, remote, args.steps, cuda)
         stats = remote.stats()
         local_host = prefill.host_nbytes()
         out_local, local_ms = timed_generate(model, ids, prefill, args.steps, cuda)
+        local_stats = prefill.stats()
         remote_host = remote.host_nbytes()
         del remote
         store.close()
@@ -107,6 +111,8 @@ def main(argv=None):
         remote_bytes_per_step=stats["remote_bytes_fetched"] / steps,
         tpot_remote_ms=remote_ms, tpot_local_ms=local_ms, tpot_ratio=remote_ms / local_ms,
         prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s,
+        exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
+        exposed_wait_ms_per_step_local=local_stats.get("exposed_wait_ms_per_step"),
     )
     header = (f"disaggregation, KV of Qwen3-8B ({args.layers} layers), {args.dtype} on {device}, torch {torch.__version__}, "
               f"{datetime.datetime.now().isoformat(timespec='seconds')}")
@@ -118,6 +124,9 @@ def main(argv=None):
           f"{row['remote_units_published']} (block, sequence, KV head) units over {steps} steps "
           f"({row['remote_bytes_per_step'] / 2**20:.2f} MiB per step); TPOT remote {remote_ms:.1f} ms, local "
           f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x); same tokens: {same}")
+    if args.measure:
+        print(f"exposed wait per step: remote {row['exposed_wait_ms_per_step_remote']:.2f} ms, local "
+              f"{row['exposed_wait_ms_per_step_local']:.2f} ms (compute waiting on prefetches)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(header=header, command="python " + " ".join(sys.argv), row=row),

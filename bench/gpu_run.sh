@@ -8,7 +8,8 @@
 #   capacity32k / capacity128k  bench/capacity.py: the largest batch under a 24 GiB cap and uncapped (CAPS="24" or
 #             "0" runs one of them; BATCHES, METHODS override the batches and methods tried, TAG names the files), dense (eager,
 #             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table)
-#   disagg    bench/disagg.py on CUDA: admission bytes, decode-side host bytes, remote fetches, TPOT remote vs local
+#   disagg    bench/disagg.py on CUDA: admission bytes, decode-side host bytes, remote fetches, TPOT remote vs local;
+#             then again in measurement mode (--measure: exposed wait per step, eager steps)
 #             (needs Mooncake's CUDA wheel on the machine: mooncake-transfer-engine, carried in)
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
 #             nine parts, ../shared/tools/qwen05-parts.sh): the in-decode workload (eval/in_decode.py), the quality
@@ -102,7 +103,8 @@ for arg in "$@"; do
     capacity32k) python3 bench/capacity.py --model qwen3-8b --contexts 32768 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4 8 16} --new-tokens 24 --try-timeout 120 --out "$OUT/capacity-qwen3-8b-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4} --new-tokens 24 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
-    disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3 ;;
+    disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3
+      python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --measure --out "$OUT/disagg-qwen3-8b-kv-32k-measure.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg-measure.log" | tail -4 ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     qwenindecode) python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts "${INDECODE_PROMPTS:-8}" --new-tokens "${INDECODE_TOKENS:-4096}" --fractions ${INDECODE_FRACTIONS:-8 16} --modes ${INDECODE_MODES:-none previous} --out "$OUT/in-decode-qwen05.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/in-decode-qwen05.log" | tail -8 ;;

@@ -145,8 +145,10 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
 
     out = tmp_path / "disagg.json"
     disagg.main(["--context", "600", "--budget", "128", "--steps", "4", "--dtype", "float32", "--segment", "256MB",
-                 "--out", str(out)])
+                 "--measure", "--out", str(out)])
     row = json.loads(out.read_text())["row"]
+    # measurement mode: the exposed wait per step of both runs (0 on the CPU, where transfers run inline)
+    assert row["exposed_wait_ms_per_step_remote"] == 0 and row["exposed_wait_ms_per_step_local"] == 0
     assert row["same_tokens"] and 0 < row["admission_bytes"] < row["full_kv_bytes"]
     assert 0 < row["remote_units_fetched"] < row["remote_units_published"] == 2 * (599 // 16) * 8  # 8 KV heads
     # (at 600 tokens the decode side's pool chunk for the blocks it completes outweighs the rest: 32K in the bench)

@@ -85,14 +85,15 @@ LOCAL_CACHE_STEPS = 2  # default local cache: this many working sets of units pe
 DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode completes: grown by small chunks
 
 
-def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None) -> OasisCache:
+def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None,
+          measure: bool = False) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: two working sets, B x Hkv x 2 x the slots); the
     request's keys are deleted from the store when the cache is reset or dropped. A request published with
     lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
-    record."""
+    record. `measure`: as `OasisCache(measure=True)` (how long compute waits on prefetches, `stats()`)."""
     tier = RemoteTier(store, request)
     record = tier.store.get(tier.key("admission", 0))
     if not record:
@@ -108,7 +109,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     drafted = state.get("draft")
     if drafted is not None:
         options["draft"] = draft
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, measure=measure, **options)
     if drafted is not None:
         _restore_draft(cache, drafted, request)
     if len(cache.layers) != len(state["oasis"]) + len(state["kept"]):
