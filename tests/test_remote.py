@@ -164,6 +164,47 @@ def test_more_objects_than_one_store_call_takes_are_put_and_got(mooncake_master)
         store.close()
 
 
+def test_closing_the_store_waits_for_a_fetch_in_flight(mooncake_master):
+    """`StoreClient.close()` from one thread while another's batched get is in flight (a prefetch on the host worker)
+    waits for that get, which completes; calls after it raise instead of reaching the closed client."""
+    import threading
+    import time
+
+    store = connect(mooncake_master)
+    data = torch.arange(1024, dtype=torch.float32)
+    size = data.numel() * data.element_size()
+    assert store.put_from("oasis-test/in-flight", data.data_ptr(), size) == 0
+    got, events = torch.zeros_like(data), []
+
+    class SlowGet:  # the real client, whose get takes a while: the call in flight
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def batch_get_into(self, *args):
+            events.append("get started")
+            time.sleep(0.3)
+            result = self.client.batch_get_into(*args)
+            events.append("get done")
+            return result
+
+    store.client = SlowGet(store.client)
+    fetch = threading.Thread(target=lambda: events.append(store.batch_get_into(["oasis-test/in-flight"],
+                                                                               [got.data_ptr()], [size])))
+    fetch.start()
+    while not events:
+        time.sleep(0.01)
+    store.close()  # waits for the get
+    events.append("closed")
+    fetch.join()
+    assert events.index("get started") < events.index("get done") < events.index("closed") and [size] in events
+    assert torch.equal(got, data)
+    with pytest.raises(ConnectionError, match="client is closed"):
+        store.batch_get_into(["oasis-test/in-flight"], [got.data_ptr()], [size])
+
+
 def test_a_full_store_is_named():
     """Publishing more than the store's storage holds raises an error that says so and names the fix."""
     from oasis_cache.remote import local_store
