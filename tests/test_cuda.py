@@ -279,9 +279,9 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
     3; sparse, one graph per kind of step (steady, completing a block) serves every block count (the blocks exceed
     the slots), dense-equal they are recaptured as blocks complete (every block selected: shapes follow the count);
-    a left-padded batch replays too (its steps read the padding recorded at the prefill, not their masks), sparse and
-    dense-equal, with the same result. With eagle3 the ride-along is in the graph: the same drafts (their count of right guesses)
-    and, without `exact` (the draft's choice is attended), the same tokens."""
+    a left-padded batch replays too (its steps are called without their masks and read the padding recorded at the
+    prefill), sparse and dense-equal, with the same result. With eagle3 the ride-along is in the graph: the same
+    drafts (their count of right guesses) and, without `exact` (the draft's choice is attended), the same tokens."""
     from conftest import random_head
 
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
