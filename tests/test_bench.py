@@ -154,3 +154,15 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     # (at 600 tokens the decode side's pool chunk for the blocks it completes outweighs the rest: 32K in the bench)
     assert 0 < row["local_cache_bytes"] < row["full_kv_bytes"] / 2.2
     assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0
+
+
+def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
+    """`bench/store_calls.py` (a store of its own): every object it puts comes back bit for bit, by whole objects and
+    by byte ranges; the rows carry per-object costs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import store_calls
+
+    rows = store_calls.per_object(1 << 20, [8 << 10, 64 << 10], repeats=1)  # asserts the bytes came back
+    assert [r["objects"] for r in rows] == [128, 16] and all(r["put_us_per_object"] > 0 for r in rows)
+    ranged = store_calls.ranges(repeats=1)  # asserts every range read equals what was put
+    assert [r["units_read_per_object"] for r in ranged] == [4, 16, 64]
