@@ -137,6 +137,7 @@ class OasisCache(Cache):
         self.padding: Padding | None = None
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self.remote_tier = None  # the store's request this cache was admitted from (`oasis_cache.remote.admit`)
+        self._after_forward: list = []  # called after each forward through the cache (`remote.publishing`)
         self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
         self._transfer: TransferEngine | None = None
@@ -475,12 +476,12 @@ class OasisCache(Cache):
         memo[id(self)] = new
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
-                   "captured_steps", "remote_tier", "_remote_release")
+                   "captured_steps", "remote_tier", "_remote_release", "_after_forward")
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
-        new._forward_memo, new._device_clocks = {}, {}
+        new._forward_memo, new._device_clocks, new._after_forward = {}, {}, []
         new._streams = new._transfer = new.remote_tier = None
         if self._streams is not None:
             new._start_engine(self._streams.device)
@@ -553,8 +554,12 @@ class OasisCache(Cache):
 
     def _forward_one(self, runner, kwargs: dict):
         if self.captured_steps is not None:
-            return self.captured_steps.forward(runner, self, kwargs)
-        return runner.eager_forward(**kwargs)
+            out = self.captured_steps.forward(runner, self, kwargs)
+        else:
+            out = runner.eager_forward(**kwargs)
+        for listener in tuple(self._after_forward):
+            listener()
+        return out
 
     # ------------------------------------------------------------------------------------- captured decode steps
     def replayable_step(self) -> str | None:

@@ -456,3 +456,41 @@ def test_a_copy_made_after_decode_completed_blocks_continues_as_the_prefills_cac
     assert torch.equal(model.generate(input_ids=got, **twin.generate_kwargs(), **kw), expected)
     assert torch.equal(model.generate(input_ids=got, **cache.generate_kwargs(), **kw), expected)
     store.close()
+
+
+def test_blocks_are_published_while_the_prefill_runs(mooncake_master):
+    """`publishing`: the blocks each prefill chunk completes are put while the next chunk computes; leaving the block
+    puts the record; the decode side admits it and generates what it generates from `publish` after the prefill. An
+    error in the prefill leaves nothing under the request."""
+    from oasis_cache.remote import admit, publish, publishing
+
+    model = tiny_model("llama")
+    ids = prompt_ids(SPLIT_LENGTH, batch=2)
+    options = {**OPTIONS, "prefill_chunk_tokens": 256}  # 802 prompt tokens x 2: chunks of 128 tokens per sequence
+    kw = dict(max_new_tokens=12, do_sample=False)
+    store = connect(mooncake_master)
+    cache = OasisCache(model, **options)
+    with publishing(cache, store, "pipelined") as job:
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], **cache.generate_kwargs())
+    report = job.report
+    assert 0 < report["blocks_in_background"] == report["blocks"]  # every block went while the prefill ran
+    after = OasisCache(model, **options)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], **after.generate_kwargs())
+    assert publish(after, store, "after")["blocks"] == report["blocks"]
+    decoded = admit(model, store, "after")  # (kept: dropping an admitted cache deletes its request's keys)
+    expected = model.generate(input_ids=ids, **decoded.generate_kwargs(), **kw)
+    assert torch.equal(model.generate(input_ids=ids, **admit(model, store, "pipelined").generate_kwargs(), **kw),
+                       expected)
+    failing = OasisCache(model, **options)
+    with pytest.raises(RuntimeError, match="prefill stopped"):
+        with publishing(failing, store, "failed"):
+            with torch.no_grad():
+                model(input_ids=ids[:, :-1], **failing.generate_kwargs())
+            raise RuntimeError("prefill stopped")
+    assert not any(RemoteTier(store, "failed").exists(0, range(8)))
+    assert store.get(RemoteTier(store, "failed").key("admission", 0)) in (None, b"")
+    with pytest.raises(ValueError, match="admitted from a store; publish"):
+        publishing(decoded, store, "again")
+    store.close()

@@ -1,9 +1,9 @@
 """The remote tier beside the host pool: blocks published to a distributed KV store (Mooncake Store) under
 request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
-from .disaggregate import admit, publish
+from .disaggregate import admit, publish, publishing
 from .local_cache import LocalBlockCache
 from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, connect, local_store
 
 __all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "connect", "local_store", "publish",
-           "admit"]
+           "publishing", "admit"]

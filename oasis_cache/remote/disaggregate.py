@@ -41,10 +41,11 @@ RECORD_VERSION = 1
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
 
 
-def publish(cache: OasisCache, store, request: str) -> dict:
+def publish(cache: OasisCache, store, request: str, _published: dict | None = None) -> dict:
     """Write every full-attention layer's complete blocks and the admission record of `cache` (prefilled, on this
     process) to the store under `request`. Returns the bytes: `blocks`, `record`, and `full_kv` (what a whole
-    transfer of the cache's keys and values would move)."""
+    transfer of the cache's keys and values would move). (`_published`: `{layer: blocks}` already put by
+    `publishing`; only the rest is put here.)"""
     layers = [(idx, layer) for idx, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
     if not any(layer.is_initialized for _, layer in layers):
         raise ValueError("publish: the cache is empty. Run the prompt through the model with this cache first "
@@ -65,7 +66,7 @@ def publish(cache: OasisCache, store, request: str) -> dict:
             raise ValueError(f"publish: layer {idx} holds no tokens while others do.")
         pool = layer.pool
         pool.fetch_all_remote()  # a cache admitted from a store publishes every block, not only those it fetched
-        blocks_bytes += tier.publish(idx, pool)
+        blocks_bytes += tier.publish(idx, pool, start=(_published or {}).get(idx, 0))
         recent = layer.recent.kv
         full += pool.num_blocks * pool.block_nbytes + recent.numel() * recent.element_size()
         state["oasis"][idx] = dict(
@@ -79,6 +80,74 @@ def publish(cache: OasisCache, store, request: str) -> dict:
     if tier.store.put(tier.key("admission", 0), record) != 0:
         raise RuntimeError(f"Mooncake Store refused the admission record of request {request!r} ({len(record)} bytes).")
     return {"blocks": blocks_bytes, "record": len(record), "full_kv": full}
+
+
+class publishing:
+    """Publish `cache` to the store while its prefill runs: `with publishing(cache, store, request) as job:` around
+    the prefill's forward (in chunks: the cache's own `prefill_chunk_tokens`, or several calls). After each forward
+    through the cache, the blocks it completed are put by a host thread while the next chunk computes (on CUDA once
+    their offloads have landed); leaving the block puts the rest and the admission record, as `publish` does, and
+    `job.report` holds its bytes (`blocks_in_background`: those put while the prefill ran). An error in the
+    prefill or in a put deletes what was put under `request` and raises."""
+
+    def __init__(self, cache: OasisCache, store, request: str):
+        if cache.remote_tier is not None:
+            raise ValueError("publishing: this cache was admitted from a store; publish(cache, store, request) "
+                             "brings its blocks home and publishes them.")
+        self.cache, self.tier = cache, RemoteTier(store, request)
+        self.done: dict[int, int] = {}  # layer -> blocks handed to the thread
+        self.report: dict | None = None
+        self._futures = []
+        self._worker = None
+
+    def __enter__(self) -> "publishing":
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-publish")
+        self.cache._after_forward.append(self._after_forward)
+        return self
+
+    def _after_forward(self) -> None:
+        streams, landed = self.cache.streams, ()
+        if streams is not None and streams.cuda:  # the offloads queued so far (side stream; a captured step's on
+            compute = torch.cuda.Event()  # the compute stream)
+            compute.record(torch.cuda.current_stream(streams.device))
+            landed = (streams.side_event(), compute)
+        for idx, layer in enumerate(self.cache.layers):
+            if not isinstance(layer, OasisLayer) or not layer.is_initialized:
+                continue
+            start, end = self.done.get(idx, 0), layer.pool.num_blocks
+            if end > start:  # complete blocks never change: the next chunk writes others
+                self._futures.append(self._worker.submit(self._put, landed, idx, layer.pool, start, end))
+                self.done[idx] = end
+
+    def _put(self, landed, idx: int, pool, start: int, end: int) -> int:
+        for event in landed:
+            event.synchronize()
+        return self.tier.publish(idx, pool, start, end)
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.cache._after_forward.remove(self._after_forward)
+        error = None
+        background = 0
+        for future in self._futures:  # every put joined before anything else happens
+            try:
+                background += future.result()
+            except BaseException as raised:
+                error = error or raised
+        self._worker.shutdown(wait=True)
+        if exc_type is None and error is None:
+            try:
+                self.report = publish(self.cache, self.tier.store, self.tier.request, _published=self.done)
+                self.report["blocks"] += background
+                self.report["blocks_in_background"] = background
+                return False
+            except BaseException as raised:
+                error = raised
+        _delete_quietly(self.tier)  # nothing half-published stays under the request
+        if error is not None and exc_type is None:
+            raise error
+        return False
 
 
 LOCAL_CACHE_STEPS = 2  # default local cache: this many working sets of units per layer
@@ -194,4 +263,4 @@ def _delete_quietly(tier: RemoteTier) -> None:
         pass
 
 
-__all__ = ["publish", "admit", "KEY_PREFIX"]
+__all__ = ["publish", "publishing", "admit", "KEY_PREFIX"]
