@@ -5,6 +5,7 @@ it with a small record, fetching the rest of the blocks from the store as decode
     cache = OasisCache(model, token_budget=2048, lookahead="previous")
     model(input_ids=prompt[:, :-1], **cache.generate_kwargs())              # all but the last prompt token
     report = publish(cache, connect(master), "req-7")                        # blocks + admission record
+    # or, overlapped with a chunked prefill: with publishing(cache, store, "req-7") as job: model(...)
     # decode process (same model, same weights)
     cache = admit(model, connect(master), "req-7")
     out = model.generate(input_ids=prompt, **cache.generate_kwargs(), max_new_tokens=256)
@@ -18,7 +19,7 @@ selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV
 The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
 LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
 blocks decode completes, not the prompt's KV. What is not yet there (issue 24): a fetch reads the selected block ids
-on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs). With lookahead="eagle3" the
+on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs; docs/status.md has a design). With lookahead="eagle3" the
 record also carries the draft head's state (its window's keys/values, the last features, the pending drafts).
 """
 
