@@ -132,8 +132,8 @@ class OasisCache(Cache):
         self.selection_log: list | None = None  # every step's selections, while `oasis_cache.plot.record` runs
         self.counters = CacheStats(self.config.lookahead, self.config.exact)
         self.reshaped = False  # beams reordered, sequences selected or tokens cropped since the last dense forward
-        # the batch's padding from the last multi-token dense forward's mask (`control.Padding`), which one-token
-        # decode steps called without a mask (captured steps) read; None: unknown
+        # the batch's padding from the last multi-token forward's mask (`control.Padding`), which one-token decode
+        # steps called without a mask (captured steps) read; None: unknown
         self.padding: Padding | None = None
         self.decode_clock = 0  # decode forwards so far: the LRU clock of the working sets
         self.remote_tier = None  # the store's request this cache was admitted from (`oasis_cache.remote.admit`)
@@ -205,8 +205,6 @@ class OasisCache(Cache):
             self.decode_clock += 1
             self.counters.decode_steps += 1
             self.counters.decode_tokens += Qn
-            if Qn > 1:
-                self.padding = None  # a multi-token sparse forward's mask is not recorded: masks are read from now on
         else:
             self._check_host_room(Qn, key_states)
             self.counters.dense_forwards += 1
@@ -264,8 +262,9 @@ class OasisCache(Cache):
                                                     layer.device, padding))
 
     def note_padding(self, visible: torch.Tensor | None, layer: OasisLayer) -> None:
-        """After a multi-token dense forward (first full-attention layer): keep its mask's padding for the decode
-        steps that follow (one host sync, in the prefill)."""
+        """After a forward of several tokens (first full-attention layer; a prefill chunk, dense, or a short one that
+        decodes sparsely, e.g. `prefill_chunk_size`'s last chunk or assisted decoding's check): keep its mask's padding
+        for the one-token steps that follow (one host sync; not in a one-token step)."""
         self.padding = Padding.of(visible, layer.batch_size, layer.device)
 
     def padding_covers(self, num_blocks: int) -> bool:

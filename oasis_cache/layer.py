@@ -189,8 +189,8 @@ class OasisLayer(CacheLayerMixin):
             out = self._attend_dense(query, visible, scale)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
-            if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
-                self._cache.note_padding(visible, self)  # the decode steps after it read this padding
+        if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
+            self._cache.note_padding(visible, self)  # a multi-token forward: the one-token steps after it read this
         draft_rows = self._cache.draft_rows
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)

@@ -248,6 +248,11 @@ def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_pr
     assert cache.padding.tokens.shape[1] == length - 1 + 40 and cache.replay_signature() != signature
     cache.batch_select_indices(torch.tensor([0, 2]))
     assert cache.padding is None
+    # generate's own chunked prefill whose last chunk is short enough to decode sparsely (140 = 64 + 64 + 12) records
+    # the padding from that chunk's mask: the steps after it can be captured
+    chunked = OasisCache(model, **options)
+    generate(model, chunked, left_padded([140, 97, 123]), max_new_tokens=4, do_sample=False, prefill_chunk_size=64)
+    assert chunked.padding is not None and chunked.padding.clear_from == 140 - 97
 
 
 def test_step_visibility_from_a_padding_record_equals_the_one_from_the_mask():
