@@ -27,16 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oasis_cache.remote import connect, local_store  # noqa: E402
-from oasis_cache.remote.mooncake import BATCH_OBJECTS  # noqa: E402
+from oasis_cache.remote.mooncake import BATCH_OBJECTS, in_batches  # noqa: E402
 
 
 def timed_calls(call, keys, addresses, size) -> tuple[float, bool]:
-    start, ok = time.perf_counter(), True
-    for lo in range(0, len(keys), BATCH_OBJECTS):
-        status = call(keys[lo: lo + BATCH_OBJECTS], addresses[lo: lo + BATCH_OBJECTS],
-                      [size] * len(keys[lo: lo + BATCH_OBJECTS]))
-        ok = ok and all(s in (0, size) for s in status)
-    return time.perf_counter() - start, ok
+    start = time.perf_counter()
+    status = in_batches(call, keys, addresses, [size] * len(keys))
+    return time.perf_counter() - start, all(s in (0, size) for s in status)
 
 
 def per_object(total: int, sizes: list[int], repeats: int) -> list[dict]:

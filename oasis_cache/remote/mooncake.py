@@ -49,6 +49,13 @@ BATCH_OBJECTS = 1024
 _KEPT_AFTER_FAILED_TRANSFER: list[torch.Tensor] = []
 
 
+def in_batches(call, keys: list, *per_key: list) -> list:
+    """`call(keys, *per_key)` (a batched store call: one result per key) made in calls of at most `BATCH_OBJECTS`
+    keys, each list cut alike; the results of all calls, in order."""
+    return [result for lo in range(0, len(keys), BATCH_OBJECTS)
+            for result in call(keys[lo: lo + BATCH_OBJECTS], *(values[lo: lo + BATCH_OBJECTS] for values in per_key))]
+
+
 class RemoteBlocksMissing(RuntimeError):
     """Blocks a fetch asked for are not in the store (never published, deleted, or lost with a store restart)."""
 
@@ -171,10 +178,7 @@ class RemoteTier:
             keys = [self.key(layer_idx, start + offset + i, b, h)
                     for i in range(hi - lo) for b in range(B) for h in range(H)]
             addresses = [units.data_ptr() + r * size for r in range(len(keys))]
-            status = [st for lo_key in range(0, len(keys), BATCH_OBJECTS)
-                      for st in self.store.batch_put_from(keys[lo_key: lo_key + BATCH_OBJECTS],
-                                                          addresses[lo_key: lo_key + BATCH_OBJECTS],
-                                                          [size] * len(keys[lo_key: lo_key + BATCH_OBJECTS]))]
+            status = in_batches(self.store.batch_put_from, keys, addresses, [size] * len(keys))
             failed = [(k, st) for k, st in zip(keys, status) if st != 0]
             if failed:
                 _KEPT_AFTER_FAILED_TRANSFER.append(staging)
@@ -200,9 +204,7 @@ class RemoteTier:
             return 0
         self._check_open("fetch blocks")
         keys, addresses = [self.key(layer_idx, *u) for u in units], list(addresses)
-        got = [n for lo in range(0, len(keys), BATCH_OBJECTS)
-               for n in self.store.batch_get_into(keys[lo: lo + BATCH_OBJECTS], addresses[lo: lo + BATCH_OBJECTS],
-                                                  [size] * len(keys[lo: lo + BATCH_OBJECTS]))]
+        got = in_batches(self.store.batch_get_into, keys, addresses, [size] * len(keys))
         missing = [u for u, n in zip(units, got) if n != size]
         if missing:
             codes = sorted({n for n in got if n != size})
@@ -224,8 +226,7 @@ class RemoteTier:
 
     def exists(self, layer_idx: int, blocks, sequence: int = 0, head: int = 0) -> list[bool]:
         keys = [self.key(layer_idx, int(b), sequence, head) for b in blocks]
-        return [s == 1 for lo in range(0, len(keys), BATCH_OBJECTS)
-                for s in self.store.batch_is_exist(keys[lo: lo + BATCH_OBJECTS])]
+        return [s == 1 for s in in_batches(self.store.batch_is_exist, keys)]
 
     def _check_open(self, what: str) -> None:
         """A closed client (closed by its caller, outside a `StoreClient`) crashes the process on most calls;
