@@ -20,7 +20,8 @@ The store holds one object per (block, sequence, KV head); a decode step fetches
 LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
 blocks decode completes, not the prompt's KV. What is not yet there (issue 24): a fetch reads the selected block ids
 on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs; docs/status.md has a
-design). With lookahead="eagle3" the record also carries the draft head's state (its window's keys/values, the last features, the pending drafts).
+design). With lookahead="eagle3" the record also carries the draft head's state (its window's keys/values, the last
+features, the pending drafts).
 """
 
 from __future__ import annotations
