@@ -17,7 +17,10 @@
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
-#             qwenindecodeprompts: one process per prompt, each an unpadded batch of one (captured decode steps)
+#             qwenindecodeprompts: one process per prompt, each an unpadded batch of one (captured decode steps),
+#             each recomputing dense eagerly: 8 of them at 4096 tokens did not finish one oasis row in 545 s (the
+#             nineteenth session); prefer qwenindecodepar (dense once as a padded batch, kept in $OUT; padded batches
+#             replay captured steps since the eighteenth)
 #   firstcall  bench/first_call.py: a process's first generate against its later ones, a new machine's kernel cache
 #   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -108,7 +111,8 @@ for arg in "$@"; do
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     qwenindecode) python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts "${INDECODE_PROMPTS:-8}" --new-tokens "${INDECODE_TOKENS:-4096}" --fractions ${INDECODE_FRACTIONS:-8 16} --modes ${INDECODE_MODES:-none previous} --out "$OUT/in-decode-qwen05.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/in-decode-qwen05.log" | tail -8 ;;
-    qwenindecodepar) N=${INDECODE_TOKENS:-4096}; D=/tmp/in-decode-dense-$N.pt; files=()  # dense once (kept in $D), then one process per (mode, budget)
+    qwenindecodepar) N=${INDECODE_TOKENS:-4096}; D=$OUT/in-decode-dense-$N.pt; files=()  # dense once (kept in $D, which comes back: carry it and set INDECODE_DENSE to skip it next time), then one process per (mode, budget)
+      [ -n "${INDECODE_DENSE:-}" ] && cp "$INDECODE_DENSE" "$D"
       common="--model qwen25-coder-0.5b --prompts ${INDECODE_PROMPTS:-8} --new-tokens $N --dense $D ${REPORT_HEAD:+--head $HEAD}"
       python3 eval/in_decode.py $common --modes --out "$OUT/in-decode-qwen05-$N-dense.json" 2>&1 | grep --line-buffered -v Warning | tail -3
       [ -n "${INDECODE_DENSE_ONLY:-}" ] && continue

@@ -153,8 +153,10 @@ def main(argv=None):
     groups = [[i] for i in indexes] if args.per_prompt else [indexes]
     encs = [encode(tokenizer, [PROMPTS[i] for i in group], args.device) for group in groups]
     contexts = [enc["input_ids"].shape[1] + args.new_tokens for enc in encs]
+    dense_started = time.time()
     dense = [dense_pass(model, tokenizer, enc, group, args) for enc, group in zip(encs, groups)]
     dense_row = summarize(dict(mode="dense", budget=None, prompt_indexes=indexes, budgets=[None] * len(indexes),
+                               seconds=time.time() - dense_started,
                                **{k: [v for d in dense for v in d[2][k]] for k in PER_PROMPT}), args.new_tokens)
     rows = [dense_row]
     command = " ".join(["python eval/in_decode.py", *(sys.argv[1:] if argv is None else argv)])
@@ -178,17 +180,24 @@ def main(argv=None):
     for mode in args.modes:
         for fraction in args.fractions:
             lists = {k: [] for k in ("budgets", *PER_PROMPT)}
+            row_started, steps = time.time(), dict(captures=0, replays=0)
             for enc, context, (dense_tokens, dense_nll, _) in zip(encs, contexts, dense):
                 budget = max(args.min_budget, context // fraction)
-                nll, agree = teacher_forced_nll(model, enc, dense_tokens, make_cache(model, mode, budget))
-                tokens = greedy(model, enc, make_cache(model, mode, budget), args.new_tokens, pad)
+                caches = [make_cache(model, mode, budget), make_cache(model, mode, budget)]
+                nll, agree = teacher_forced_nll(model, enc, dense_tokens, caches[0])
+                tokens = greedy(model, enc, caches[1], args.new_tokens, pad)
+                for cache in caches:  # how many decode steps replayed a captured graph (none on CPU)
+                    captured = getattr(cache, "captured_steps", None)
+                    steps["captures"] += captured.captures if captured is not None else 0
+                    steps["replays"] += captured.replays if captured is not None else 0
                 lists["budgets"] += [budget] * len(tokens)
                 lists["nll_per_prompt"] += nll.mean(1).tolist()
                 lists["dense_nll_per_prompt"] += dense_nll.mean(1).tolist()
                 lists["agreement_per_prompt"] += agree.float().mean(1).tolist()
                 lists["prefixes"] += equal_prefix(tokens, dense_tokens)
                 lists["compiled"] += [compiles(tokenizer.decode(row, skip_special_tokens=True)) for row in tokens]
-            row = summarize(dict(mode=mode, fraction=fraction, prompt_indexes=indexes, **lists), args.new_tokens)
+            row = summarize(dict(mode=mode, fraction=fraction, prompt_indexes=indexes, seconds=time.time() - row_started,
+                                 **steps, **lists), args.new_tokens)
             rows.append(row)
             print_row(row)
             write()
@@ -240,12 +249,14 @@ def dense_pass(model, tokenizer, enc, group, args):
 
 
 def print_header():
-    print(f"{'mode':<18} {'budget':>6} {'NLL delta':>10} {'greedy prefix':>14} {'full match':>10} {'compiles':>9}")
+    print(f"{'mode':<18} {'budget':>6} {'NLL delta':>10} {'greedy prefix':>14} {'full match':>10} {'compiles':>9} "
+          f"{'seconds':>8} {'replays':>8}")
 
 
 def print_row(row):
+    replays = f"{row['replays']}/{row['captures']}" if row.get("replays") is not None else "-"
     print(f"{row['mode']:<18} {str(row['budget'] or '-'):>6} {row['nll_delta']:>+10.4f} {row['prefix']:>14.1f} "
-          f"{row['full_match']:>10.2f} {row['compiles']:>9.2f}", flush=True)
+          f"{row['full_match']:>10.2f} {row['compiles']:>9.2f} {row.get('seconds', 0):>8.0f} {replays:>8}", flush=True)
 
 
 def merge(paths, out):
@@ -273,6 +284,9 @@ def merge(paths, out):
             if fresh:  # the same mode and budget on other prompts
                 for name in ("prompt_indexes", "budgets", *PER_PROMPT):
                     have[name] = have[name] + row[name]
+                for name in ("seconds", "captures", "replays"):  # summed over the processes (seconds: process time)
+                    if name in row:
+                        have[name] = have.get(name, 0) + row[name]
     rows = [summarize(row, new_tokens) for row in joined.values()]
     meta = dict(metas[0], command=[m["command"] for m in metas], seconds=max(m["seconds"] for m in metas),
                 context=max(m["context"] for m in metas), processes=len(runs))

@@ -292,8 +292,8 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
         ({"input_ids": prompt_ids(300)}, 128, True),
         ({"input_ids": prompt_ids(300, batch=3)}, 128, True),
         ({"input_ids": prompt_ids(300)}, 1024, True),
-        (left_padded([250, 190, 220]), 128, True),
-        (left_padded([250, 190, 220]), 1024, True),
+        (left_padded([300, 240, 270]), 128, True),  # (as wide as the unpadded prompt: eagle3's steps stay eager
+        (left_padded([300, 240, 270]), 1024, True),  # until the head's ring of 255 rows fills, as many as for it)
     ]:
         inputs = on_cuda(inputs)
         options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)
