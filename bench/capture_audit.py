@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -113,14 +114,15 @@ def record_kernel_launches(recorder_of) -> None:
 
 
 def audit(model, ids, mode, head, budget, backend, state, completing=False, block_size=16, steady_too=False,
-          padded=0) -> dict:
+          padded=0, store=None) -> dict:
     """Findings for two consecutive steps (`completing`: two that each complete a block; with `steady_too`, also two
     steady steps recorded between them, under `result["steady"]`: one decoding for both audits; `padded`: a batch of
-    two whose first sequence starts with that many padding tokens, `op_count.decoding`)."""
+    two whose first sequence starts with that many padding tokens, `op_count.decoding`; `store`: on a cache
+    admitted from it, store reads deferred — recorded are the steps, not the reads after them)."""
     if padded:
         ids = ids.expand(2, -1).clone()
     step, cache = decoding(model, ids, mode, head, budget, backend, warm_steps=0, block_size=block_size,
-                           padded=padded)
+                           padded=padded, store=store)
     if getattr(cache, "ride_along", None) is not None:  # the head's static decode call, as CUDA replays it
         cache.ride_along.static_head = "eager"
     for _ in range(2):
@@ -152,19 +154,26 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
     if steady_runs:
         result["steady"] = compare(*steady_runs)
     padding = getattr(cache, "padding", None)  # the steps read the prompt's recorded padding (`padded`)
+    links = [layer.pool.remote for layer in getattr(cache, "layers", []) if getattr(layer, "pool", None) is not None
+             and layer.pool.remote is not None]
     for part in (result, result.get("steady")):
         if part is not None:
             part["padding_recorded"] = padding is not None and padding.tokens is not None
+            # (`store`: every layer's prefetches left records for the reads after the step)
+            part["deferred_records"] = bool(links) and all(link.deferred and link.pending for link in links)
     return result
 
 
 def record(state, step) -> list:
     """The operators (and kernel launches) of one `step()`."""
     state["recorder"] = Recorder()
+    after = getattr(step, "after", None)  # an admitted cache's store reads after the step: not part of it
     with state["recorder"]:
-        step()
+        step(repair=False) if after is not None else step()
     ops = state["recorder"].ops
     state["recorder"] = None
+    if after is not None:
+        after()
     return ops
 
 
@@ -193,6 +202,8 @@ def main():
                              "without a mask as a captured step is")
     parser.add_argument("--steady-too", action="store_true",
                         help="with --completing: also two steady steps between them (reported as '<mode> steady')")
+    parser.add_argument("--admitted", action="store_true",
+                        help="decode on a cache admitted from a Mooncake Store started here (store reads deferred)")
     args = step_arguments(parser, 4, ["dense", "previous", "eagle3-exact"])
     state = {"recorder": None}
     if args.backend == "triton":
@@ -203,27 +214,35 @@ def main():
     print(f"two consecutive {kind}, tiny Qwen3 of {args.layers} layers, context {args.context}, "
           f"{args.backend} backend")
     findings = {}
-    for mode in args.modes:
-        result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size,
-                       args.steady_too and args.completing, args.padded)
-        for name, part in ((mode, result), (f"{mode} steady", result.get("steady"))):
-            if part is None:
-                continue
-            findings[name] = dict(ops=part["ops"], same_order=part["same_order"], syncs=dict(part["syncs"]),
-                                  padding_recorded=part["padding_recorded"],
-                                  differing=[dict(site=site, op=op, count=n)
-                                             for (site, op), n in sorted(part["differing"].items())])
-            differing, syncs = part["differing"], part["syncs"]
-            print(f"\n== {name}: {part['ops'][0]} / {part['ops'][1]} operators, same order: {part['same_order']}, "
-                  f"host syncs: {sum(syncs.values())}, operators that differ: {sum(differing.values())}")
-            for site, n in syncs.most_common():
-                print(f"  sync    {n:3}  {site}")
-            for (site, op), n in sorted(differing.items()):
-                print(f"  differs {n:3}  {op:28} {site}")
+    with contextlib.ExitStack() as stack:  # the store, with --admitted
+        store = None
+        if args.admitted:
+            from oasis_cache.remote import connect, local_store
+
+            store = connect(stack.enter_context(local_store()))
+            stack.callback(store.close)  # (before the store stops: callbacks run last in, first out)
+        for mode in args.modes:
+            result = audit(model, ids, mode, head, args.budget, args.backend, state, args.completing, args.block_size,
+                           args.steady_too and args.completing, args.padded, store)
+            for name, part in ((mode, result), (f"{mode} steady", result.get("steady"))):
+                if part is None:
+                    continue
+                findings[name] = dict(ops=part["ops"], same_order=part["same_order"], syncs=dict(part["syncs"]),
+                                      padding_recorded=part["padding_recorded"],
+                                  deferred_records=part["deferred_records"],
+                                      differing=[dict(site=site, op=op, count=n)
+                                                 for (site, op), n in sorted(part["differing"].items())])
+                differing, syncs = part["differing"], part["syncs"]
+                print(f"\n== {name}: {part['ops'][0]} / {part['ops'][1]} operators, same order: {part['same_order']}, "
+                      f"host syncs: {sum(syncs.values())}, operators that differ: {sum(differing.values())}")
+                for site, n in syncs.most_common():
+                    print(f"  sync    {n:3}  {site}")
+                for (site, op), n in sorted(differing.items()):
+                    print(f"  differs {n:3}  {op:28} {site}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(command="python " + " ".join(sys.argv), layers=args.layers,
                                                    context=args.context, backend=args.backend, padded=args.padded,
-                                                   modes=findings),
+                                                   admitted=args.admitted, modes=findings),
                                               indent=1))
 
 

@@ -4,9 +4,12 @@ decoding from its local host pool.
 
     python bench/disagg.py --context 32768 --budget 2048 --steps 16 --out bench/results/disagg-cpu.json
     python bench/disagg.py --device cuda --context 32768 ... [--measure: exposed wait per step] [--pipelined]
+    python bench/disagg.py --model qwen25-coder-0.5b --device cuda --context 32768 --budget 2048 --steps 64
 
-The model has Qwen3-8B's KV geometry (8 KV heads of 128, bf16) on `--layers` layers with small other dimensions
-(random weights): bytes per layer are those of the 8B model, and the ratios do not depend on the layer count. One
+The default model has Qwen3-8B's KV geometry (8 KV heads of 128, bf16) on `--layers` layers with small other
+dimensions (random weights): bytes per layer are those of the 8B model, and the ratios do not depend on the layer
+count; its selection changes almost entirely from step to step, the worst case for a local cache. `--model
+qwen25-coder-0.5b` decodes with real weights after Python's documentation, whose selections persist. One
 process plays both roles one after the other (a store started here, `oasis_cache.remote.local_store`): prefill all
 but the last prompt token with `lookahead="previous"`, `publish`; `admit` from the store and `generate` `--steps`
 tokens (the remote run); then the prefill's own cache generates the same tokens from its local pool (the local run).
@@ -73,13 +76,31 @@ def main(argv=None):
     parser.add_argument("--pipelined", action="store_true",
                         help="publish while the prefill runs (`remote.publishing`: each chunk's blocks put while the "
                              "next chunk computes) instead of after it")
+    parser.add_argument("--model", default="qwen3-8b-kv",
+                        help="qwen3-8b-kv (random weights with Qwen3-8B's KV on --layers layers: a random model's "
+                             "selection changes almost entirely every step) or an offline model (oasis_cache.loaders, "
+                             "e.g. qwen25-coder-0.5b: real weights on Python's documentation, whose selections "
+                             "persist)")
+    parser.add_argument("--deferred", choices=["auto", "on", "off"], default="auto",
+                        help="admit(deferred=...): store reads after each step (capturable) or during it on a host "
+                             "thread; auto: after it where steps are captured (CUDA)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cuda = device.type == "cuda"
-    model = model_with_8b_kv(args.layers, device, dtype)
-    torch.manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+    if args.model == "qwen3-8b-kv":
+        model = model_with_8b_kv(args.layers, device, dtype)
+        torch.manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+        what = f"KV of Qwen3-8B ({args.layers} layers, random weights)"
+    else:
+        from eval.nll import pydoc_token_ids
+        from oasis_cache.loaders import load_offline
+
+        model, tokenizer = load_offline(args.model, device, dtype)
+        ids = pydoc_token_ids(tokenizer, args.context).to(device)
+        what = f"{args.model} on Python's documentation"
+    deferred = {"auto": None, "on": True, "off": False}[args.deferred]
     with local_store(args.segment) as master:
         prefill = OasisCache(model, token_budget=args.budget, lookahead="previous", measure=args.measure)
         store = connect(master)
@@ -94,7 +115,7 @@ def main(argv=None):
             report = publish(prefill, store, "bench")
         publish_s = time.perf_counter() - t0 - prefill_s  # after the prefill's last forward returned
         t0 = time.perf_counter()
-        remote = admit(model, store, "bench", measure=args.measure)
+        remote = admit(model, store, "bench", measure=args.measure, deferred=deferred)
         admit_s = time.perf_counter() - t0
         out_remote, remote_ms = timed_generate(model, ids, remote, args.steps, cuda)
         stats = remote.stats()
@@ -107,7 +128,9 @@ def main(argv=None):
     same = torch.equal(out_remote, out_local)
     steps = args.steps
     row = dict(
-        context=args.context, budget=args.budget, layers=args.layers, steps=steps, device=str(device),
+        model=args.model, deferred=args.deferred, context=args.context, budget=args.budget,
+        layers=args.layers if args.model == "qwen3-8b-kv" else model.config.num_hidden_layers, steps=steps,
+        device=str(device),
         dtype=args.dtype, same_tokens=same,
         full_kv_bytes=report["full_kv"], admission_bytes=report["record"], blocks_published_bytes=report["blocks"],
         admission_share=report["record"] / report["full_kv"],
@@ -119,10 +142,12 @@ def main(argv=None):
         tpot_remote_ms=remote_ms, tpot_local_ms=local_ms, tpot_ratio=remote_ms / local_ms,
         prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s, pipelined=args.pipelined,
         prefill_and_publish_s=prefill_s + publish_s, blocks_in_background=report.get("blocks_in_background", 0),
+        repair_ms_per_step=stats["remote_repair_ms_per_step"],
+        replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
         exposed_wait_ms_per_step_local=local_stats.get("exposed_wait_ms_per_step"),
     )
-    header = (f"disaggregation, KV of Qwen3-8B ({args.layers} layers), {args.dtype} on {device}, torch {torch.__version__}, "
+    header = (f"disaggregation, {what}, {args.dtype} on {device}, torch {torch.__version__}, "
               f"{datetime.datetime.now().isoformat(timespec='seconds')}")
     print(header)
     print(f"context {args.context}, budget {args.budget}: admission {report['record'] / 2**20:.1f} MiB of "
@@ -131,7 +156,8 @@ def main(argv=None):
           f"{row['local_cache_bytes'] / 2**20:.1f} MiB); fetched {row['remote_units_fetched']} of "
           f"{row['remote_units_published']} (block, sequence, KV head) units over {steps} steps "
           f"({row['remote_bytes_per_step'] / 2**20:.2f} MiB per step); TPOT remote {remote_ms:.1f} ms, local "
-          f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x); same tokens: {same}")
+          f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x; store reads after each step {row['repair_ms_per_step']:.2f} "
+          f"ms; replayed steps remote {row['replays_remote']}, local {row['replays_local']}); same tokens: {same}")
     print(f"prefill {prefill_s:.2f} s, then publish {publish_s:.2f} s ({'pipelined: ' if args.pipelined else ''}"
           f"{row['blocks_in_background'] / 2**20:.1f} MiB of blocks put while the prefill ran)")
     if args.measure:

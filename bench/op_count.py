@@ -47,13 +47,16 @@ def count_kernels_as_launches() -> None:
 
 
 def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", warm_steps: int = 3,
-             block_size: int = 16, padded: int = 0):
+             block_size: int = 16, padded: int = 0, store=None):
     """A cache for `mode` (below), prefilled with `ids` `[B, n]` and decoded `warm_steps` steps. Returns `step()`,
     which runs the next decode step (one token, the mask of the whole sequence as `generate` passes it), and the
     cache. `mode`: "dense" (HF's SDPA + DynamicCache, the baseline) or a lookahead, optionally with `-exact` (miss
     repair), e.g. `eagle3-exact` (the default with a head). `padded` > 0: the first sequence's first `padded` tokens
     are left padding, and each step is called as a captured step records it: no mask, each sequence's own
-    `position_ids` (the cache reads the padding it recorded at the prefill)."""
+    `position_ids` (the cache reads the padding it recorded at the prefill). `store` (a Mooncake Store client): the
+    prefilled cache is published and the decoding continues on the cache admitted from it with its store reads
+    deferred (`oasis_cache.remote.admit(deferred=True)`); `step(repair=False)` then leaves out the reads after the
+    step (`step.after()` runs them)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -71,15 +74,26 @@ def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", w
         out = model(input_ids=ids, attention_mask=state["mask"], position_ids=positions, **kw)
     state["token"] = out.logits[:, -1:].argmax(-1)
     state["position"] = positions[:, -1:]
+    after = None
+    if store is not None and mode != "dense":
+        from oasis_cache.remote import admit, publish
+
+        publish(cache, store, "decoding")
+        cache = admit(model, store, "decoding", deferred=True)
+        kw[generate_cache_argument(model)] = cache
+        after = cache._after_forward.pop()  # the store reads after each step, run by `step` itself
 
     @torch.no_grad()
-    def step():
+    def step(repair: bool = True):
         state["mask"] = torch.cat((state["mask"], torch.ones_like(state["mask"][:, :1])), 1)
         state["position"] = state["position"] + 1
         inputs = dict(position_ids=state["position"]) if padded else dict(attention_mask=state["mask"])
         out = model(input_ids=state["token"], **inputs, **kw)
         state["token"] = out.logits[:, -1:].argmax(-1)
+        if repair and after is not None:
+            after()
 
+    step.after = after
     for _ in range(warm_steps):
         step()
     return step, cache

@@ -341,7 +341,9 @@ class OasisCache(Cache):
                        remote_units_evicted=sum(link.units_evicted for link in links),
                        remote_units_published=sum(link.published * link.batch_size * link.num_kv_heads
                                                   for link in links),
-                       remote_local_cache_bytes=sum(link.nbytes for link in links))
+                       remote_local_cache_bytes=sum(link.nbytes for link in links),
+                       remote_repair_ms_per_step=(1e3 * self.remote_tier.repair_seconds / self.remote_tier.repairs
+                                                  if self.remote_tier.repairs else 0.0))
         return out
 
     def _summary_form(self) -> tuple[bool | None, float | None]:
@@ -571,6 +573,9 @@ class OasisCache(Cache):
         if not (layer.is_initialized and layer.device.type == "cuda" and self._decode_step_of_fixed_shapes()
                 and layer.summaries.channels_fixed and self.padding_covers(layer.pool.num_blocks)):
             return None
+        if self.remote_tier is not None and not all(  # admitted: only deferred prefetches keep the store out of it
+                other.predicted and (other.pool.remote is None or other.pool.remote.deferred) for other in self.layers):
+            return None
         if not layer.completes_block():
             return "steady"
         return "completing" if layer.use_kernels else None
@@ -608,15 +613,19 @@ class OasisCache(Cache):
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
         tensors' addresses (which change when a capacity grows), its block count while it is small enough to decide
         the selection's shapes (NB <= slots: every block selected), the cache's device counters and address
-        tables, and the padding record's tensors (addresses and shape). Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a
-        completed block does not invalidate it (selection reads the block count on the device)."""
+        tables, the padding record's tensors (addresses and shape), and for a layer admitted from a store whether
+        its local pool holds blocks yet and its deferred records' tensors. Equal signatures: the graph captured under
+        one is valid under the other — past `slots` blocks a completed block does not invalidate it (selection
+        reads the block count on the device)."""
         cfg = self.config
 
         def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)
-            NB = layer.pool.num_blocks
+            NB, pool = layer.pool.num_blocks, layer.pool
+            remote = () if pool.remote is None else (  # an admitted layer: its local pool read or not, its records
+                NB > pool.first_block, tuple(t.data_ptr() for t in pool.remote.pending_tensors()))
             return (NB if NB <= cfg.slots else None, cfg.max_fetch(NB), cfg.max_fetch(NB + 1), layer.predicted,
                     layer.fits_budget(1), layer.fits_budget(2),  # the step's and its prediction's blocks to attend
-                    tuple(t.data_ptr() for t in layer.state_tensors()))
+                    tuple(t.data_ptr() for t in layer.state_tensors()), remote)
         layers = tuple(of(layer) for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()

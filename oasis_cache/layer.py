@@ -304,7 +304,7 @@ class OasisLayer(CacheLayerMixin):
         pool, ws = self.pool, self.working_set
         cache.streams.launch(
             self.layer_idx,
-            lambda: cache.transfer.fetch(pool, ws, block_ids, placed.dest, placed.fetch),
+            lambda: cache.transfer.fetch(pool, ws, block_ids, placed.dest, placed.fetch, prefetch=True),
             block_ids, placed.dest, placed.fetch,
         )
         self.predicted = True

@@ -423,3 +423,35 @@ def test_pinned_host_memory_is_released(monkeypatch):
     cache.reset()
     torch.cuda.synchronize()
     assert host_memory.pinned_bytes_held() <= baseline
+
+
+def test_an_admitted_cache_replays_captured_steps(mooncake_master):
+    """A cache admitted from a Mooncake Store with lookahead "previous" (no exact) replays its decode steps as CUDA
+    graphs: a prefetch gathers the units its local cache holds and leaves the store reads to after the step
+    (`remote.disaggregate.repair_after_step`). Same greedy tokens and logits as the prefill's own cache decoding
+    eagerly in this process; steady and completing steps replayed across the blocks decode completes (its local pool's first block
+    included); units did come from the store."""
+    pytest.importorskip("mooncake.store")
+    from oasis_cache.remote import admit, connect, publish
+
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    ids = prompt_ids(600, batch=2).cuda()
+    options = dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, lookahead="previous")
+    kw = dict(max_new_tokens=60, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    local = OasisCache(model, cuda_graph=False, **options)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], **local.generate_kwargs())
+    store = connect(mooncake_master)
+    publish(local, store, "cuda-captured")
+    expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
+    cache = admit(model, store, "cuda-captured")
+    got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+    assert cache.stats()["remote_units_fetched"] > 0
+    if os.environ.get("OASIS_TEST_CUDA_GRAPH") != "0":
+        steps = cache.captured_steps
+        assert steps.replays >= 45 and steps.completing_replays >= 2, (steps.captures, steps.replays)
+    cache.reset()
+    store.close()

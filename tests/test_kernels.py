@@ -95,22 +95,26 @@ STEP_VARYING = {
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
+@pytest.mark.parametrize("mode", ["previous", "eagle3-exact", "previous-admitted"])
 def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mode):
     """Two consecutive decode steps on the CUDA path (Triton kernels, in the interpreter) — steady ones, and ones that
     each complete a block (what the completing step's graph replays: its offload and summary at the block number
     read on the device), from one decoding — run the same operators in the same order, make no host sync but the
     CPU-only mask check, and differ only at the known sites above. `previous` runs a left-padded batch of two whose
     steps are called as a captured step is (no mask: the padding recorded at the prefill), eagle3-exact an
-    unpadded batch of one with `generate`'s growing mask. (Two layers where they suffice: the interpreter's cost is
-    per layer; the eagle3 head reads three layers' states.)"""
+    unpadded batch of one with `generate`'s growing mask; `previous-admitted` a cache admitted from a Mooncake Store
+    (started by the audit) whose prefetches leave their store reads to after the step (recorded: the steps, not
+    those reads). (Two layers where they suffice: the interpreter's cost is per layer; the eagle3 head reads three
+    layers' states.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
+    mode, admitted = mode.removesuffix("-admitted"), mode.endswith("-admitted")
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
+                          *(["--admitted"] if admitted else []),
                           "--modes", mode, "--layers", "3" if mode.startswith("eagle3") else "2",
                           "--context", "300", "--budget", "128",
                           "--block-size", "8", "--completing", "--steady-too", "--json", str(out),
-                          "--padded", "21" if mode == "previous" else "0"], env=env,
+                          "--padded", "21" if mode == "previous" and not admitted else "0"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     import json
@@ -119,7 +123,8 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mod
     assert set(found_modes) == {mode, f"{mode} steady"}
     for name, found in found_modes.items():
         assert found["same_order"], name
-        assert found["padding_recorded"] == (mode == "previous"), name  # the padded steps read the record
+        assert found["padding_recorded"] == (mode == "previous" and not admitted), name  # padded steps read it
+        assert found["deferred_records"] == admitted, name
         assert all("_all_true_on_cpu" in site for site in found["syncs"]), (name, found["syncs"])
         sites = {(d["site"].split(":")[0], d["site"].split("(")[-1].rstrip(")")) for d in found["differing"]}
         assert sites <= STEP_VARYING, (name, sites - STEP_VARYING)

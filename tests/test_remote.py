@@ -50,7 +50,8 @@ def empty_like(pool: HostKVPool) -> HostKVPool:
     return fresh
 
 
-SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2), (64, "eagle3", 2)]  # (budget, lookahead, batch)
+SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2), (64, "eagle3", 2),  # (budget, lookahead
+          (64, "previous-exact", 1)]  # (-exact: with exact=True), batch)
 
 
 def split_model(lookahead):
@@ -61,7 +62,8 @@ def split_options(model, budget, lookahead) -> dict:
     """A split's cache options; eagle3 with a random head both processes build alike (`conftest.random_head`)."""
     from conftest import random_head
 
-    return {**OPTIONS, "token_budget": budget, "lookahead": lookahead,
+    name, _, variant = lookahead.partition("-")
+    return {**OPTIONS, "token_budget": budget, "lookahead": name, "exact": variant == "exact",
             **({"draft": random_head(model)} if lookahead == "eagle3" else {})}
 SPLIT_LENGTH = 803
 
@@ -229,8 +231,8 @@ def test_missing_blocks_are_named(mooncake_master):
     try:
         tier.publish(idx, layer.pool, 0, 4)
         like = units_of(layer.pool)
-        with pytest.raises(RemoteBlocksMissing, match=r"2 of 4 \(block, sequence, KV head\) units of layer 0 of "
-                                                      r"request 'half-published'.*blocks \[4, 5\]"):
+        with pytest.raises(RemoteBlocksMissing, match=r"2 of 4 \(block, sequence, KV head\) units of layer 0 "
+                                                      r"\(blocks \[4, 5\]\) of request 'half-published'"):
             get_units(tier, idx, [(2, 0, 0), (3, 0, 1), (4, 0, 0), (5, 0, 1)], like)
         assert tier.delete() == 4 * layer.pool.batch_size * layer.pool.num_kv_heads
         with pytest.raises(RemoteBlocksMissing, match="deleted"):
@@ -278,9 +280,18 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
 
     from oasis_cache.remote import LocalBlockCache
 
-    threads, ensure = set(), LocalBlockCache.ensure
-    monkeypatch.setattr(LocalBlockCache, "ensure", lambda self, *a: threads.add(threading.current_thread().name)
-                        or ensure(self, *a))
+    # where the store reads are planned: (thread, inside the repair after a step)
+    reads, plan, repair_plan, repairing = set(), LocalBlockCache.plan, LocalBlockCache.repair_plan, []
+    monkeypatch.setattr(LocalBlockCache, "plan", lambda self, *a: reads.add(
+        (threading.current_thread().name, bool(repairing))) or plan(self, *a))
+
+    def repairing_plan(self, *args):
+        repairing.append(1)
+        try:
+            return repair_plan(self, *args)
+        finally:
+            repairing.clear()
+    monkeypatch.setattr(LocalBlockCache, "repair_plan", repairing_plan)
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
@@ -300,13 +311,31 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         # (the prefill's prediction placed every block in the working set, which the record carries: nothing to fetch)
         assert stats["remote_units_fetched"] <= stats["remote_units_published"]
     else:
-        assert 0 < stats["remote_units_fetched"] < stats["remote_units_published"] / 2  # partial fetch, per head
-        # a lookahead's prefetches read the store on the host worker, off the step's thread
-        assert any(name.startswith("oasis-prefetch") for name in threads) == (lookahead != "none")
+        # partial fetch, per head (exact fills twice the slots: its prefetch picks more blocks)
+        assert 0 < stats["remote_units_fetched"] < stats["remote_units_published"] / (1 if "exact" in lookahead else 2)
+        # Prefetches read the store on the host worker, off the step's thread (where steps are not captured: on
+        # CUDA they read it after the step, below); "none" and exact's misses read it on the step's thread.
+        assert all(not repaired for _, repaired in reads)
+        assert any(name.startswith("oasis-prefetch") for name, _ in reads) == (lookahead != "none")
         assert report["record"] < report["full_kv"]
         # the decode side holds its local caches and the blocks decode completed, not the prompt's KV
         assert stats["remote_local_cache_bytes"] < report["full_kv"] / 2.2
     assert report["blocks"] == stats["remote_units_published"] * 2 * 8 * 16 * 4  # fp32 [2, T, D] per unit
+    if lookahead in ("previous", "eagle3"):  # deferred store reads (what a CUDA cache captures): the same tokens,
+        cache.streams.settle()  # (the last step's prefetch of the first cache may still run on its worker)
+        reads.clear()  # the store read only after each step, on the step's thread
+        deferred = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"),
+                         deferred=True)
+        got = model.generate(input_ids=ids, **deferred.generate_kwargs(), **kw)
+        assert torch.equal(got.sequences, expected.sequences)
+        for a, b in zip(got.logits, expected.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert reads <= {("MainThread", True)} and (budget >= length + 8 or reads)
+        # the same LRU decisions (the first cache's last prefetch joined above)
+        assert deferred.stats()["remote_units_fetched"] == cache.stats()["remote_units_fetched"]
+    else:
+        with pytest.raises(ValueError, match=r"deferred=True.*whose steps read the store on their critical path"):
+            admit(model, store, request, deferred=True)
     tier = cache.remote_tier
     cache.reset()  # the request's keys go with its tokens
     assert not any(tier.exists(0, range(3)))
@@ -344,6 +373,36 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
         store.get("oasis/evict/admission/0")
 
 
+def test_deferred_prefetches_are_repaired_after_the_step(mooncake_master, published, monkeypatch):
+    """An admitted cache with lookahead "previous" (no exact) reads nothing from the store inside a step (so the step
+    can be captured): its prefetches gather the units already local and record the others, which the repair after
+    the step fetches and gathers into their slots before the next step reads them (the default where steps are
+    captured; forced here). Skip the repair's gathers and the tokens change (the repair is what makes them equal to
+    one process's, checked above); no host thread is started."""
+    from oasis_cache.memory.transfer import TransferEngine
+    from oasis_cache.remote import admit
+
+    model = tiny_model("llama")
+    ids = prompt_ids(SPLIT_LENGTH, batch=SPLITS[0][2])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    store = connect(mooncake_master)
+    cache = admit(model, store, "evict", deferred=True)
+    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer)]
+    assert links and all(link.deferred for link in links) and cache.streams._worker is None
+    expected = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    assert all(not link.pending[3].any() for link in links)  # every record repaired and cleared
+    assert cache.stats()["remote_repair_ms_per_step"] > 0
+    default = admit(model, store, "evict")  # (kept: a dropped admitted cache deletes its request's keys)
+    assert not any(layer.pool.remote.deferred for layer in default.layers if isinstance(layer, OasisLayer))
+    assert default.streams._worker is not None  # on CPU (no captured steps) the store is read during the step
+    gathered = []
+    monkeypatch.setattr(TransferEngine, "gather_units", lambda self, *a: gathered.append(1))
+    skipped = admit(model, store, "evict", deferred=True)
+    assert not torch.equal(model.generate(input_ids=ids, **skipped.generate_kwargs(), **kw), expected)
+    assert gathered
+    store.close()
+
+
 def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published):
     """The store loses the blocks (deleted, or a restarted store) between two `generate` calls of one conversation:
     the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix; what was generated
@@ -361,8 +420,8 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     lost = [tier.key(link.layer_idx, *unit) for link in links
             for unit in link.triples((link.slot_of.view(-1) < 0).nonzero().flatten())]
     assert lost and all(status == 0 for status in store.batch_remove(lost, True))
-    with pytest.raises(RemoteBlocksMissing, match=r"of request 'midway' \(blocks .*\) are not in the Mooncake "
-                                                  r"Store.*Publish the request again"):
+    with pytest.raises(RemoteBlocksMissing, match=r"units of layer \d+ \(blocks .*\) of request 'midway' \(status "
+                                                  r"\[-704\]\) are not in the Mooncake Store.*Publish the request again"):
         model.generate(input_ids=first, **cache.generate_kwargs(), max_new_tokens=40, do_sample=False)
     assert first.shape[1] == SPLIT_LENGTH + 3 and length == SPLIT_LENGTH + 2
     del cache

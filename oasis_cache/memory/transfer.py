@@ -137,15 +137,21 @@ class TransferEngine:
         block_major = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return block_major.permute(1, 2, 3, 0, 4, 5)
 
-    def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch) -> None:
-        """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`."""
+    def fetch(self, pool: HostKVPool, working_set: WorkingSet, block_ids, dest, fetch, prefetch: bool = False) -> None:
+        """Copy host blocks `block_ids[fetch]` into slots `dest[fetch]`. `block_ids`, `dest`, `fetch`: `[B, Hkv, K]`.
+        `prefetch`: for the next step (a remote tier's deferred cache may then leave its misses to after the step)."""
         self._wait_offloads(pool)
         timing = self.streams.time_on_compute() if self.streams is not None else None
         if pool.remote is not None:  # a decode side: blocks below `first_block` are in a store
             cache = pool.remote
-            cache.ensure(block_ids, fetch)  # the selected units come to the local cache first (a host sync on CUDA)
             in_store = block_ids < pool.first_block
-            self._gather(cache, working_set, cache.slots_for(block_ids), dest, fetch & in_store)
+            if prefetch and cache.deferred:  # what is here now; the rest after the step (`repair_after_step`)
+                slots = cache.slots_for(block_ids)
+                self._gather(cache, working_set, slots, dest, fetch & in_store & (slots >= 0))
+                cache.defer(working_set, block_ids, dest, fetch & in_store)
+            else:
+                cache.ensure(block_ids, fetch)  # the selected units come to the local cache first (a host sync)
+                self._gather(cache, working_set, cache.slots_for(block_ids), dest, fetch & in_store)
             fetch = fetch & ~in_store
             block_ids = (block_ids - pool.first_block).clamp(min=0)
         if pool.num_blocks > pool.first_block or pool.remote is None:
@@ -153,14 +159,17 @@ class TransferEngine:
         if timing is not None:
             timing.record(torch.cuda.current_stream(self.device))
 
+    def gather_units(self, cache, working_set, slots, dest, fetch) -> None:
+        """`fetch` entries of a remote tier's local cache (arena `slots`) into working-set slots `dest`, on the
+        current stream (after a step: `remote.disaggregate.repair_after_step`)."""
+        self._gather(cache, working_set, slots, dest, fetch)
+
     def _gather(self, source, working_set, block_ids, dest, fetch) -> None:
         """`fetch` entries of `block_ids` (ids in `source`: a pool's local blocks, or slots of a remote tier's local
         cache) into slots `dest` of the working set."""
         per_unit = not isinstance(source, HostKVPool)
         if self.backend == "triton":
             if per_unit:
-                if source.arena_table is None:
-                    source.arena_table = torch.tensor([source.arena.data_ptr()], dtype=torch.int64).to(self.device)
                 table, C = source.arena_table, source.capacity
             else:
                 table, C = self._addresses(source), source.chunk_blocks

@@ -18,10 +18,13 @@ selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV
 
 The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
 LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
-blocks decode completes, not the prompt's KV. What is not yet there (issue 24): a fetch reads the selected block ids
-on the host (a sync: remote-backed caches decode eagerly, without captured CUDA graphs; docs/status.md has a
-design). With lookahead="eagle3" the record also carries the draft head's state (its window's keys/values, the last
-features, the pending drafts).
+blocks decode completes, not the prompt's KV. With lookahead "previous" or "eagle3" and without `exact`, a prefetch
+gathers the units already local and leaves the store reads to after the step (one sync per step;
+`repair_after_step`), so such steps are captured as CUDA graphs like a local cache's (the default where the cache
+captures steps); with lookahead "none" or `exact`, a fetch on the critical path reads the store inside the step,
+which then runs eagerly. With
+lookahead="eagle3" the record also carries the draft head's state (its window's keys/values, the last features, the
+pending drafts).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import time
 import weakref
 
 import torch
@@ -157,14 +161,17 @@ DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode 
 
 
 def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None,
-          measure: bool = False) -> OasisCache:
+          measure: bool = False, deferred: bool | None = None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: two working sets, B x Hkv x 2 x the slots); the
     request's keys are deleted from the store when the cache is reset or dropped. A request published with
     lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
-    record. `measure`: as `OasisCache(measure=True)` (how long compute waits on prefetches, `stats()`)."""
+    record. `measure`: as `OasisCache(measure=True)` (how long compute waits on prefetches, `stats()`).
+    `deferred`: whether prefetches leave their store reads to after the step (`repair_after_step`), so that the
+    steps can be captured as CUDA graphs; only for lookahead "previous" / "eagle3" without `exact`. None (default):
+    where this cache captures its steps (CUDA); elsewhere the store reads run on a host thread during the step."""
     tier = RemoteTier(store, request)
     record = tier.store.get(tier.key("admission", 0))
     if not record:
@@ -176,18 +183,32 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         raise ValueError(f"admission record version {state.get('version')} of request {request!r}; this oasis-cache "
                          f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
     options = dict(state["config"])
-    options["cuda_graph"] = False  # a remote fetch reads the selected blocks on the host
+    # Prefetches without `exact` can leave their store reads to after the step (`repair_after_step`): those steps
+    # can be captured. A fetch on the critical path (lookahead "none", `exact`) reads the store inside the step.
+    prefetching = options["lookahead"] != "none" and not options["exact"]
+    if deferred and not prefetching:
+        raise ValueError(f"admit(..., deferred=True): request {request!r} was published with lookahead="
+                         f"{options['lookahead']!r}{' and exact=True' if options['exact'] else ''}, whose steps read "
+                         f"the store on their critical path; deferred store reads need lookahead 'previous' or "
+                         f"'eagle3' without exact. Drop deferred, or publish with such a cache.")
+    if not prefetching or deferred is False:
+        options["cuda_graph"] = False  # a remote fetch inside the step reads the selected blocks on the host
     drafted = state.get("draft")
     if drafted is not None:
         options["draft"] = draft
     cache = OasisCache(model, measure=measure, **options)
+    if deferred is None:
+        deferred = cache.captured_steps is not None
     if drafted is not None:
         _restore_draft(cache, drafted, request)
     if len(cache.layers) != len(state["oasis"]) + len(state["kept"]):
         raise ValueError(f"the admission record of request {request!r} holds {len(state['oasis']) + len(state['kept'])} "
                          f"layers; {type(model).__name__} has {len(cache.layers)}: admit with the prefill's model.")
     cache._start_engine(device)
-    cache.streams.use_host_worker()  # a prefetch's store reads overlap the rest of the step
+    if deferred:
+        cache._after_forward.append(_RepairAfterStep(cache))
+    else:
+        cache.streams.use_host_worker()  # a prefetch's store reads overlap the rest of the step
     for idx, kept in state["kept"].items():
         cache.layers[idx].__dict__.update(kept)
     for idx, saved in state["oasis"].items():
@@ -212,9 +233,63 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         if published:
             pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
                                           pool.head_dim, pool.dtype, units, pin, device)
+            pool.remote.deferred = deferred
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
+
+
+def repair_after_step(cache: OasisCache) -> None:
+    """After a forward of an admitted cache whose prefetches are deferred: every layer's record read back in one
+    copy (one sync); the units they wanted marked used and slots chosen for the missing ones, layer by layer
+    (`LocalBlockCache.repair_plan`); one series of batched store reads for all layers; then each layer's gather of
+    what they brought into its slots (`repair_gather`)."""
+    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer) and layer.is_initialized
+             and layer.pool.remote is not None and layer.pool.remote.pending is not None]
+    if not links:
+        return
+    cache.streams.compute_waits_for_side()  # the step's prefetches wrote the records on the side stream
+    ids = [link.pending[1] for link in links]
+    host = torch.cat([t.flatten() for t in ids] + [link.pending[3].flatten().to(ids[0].dtype) for link in links])
+    host = host.cpu()  # (waits for the step's end)
+    started = time.perf_counter()
+    offsets = [0]
+    for t in ids:
+        offsets.append(offsets[-1] + t.numel())
+    repairs = []
+    try:
+        for i, link in enumerate(links):
+            shape, lo, hi = ids[i].shape, offsets[i], offsets[i + 1]
+            repairs.append(link.repair_plan(host[lo:hi].view(shape),
+                                            host[offsets[-1] + lo : offsets[-1] + hi].view(shape).bool()))
+        tier = cache.remote_tier  # one series of batched store reads for every layer (not one per layer)
+        for size in sorted({link.unit_nbytes for link in links}):
+            tier.get_units_of_layers([link.reads(plan) for link, (plan, _) in zip(links, repairs)
+                                      if plan is not None and link.unit_nbytes == size], size)
+    except BaseException:
+        for link, (plan, _) in zip(links, repairs):
+            if plan is not None:
+                link.failed(plan)
+        raise
+    for link, (plan, missing) in zip(links, repairs):
+        if plan is not None:
+            link.placed(plan)
+        link.repair_gather(cache.transfer, missing)
+    tier.repair_seconds += time.perf_counter() - started  # host time between steps: store reads, bookkeeping
+    tier.repairs += 1
+
+
+class _RepairAfterStep:
+    """`OasisCache._after_forward` listener of an admitted cache with deferred prefetches (a weak reference: the
+    cache still goes, and with it its request's keys, when its user drops it)."""
+
+    def __init__(self, cache: OasisCache):
+        self.cache = weakref.ref(cache)
+
+    def __call__(self) -> None:
+        cache = self.cache()
+        if cache is not None:
+            repair_after_step(cache)
 
 
 _DRAFT_NOT_PUBLISHED = ("oracle", "_aux", "static_head")  # analysis hooks, one forward's captures, a local choice

@@ -12,11 +12,22 @@ in host memory (pinned on CUDA, read by the same gather kernel as the host pool,
                                              at admission), -1 when free
     last_used  `[capacity]` int64            the step that last read a slot: eviction takes the least recent
 
-`ensure` runs before a step's gather: it reads the step's selected block ids on the host (a sync: a remote-backed
-cache decodes eagerly), fetches the units not here from the store (batched calls), into the free slots first and then
-into the least recently used ones, and updates both maps. Blocks completed during decode are written to the layer's
-host pool (which starts at block `published`) and never evicted. This cache is the one owner of its slots; a slot is
-freed only by `ensure` (eviction) or with the whole cache.
+`ensure` reads a step's selected block ids on the host, fetches the units not here from the store (batched calls),
+into the free slots first and then into the least recently used ones, and updates both maps. It runs at one of two
+times:
+- before the gather, inside the step (`deferred` False: a fetch on the critical path — lookahead "none" or `exact`
+  — and every prefetch of such a cache, on the host worker): a host sync inside the step, so these steps run eagerly;
+- after the step (`deferred` True: the prefetches of lookahead "previous" / "eagle3" without `exact`). The step's
+  prefetch gathers only the units already here (the device copy of `slot_of` maps the others to -1, masked out) and
+  records the step's ids, destinations and wanted entries in fixed device buffers (`defer`); after the forward,
+  `remote.disaggregate.repair_after_step` reads them (one sync per step, as `generate` makes anyway), does `ensure`'s
+  work for every layer (`repair_plan`, one series of store reads for all layers) and gathers the units it fetched
+  into their slots (`repair_gather`) — before the next step reads them. No host work inside the step: such steps
+  replay as captured CUDA graphs, and the working set before each step is what the immediate path leaves (the same
+  tokens).
+Blocks completed during decode are written to the layer's host pool (which starts at block `published`) and never
+evicted. This cache is the one owner of its slots; a slot is freed only by `ensure` (eviction) or with the whole
+cache.
 """
 
 from __future__ import annotations
@@ -54,7 +65,10 @@ class LocalBlockCache:
         self.step = 0
         self.units_fetched = 0  # units got from the store so far (a unit evicted and read again counts twice)
         self.units_evicted = 0
-        self.arena_table = None  # the gather's chunk-address table for the arena (built on first use, on the device)
+        # the Triton gather's chunk-address table for the arena, on the device (built now: a captured gather reads it)
+        self.arena_table = torch.tensor([self.arena.data_ptr()], dtype=torch.int64).to(self.device)
+        self.deferred = False  # prefetches leave their misses to `repair_after_step` (see the module's docstring)
+        self.pending = None  # (working set, ids, dest, wanted) of the step's deferred prefetch: fixed device buffers
 
     @property
     def unit_nbytes(self) -> int:
@@ -66,12 +80,26 @@ class LocalBlockCache:
 
     def ensure(self, block_ids: torch.Tensor, fetch: torch.Tensor) -> None:
         """Make every unit a step reads here: entries `fetch` of `block_ids` (`[B, Hkv, K]`) below `published`."""
-        ids, wanted = block_ids.to("cpu"), fetch.to("cpu").bool()  # a sync on CUDA: the remote path decodes eagerly
+        plan = self.plan(block_ids, fetch)
+        if plan is None:
+            return
+        try:
+            self.tier.get_units(*self.reads(plan)[:3], self.unit_nbytes, self.arena)
+        except BaseException:
+            self.failed(plan)
+            raise
+        self.placed(plan)
+
+    def plan(self, block_ids: torch.Tensor, fetch: torch.Tensor):
+        """`ensure`'s host work before its store read: the units of the entries `fetch` of `block_ids` that are here
+        are marked used; slots are chosen for the others (free ones first, then the least recently used), their old
+        units unmapped. Returns `(missing units, their slots, the slots' old units)`, or None when all are here."""
+        ids, wanted = block_ids.to("cpu"), fetch.to("cpu").bool()  # a sync on CUDA (inside a step: an eager one)
         b, h, k = wanted.nonzero(as_tuple=True)
         blocks = ids[b, h, k]
         in_store = blocks < self.published
         if not bool(in_store.any()):
-            return
+            return None
         units = ((b * self.num_kv_heads + h) * self.stride + blocks)[in_store].unique()
         self.step += 1
         flat = self.slot_of.view(-1)
@@ -80,7 +108,7 @@ class LocalBlockCache:
         self.last_used[slots[here]] = self.step
         missing = units[~here]
         if not missing.numel():
-            return
+            return None
         if units.numel() > self.capacity:
             raise MemoryError(
                 f"OasisCache: one decode step of layer {self.layer_idx} reads {units.numel()} (block, sequence, KV "
@@ -90,20 +118,70 @@ class LocalBlockCache:
         victims = order[: missing.numel()]
         old = self.unit_of[victims]
         flat[old[old >= 0]] = -1
-        try:
-            self.tier.get_units(self.layer_idx, self.triples(missing),
-                                [self.arena[s].data_ptr() for s in victims.tolist()], self.unit_nbytes, self.arena)
-        except BaseException:
-            self.unit_of[victims] = -1  # those slots hold nothing usable now
-            self.last_used[victims] = -1
-            self._sync_device(old[old >= 0], None)
-            raise
+        return missing, victims, old
+
+    def reads(self, plan) -> tuple:
+        """`(layer, units, addresses, arena)`: the store read of a plan (`RemoteTier.get_units_of_layers`)."""
+        missing, victims, _ = plan
+        return self.layer_idx, self.triples(missing), [self.arena[s].data_ptr() for s in victims.tolist()], self.arena
+
+    def placed(self, plan) -> None:
+        """The plan's units have landed in their slots: both maps and the counters follow."""
+        missing, victims, old = plan
         self.unit_of[victims] = missing
         self.last_used[victims] = self.step
-        flat[missing] = victims
+        self.slot_of.view(-1)[missing] = victims
         self.units_fetched += missing.numel()
         self.units_evicted += int((old >= 0).sum())
         self._sync_device(old[old >= 0], (missing, victims))
+
+    def failed(self, plan) -> None:
+        """The plan's store read failed: its slots hold nothing usable now."""
+        _, victims, old = plan
+        self.unit_of[victims] = -1
+        self.last_used[victims] = -1
+        self._sync_device(old[old >= 0], None)
+
+    def defer(self, working_set, block_ids: torch.Tensor, dest: torch.Tensor, wanted: torch.Tensor) -> None:
+        """A deferred prefetch (device work only, capturable): remember the step's selected `block_ids`, their slots
+        `dest` and the `wanted` entries (`[B, Hkv, K]`: to fetch, in the store) in buffers of `[B, Hkv, slots]` made
+        at the first (eager) call, for `remote.disaggregate.repair_after_step`."""
+        K, width = block_ids.shape[-1], working_set.num_slots
+        if self.pending is None or self.pending[0] is not working_set or self.pending[1].shape[-1] < K:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a deferred remote prefetch met new buffer shapes inside a graph capture")
+            shape = (self.batch_size, self.num_kv_heads, max(K, width))
+            self.pending = (working_set, torch.zeros(shape, dtype=block_ids.dtype, device=block_ids.device),
+                            torch.zeros(shape, dtype=dest.dtype, device=dest.device),
+                            torch.zeros(shape, dtype=torch.bool, device=block_ids.device))
+        _, ids, slots, flags = self.pending
+        ids[..., :K].copy_(block_ids)
+        slots[..., :K].copy_(dest)
+        flags[..., :K].copy_(wanted)
+        flags[..., K:].fill_(False)
+
+    def repair_plan(self, ids: torch.Tensor, wanted: torch.Tensor):
+        """After a step, on the host: `ids` and `wanted` are this layer's deferred record read back (`[B, Hkv, W]`).
+        The units it wanted are marked used and slots chosen for those not here (`plan`, as the immediate path's
+        `ensure` would have done inside the step). Returns `(plan or None, the entries to gather once it landed)`."""
+        if not bool(wanted.any()):
+            return None, None
+        missing = wanted & (torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1)) < 0)
+        return self.plan(ids, wanted), missing
+
+    def repair_gather(self, transfer, missing: torch.Tensor | None) -> None:
+        """Gather the record's entries `missing` (now here) into the slots the step assigned them, on the current
+        stream (before the next step reads them); clear the record."""
+        working_set, ids_device, dest_device, wanted_device = self.pending
+        if missing is not None and bool(missing.any()):
+            transfer.gather_units(self, working_set, self.slots_for(ids_device), dest_device,
+                                  missing.to(ids_device.device))
+        wanted_device.fill_(False)
+
+    def pending_tensors(self) -> list[torch.Tensor]:
+        """The device tensors a captured deferred prefetch writes or reads (their addresses: replay signature)."""
+        made = list(self.pending[1:]) if self.pending is not None else []
+        return made + [self.slot_of_device, self.arena_table]
 
     def triples(self, units: torch.Tensor) -> list:
         """`[(block, sequence, KV head)]` of unit ids."""

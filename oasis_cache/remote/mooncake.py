@@ -152,6 +152,7 @@ class RemoteTier:
         self.request = request
         self.bytes_put = 0
         self.bytes_got = 0
+        self.repair_seconds, self.repairs = 0.0, 0  # host time in `repair_after_step` (deferred prefetches), calls
 
     def key(self, layer_idx, block, sequence=None, head=None) -> str:
         """A unit's key (`sequence`, `head` given) or a request-level one (`key("admission", 0)`)."""
@@ -200,19 +201,34 @@ class RemoteTier:
         `addresses` (host memory), by batched calls of at most `BATCH_OBJECTS` objects. Raises `RemoteBlocksMissing`
         naming them when the store lacks some. Returns the bytes got. `owner`: the tensor `addresses` point into,
         kept alive for good when a transfer fails otherwise than by a missing object (its I/O may still run)."""
-        if not units:
+        return self.get_units_of_layers([(layer_idx, units, addresses, owner)], size)
+
+    def get_units_of_layers(self, requests, size: int) -> int:
+        """`get_units` for several layers in one series of batched calls: `requests` is `[(layer_idx, units,
+        addresses, owner)]` (a decode step's store reads of every layer: fewer, fuller calls)."""
+        requests = [(idx, list(units), list(addresses), owner) for idx, units, addresses, owner in requests if units]
+        if not requests:
             return 0
         self._check_open("fetch blocks")
-        keys, addresses = [self.key(layer_idx, *u) for u in units], list(addresses)
+        keys = [self.key(idx, *u) for idx, units, _, _ in requests for u in units]
+        addresses = [a for _, _, layer_addresses, _ in requests for a in layer_addresses]
         got = in_batches(self.store.batch_get_into, keys, addresses, [size] * len(keys))
-        missing = [u for u, n in zip(units, got) if n != size]
-        if missing:
-            codes = sorted({n for n in got if n != size})
-            blocks = sorted({u[0] for u in missing})
-            where = (f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {layer_idx} of request "
-                     f"{self.request!r} (blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}; status {codes})")
-            if owner is not None and any(code != NOT_FOUND for code in codes):
-                _KEPT_AFTER_FAILED_TRANSFER.append(owner)
+        failures, at = [], 0
+        for idx, units, _, owner in requests:
+            layer_got, at = got[at : at + len(units)], at + len(units)
+            missing = [u for u, n in zip(units, layer_got) if n != size]
+            if missing:
+                failures.append((idx, units, missing, sorted({n for n in layer_got if n != size}), owner))
+        if failures:
+            codes = sorted({code for *_, layer_codes, _ in failures for code in layer_codes})
+            for *_, layer_codes, owner in failures:
+                if owner is not None and any(code != NOT_FOUND for code in layer_codes):
+                    _KEPT_AFTER_FAILED_TRANSFER.append(owner)
+            where = "; ".join(
+                f"{len(missing)} of {len(units)} (block, sequence, KV head) units of layer {idx} (blocks "
+                f"{sorted({u[0] for u in missing})[:8]}{' ...' if len({u[0] for u in missing}) > 8 else ''})"
+                for idx, units, missing, _, _ in failures[:3]) + ("; ..." if len(failures) > 3 else "")
+            where = f"{where} of request {self.request!r} (status {codes})"
             if all(code == NOT_FOUND for code in codes):
                 raise RemoteBlocksMissing(
                     f"{where} are not in the Mooncake Store: never published, deleted (the request's cache was reset "
@@ -221,8 +237,8 @@ class RemoteTier:
                 f"{where} could not be read: the Mooncake Store did not serve them (its master or storage process "
                 f"stopped, restarted or cannot be reached). Start the store again and publish the request again "
                 f"from its prefill.")
-        self.bytes_got += size * len(units)
-        return size * len(units)
+        self.bytes_got += size * len(keys)
+        return size * len(keys)
 
     def exists(self, layer_idx: int, blocks, sequence: int = 0, head: int = 0) -> list[bool]:
         keys = [self.key(layer_idx, int(b), sequence, head) for b in blocks]
