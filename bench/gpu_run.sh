@@ -16,7 +16,8 @@
 #             (needs Mooncake's CUDA wheel on the machine: mooncake-transfer-engine, carried in)
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
 #             nine parts, ../shared/tools/qwen05-parts.sh): the in-decode workload (eval/in_decode.py), the quality
-#             suite at 8K-32K, recall at 8K and 16K (the held-out region is 16K tokens); REPORT_HEAD=1 adds eagle3
+#             suite at 8K-32K, recall at 8K and 16K (the documentation's held-out region is 16K tokens;
+#             RECALL_TEXT=code RECALL_CONTEXTS="16000 32000": the standard library's code); REPORT_HEAD=1 adds eagle3
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
@@ -133,7 +134,7 @@ for arg in "$@"; do
     qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
       tail -n 45 "$OUT"/report-qwen05-*${REPORT_TAG:-}.log ;;
-    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
+    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
       python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_INTERMEDIATE:+--intermediate-size "$TRAIN_INTERMEDIATE"} ${TRAIN_DTYPE:+--dtype "$TRAIN_DTYPE"} ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8

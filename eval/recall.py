@@ -12,8 +12,9 @@ drafts the token that trajectory actually produces next (read from a first `none
 Recall is counted per layer (`stats()["prediction_recall_per_layer"]`, in the JSON and printed) and pooled over layers
 (the table's number). Runs SmolLM2-135M-Instruct (or `--model qwen25-coder-0.5b`) offline on Python's own
 documentation (`pydoc_data.topics`): its first `HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained
-on. `--sequences N` decodes N disjoint windows of that region as one batch (N times the samples of one window; at
-most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
+on; `--text code` instead the standard library's own code without its docstrings (`held_out_code`: as long as a 32K
+context needs). `--sequences N` decodes N disjoint windows of that text as one batch (N times the samples of one
+window; of the documentation at most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -37,14 +38,45 @@ from oasis_cache.loaders import OFFLINE_MODELS, load_offline
 CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by section."
 
 
-def held_out_prompts(tok, prompt: str, sequences: int, context: int) -> list:
-    """The prompts this script decodes: `sequences` disjoint windows of `context` tokens of the held-out
-    documentation (what no shipped head was trained on), as token tensors `[context]` ("document") or as chat-turn
-    strings asking about them ("chat")."""
-    held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)  # [16384]
+def held_out_code(tokenizer, tokens: int) -> torch.Tensor:
+    """`[tokens]`: the standard library's own modules (`Lib/*.py` of this Python, in name order) with every
+    docstring removed and comments dropped (`ast.unparse`), each headed by its file name. No shipped head was trained
+    on it — their documents are Python's documentation past its first `HELD_OUT_DOCUMENT_TOKENS` tokens and the
+    standard library's docstrings (`draft/train.py`) — and it is long enough for 32K contexts (the held-out
+    documentation is 16K tokens). Code, for a coder model. (Another Python version gives another text.)"""
+    import ast
+    import sysconfig
+
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        ids += tokenizer(f"# {path.name}\n{ast.unparse(tree)}\n\n")["input_ids"]
+        if len(ids) >= tokens:
+            return torch.tensor(ids[:tokens])
+    raise ValueError(f"the standard library's code has only {len(ids)} tokens; ask for fewer")
+
+
+def held_out_prompts(tok, prompt: str, sequences: int, context: int, text: str = "docs") -> list:
+    """The prompts this script decodes: `sequences` disjoint windows of `context` tokens of held-out text (what no
+    shipped head was trained on: `text` "docs", the documentation's first 16K tokens, or "code", `held_out_code`), as
+    token tensors `[context]` ("document") or as chat-turn strings asking about them ("chat")."""
+    if text == "code":
+        held_out = held_out_code(tok, sequences * context)
+    else:
+        held_out = held_out_document(tok, HELD_OUT_DOCUMENT_TOKENS)  # [16384]
     if sequences < 1 or sequences * context > held_out.shape[0]:
         raise SystemExit(f"--sequences {sequences} windows of {context} tokens do not fit the "
-                         f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // context}")
+                         f"{held_out.shape[0]} held-out tokens: at most {held_out.shape[0] // context} (--text code "
+                         f"holds more)")
     windows = held_out[: sequences * context].view(sequences, context)  # [N, context]
     if prompt == "document":
         return list(windows)
@@ -70,7 +102,10 @@ def main():
                         help="working-set slots the prediction fills (0: K, the recall of a top-K prediction; 2K is "
                              "what exact=True uses by default: the share of the real top-K already resident)")
     parser.add_argument("--sequences", type=int, default=1,
-                        help="disjoint windows of the held-out documentation decoded as one batch")
+                        help="disjoint windows of the held-out text decoded as one batch")
+    parser.add_argument("--text", choices=["docs", "code"], default="docs",
+                        help="held-out text: the documentation's first 16K tokens, or the standard library's code "
+                             "without docstrings (any length: 32K contexts)")
     parser.add_argument("--draft-lookup", type=int, default=None,
                         help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone)")
     parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
@@ -81,7 +116,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tok = load_offline(args.model, device=args.device)
-    prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context)
+    prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context, args.text)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
     if args.prompt == "chat":
@@ -134,11 +169,12 @@ def main():
             row["draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
     meta = dict(command="python " + " ".join(sys.argv), slots=max(args.slots or K, min_slots), sequences=args.sequences,
+                text=args.text,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
                 draft_lookup=args.draft_lookup if args.draft_lookup is not None else OasisConfig.draft_lookup)
-    print(f"{args.model}, {args.prompt} prompt, context {args.context}, budget {args.budget} "
+    print(f"{args.model}, {args.prompt} prompt ({args.text}), context {args.context}, budget {args.budget} "
           f"(K={meta['K']} blocks of 16), {args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"

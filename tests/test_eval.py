@@ -210,3 +210,20 @@ def test_report_table_reads_json_and_log_lines(tmp_path):
     lines = table(rows).splitlines()
     assert lines[0] == "| task | length | dense accuracy | `none` 1/16 |"
     assert lines[2] == "| multikey | 8K | 0.50 | 11/12 |" and lines[3] == "| variable_tracking | 16K | – | 0.71 |"
+
+
+def test_held_out_code_is_long_and_has_no_docstrings():
+    """`eval/recall.py --text code`: the standard library's code without docstrings (no shipped head trained on it:
+    their documents are the documentation and the docstrings), as many tokens as asked (a 32K context and more),
+    the same text each time; a known module docstring is gone, its code is there."""
+    from eval.recall import held_out_code
+
+    def characters(text):  # a tokenizer of one token per character
+        return {"input_ids": [ord(c) for c in text]}
+
+    ids = held_out_code(characters, 200_000)
+    assert ids.shape == (200_000,) and torch.equal(ids, held_out_code(characters, 200_000))
+    text = "".join(map(chr, ids.tolist()))
+    assert "# __future__.py" in text and "class _Feature" in text
+    assert "Record of phased-in incompatible language changes" not in text  # __future__'s docstring
+    assert '"""' not in text
