@@ -569,16 +569,23 @@ class OasisCache(Cache):
         "steady", "completing" (one block completes: with the Triton backend, whose offload reads the block number
         on the device), or None (the forward runs eagerly)."""
         layer = self.layers[self._first_oasis_layer]
+        if not (layer.is_initialized and layer.device.type == "cuda"):
+            return None
+        kind = self.step_kind()
+        return None if kind == "completing" and not layer.use_kernels else kind
+
+    def step_kind(self) -> str | None:
+        """What `replayable_step` answers but for the device and backend (CPU tests ask it): "steady", "completing",
+        or None (the next one-token decode forward must run eagerly)."""
+        layer = self.layers[self._first_oasis_layer]
         # (summaries' channels are chosen at the first append, in the same forward for every layer)
-        if not (layer.is_initialized and layer.device.type == "cuda" and self._decode_step_of_fixed_shapes()
-                and layer.summaries.channels_fixed and self.padding_covers(layer.pool.num_blocks)):
+        if not (layer.is_initialized and self._decode_step_of_fixed_shapes() and layer.summaries.channels_fixed
+                and self.padding_covers(layer.pool.num_blocks)):
             return None
         if self.remote_tier is not None and not all(  # admitted: only deferred prefetches keep the store out of it
                 other.predicted and (other.pool.remote is None or other.pool.remote.deferred) for other in self.layers):
             return None
-        if not layer.completes_block():
-            return "steady"
-        return "completing" if layer.use_kernels else None
+        return "completing" if layer.completes_block() else "steady"
 
     def steady_step(self) -> bool:
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and

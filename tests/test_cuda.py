@@ -437,7 +437,8 @@ def test_an_admitted_cache_replays_captured_steps(mooncake_master):
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     ids = prompt_ids(600, batch=2).cuda()
     options = dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, lookahead="previous")
-    kw = dict(max_new_tokens=60, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    # 90 tokens: ~5 completed blocks (the first two recapture: the local pool's first block changes the layout)
+    kw = dict(max_new_tokens=90, do_sample=False, output_logits=True, return_dict_in_generate=True)
     local = OasisCache(model, cuda_graph=False, **options)
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **local.generate_kwargs())
@@ -452,6 +453,6 @@ def test_an_admitted_cache_replays_captured_steps(mooncake_master):
     assert cache.stats()["remote_units_fetched"] > 0
     if os.environ.get("OASIS_TEST_CUDA_GRAPH") != "0":
         steps = cache.captured_steps
-        assert steps.replays >= 45 and steps.completing_replays >= 2, (steps.captures, steps.replays)
+        assert steps.replays >= 70 and steps.completing_replays >= 2, (steps.captures, steps.replays)
     cache.reset()
     store.close()

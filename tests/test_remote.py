@@ -389,7 +389,19 @@ def test_deferred_prefetches_are_repaired_after_the_step(mooncake_master, publis
     cache = admit(model, store, "evict", deferred=True)
     links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer)]
     assert links and all(link.deferred for link in links) and cache.streams._worker is None
+    kinds, signatures = [], set()  # what each step would be on CUDA, read before its first layer runs
+
+    def before_step(module, args):
+        kinds.append(cache.step_kind())
+        if kinds[-1] == "steady" and len(kinds) > 1:  # (the first step, eager on CUDA too, makes the records)
+            signatures.add(cache.replay_signature())
+    hook = model.model.layers[0].register_forward_pre_hook(before_step)
     expected = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    hook.remove()
+    # every step could be captured (deferred reads, the prompt's padding came along); the steady steps share one
+    # graph but where the local pool's first completed block changes the layout (and grows capacities)
+    assert len(kinds) == kw["max_new_tokens"] and None not in kinds and "completing" in kinds
+    assert len(signatures) <= 2
     assert all(not link.pending[3].any() for link in links)  # every record repaired and cleared
     assert cache.stats()["remote_repair_ms_per_step"] > 0
     default = admit(model, store, "evict")  # (kept: a dropped admitted cache deletes its request's keys)
@@ -400,6 +412,34 @@ def test_deferred_prefetches_are_repaired_after_the_step(mooncake_master, publis
     skipped = admit(model, store, "evict", deferred=True)
     assert not torch.equal(model.generate(input_ids=ids, **skipped.generate_kwargs(), **kw), expected)
     assert gathered
+    store.close()
+
+
+def test_an_admitted_cache_carries_the_prompts_padding(mooncake_master):
+    """A left-padded batch's padding record travels with the admission record: a decode step called without a mask
+    (as a captured step is) reads it, so the admitted cache's steps can be captured like the prefill's; the tokens
+    equal the prefill's own cache's."""
+    from conftest import left_padded
+
+    from oasis_cache.remote import admit, publish
+
+    model = tiny_model("llama")
+    inputs = left_padded([203, 150])
+    prefix = {k: v[:, :-1] for k, v in inputs.items()}
+    local = OasisCache(model, **OPTIONS)
+    with torch.no_grad():
+        model(**prefix, **local.generate_kwargs())
+    store = connect(mooncake_master)
+    publish(local, store, "padded")
+    cache = admit(model, store, "padded")
+    padding, expected = cache.padding, local.padding
+    assert padding is not None and padding.clear_from == expected.clear_from > 0
+    assert torch.equal(padding.tokens, expected.tokens) and torch.equal(padding.first, expected.first)
+    assert cache.padding_covers(cache.layers[0].pool.num_blocks)
+    kw = dict(max_new_tokens=10, do_sample=False)
+    assert torch.equal(model.generate(**inputs, **cache.generate_kwargs(), **kw),
+                       model.generate(**inputs, **local.generate_kwargs(), **kw))
+    cache.reset()
     store.close()
 
 

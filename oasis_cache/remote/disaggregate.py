@@ -13,7 +13,8 @@ it with a small record, fetching the rest of the blocks from the store as decode
 The admission record (`oasis/{request}/admission` in the store) holds what a decode step reads on the device: each
 full-attention layer's block summaries, sink and recent tokens, its working set as the prefill left it (with a
 lookahead, the first step's predicted blocks already in their slots) and slot map; the kept layers of hybrid models
-whole; the options. The blocks stay in the store: the decode side's host pool fetches a block the first time a step
+whole; the prompt's padding record (what a decode step called without a mask, as a captured one is, reads); the
+options. The blocks stay in the store: the decode side's host pool fetches a block the first time a step
 selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV.
 
 The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
@@ -63,7 +64,8 @@ def publish(cache: OasisCache, store, request: str, _published: dict | None = No
     tier = RemoteTier(store, request)
     blocks_bytes = full = 0
     state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {},
-             "draft": _draft_state(cache.ride_along) if cache.ride_along is not None else None}
+             "draft": _draft_state(cache.ride_along) if cache.ride_along is not None else None,
+             "padding": cache.padding}  # the prompt's padding: decode steps called without a mask read it
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, OasisLayer):
             state["kept"][idx] = layer.__dict__
@@ -209,6 +211,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         cache._after_forward.append(_RepairAfterStep(cache))
     else:
         cache.streams.use_host_worker()  # a prefetch's store reads overlap the rest of the step
+    cache.padding = state.get("padding")  # (a captured step is called without a mask: it reads this record)
     for idx, kept in state["kept"].items():
         cache.layers[idx].__dict__.update(kept)
     for idx, saved in state["oasis"].items():
