@@ -21,6 +21,7 @@
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
+#             qwenreporttasks: one process per task at one length (REPORT_LENGTHS=32768: a whole length in one call);
 #             qwenindecodeprompts: one process per prompt, each an unpadded batch of one (captured decode steps),
 #             each recomputing dense eagerly: 8 of them at 4096 tokens did not finish one oasis row in 545 s (the
 #             nineteenth session); prefer qwenindecodepar (dense once as a padded batch, kept in $OUT; padded batches
@@ -134,6 +135,9 @@ for arg in "$@"; do
     qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
       tail -n 45 "$OUT"/report-qwen05-*${REPORT_TAG:-}.log ;;
+    qwenreporttasks) nll=${REPORT_NLL_TOKENS:-256}; L=${REPORT_LENGTHS:-32768}; for T in ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words}; do  # one process per task at one length (the NLL rows in the first)
+        HEAD=$HEAD REPORT_LENGTHS=$L REPORT_TASKS=$T REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L-$T${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
+      tail -n 12 "$OUT"/report-qwen05-$L-*${REPORT_TAG:-}.log ;;
     qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
