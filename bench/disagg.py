@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
+from oasis_cache.layer import OasisLayer  # noqa: E402
 from oasis_cache.remote import admit, connect, local_store, publish, publishing  # noqa: E402
 
 
@@ -46,19 +47,39 @@ def model_with_8b_kv(layers: int, device, dtype):
     return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
+def units_fetched(cache) -> int:
+    """Units an admitted cache has read from the store so far (0 for a local one)."""
+    return sum(layer.pool.remote.units_fetched for layer in cache.layers
+               if isinstance(layer, OasisLayer) and layer.is_initialized and layer.pool.remote is not None)
+
+
 def timed_generate(model, ids, cache, steps, cuda):
-    """`(sequences, ms per decode step)`, the first token excluded (`token_clock.TokenClock`)."""
-    from transformers import StoppingCriteriaList
+    """`(sequences, ms per decode step, warm)`, the first token excluded (`token_clock.TokenClock`); `warm`: over the
+    second half of the steps, once the local cache has met most of what the selections come back to —
+    `{"tpot_ms": median ms per step, "units_per_step": units read from the store per step}`."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     from token_clock import TokenClock
 
-    clock = TokenClock(cuda)
+    class Units(StoppingCriteria):  # the store reads so far, after each token (never stops)
+        def __init__(self):
+            self.counts = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.counts.append(units_fetched(cache))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    clock, units = TokenClock(cuda), Units()
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                         min_new_tokens=steps, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
+                         min_new_tokens=steps, do_sample=False, stopping_criteria=StoppingCriteriaList([clock, units]),
                          **cache.generate_kwargs())
     if cuda:
         torch.cuda.synchronize()
-    return out, clock.ms_per_step()
+    half = len(units.counts) // 2
+    late = sorted(clock.step_s()[half:])
+    warm = dict(tpot_ms=1e3 * late[len(late) // 2] if late else float("nan"),
+                units_per_step=(units.counts[-1] - units.counts[half]) / max(1, len(units.counts) - 1 - half))
+    return out, clock.ms_per_step(), warm
 
 
 def main(argv=None):
@@ -84,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--deferred", choices=["auto", "on", "off"], default="auto",
                         help="admit(deferred=...): store reads after each step (capturable) or during it on a host "
                              "thread; auto: after it where steps are captured (CUDA)")
+    parser.add_argument("--local-cache-sets", type=float, nargs="+", default=None,
+                        help="local cache sizes to admit with, in working sets per layer (default: the package's, "
+                             "two); several: one admitted run each, units fetched per step for each")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -117,13 +141,28 @@ def main(argv=None):
         t0 = time.perf_counter()
         remote = admit(model, store, "bench", measure=args.measure, deferred=deferred)
         admit_s = time.perf_counter() - t0
-        out_remote, remote_ms = timed_generate(model, ids, remote, args.steps, cuda)
+        out_remote, remote_ms, remote_warm = timed_generate(model, ids, remote, args.steps, cuda)
         stats = remote.stats()
         local_host = prefill.host_nbytes()
-        out_local, local_ms = timed_generate(model, ids, prefill, args.steps, cuda)
+        out_local, local_ms, local_warm = timed_generate(model, ids, prefill, args.steps, cuda)
         local_stats = prefill.stats()
         remote_host = remote.host_nbytes()
+        sweep = []  # (the admitted caches stay alive: one dropped deletes the request's keys)
+        layer = next(layer for layer in prefill.layers if isinstance(layer, OasisLayer))
+        working_set = layer.batch_size * layer.num_kv_heads * layer.working_set.num_slots  # units of one step
+        for sets in args.local_cache_sets or []:
+            sized = admit(model, store, "bench", deferred=deferred, local_cache_units=int(sets * working_set))
+            out_sized, sized_ms, sized_warm = timed_generate(model, ids, sized, args.steps, cuda)
+            sized_stats = sized.stats()
+            sweep.append(dict(working_sets=sets, units=int(sets * working_set), tpot_ms=sized_ms,
+                              same_tokens=torch.equal(out_sized, out_local),
+                              units_fetched_per_step=sized_stats["remote_units_fetched"] / args.steps,
+                              warm_units_per_step=sized_warm["units_per_step"], warm_tpot_ms=sized_warm["tpot_ms"],
+                              local_cache_share=sized_stats["remote_local_cache_bytes"] / report["full_kv"],
+                              repair_ms_per_step=sized_stats["remote_repair_ms_per_step"], cache=sized))
         del remote
+        for row in sweep:
+            del row["cache"]
         store.close()
     same = torch.equal(out_remote, out_local)
     steps = args.steps
@@ -140,10 +179,14 @@ def main(argv=None):
         remote_bytes_fetched=stats["remote_bytes_fetched"],
         remote_bytes_per_step=stats["remote_bytes_fetched"] / steps,
         tpot_remote_ms=remote_ms, tpot_local_ms=local_ms, tpot_ratio=remote_ms / local_ms,
+        warm_tpot_remote_ms=remote_warm["tpot_ms"], warm_tpot_local_ms=local_warm["tpot_ms"],
+        warm_tpot_ratio=remote_warm["tpot_ms"] / local_warm["tpot_ms"],
+        warm_units_per_step=remote_warm["units_per_step"],
         prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s, pipelined=args.pipelined,
         prefill_and_publish_s=prefill_s + publish_s, blocks_in_background=report.get("blocks_in_background", 0),
         repair_ms_per_step=stats["remote_repair_ms_per_step"],
         replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
+        local_cache_sweep=sweep,
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
         exposed_wait_ms_per_step_local=local_stats.get("exposed_wait_ms_per_step"),
     )
@@ -160,6 +203,14 @@ def main(argv=None):
           f"ms; replayed steps remote {row['replays_remote']}, local {row['replays_local']}); same tokens: {same}")
     print(f"prefill {prefill_s:.2f} s, then publish {publish_s:.2f} s ({'pipelined: ' if args.pipelined else ''}"
           f"{row['blocks_in_background'] / 2**20:.1f} MiB of blocks put while the prefill ran)")
+    print(f"warm (the second half of the steps, medians): TPOT remote {row['warm_tpot_remote_ms']:.1f} ms, local "
+          f"{row['warm_tpot_local_ms']:.1f} ms ({row['warm_tpot_ratio']:.2f}x), {row['warm_units_per_step']:.0f} "
+          f"units read from the store per step")
+    for r in sweep:
+        print(f"local cache of {r['working_sets']:g} working sets ({r['local_cache_share']:.1%} of the KV): "
+              f"{r['units_fetched_per_step']:.0f} units fetched per step ({r['warm_units_per_step']:.0f} warm), TPOT "
+              f"{r['tpot_ms']:.1f} ms ({r['warm_tpot_ms']:.1f} warm), store reads after each step "
+              f"{r['repair_ms_per_step']:.2f} ms, same tokens: {r['same_tokens']}")
     if args.measure:
         print(f"exposed wait per step: remote {row['exposed_wait_ms_per_step_remote']:.2f} ms, local "
               f"{row['exposed_wait_ms_per_step_local']:.2f} ms (compute waiting on prefetches)")
@@ -167,7 +218,7 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(header=header, command="python " + " ".join(sys.argv), row=row),
                                              indent=1))
-    if not same:
+    if not same or not all(r["same_tokens"] for r in sweep):
         sys.exit("the remote and local runs decoded different tokens")
 
 

@@ -139,13 +139,15 @@ def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
 
 def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     """`bench/disagg.py` (a store of its own, one process in both roles): the remote and local runs decode the same
-    tokens; admission moves less than the full KV; the decode side fetched some of the published blocks."""
+    tokens; admission moves less than the full KV; the decode side fetched some of the published blocks; with store
+    reads deferred to after each step, the time they take is reported; a smaller local cache (one working set)
+    decodes the same tokens and reads more units."""
     sys.path.insert(0, str(ROOT / "bench"))
     import disagg
 
     out = tmp_path / "disagg.json"
     disagg.main(["--context", "600", "--budget", "128", "--steps", "4", "--dtype", "float32", "--segment", "256MB",
-                 "--measure", "--out", str(out)])
+                 "--measure", "--deferred", "on", "--local-cache-sets", "1", "--out", str(out)])
     row = json.loads(out.read_text())["row"]
     # measurement mode: the exposed wait per step of both runs (0 on the CPU, where transfers run inline)
     assert row["exposed_wait_ms_per_step_remote"] == 0 and row["exposed_wait_ms_per_step_local"] == 0
@@ -154,6 +156,10 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     # (at 600 tokens the decode side's pool chunk for the blocks it completes outweighs the rest: 32K in the bench)
     assert 0 < row["local_cache_bytes"] < row["full_kv_bytes"] / 2.2
     assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0
+    assert row["repair_ms_per_step"] > 0 and row["warm_tpot_remote_ms"] > 0 and row["warm_units_per_step"] >= 0
+    (sized,) = row["local_cache_sweep"]
+    assert sized["same_tokens"] and sized["working_sets"] == 1
+    assert sized["units_fetched_per_step"] >= row["remote_units_fetched"] / 4  # (4 steps; no larger cache, no fewer)
 
 
 def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):

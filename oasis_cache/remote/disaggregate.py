@@ -158,7 +158,12 @@ class publishing:
         return False
 
 
-LOCAL_CACHE_STEPS = 2  # default local cache: this many working sets of units per layer
+# Default local cache per layer: this many working sets of units, but at most this share of the published units
+# (and at least one working set: a step's selection must fit). Qwen2.5-Coder-0.5B on Python's documentation, 4K,
+# budget 1/8, 128 steps (`bench/disagg.py --local-cache-sets`, docs/perf.md): warm steps read 212 / 94 / 25 units
+# from the store with 1 / 2 / 4 working sets.
+LOCAL_CACHE_STEPS = 4
+LOCAL_CACHE_SHARE = 1 / 3
 DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode completes: grown by small chunks
 
 
@@ -166,7 +171,8 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
           measure: bool = False, deferred: bool | None = None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
-    local cache per layer (`local_cache_units` units each; default: two working sets, B x Hkv x 2 x the slots); the
+    local cache per layer (`local_cache_units` units each; default: four working sets, B x Hkv x 4 x the slots, at
+    most a third of the published units, at least one working set); the
     request's keys are deleted from the store when the cache is reset or dropped. A request published with
     lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
@@ -231,8 +237,9 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         pool = layer.pool = HostKVPool(**meta, pin_memory=pin)
         pool.num_blocks = pool.first_block = published  # the pool holds the blocks decode completes
         layer.reserve_ahead()
-        units = local_cache_units or LOCAL_CACHE_STEPS * pool.batch_size * pool.num_kv_heads * \
-            layer.working_set.num_slots
+        one_step = pool.batch_size * pool.num_kv_heads * layer.working_set.num_slots
+        units = local_cache_units or max(one_step, min(LOCAL_CACHE_STEPS * one_step, int(
+            LOCAL_CACHE_SHARE * published * pool.batch_size * pool.num_kv_heads)))
         if published:
             pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
                                           pool.head_dim, pool.dtype, units, pin, device)
