@@ -163,7 +163,7 @@ class publishing:
 # budget 1/8, 128 steps (`bench/disagg.py --local-cache-sets`, docs/perf.md): warm steps read 212 / 94 / 25 units
 # from the store with 1 / 2 / 4 working sets.
 LOCAL_CACHE_STEPS = 4
-LOCAL_CACHE_SHARE = 1 / 3
+LOCAL_CACHE_SHARE = 1 / 4
 DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode completes: grown by small chunks
 
 
@@ -172,7 +172,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: four working sets, B x Hkv x 4 x the slots, at
-    most a third of the published units, at least one working set); the
+    most a quarter of the published units, at least one working set); the
     request's keys are deleted from the store when the cache is reset or dropped. A request published with
     lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the

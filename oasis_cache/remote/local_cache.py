@@ -166,7 +166,12 @@ class LocalBlockCache:
         `ensure` would have done inside the step). Returns `(plan or None, the entries to gather once it landed)`."""
         if not bool(wanted.any()):
             return None, None
-        missing = wanted & (torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1)) < 0)
+        slots = torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1))
+        missing = wanted & (slots < 0)
+        if not bool(missing.any()):  # all here (most layers of a warm step): `plan`'s effect in three operations
+            self.step += 1
+            self.last_used[slots[wanted]] = self.step
+            return None, None
         return self.plan(ids, wanted), missing
 
     def repair_gather(self, transfer, missing: torch.Tensor | None) -> None:
