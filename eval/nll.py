@@ -32,11 +32,14 @@ def decode_nll(model, input_ids: torch.Tensor, prefill: int, cache) -> torch.Ten
 
 
 @torch.no_grad()
-def teacher_forced_nll(model, prompt: dict, trajectory: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced_nll(model, prompt: dict, trajectory: torch.Tensor, cache,
+                       chunk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`([B, n] NLL in nats, [B, n] bool: the step's argmax is the trajectory's token)` of `trajectory` (`[B, n]`)
     after `prompt` (`input_ids` and `attention_mask`, `[B, P]`, left-padded), each token predicted by a decode step
     that fed the previous one through `cache`. Positions follow the attention mask, as `generate` sets them, so a
-    model's own greedy trajectory is its argmax throughout."""
+    model's own greedy trajectory is its argmax throughout. `chunk` > 1: the trajectory goes in forwards of that many
+    tokens — for a dense cache only (the same attention as one token per forward, in far fewer forwards); an
+    OasisCache must be fed one token per forward (its decode path is what is measured)."""
     from oasis_cache.compat import generate_cache_argument
 
     arg = generate_cache_argument(model)
@@ -45,6 +48,13 @@ def teacher_forced_nll(model, prompt: dict, trajectory: torch.Tensor, cache) -> 
     logits = model(input_ids=prompt["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True,
                    logits_to_keep=1, **{arg: cache}).logits[:, -1]
     position = positions[:, -1:]
+    if chunk > 1:
+        from oasis_cache import OasisCache
+
+        if isinstance(cache, OasisCache):
+            raise ValueError("teacher_forced_nll(chunk > 1) is for a dense cache: an OasisCache decodes one token per "
+                             "forward (a chunk would attend densely)")
+        return _chunked(model, arg, cache, logits, mask, position, trajectory, chunk)
     losses, agree = [], []
     for t in range(trajectory.shape[1]):
         losses.append(torch.nn.functional.cross_entropy(logits.float(), trajectory[:, t], reduction="none"))
@@ -55,6 +65,24 @@ def teacher_forced_nll(model, prompt: dict, trajectory: torch.Tensor, cache) -> 
             logits = model(input_ids=trajectory[:, t : t + 1], attention_mask=mask, position_ids=position,
                            use_cache=True, **{arg: cache}).logits[:, -1]
     return torch.stack(losses, dim=1), torch.stack(agree, dim=1)
+
+
+def _chunked(model, arg, cache, logits, mask, position, trajectory, chunk):
+    """`teacher_forced_nll` with the trajectory fed `chunk` tokens per forward (`logits`: the prompt's last)."""
+    n = trajectory.shape[1]
+    losses = [torch.nn.functional.cross_entropy(logits.float(), trajectory[:, 0], reduction="none")[:, None]]
+    agree = [(logits.argmax(-1) == trajectory[:, 0])[:, None]]
+    for start in range(0, n - 1, chunk):
+        piece = trajectory[:, start : min(start + chunk, n - 1)]  # fed; predicts trajectory[:, start + 1 : ...]
+        width = piece.shape[1]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], width)], dim=1)
+        steps = position + torch.arange(1, width + 1, device=position.device)
+        position = steps[:, -1:]
+        out = model(input_ids=piece, attention_mask=mask, position_ids=steps, use_cache=True, **{arg: cache}).logits
+        target = trajectory[:, start + 1 : start + 1 + width]
+        losses.append(torch.nn.functional.cross_entropy(out.float().transpose(1, 2), target, reduction="none"))
+        agree.append(out.argmax(-1) == target)
+    return torch.cat(losses, dim=1), torch.cat(agree, dim=1)
 
 
 def main():

@@ -56,6 +56,27 @@ def test_decode_mode_nll_with_full_budget_equals_dense():
     assert not torch.allclose(sparse, dense)  # a small budget is measured, not hidden by a dense forward
 
 
+def test_dense_teacher_forcing_in_chunks_equals_one_token_per_forward():
+    """`teacher_forced_nll(chunk=...)` (what `eval/in_decode.py` uses for dense's trajectory): a left-padded batch's
+    NLL and argmax agreement as with one token per forward, chunks not dividing the length; refused for an
+    OasisCache, whose decode path is what is measured."""
+    from conftest import left_padded
+
+    from eval.nll import teacher_forced_nll
+
+    model = tiny_model("llama")
+    prompt = left_padded([40, 25])
+    trajectory = prompt_ids(37, batch=2, seed=5)
+    one, agree_one = teacher_forced_nll(model, prompt, trajectory, dense_cache(model))
+    for chunk in (8, 64):
+        chunked, agree = teacher_forced_nll(model, prompt, trajectory, dense_cache(model), chunk=chunk)
+        assert chunked.shape == one.shape == (2, 37)
+        torch.testing.assert_close(chunked, one, atol=1e-4, rtol=1e-4)
+        assert torch.equal(agree, agree_one)
+    with pytest.raises(ValueError, match="one token per forward"):
+        teacher_forced_nll(model, prompt, trajectory, OasisCache(model, token_budget=256), chunk=8)
+
+
 def _run_eval_script(script: str, out, *args: str) -> dict:
     """Run `eval/<script>` at CI size, writing `out`; its JSON."""
     run = subprocess.run([sys.executable, str(ROOT / "eval" / script), "--tiny", *args, "--out", str(out)],
