@@ -425,13 +425,14 @@ def test_pinned_host_memory_is_released(monkeypatch):
     assert host_memory.pinned_bytes_held() <= baseline
 
 
-def test_an_admitted_cache_replays_captured_steps(mooncake_master):
+def test_an_admitted_cache_replays_captured_steps(request):
     """A cache admitted from a Mooncake Store with lookahead "previous" (no exact) replays its decode steps as CUDA
     graphs: a prefetch gathers the units its local cache holds and leaves the store reads to after the step
     (`remote.disaggregate.repair_after_step`). Same greedy tokens and logits as the prefill's own cache decoding
     eagerly in this process; steady and completing steps replayed across the blocks decode completes (its local pool's first block
     included); units did come from the store."""
-    pytest.importorskip("mooncake.store")
+    pytest.importorskip("mooncake.store")  # (the GPU image has no Mooncake: bench/mooncake_for_gpu.sh brings it)
+    mooncake_master = request.getfixturevalue("mooncake_master")
     from oasis_cache.remote import admit, connect, publish
 
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
