@@ -167,13 +167,12 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
 def record(state, step) -> list:
     """The operators (and kernel launches) of one `step()`."""
     state["recorder"] = Recorder()
-    after = getattr(step, "after", None)  # an admitted cache's store reads after the step: not part of it
     with state["recorder"]:
-        step(repair=False) if after is not None else step()
+        step(repair=False)  # (an admitted cache's store reads after the step are not part of it)
     ops = state["recorder"].ops
     state["recorder"] = None
-    if after is not None:
-        after()
+    if step.after is not None:
+        step.after()
     return ops
 
 

@@ -23,9 +23,8 @@ blocks decode completes, not the prompt's KV. With lookahead "previous" or "eagl
 gathers the units already local and leaves the store reads to after the step (one sync per step;
 `repair_after_step`), so such steps are captured as CUDA graphs like a local cache's (the default where the cache
 captures steps); with lookahead "none" or `exact`, a fetch on the critical path reads the store inside the step,
-which then runs eagerly. With
-lookahead="eagle3" the record also carries the draft head's state (its window's keys/values, the last features, the
-pending drafts).
+which then runs eagerly. With lookahead="eagle3" the record also carries the draft head's state (its window's
+keys/values, the last features, the pending drafts).
 """
 
 from __future__ import annotations

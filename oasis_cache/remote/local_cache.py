@@ -84,7 +84,7 @@ class LocalBlockCache:
         if plan is None:
             return
         try:
-            self.tier.get_units(*self.reads(plan)[:3], self.unit_nbytes, self.arena)
+            self.tier.get_units_of_layers([self.reads(plan)], self.unit_nbytes)
         except BaseException:
             self.failed(plan)
             raise
@@ -95,20 +95,22 @@ class LocalBlockCache:
         are marked used; slots are chosen for the others (free ones first, then the least recently used), their old
         units unmapped. Returns `(missing units, their slots, the slots' old units)`, or None when all are here."""
         ids, wanted = block_ids.to("cpu"), fetch.to("cpu").bool()  # a sync on CUDA (inside a step: an eager one)
-        b, h, k = wanted.nonzero(as_tuple=True)
-        blocks = ids[b, h, k]
-        in_store = blocks < self.published
-        if not bool(in_store.any()):
+        wanted = wanted & (ids < self.published)
+        if not bool(wanted.any()):
             return None
-        units = ((b * self.num_kv_heads + h) * self.stride + blocks)[in_store].unique()
+        found = torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1))[wanted]
+        if bool((found >= 0).all()):  # all here (most layers of a warm step): marked used in a few operations
+            self.step += 1
+            self.last_used[found] = self.step
+            return None
+        b, h, k = wanted.nonzero(as_tuple=True)
+        units = ((b * self.num_kv_heads + h) * self.stride + ids[b, h, k]).unique()
         self.step += 1
         flat = self.slot_of.view(-1)
         slots = flat[units]
         here = slots >= 0
         self.last_used[slots[here]] = self.step
-        missing = units[~here]
-        if not missing.numel():
-            return None
+        missing = units[~here]  # (at least one: all here returned above)
         if units.numel() > self.capacity:
             raise MemoryError(
                 f"OasisCache: one decode step of layer {self.layer_idx} reads {units.numel()} (block, sequence, KV "
@@ -164,15 +166,12 @@ class LocalBlockCache:
         """After a step, on the host: `ids` and `wanted` are this layer's deferred record read back (`[B, Hkv, W]`).
         The units it wanted are marked used and slots chosen for those not here (`plan`, as the immediate path's
         `ensure` would have done inside the step). Returns `(plan or None, the entries to gather once it landed)`."""
-        if not bool(wanted.any()):
+        plan = self.plan(ids, wanted)
+        if plan is None:
             return None, None
-        slots = torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1))
-        missing = wanted & (slots < 0)
-        if not bool(missing.any()):  # all here (most layers of a warm step): `plan`'s effect in three operations
-            self.step += 1
-            self.last_used[slots[wanted]] = self.step
-            return None, None
-        return self.plan(ids, wanted), missing
+        # the entries whose units are not mapped yet: the plan's missing ones (it unmapped only slots older than
+        # every unit this step wanted, which it marked used first)
+        return plan, wanted & (torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1)) < 0)
 
     def repair_gather(self, transfer, missing: torch.Tensor | None) -> None:
         """Gather the record's entries `missing` (now here) into the slots the step assigned them, on the current
