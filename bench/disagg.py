@@ -184,7 +184,7 @@ def main(argv=None):
         warm_units_per_step=remote_warm["units_per_step"],
         prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s, pipelined=args.pipelined,
         prefill_and_publish_s=prefill_s + publish_s, blocks_in_background=report.get("blocks_in_background", 0),
-        repair_ms_per_step=stats["remote_repair_ms_per_step"],
+        repair_ms_per_step=stats["remote_repair_ms_per_step"], repair_phases_ms=stats["remote_repair_phases_ms"],
         replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
         local_cache_sweep=sweep,
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
@@ -201,6 +201,9 @@ def main(argv=None):
           f"({row['remote_bytes_per_step'] / 2**20:.2f} MiB per step); TPOT remote {remote_ms:.1f} ms, local "
           f"{local_ms:.1f} ms ({row['tpot_ratio']:.2f}x; store reads after each step {row['repair_ms_per_step']:.2f} "
           f"ms; replayed steps remote {row['replays_remote']}, local {row['replays_local']}); same tokens: {same}")
+    if row["repair_ms_per_step"]:
+        print("after each step, ms: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}"
+                                                 for k, v in row["repair_phases_ms"].items()))
     print(f"prefill {prefill_s:.2f} s, then publish {publish_s:.2f} s ({'pipelined: ' if args.pipelined else ''}"
           f"{row['blocks_in_background'] / 2**20:.1f} MiB of blocks put while the prefill ran)")
     print(f"warm (the second half of the steps, medians): TPOT remote {row['warm_tpot_remote_ms']:.1f} ms, local "

@@ -343,7 +343,10 @@ class OasisCache(Cache):
                                                   for link in links),
                        remote_local_cache_bytes=sum(link.nbytes for link in links),
                        remote_repair_ms_per_step=(1e3 * self.remote_tier.repair_seconds / self.remote_tier.repairs
-                                                  if self.remote_tier.repairs else 0.0))
+                                                  if self.remote_tier.repairs else 0.0),
+                       remote_repair_phases_ms=dict(zip(
+                           ("copy_back", "plan", "store_reads", "maps_and_gathers"),
+                           (1e3 * self.remote_tier.repair_phases / max(1, self.remote_tier.repairs)).tolist())))
         return out
 
     def _summary_form(self) -> tuple[bool | None, float | None]:

@@ -333,9 +333,18 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         assert reads <= {("MainThread", True)} and (budget >= length + 8 or reads)
         # the same LRU decisions (the first cache's last prefetch joined above)
         assert deferred.stats()["remote_units_fetched"] == cache.stats()["remote_units_fetched"]
+        phases = deferred.stats()["remote_repair_phases_ms"]  # the after-step time by phase adds up to the whole
+        assert set(phases) == {"copy_back", "plan", "store_reads", "maps_and_gathers"} and min(phases.values()) >= 0
+        assert sum(phases.values()) - phases["copy_back"] == pytest.approx(
+            deferred.stats()["remote_repair_ms_per_step"], rel=1e-6)
+        with pytest.raises(ValueError, match=r"cuda_graph=True.*\(deferred=False\), which a CUDA graph cannot"):
+            admit(model, store, request, deferred=False, cuda_graph=True)
     else:
         with pytest.raises(ValueError, match=r"deferred=True.*whose steps read the store on their critical path"):
             admit(model, store, request, deferred=True)
+        refused = r"cuda_graph=True.*\(lookahead='(none|previous)'( with exact=True)?\), which a CUDA graph cannot"
+        with pytest.raises(ValueError, match=refused):
+            admit(model, store, request, cuda_graph=True)
     tier = cache.remote_tier
     cache.reset()  # the request's keys go with its tokens
     assert not any(tier.exists(0, range(3)))

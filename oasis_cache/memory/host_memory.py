@@ -64,6 +64,9 @@ def release_cached_pinned() -> None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
     torch.cuda.synchronize()  # a block an asynchronous copy still reads is freed only once its event has completed
+    # ... and once the allocator has looked at that event, which it does when it allocates: one small allocation
+    # first, so that no freed block still waits on an event when the cache is emptied
+    torch.empty(1, dtype=torch.uint8, pin_memory=True)
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # torch 2.11 / 2.13
         empty = getattr(torch._C, name, None)
         if empty is not None:

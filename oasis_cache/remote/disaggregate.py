@@ -167,7 +167,7 @@ DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode 
 
 
 def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None,
-          measure: bool = False, deferred: bool | None = None) -> OasisCache:
+          measure: bool = False, deferred: bool | None = None, cuda_graph: bool | None = None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: four working sets, B x Hkv x 4 x the slots, at
@@ -178,7 +178,9 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     record. `measure`: as `OasisCache(measure=True)` (how long compute waits on prefetches, `stats()`).
     `deferred`: whether prefetches leave their store reads to after the step (`repair_after_step`), so that the
     steps can be captured as CUDA graphs; only for lookahead "previous" / "eagle3" without `exact`. None (default):
-    where this cache captures its steps (CUDA); elsewhere the store reads run on a host thread during the step."""
+    where this cache captures its steps (CUDA); elsewhere the store reads run on a host thread during the step.
+    `cuda_graph`: as `OasisCache(cuda_graph=...)` for the decode side; None (default): the publishing cache's
+    setting (a prefill process that decoded eagerly hands on `cuda_graph=False`)."""
     tier = RemoteTier(store, request)
     record = tier.store.get(tier.key("admission", 0))
     if not record:
@@ -190,6 +192,8 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         raise ValueError(f"admission record version {state.get('version')} of request {request!r}; this oasis-cache "
                          f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
     options = dict(state["config"])
+    if cuda_graph is not None:
+        options["cuda_graph"] = cuda_graph
     # Prefetches without `exact` can leave their store reads to after the step (`repair_after_step`): those steps
     # can be captured. A fetch on the critical path (lookahead "none", `exact`) reads the store inside the step.
     prefetching = options["lookahead"] != "none" and not options["exact"]
@@ -198,6 +202,12 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
                          f"{options['lookahead']!r}{' and exact=True' if options['exact'] else ''}, whose steps read "
                          f"the store on their critical path; deferred store reads need lookahead 'previous' or "
                          f"'eagle3' without exact. Drop deferred, or publish with such a cache.")
+    if cuda_graph and (not prefetching or deferred is False):
+        why = "deferred=False" if prefetching else f"lookahead={options['lookahead']!r}" + (
+            " with exact=True" if options["exact"] else "")
+        raise ValueError(f"admit(..., cuda_graph=True): request {request!r} would read the store inside its decode "
+                         f"steps ({why}), which a CUDA graph cannot replay. Drop cuda_graph, or publish with lookahead "
+                         f"'previous' or 'eagle3' without exact and leave deferred at its default.")
     if not prefetching or deferred is False:
         options["cuda_graph"] = False  # a remote fetch inside the step reads the selected blocks on the host
     drafted = state.get("draft")
@@ -260,6 +270,7 @@ def repair_after_step(cache: OasisCache) -> None:
     cache.streams.compute_waits_for_side()  # the step's prefetches wrote the records on the side stream
     ids = [link.pending[1] for link in links]
     host = torch.cat([t.flatten() for t in ids] + [link.pending[3].flatten().to(ids[0].dtype) for link in links])
+    waited = time.perf_counter()
     host = host.cpu()  # (waits for the step's end)
     started = time.perf_counter()
     offsets = [0]
@@ -271,6 +282,7 @@ def repair_after_step(cache: OasisCache) -> None:
             shape, lo, hi = ids[i].shape, offsets[i], offsets[i + 1]
             repairs.append(link.repair_plan(host[lo:hi].view(shape),
                                             host[offsets[-1] + lo : offsets[-1] + hi].view(shape).bool()))
+        planned = time.perf_counter()
         tier = cache.remote_tier  # one series of batched store reads for every layer (not one per layer)
         for size in sorted({link.unit_nbytes for link in links}):
             tier.get_units_of_layers([link.reads(plan) for link, (plan, _) in zip(links, repairs)
@@ -280,11 +292,15 @@ def repair_after_step(cache: OasisCache) -> None:
             if plan is not None:
                 link.failed(plan)
         raise
+    read = time.perf_counter()
     for link, (plan, missing) in zip(links, repairs):
         if plan is not None:
             link.placed(plan)
         link.repair_gather(cache.transfer, missing)
-    tier.repair_seconds += time.perf_counter() - started  # host time between steps: store reads, bookkeeping
+    done = time.perf_counter()
+    tier.repair_seconds += done - started  # host time between steps: bookkeeping and store reads
+    tier.repair_phases += torch.tensor([started - waited, planned - started, read - planned, done - read],
+                                       dtype=torch.float64)
     tier.repairs += 1
 
 
