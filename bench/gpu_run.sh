@@ -21,7 +21,9 @@
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
-#             qwenreporttasks: one process per task at one length (REPORT_LENGTHS=32768: a whole length in one call);
+#             qwenreporttasks: one process per task at one length (REPORT_LENGTHS=32768: a whole length in one call;
+#             five at once at 32K ran two out of memory: REPORT_PARALLEL, default 3, at once); REPORT_DTYPE: bfloat16 unless
+#             set (in float32 dense's SDPA at 32K x 8 asks for 450 GiB);
 #             qwenindecodeprompts: one process per prompt, each an unpadded batch of one (captured decode steps),
 #             each recomputing dense eagerly: 8 of them at 4096 tokens did not finish one oasis row in 545 s (the
 #             nineteenth session); prefer qwenindecodepar (dense once as a padded batch, kept in $OUT; padded batches
@@ -131,12 +133,13 @@ for arg in "$@"; do
         python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts ${INDECODE_PROMPTS:-8} --only $i --per-prompt --new-tokens $N --modes ${INDECODE_MODES:-none previous} --fractions ${INDECODE_FRACTIONS:-8 16} ${REPORT_HEAD:+--head $HEAD} --out "$OUT/in-decode-qwen05-$N-p$i.json" > "$OUT/in-decode-qwen05-$N-p$i.log" 2>&1 &
         files+=("$OUT/in-decode-qwen05-$N-p$i.json"); done; wait
       python3 eval/in_decode.py --merge "${files[@]}" --out "$OUT/in-decode-qwen05-$N.json" | tee "$OUT/in-decode-qwen05-$N.log" ;;
-    qwenreport) python3 eval/report.py --model qwen25-coder-0.5b ${REPORT_DTYPE:+--dtype "$REPORT_DTYPE"} --tasks ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words} --filler noise --lengths ${REPORT_LENGTHS:-8192 16384 32768} --samples "${REPORT_SAMPLES:-24}" --batch-size 8 --fractions ${REPORT_FRACTIONS:-16 32} --modes ${REPORT_MODES:-none previous} ${REPORT_HEAD:+--head "$HEAD"} --nll-prefill 7936 --nll-tokens "${REPORT_NLL_TOKENS:-256}" --out "$OUT/report-qwen05${REPORT_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-qwen05${REPORT_TAG:-}.log" | tail -40 ;;
+    qwenreport) python3 eval/report.py --model qwen25-coder-0.5b --dtype "${REPORT_DTYPE:-bfloat16}" --tasks ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words} --filler noise --lengths ${REPORT_LENGTHS:-8192 16384 32768} --samples "${REPORT_SAMPLES:-24}" --batch-size 8 --fractions ${REPORT_FRACTIONS:-16 32} --modes ${REPORT_MODES:-none previous} ${REPORT_HEAD:+--head "$HEAD"} --nll-prefill 7936 --nll-tokens "${REPORT_NLL_TOKENS:-256}" --out "$OUT/report-qwen05${REPORT_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-qwen05${REPORT_TAG:-}.log" | tail -40 ;;
     qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
       tail -n 45 "$OUT"/report-qwen05-*${REPORT_TAG:-}.log ;;
     qwenreporttasks) nll=${REPORT_NLL_TOKENS:-256}; L=${REPORT_LENGTHS:-32768}; for T in ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words}; do  # one process per task at one length (the NLL rows in the first)
-        HEAD=$HEAD REPORT_LENGTHS=$L REPORT_TASKS=$T REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L-$T${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
+        HEAD=$HEAD REPORT_LENGTHS=$L REPORT_TASKS=$T REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L-$T${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0
+        while (( $(jobs -rp | wc -l) >= ${REPORT_PARALLEL:-3} )); do wait -n; done; done; wait  # at most 3 at once
       tail -n 12 "$OUT"/report-qwen05-$L-*${REPORT_TAG:-}.log ;;
     qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
