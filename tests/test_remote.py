@@ -278,7 +278,7 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
     cache = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"))
     import threading
 
-    from oasis_cache.remote import LocalBlockCache
+    from oasis_cache.remote import LocalBlockCache, LocalCacheGroup
 
     # where the store reads are planned: (thread, inside the repair after a step)
     reads, plan, repair_plan, repairing = set(), LocalBlockCache.plan, LocalBlockCache.repair_plan, []
@@ -292,6 +292,9 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         finally:
             repairing.clear()
     monkeypatch.setattr(LocalBlockCache, "repair_plan", repairing_plan)
+    group_plan = LocalCacheGroup.plan  # (the after-step repair of layers of one shape plans them together)
+    monkeypatch.setattr(LocalCacheGroup, "plan", lambda self, *a: reads.add(
+        (threading.current_thread().name, True)) or group_plan(self, *a))
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
@@ -369,6 +372,20 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     assert torch.equal(model.generate(input_ids=ids, **small.generate_kwargs(), **kw), expected)
     stats = small.stats()
     assert stats["remote_units_evicted"] > 0 and stats["remote_units_fetched"] > default.stats()["remote_units_fetched"]
+    # the after-step repair of every layer at once (`LocalCacheGroup`) decides what the per-layer repair decides:
+    # the same units fetched and evicted, the same slot maps
+    grouped = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
+    per_layer = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
+    assert grouped.remote_tier.local_group is not None
+    per_layer.remote_tier.local_group = None
+    for other in (grouped, per_layer):
+        assert torch.equal(model.generate(input_ids=ids, **other.generate_kwargs(), **kw), expected)
+    counted = ("remote_units_fetched", "remote_units_evicted")
+    assert [grouped.stats()[key] for key in counted] == [per_layer.stats()[key] for key in counted]
+    assert grouped.stats()["remote_units_evicted"] > 0
+    maps = [[(link.slot_of, link.unit_of, link.last_used) for link in (
+        layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer))] for cache in (grouped, per_layer)]
+    assert all(torch.equal(a, b) for first, other in zip(*maps) for a, b in zip(first, other))
     published = layer.pool.remote.published * layer.pool.batch_size * layer.pool.num_kv_heads
     default_units = max(one_step, min(4 * one_step, published // 4))
     assert stats["remote_local_cache_bytes"] * default_units == default.stats()["remote_local_cache_bytes"] * one_step

@@ -40,7 +40,7 @@ import torch
 from ..cache import OasisCache
 from ..layer import OasisLayer
 from ..pools.host_kv import HostKVPool
-from .local_cache import LocalBlockCache
+from .local_cache import LocalBlockCache, LocalCacheGroup
 from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier
 
 RECORD_VERSION = 1
@@ -253,6 +253,10 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
             pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
                                           pool.head_dim, pool.dtype, units, pin, device)
             pool.remote.deferred = deferred
+    links = [layer.pool.remote for layer in cache.layers
+             if isinstance(layer, OasisLayer) and layer.is_initialized and layer.pool.remote is not None]
+    # the after-step repair plans every layer at once where the layers' local caches share one shape
+    tier.local_group = LocalCacheGroup(links) if deferred and LocalCacheGroup.fits(links) else None
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
@@ -273,6 +277,11 @@ def repair_after_step(cache: OasisCache) -> None:
     waited = time.perf_counter()
     host = host.cpu()  # (waits for the step's end)
     started = time.perf_counter()
+    group = cache.remote_tier.local_group
+    if group is not None and len(links) == len(group.links) and all(
+            a is b for a, b in zip(links, group.links)) and len({t.shape for t in ids}) == 1:
+        _repair_group(cache, group, links, host, ids[0].shape, waited, started)
+        return
     offsets = [0]
     for t in ids:
         offsets.append(offsets[-1] + t.numel())
@@ -299,6 +308,38 @@ def repair_after_step(cache: OasisCache) -> None:
         link.repair_gather(cache.transfer, missing)
     done = time.perf_counter()
     tier.repair_seconds += done - started  # host time between steps: bookkeeping and store reads
+    tier.repair_phases += torch.tensor([started - waited, planned - started, read - planned, done - read],
+                                       dtype=torch.float64)
+    tier.repairs += 1
+
+
+def _repair_group(cache, group, links, host, shape, waited, started) -> None:
+    """`repair_after_step` for layers of one shape (`LocalCacheGroup`): the same decisions in a few operations."""
+    n = host.numel() // 2
+    ids, wanted = host[:n].view(len(links), *shape), host[n:].view(len(links), *shape).bool()
+    tier = cache.remote_tier
+    result = group.plan(ids, wanted)
+    planned = time.perf_counter()
+    if result is not None:
+        plan, missing = result
+        try:
+            tier.get_units_of_layers(group.reads(plan), group.unit_nbytes)
+        except BaseException:
+            group.failed(plan)
+            raise
+    read = time.perf_counter()
+    if result is not None:
+        group.placed(plan)
+        any_missing = missing.flatten(1).any(1).tolist()
+        on_device = missing.pin_memory().to(links[0].device, non_blocking=True) \
+            if links[0].device.type == "cuda" else missing
+    for i, link in enumerate(links):
+        if result is not None and any_missing[i]:
+            link.repair_gather(cache.transfer, missing[i], on_device[i])
+        else:
+            link.repair_gather(cache.transfer, None)
+    done = time.perf_counter()
+    tier.repair_seconds += done - started
     tier.repair_phases += torch.tensor([started - waited, planned - started, read - planned, done - read],
                                        dtype=torch.float64)
     tier.repairs += 1

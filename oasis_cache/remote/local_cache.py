@@ -173,13 +173,13 @@ class LocalBlockCache:
         # every unit this step wanted, which it marked used first)
         return plan, wanted & (torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1)) < 0)
 
-    def repair_gather(self, transfer, missing: torch.Tensor | None) -> None:
-        """Gather the record's entries `missing` (now here) into the slots the step assigned them, on the current
-        stream (before the next step reads them); clear the record."""
+    def repair_gather(self, transfer, missing: torch.Tensor | None, on_device: torch.Tensor | None = None) -> None:
+        """Gather the record's entries `missing` (host; now here) into the slots the step assigned them, on the
+        current stream (before the next step reads them); clear the record. `on_device`: `missing` already copied."""
         working_set, ids_device, dest_device, wanted_device = self.pending
         if missing is not None and bool(missing.any()):
             transfer.gather_units(self, working_set, self.slots_for(ids_device), dest_device,
-                                  missing.to(ids_device.device))
+                                  on_device if on_device is not None else missing.to(ids_device.device))
         wanted_device.fill_(False)
 
     def pending_tensors(self) -> list[torch.Tensor]:
@@ -241,3 +241,136 @@ class LocalBlockCache:
         self.unit_of[gone] = -1
         self.last_used[gone] = -1
         self.published = num_blocks
+
+
+class LocalCacheGroup:
+    """The local caches of every layer of one admitted cache, their maps stacked so that the after-step repair
+    (`remote.disaggregate.repair_after_step`) plans all layers in a few operations instead of a dozen per layer:
+
+        slot_of    `[L, B, Hkv, P]` int64   (each layer's `slot_of` is row l, a view; so is the device copy)
+        unit_of    `[L, capacity]` int64
+        last_used  `[L, capacity]` int64
+
+    Only for layers of one shape (B, Hkv, P, capacity, unit size, device: what `admit` makes for a model's layers);
+    `LocalCacheGroup.fits` says. Each layer keeps its own arena, step counter and counters, and every per-layer path
+    (`ensure`, `defer`, `truncate`, `read_all_into`) works on the views unchanged. `plan` / `placed` / `failed` make
+    the decisions the per-layer ones make, layer by layer (same slots, same evictions)."""
+
+    def __init__(self, links: list[LocalBlockCache]):
+        self.links = links
+        self.slot_of = torch.stack([link.slot_of for link in links])
+        self.unit_of = torch.stack([link.unit_of for link in links])
+        self.last_used = torch.stack([link.last_used for link in links])
+        first = links[0]
+        self.device = first.device
+        self.slot_of_device = self.slot_of if self.device.type == "cpu" else self.slot_of.to(self.device)
+        for i, link in enumerate(links):
+            link.slot_of, link.unit_of, link.last_used = self.slot_of[i], self.unit_of[i], self.last_used[i]
+            link.slot_of_device = link.slot_of if self.device.type == "cpu" else self.slot_of_device[i]
+        self.arena_base = torch.tensor([link.arena.data_ptr() for link in links], dtype=torch.int64)
+        self.unit_nbytes = first.unit_nbytes
+
+    @staticmethod
+    def fits(links: list[LocalBlockCache]) -> bool:
+        if not links:
+            return False
+        first = links[0]
+        shape = (first.batch_size, first.num_kv_heads, first.stride, first.capacity, first.unit_nbytes, first.device)
+        return all((link.batch_size, link.num_kv_heads, link.stride, link.capacity, link.unit_nbytes, link.device)
+                   == shape for link in links)
+
+    def plan(self, ids: torch.Tensor, wanted: torch.Tensor):
+        """`LocalBlockCache.repair_plan` for every layer at once: `ids`, `wanted` are the layers' deferred records
+        read back (`[L, B, Hkv, W]`, host). Returns None when nothing is missing, else `(plan, missing entries
+        [L, B, Hkv, W])`; the plan is `(layer of each missing unit, the units, their slots, the slots' old units)`."""
+        L, B, H, P = self.slot_of.shape
+        cap, per_layer = self.unit_of.shape[1], B * H * P
+        published = torch.tensor([link.published for link in self.links], dtype=torch.int64).view(L, 1, 1, 1)
+        wanted = wanted & (ids < published)
+        active = wanted.flatten(1).any(1)
+        if not bool(active.any()):
+            return None
+        index = ids.clamp(0, P - 1)
+        found = torch.gather(self.slot_of, 3, index)
+        layer = torch.arange(L).view(L, 1, 1, 1).expand_as(ids)
+        keys = ((layer * B + torch.arange(B).view(1, B, 1, 1)) * H + torch.arange(H).view(1, 1, H, 1)) * P + index
+        counts = torch.bincount(keys[wanted].unique() // per_layer, minlength=L)
+        if bool((counts > cap).any()):
+            i = int(torch.nonzero(counts > cap)[0])
+            raise MemoryError(
+                f"OasisCache: one decode step of layer {self.links[i].layer_idx} reads {int(counts[i])} (block, "
+                f"sequence, KV head) units from the store, more than the local cache holds ({cap}). Admit with a "
+                f"larger local cache: admit(..., local_cache_units={int(counts[i]) * 2}) or more.")
+        steps = torch.tensor([link.step for link in self.links], dtype=torch.int64) + active.long()
+        for link, step in zip(self.links, steps.tolist()):
+            link.step = step
+        here = wanted & (found >= 0)
+        self.last_used[layer[here], found[here]] = steps[layer[here]]  # the units this step reads are the newest
+        missing_entries = wanted & (found < 0)
+        if not bool(missing_entries.any()):
+            return None
+        units = keys[missing_entries].unique()  # by layer, then unit: the per-layer plans' order
+        unit_layer, units = units // per_layer, units % per_layer
+        needed = torch.bincount(unit_layer, minlength=L)
+        order = torch.argsort(self.last_used, dim=1, stable=True)  # free slots (-1) first, then the least recent
+        take = torch.arange(cap).view(1, cap) < needed.view(L, 1)
+        victims = order[take]  # layer by layer, as `unit_layer`
+        old = self.unit_of[unit_layer, victims]
+        gone = old >= 0
+        self.slot_of.view(L, -1)[unit_layer[gone], old[gone]] = -1
+        return (unit_layer, units, victims, old), missing_entries
+
+    def reads(self, plan) -> list:
+        """The store reads of a plan: `[(layer, units, addresses, arena)]` for `RemoteTier.get_units_of_layers`."""
+        unit_layer, units, victims, _ = plan
+        first = self.links[0]
+        P, H = first.stride, first.num_kv_heads
+        blocks, bh = (units % P).tolist(), (units // P)
+        triples = list(zip(blocks, (bh // H).tolist(), (bh % H).tolist()))
+        addresses = (self.arena_base[unit_layer] + victims * self.unit_nbytes).tolist()
+        out, at = [], 0
+        for i, n in enumerate(torch.bincount(unit_layer, minlength=len(self.links)).tolist()):
+            if n:
+                link = self.links[i]
+                out.append((link.layer_idx, triples[at: at + n], addresses[at: at + n], link.arena))
+            at += n
+        return out
+
+    def placed(self, plan) -> None:
+        """The plan's units have landed: every layer's maps and counters follow (one copy to the device)."""
+        unit_layer, units, victims, old = plan
+        L = len(self.links)
+        steps = torch.tensor([link.step for link in self.links], dtype=torch.int64)
+        self.unit_of[unit_layer, victims] = units
+        self.last_used[unit_layer, victims] = steps[unit_layer]
+        self.slot_of.view(L, -1)[unit_layer, units] = victims
+        gone = old >= 0
+        fetched = torch.bincount(unit_layer, minlength=L).tolist()
+        evicted = torch.bincount(unit_layer[gone], minlength=L).tolist()
+        for link, f, e in zip(self.links, fetched, evicted):
+            link.units_fetched += f
+            link.units_evicted += e
+        self._sync_device(unit_layer[gone], old[gone], (unit_layer, units, victims))
+
+    def failed(self, plan) -> None:
+        """The plan's store read failed: its slots hold nothing usable now."""
+        unit_layer, _, victims, old = plan
+        self.unit_of[unit_layer, victims] = -1
+        self.last_used[unit_layer, victims] = -1
+        gone = old >= 0
+        self._sync_device(unit_layer[gone], old[gone], None)
+
+    def _sync_device(self, cleared_layer, cleared, placed) -> None:
+        if self.slot_of_device is self.slot_of:
+            return
+        per_layer = self.slot_of[0].numel()
+        parts = [cleared_layer * per_layer + cleared]
+        if placed is not None:
+            unit_layer, units, victims = placed
+            parts += [unit_layer * per_layer + units, victims]
+        payload = torch.cat(parts).pin_memory().to(self.device, non_blocking=True)  # one copy for every layer
+        flat, n = self.slot_of_device.view(-1), cleared.numel()
+        flat[payload[:n]] = -1
+        if placed is not None:
+            m = placed[1].numel()
+            flat[payload[n: n + m]] = payload[n + m:]

@@ -153,6 +153,7 @@ class RemoteTier:
         self.bytes_put = 0
         self.bytes_got = 0
         self.repair_seconds, self.repairs = 0.0, 0  # host time in `repair_after_step` (deferred prefetches), calls
+        self.local_group = None  # the decode side's `LocalCacheGroup`, where its layers' local caches share a shape
         # its seconds by phase: the records' copy back (the wait for the step's end included), plan, store reads,
         # maps and gathers
         self.repair_phases = torch.zeros(4, dtype=torch.float64)
