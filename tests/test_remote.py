@@ -370,10 +370,11 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     one_step = layer.pool.batch_size * layer.pool.num_kv_heads * layer.working_set.num_slots
     small = admit(model, store, "evict", local_cache_units=one_step)
     assert torch.equal(model.generate(input_ids=ids, **small.generate_kwargs(), **kw), expected)
+    small.streams.settle()  # (its last prefetch may still read the store on the host thread)
     stats = small.stats()
     assert stats["remote_units_evicted"] > 0 and stats["remote_units_fetched"] > default.stats()["remote_units_fetched"]
-    # the after-step repair of every layer at once (`LocalCacheGroup`) decides what the per-layer repair decides:
-    # the same units fetched and evicted, the same slot maps
+    # the after-step repair of every layer at once (`LocalCacheGroup`) decides what the per-layer repair and the
+    # immediate path decide: the same units fetched and evicted, the same slot maps
     grouped = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
     per_layer = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
     assert grouped.remote_tier.local_group is not None
@@ -381,11 +382,12 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     for other in (grouped, per_layer):
         assert torch.equal(model.generate(input_ids=ids, **other.generate_kwargs(), **kw), expected)
     counted = ("remote_units_fetched", "remote_units_evicted")
-    assert [grouped.stats()[key] for key in counted] == [per_layer.stats()[key] for key in counted]
+    assert [grouped.stats()[key] for key in counted] == [per_layer.stats()[key] for key in counted] == [
+        stats[key] for key in counted]
     assert grouped.stats()["remote_units_evicted"] > 0
-    maps = [[(link.slot_of, link.unit_of, link.last_used) for link in (
-        layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer))] for cache in (grouped, per_layer)]
-    assert all(torch.equal(a, b) for first, other in zip(*maps) for a, b in zip(first, other))
+    maps = [[(layer.pool.remote.slot_of, layer.pool.remote.unit_of, layer.pool.remote.last_used)
+             for layer in cache.layers if isinstance(layer, OasisLayer)] for cache in (grouped, per_layer, small)]
+    assert all(torch.equal(a, b) for first, *others in zip(*maps) for other in others for a, b in zip(first, other))
     published = layer.pool.remote.published * layer.pool.batch_size * layer.pool.num_kv_heads
     default_units = max(one_step, min(4 * one_step, published // 4))
     assert stats["remote_local_cache_bytes"] * default_units == default.stats()["remote_local_cache_bytes"] * one_step
