@@ -404,6 +404,24 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
         store.get("oasis/evict/admission/0")
 
 
+def test_admission_by_another_model_is_refused(mooncake_master, published):
+    """The record names the model its keys and values came from: a decode side whose model differs in architecture,
+    attention shapes or dtype gets a ValueError naming the difference, before any cache exists; the request stays
+    admissible by the right model."""
+    from oasis_cache.remote import admit
+
+    store = connect(mooncake_master)
+    for other, differs in ((tiny_model("llama").to(torch.bfloat16), r"dtype 'torch.float32' there, 'torch.bfloat16'"),
+                           (tiny_model("llama", num_key_value_heads=4), r"num_key_value_heads 2 there, 4 here"),
+                           (tiny_model("qwen2"), r"model_type 'llama' there, 'qwen2' here")):
+        with pytest.raises(ValueError, match=rf"published by another model than this one \({differs}.*Admit with the "
+                                             r"prefill's model"):
+            admit(other, store, "evict")
+    cache = admit(tiny_model("llama"), store, "evict")
+    assert cache.get_seq_length() == SPLIT_LENGTH - 1
+    store.close()
+
+
 def test_deferred_prefetches_are_repaired_after_the_step(mooncake_master, published, monkeypatch):
     """An admitted cache with lookahead "previous" (no exact) reads nothing from the store inside a step (so the step
     can be captured): its prefetches gather the units already local and record the others, which the repair after

@@ -43,7 +43,7 @@ from ..pools.host_kv import HostKVPool
 from .local_cache import LocalBlockCache, LocalCacheGroup
 from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the record names the model its keys and values came from (`_model_signature`)
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
 
 
@@ -64,7 +64,8 @@ def publish(cache: OasisCache, store, request: str, _published: dict | None = No
     blocks_bytes = full = 0
     state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {},
              "draft": _draft_state(cache.ride_along) if cache.ride_along is not None else None,
-             "padding": cache.padding}  # the prompt's padding: decode steps called without a mask read it
+             "padding": cache.padding,  # the prompt's padding: decode steps called without a mask read it
+             "model": _model_signature(cache._model())}
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, OasisLayer):
             state["kept"][idx] = layer.__dict__
@@ -191,6 +192,13 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     if state.get("version") != RECORD_VERSION:
         raise ValueError(f"admission record version {state.get('version')} of request {request!r}; this oasis-cache "
                          f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
+    published_by, here = state["model"], _model_signature(model)
+    if published_by != here:
+        differ = ", ".join(f"{key} {published_by.get(key)!r} there, {here.get(key)!r} here"
+                           for key in sorted(set(published_by) | set(here)) if published_by.get(key) != here.get(key))
+        raise ValueError(f"request {request!r} was published by another model than this one ({differ}): its keys and "
+                         f"values mean nothing to this model. Admit with the prefill's model, loaded in the same dtype "
+                         f"(from_pretrained(..., dtype={published_by['dtype']})).")
     options = dict(state["config"])
     if cuda_graph is not None:
         options["cuda_graph"] = cuda_graph
@@ -260,6 +268,20 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
+
+
+def _model_signature(model) -> dict:
+    """What a decode side's model must share with the prefill's for the published keys and values to be its own: the
+    architecture, the attention's shapes, rotary embedding and the weights' dtype (not the weights themselves: a
+    decode side may hold them differently)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
+            "num_attention_heads": heads, "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "hidden_size": config.hidden_size,
+            "rope": repr(getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)),
+            "dtype": str(next(model.parameters()).dtype)}
 
 
 def repair_after_step(cache: OasisCache) -> None:
