@@ -89,6 +89,7 @@ def publish_everything(master: str) -> dict:
             reports["midway"] = publish(cache, store, "midway")  # the same cache, a second request
         if (budget, lookahead, batch) == SPLITS[0]:
             reports["evict"] = publish(cache, store, "evict")
+            reports["midway-previous"] = publish(cache, store, "midway-previous")
     store.close()
     return reports
 
@@ -492,16 +493,18 @@ def test_an_admitted_cache_carries_the_prompts_padding(mooncake_master):
     store.close()
 
 
-def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published, deferred):
     """The store loses the blocks (deleted, or a restarted store) between two `generate` calls of one conversation:
-    the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix; what was generated
-    before stays with the caller."""
+    the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix (inside the step, or
+    in the repair after it); what was generated before stays with the caller."""
     from oasis_cache.remote import admit
 
     model = tiny_model("llama")
-    ids = prompt_ids(SPLIT_LENGTH, batch=1)
+    request, batch = ("midway-previous", SPLITS[0][2]) if deferred else ("midway", SPLITS[1][2])  # (deferred: previous)
+    ids = prompt_ids(SPLIT_LENGTH, batch=batch)
     store = connect(mooncake_master)
-    cache = admit(model, store, "midway")
+    cache = admit(model, store, request, deferred=deferred)
     first = model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=3, do_sample=False)
     length = cache.get_seq_length()
     tier = cache.remote_tier
@@ -509,8 +512,8 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     lost = [tier.key(link.layer_idx, *unit) for link in links
             for unit in link.triples((link.slot_of.view(-1) < 0).nonzero().flatten())]
     assert lost and all(status == 0 for status in store.batch_remove(lost, True))
-    with pytest.raises(RemoteBlocksMissing, match=r"units of layer \d+ \(blocks .*\) of request 'midway' \(status "
-                                                  r"\[-704\]\) are not in the Mooncake Store.*Publish the request again"):
+    named = rf"units of layer \d+ \(blocks .*\) of request '{request}' \(status \[-704\]\) are not in the Mooncake"
+    with pytest.raises(RemoteBlocksMissing, match=named + ".*Publish the request again"):
         model.generate(input_ids=first, **cache.generate_kwargs(), max_new_tokens=40, do_sample=False)
     assert first.shape[1] == SPLIT_LENGTH + 3 and length == SPLIT_LENGTH + 2
     del cache
