@@ -22,7 +22,7 @@ from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
-from .memory.host_memory import check_host_room, release_cached_pinned
+from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
 from .stats import CacheStats
@@ -140,6 +140,8 @@ class OasisCache(Cache):
         self._after_forward: list = []  # called after each forward through the cache (`remote.publishing`)
         self._device_clocks: dict[str, tuple[torch.Tensor, int]] = {}  # device -> (clock `[1]`, value it holds)
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
+        self._chunked_prefill = None  # tokens of the prompt being prefilled in chunks (`route_forward`)
+        self.prefill_resident = None  # its tokens while its keys and values stay on the device, False: they do not
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
@@ -207,11 +209,33 @@ class OasisCache(Cache):
             self.counters.decode_tokens += Qn
         else:
             self._check_host_room(Qn, key_states)
+            if self._chunked_prefill and self.prefill_resident is None:
+                self.prefill_resident = self._resident_room(self._chunked_prefill, key_states)
             self.counters.dense_forwards += 1
             self.reshaped = False
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
             self._start_engine(key_states.device)
+
+    def _resident_room(self, tokens: int, key_states: torch.Tensor) -> int | bool:
+        """At the first chunk of a prompt prefilled in chunks: `tokens` (its keys and values stay on the device until
+        the last chunk, `OasisLayer._attend_resident`: a chunk then reads the past there, not from host memory) when
+        every full-attention layer's `[2, B, Hkv, tokens, D]` fits in half the device memory this process may still
+        take; else False (each chunk reads the past back from the host pool, as any later dense forward does)."""
+        if not self.config.resident_prefill:
+            return False
+        B, H, _, D = key_states.shape
+        layers = sum(isinstance(layer, OasisLayer) for layer in self.layers)
+        needed = layers * 2 * B * H * tokens * D * key_states.element_size()
+        device = key_states.device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+            room = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device),
+                       int(fraction * total) - torch.cuda.memory_allocated(device))
+        else:
+            room = available_host_bytes() or 0  # (the host pools are counted there too: they are in host memory)
+        return tokens if needed <= room // 2 else False
 
     def _start_engine(self, device) -> None:
         self._streams = PrefetchStreams(device, measure=self.measure)
@@ -536,8 +560,15 @@ class OasisCache(Cache):
         past = self.get_seq_length(self._first_oasis_layer)
         try:
             if spans is not None:
-                return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
-                                  self.config.progress)
+                self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)
+                try:
+                    return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
+                                      self.config.progress)
+                finally:
+                    self._chunked_prefill = self.prefill_resident = None
+                    for layer in self.layers:
+                        if isinstance(layer, OasisLayer):
+                            layer.resident_kv = None
             return self._forward_one(runner, kwargs)
         except torch.OutOfMemoryError as error:
             tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))

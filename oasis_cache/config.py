@@ -130,6 +130,11 @@ class OasisConfig:
             off. Same result as the whole forward (the cache's prefill is dense attention either way), but for the
             summaries' channels (`summary_channels` < 1), chosen from the blocks of the first chunk (8192 tokens by
             default) instead of the whole prompt's.
+        resident_prefill: during a chunked prefill, keep the prompt's keys and values on the device until its last
+            chunk, where every full-attention layer's fit in half the device memory the process may still take
+            (`OasisLayer._attend_resident`): a chunk reads the past there instead of bringing it back from host
+            memory (the past's traffic over PCIe grows with the square of the chunk count). False: every chunk reads
+            the past from the host pool. Same attention either way.
         progress: show a progress bar (tqdm) over a chunked prefill's tokens.
     """
 
@@ -154,6 +159,7 @@ class OasisConfig:
     cuda_graph: bool | None = None
     compile_decode: bool = False
     prefill_chunk_tokens: int = 8192
+    resident_prefill: bool = True
     progress: bool = False
 
     def __post_init__(self):
@@ -224,6 +230,8 @@ class OasisConfig:
                 self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 0 (tokens per prefill forward over the batch; 0: "
                              f"off), got {self.prefill_chunk_tokens!r}.")
+        if self.resident_prefill not in (True, False):
+            raise ValueError(f"resident_prefill must be True or False, got {self.resident_prefill!r}.")
         if self.progress not in (True, False):
             raise ValueError(f"progress must be True or False, got {self.progress!r}.")
         if self.cuda_graph not in (None, True, False):

@@ -35,6 +35,7 @@ class OasisLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = False
+    resident_kv = None  # the prompt's keys and values during a chunked prefill (`_attend_resident`)
 
     def __init__(self, cache, layer_idx: int):
         super().__init__()
@@ -72,7 +73,7 @@ class OasisLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget everything (memory is released); the layer initializes again on its next update."""
-        for name in ("pool", "summaries", "recent", "working_set", "slot_map"):
+        for name in ("pool", "summaries", "recent", "working_set", "slot_map", "resident_kv"):
             self.__dict__.pop(name, None)
         self.is_initialized = False
         self.device = None
@@ -202,11 +203,32 @@ class OasisLayer(CacheLayerMixin):
         return out
 
     def _attend_dense(self, query, visible, scale):
+        tokens = self._cache.prefill_resident
+        if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
+            return self._attend_resident(query, visible, scale, tokens)
         past = self._cache.transfer.load_range(self.pool, 0, self.pool.num_blocks)  # [2, B, H, NB, T, D]
         two, B, H, NB, T, D = past.shape
         keys = torch.cat((past[0].reshape(B, H, NB * T, D), self.recent.kv[0]), dim=2)
         values = torch.cat((past[1].reshape(B, H, NB * T, D), self.recent.kv[1]), dim=2)
         return dense_causal_attention(query, keys, values, visible, scale)
+
+    def _attend_resident(self, query, visible, scale, tokens: int):
+        """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
+        and values so far are kept in `resident_kv` `[2, B, Hkv, tokens, D]` on the device (the pool's blocks read
+        from the host once, at the first chunk), so a later chunk reads them there instead of bringing the whole past
+        back from host memory; each chunk writes its recent tokens (those the pool will take included) at their
+        positions. Dropped after the last chunk."""
+        NB, T = self.pool.num_blocks, self.pool.block_size
+        recent = self.recent.kv  # [2, B, Hkv, r, D], positions NB * T on
+        if self.resident_kv is None:
+            past = self._cache.transfer.load_range(self.pool, 0, NB)  # [2, B, H, NB, T, D]
+            _, B, H, _, _, D = past.shape
+            self.resident_kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
+            self.resident_kv[:, :, :, : NB * T] = past.reshape(2, B, H, NB * T, D)
+        end = NB * T + recent.shape[3]
+        self.resident_kv[:, :, :, NB * T : end] = recent
+        return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
+                                      scale)
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""

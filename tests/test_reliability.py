@@ -358,6 +358,42 @@ def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
     assert same_as_dense(whole, chunked)
 
 
+def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatch):
+    """`resident_prefill` (default): a prompt prefilled in chunks keeps its keys and values on the device until its
+    last chunk, so each layer reads its past from the host pool once (at the first chunk: a conversation's earlier
+    turns) instead of at every chunk; the same tokens and logits as reading it back each time; dropped after the
+    prefill. Without room for it (half of what the process may still take) the chunks read the host pool."""
+    import oasis_cache.cache as cache_module
+    from oasis_cache.memory.transfer import TransferEngine
+
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    loads, load_range = [], TransferEngine.load_range
+    monkeypatch.setattr(TransferEngine, "load_range", lambda self, *a: loads.append(1) or load_range(self, *a))
+    options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0, prefill_chunk_tokens=64,
+                   lookahead="previous")
+    first, second = prompt_ids(300), prompt_ids(200, seed=7)
+    runs = {}
+    for name, resident in (("resident", True), ("host", False), ("no room", True)):
+        if name == "no room":
+            monkeypatch.setattr(cache_module, "available_host_bytes", lambda: 1000)  # (host: the CPU device)
+        cache = OasisCache(model, resident_prefill=resident, **options)
+        loads.clear()
+        out = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
+        prefill_loads = len(loads)
+        turn = torch.cat([out.sequences, second], dim=1)  # the conversation goes on: a long message, in chunks
+        loads.clear()
+        again = generate(model, cache, {"input_ids": turn}, max_new_tokens=6, do_sample=False)
+        runs[name] = (out, again, prefill_loads, len(loads))
+        assert cache.prefill_resident is None and all(
+            layer.resident_kv is None for layer in cache.layers if isinstance(layer, OasisLayer))
+    assert runs["resident"][2:] == (layers, layers)  # once per layer and prefill
+    assert runs["host"][2:] == runs["no room"][2:] == (5 * layers, 3 * layers)  # once per layer and chunk
+    for name in ("host", "no room"):
+        for a, b in zip(runs["resident"][:2], runs[name][:2]):
+            assert same_as_dense(a, b)
+
+
 def test_forwards_that_need_every_position_are_not_split():
     model = tiny_model("llama")
     ids = prompt_ids(300)
