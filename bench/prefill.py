@@ -1,0 +1,114 @@
+"""Prefill time: dense (`DynamicCache`, one forward) against OasisCache's chunked prefill with the prompt's keys and
+values kept on the device between chunks (`resident_prefill`, the default) and read back from the host pool at every
+chunk (`resident_prefill=False`, the behaviour before the twentieth session).
+
+    python bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch 4     # the H200 figure
+    python bench/prefill.py --model qwen25-coder-0.5b --context 8192 --chunk-tokens 1024 # real weights, CPU
+
+Each repeat runs every method once, in turn (interleaved), as `generate` runs a prefill: one call of the model on the
+prompt with `logits_to_keep=1`; the time is wall clock around the call (device synchronized). Prints medians and
+writes JSON (command, machine, date) with `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import load_model  # noqa: E402
+
+from oasis_cache import OasisCache  # noqa: E402
+
+METHODS = ("dense", "oasis-resident", "oasis-host")
+
+
+def build(model, method: str, args):
+    if method == "dense":
+        return DynamicCache()
+    return OasisCache(model, token_budget=args.budget, prefill_chunk_tokens=args.chunk_tokens,
+                      resident_prefill=method == "oasis-resident")
+
+
+def prefill(model, ids, cache, device) -> tuple[float, torch.Tensor, dict]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    loads = cache.stats() if isinstance(cache, OasisCache) else {}
+    return seconds, logits[:, -1].float().cpu(), loads
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b", help="qwen3-8b, llama-3.1-8b, tiny (random weights), "
+                                                            "smollm2 or qwen25-coder-0.5b (real weights)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--chunk-tokens", type=int, default=8192, help="prefill_chunk_tokens (the default 8192)")
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.model == "qwen25-coder-0.5b":
+        from oasis_cache.loaders import load_qwen25_coder_05b
+
+        model, _ = load_qwen25_coder_05b(device=args.device, dtype=dtype)
+        vocab = model.config.vocab_size
+    else:
+        model, vocab = load_model(args.model, args.device, dtype)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.context), generator=generator).to(device)
+    times = {method: [] for method in args.methods}
+    last = {}
+    for repeat in range(args.repeats + 1):  # the first round warms up (kernels, allocator), not counted
+        for method in args.methods:
+            cache = build(model, method, args)
+            seconds, logits, stats = prefill(model, ids, cache, device)
+            if repeat:
+                times[method].append(seconds)
+            last[method] = (logits, stats)
+            del cache
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    rows = {method: dict(median_s=statistics.median(t), runs_s=t) for method, t in times.items()}
+    reference = last[args.methods[0]][0]
+    for method in args.methods:
+        rows[method]["max_logit_diff_to_" + args.methods[0]] = float((last[method][0] - reference).abs().max())
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
+    print(f"prefill of {args.batch} x {args.context} tokens, {args.model} ({args.dtype}), {machine}, chunks of "
+          f"{args.chunk_tokens} tokens over the batch, medians of {args.repeats} interleaved repeats:")
+    for method in args.methods:
+        ratio = rows[method]["median_s"] / rows["dense"]["median_s"] if "dense" in rows else float("nan")
+        print(f"  {method:15} {rows[method]['median_s']:8.2f} s  ({ratio:.2f}x dense)  last logits within "
+              f"{rows[method]['max_logit_diff_to_' + args.methods[0]]:.2e} of {args.methods[0]}")
+    if args.out:
+        record = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                      machine=machine, torch=torch.__version__, args=vars(args), rows=rows)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
