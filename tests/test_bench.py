@@ -157,6 +157,7 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     assert 0 < row["local_cache_bytes"] < row["full_kv_bytes"] / 2.2
     assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0
     assert row["repair_ms_per_step"] > 0 and row["warm_tpot_remote_ms"] > 0 and row["warm_units_per_step"] >= 0
+    assert set(row["repair_phases_ms"]) == {"copy_back", "plan", "store_reads", "maps_and_gathers"}
     (sized,) = row["local_cache_sweep"]
     assert sized["same_tokens"] and sized["working_sets"] == 1
     assert sized["units_fetched_per_step"] >= row["remote_units_fetched"] / 4  # (4 steps; no larger cache, no fewer)
@@ -172,3 +173,18 @@ def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
     assert [r["objects"] for r in rows] == [128, 16] and all(r["put_us_per_object"] > 0 for r in rows)
     ranged = store_calls.ranges(repeats=1)  # asserts every range read equals what was put
     assert [r["units_read_per_object"] for r in ranged] == [4, 16, 64]
+
+
+def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
+    """`bench/prefill.py`: dense and both chunked oasis prefills (past resident on the device, past from the host
+    pool) timed in turns on one prompt; their last logits agree."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import prefill
+
+    out = tmp_path / "prefill.json"
+    prefill.main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "600", "--batch", "2",
+                  "--chunk-tokens", "256", "--repeats", "1", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert set(record["rows"]) == {"dense", "oasis-resident", "oasis-host"} and record["machine"]
+    for row in record["rows"].values():
+        assert len(row["runs_s"]) == 1 and row["median_s"] > 0 and row["max_logit_diff_to_dense"] < 1e-4

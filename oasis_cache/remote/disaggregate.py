@@ -328,11 +328,7 @@ def repair_after_step(cache: OasisCache) -> None:
         if plan is not None:
             link.placed(plan)
         link.repair_gather(cache.transfer, missing)
-    done = time.perf_counter()
-    tier.repair_seconds += done - started  # host time between steps: bookkeeping and store reads
-    tier.repair_phases += torch.tensor([started - waited, planned - started, read - planned, done - read],
-                                       dtype=torch.float64)
-    tier.repairs += 1
+    _count_repair(tier, waited, started, planned, read)
 
 
 def _repair_group(cache, group, links, host, shape, waited, started) -> None:
@@ -360,6 +356,12 @@ def _repair_group(cache, group, links, host, shape, waited, started) -> None:
             link.repair_gather(cache.transfer, missing[i], on_device[i])
         else:
             link.repair_gather(cache.transfer, None)
+    _count_repair(tier, waited, started, planned, read)
+
+
+def _count_repair(tier, waited: float, started: float, planned: float, read: float) -> None:
+    """A repair's host time between steps (bookkeeping and store reads) and its phases: the records' copy back (the
+    wait for the step's end included), plan, store reads, maps and gathers (until now)."""
     done = time.perf_counter()
     tier.repair_seconds += done - started
     tier.repair_phases += torch.tensor([started - waited, planned - started, read - planned, done - read],
