@@ -4,8 +4,12 @@ many of them lie next to the previous step's selection (what a neighbour prefetc
 
     python bench/new_blocks.py      # Qwen2.5-Coder-0.5B, Python's documentation, 4K, budget 512, 96 steps, CPU
 """
-import sys, torch
-sys.path.insert(0, ".")
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from oasis_cache import OasisCache
 from oasis_cache.loaders import load_qwen25_coder_05b
 from oasis_cache.plot import record
