@@ -4,45 +4,68 @@ many of them lie next to the previous step's selection (what a neighbour prefetc
 
     python bench/new_blocks.py      # Qwen2.5-Coder-0.5B, Python's documentation, 4K, budget 512, 96 steps, CPU
 """
+
+from __future__ import annotations
+
+import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from oasis_cache import OasisCache
-from oasis_cache.loaders import load_qwen25_coder_05b
-from oasis_cache.plot import record
-from eval.nll import pydoc_token_ids
-model, tok = load_qwen25_coder_05b(device="cpu", dtype=torch.float32)
-ids = pydoc_token_ids(tok, 4096)
-cache = OasisCache(model, token_budget=512, lookahead="previous")
-with torch.no_grad(), record(cache) as rec:
-    model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=96, do_sample=False)
-by = {}
-for e in rec.entries:
-    by.setdefault(e["layer"], {})[e["step"]] = e["attended"][0]  # [H, NB]
-tot_new = tot_sel = 0
-near = {1: 0, 2: 0, 4: 0}
-pred_hit = 0
-for layer, steps in by.items():
-    ss = sorted(steps)
-    seen = None
-    for i, s in enumerate(ss):
-        a = steps[s]
-        if seen is None:
-            seen = a.clone(); continue
-        W = max(seen.shape[-1], a.shape[-1])
-        pad = lambda x: torch.nn.functional.pad(x, (0, W - x.shape[-1]))
-        a, seen_p, prev = pad(a), pad(seen), pad(steps[ss[i - 1]])
-        new = a & ~seen_p
-        tot_new += int(new.sum()); tot_sel += int(a.sum())
-        for d in near:
-            dil = prev.clone()
-            for k in range(1, d + 1):
-                dil[:, k:] |= prev[:, :-k]; dil[:, :-k] |= prev[:, k:]
-            near[d] += int((new & dil).sum())
-        seen = seen_p | a
-print(f"selected per step per layer-head avg {tot_sel / sum(len(v) - 1 for v in by.values()) / 2:.1f}; new (never attended before) {tot_new} of {tot_sel} = {tot_new / tot_sel:.3%}")
-for d, n in near.items():
-    print(f"  new within +-{d} blocks of the previous step's selection (same head): {n / max(1, tot_new):.1%}")
+
+from eval.nll import pydoc_token_ids  # noqa: E402
+from oasis_cache import OasisCache  # noqa: E402
+from oasis_cache.loaders import load_qwen25_coder_05b  # noqa: E402
+from oasis_cache.plot import record  # noqa: E402
+
+DISTANCES = (1, 2, 4)
+
+
+def count(entries) -> tuple[int, int, dict]:
+    """`(new, selected, {distance: new within it of the step before's selection})` over a selection record."""
+    by_layer: dict = {}
+    for entry in entries:
+        by_layer.setdefault(entry["layer"], {})[entry["step"]] = entry["attended"][0]  # [Hkv, NB], sequence 0
+    new_total = selected = 0
+    near = dict.fromkeys(DISTANCES, 0)
+    for steps in by_layer.values():
+        order = sorted(steps)
+        seen = steps[order[0]]
+        for before, step in zip(order, order[1:]):
+            width = max(seen.shape[-1], steps[step].shape[-1])
+            attended, seen, previous = (torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+                                        for x in (steps[step], seen, steps[before]))
+            new = attended & ~seen
+            new_total, selected = new_total + int(new.sum()), selected + int(attended.sum())
+            for distance in DISTANCES:
+                around = previous.clone()
+                for k in range(1, distance + 1):
+                    around[:, k:] |= previous[:, :-k]
+                    around[:, :-k] |= previous[:, k:]
+                near[distance] += int((new & around).sum())
+            seen = seen | attended
+    return new_total, selected, near
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=96)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_qwen25_coder_05b(device="cpu", dtype=torch.float32)
+    ids = pydoc_token_ids(tokenizer, args.context)
+    cache = OasisCache(model, token_budget=args.budget, lookahead="previous")
+    with torch.no_grad(), record(cache) as rec:
+        model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=args.steps, do_sample=False)
+    new, selected, near = count(rec.entries)
+    print(f"{args.context} tokens, budget {args.budget}, {args.steps} steps: {new} of {selected} selected (layer, head, "
+          f"block) entries new to their (layer, head) = {new / selected:.2%}")
+    for distance, n in near.items():
+        print(f"  within {distance} block(s) of the step before's selection: {n / max(1, new):.1%}")
+
+
+if __name__ == "__main__":
+    main()
