@@ -105,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--deferred", choices=["auto", "on", "off"], default="auto",
                         help="admit(deferred=...): store reads after each step (capturable) or during it on a host "
                              "thread; auto: after it where steps are captured (CUDA)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="admit(overlap=True): the deferred store reads run while the step runs (a host thread "
+                             "waits for each layer's record); needs deferred reads")
     parser.add_argument("--local-cache-sets", type=float, nargs="+", default=None,
                         help="local cache sizes to admit with, in working sets per layer (default: the package's, "
                              "two); several: one admitted run each, units fetched per step for each")
@@ -139,9 +142,10 @@ def main(argv=None):
             report = publish(prefill, store, "bench")
         publish_s = time.perf_counter() - t0 - prefill_s  # after the prefill's last forward returned
         t0 = time.perf_counter()
-        remote = admit(model, store, "bench", measure=args.measure, deferred=deferred)
+        remote = admit(model, store, "bench", measure=args.measure, deferred=deferred, overlap=args.overlap)
         admit_s = time.perf_counter() - t0
         out_remote, remote_ms, remote_warm = timed_generate(model, ids, remote, args.steps, cuda)
+        remote.streams.settle()  # (with --overlap the last step's reads finish here)
         stats = remote.stats()
         local_host = prefill.host_nbytes()
         out_local, local_ms, local_warm = timed_generate(model, ids, prefill, args.steps, cuda)
@@ -151,8 +155,10 @@ def main(argv=None):
         layer = next(layer for layer in prefill.layers if isinstance(layer, OasisLayer))
         working_set = layer.batch_size * layer.num_kv_heads * layer.working_set.num_slots  # units of one step
         for sets in args.local_cache_sets or []:
-            sized = admit(model, store, "bench", deferred=deferred, local_cache_units=int(sets * working_set))
+            sized = admit(model, store, "bench", deferred=deferred, local_cache_units=int(sets * working_set),
+                          overlap=args.overlap)
             out_sized, sized_ms, sized_warm = timed_generate(model, ids, sized, args.steps, cuda)
+            sized.streams.settle()
             sized_stats = sized.stats()
             sweep.append(dict(working_sets=sets, units=int(sets * working_set), tpot_ms=sized_ms,
                               same_tokens=torch.equal(out_sized, out_local),
@@ -167,7 +173,7 @@ def main(argv=None):
     same = torch.equal(out_remote, out_local)
     steps = args.steps
     row = dict(
-        model=args.model, deferred=args.deferred, context=args.context, budget=args.budget,
+        model=args.model, deferred=args.deferred, overlap=args.overlap, context=args.context, budget=args.budget,
         layers=args.layers if args.model == "qwen3-8b-kv" else model.config.num_hidden_layers, steps=steps,
         device=str(device),
         dtype=args.dtype, same_tokens=same,
@@ -185,6 +191,7 @@ def main(argv=None):
         prefill_s=prefill_s, publish_s=publish_s, admit_s=admit_s, pipelined=args.pipelined,
         prefill_and_publish_s=prefill_s + publish_s, blocks_in_background=report.get("blocks_in_background", 0),
         repair_ms_per_step=stats["remote_repair_ms_per_step"], repair_phases_ms=stats["remote_repair_phases_ms"],
+        repair_exposed_ms_per_step=stats["remote_repair_exposed_ms_per_step"],
         replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
         local_cache_sweep=sweep,
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
@@ -203,7 +210,9 @@ def main(argv=None):
           f"ms; replayed steps remote {row['replays_remote']}, local {row['replays_local']}); same tokens: {same}")
     if row["repair_ms_per_step"]:
         print("after each step, ms: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}"
-                                                 for k, v in row["repair_phases_ms"].items()))
+                                                 for k, v in row["repair_phases_ms"].items())
+              + (f"; overlapped with the step, what the next forward waited and finished: "
+                 f"{row['repair_exposed_ms_per_step']:.2f}" if args.overlap else ""))
     print(f"prefill {prefill_s:.2f} s, then publish {publish_s:.2f} s ({'pipelined: ' if args.pipelined else ''}"
           f"{row['blocks_in_background'] / 2**20:.1f} MiB of blocks put while the prefill ran)")
     print(f"warm (the second half of the steps, medians): TPOT remote {row['warm_tpot_remote_ms']:.1f} ms, local "

@@ -9,7 +9,8 @@
 #             "0" runs one of them; BATCHES, METHODS override the batches and methods tried, TAG names the files), dense (eager,
 #             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table)
 #   disaggqwen  bench/disagg.py with Qwen2.5-Coder-0.5B's real weights at 32K (OASIS_QWEN05_GGUF set): store reads
-#             deferred (captured steps) and during the step (eager), against the local pool; Mooncake from
+#             deferred (captured steps), deferred and overlapped with the step (--overlap), during the step (eager),
+#             against the local pool; Mooncake from
 #             bench/mooncake_for_gpu.sh (carry .mc, see its header)
 #   disagg    bench/disagg.py on CUDA: admission bytes, decode-side host bytes, remote fetches, TPOT remote vs local;
 #             then again in measurement mode (--measure: exposed wait per step, eager steps)
@@ -117,7 +118,7 @@ for arg in "$@"; do
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
     disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3
       python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --measure --out "$OUT/disagg-qwen3-8b-kv-32k-measure.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg-measure.log" | tail -4 ;;
-    disaggqwen) for d in auto off; do python3 bench/disagg.py --model qwen25-coder-0.5b --device cuda --dtype bfloat16 --context 32768 --budget 2048 --steps 128 --segment 4GB --deferred $d ${DISAGG_SETS:+--local-cache-sets $DISAGG_SETS} --out "$OUT/disagg-qwen05-32k-$d.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning\|Loading" | tee "$OUT/disagg-qwen05-$d.log" | tail -3; done ;;
+    disaggqwen) for d in auto overlap off; do python3 bench/disagg.py --model qwen25-coder-0.5b --device cuda --dtype bfloat16 --context 32768 --budget 2048 --steps 128 --segment 4GB --deferred ${d/overlap/on} $([ $d = overlap ] && echo --overlap) ${DISAGG_SETS:+--local-cache-sets $DISAGG_SETS} --out "$OUT/disagg-qwen05-32k-$d.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning\|Loading" | tee "$OUT/disagg-qwen05-$d.log" | tail -4; done ;;
     gather) python3 bench/gather.py 2>&1 | tee "$OUT/gather.log" ;;
     programs) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --methods dense oasis-previous --gather-programs 64 --out "$OUT/decode-qwen3-8b-32k-b4-programs64.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-programs.log" | tail -4 ;;
     qwenindecode) python3 eval/in_decode.py --model qwen25-coder-0.5b --prompts "${INDECODE_PROMPTS:-8}" --new-tokens "${INDECODE_TOKENS:-4096}" --fractions ${INDECODE_FRACTIONS:-8 16} --modes ${INDECODE_MODES:-none previous} --out "$OUT/in-decode-qwen05.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/in-decode-qwen05.log" | tail -8 ;;

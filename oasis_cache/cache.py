@@ -368,6 +368,9 @@ class OasisCache(Cache):
                        remote_local_cache_bytes=sum(link.nbytes for link in links),
                        remote_repair_ms_per_step=(1e3 * self.remote_tier.repair_seconds / self.remote_tier.repairs
                                                   if self.remote_tier.repairs else 0.0),
+                       remote_repair_exposed_ms_per_step=(
+                           1e3 * self.remote_tier.repair_exposed_seconds / self.remote_tier.repairs
+                           if self.remote_tier.overlap and self.remote_tier.repairs else None),
                        remote_repair_phases_ms=dict(zip(
                            ("copy_back", "plan", "store_reads", "maps_and_gathers"),
                            (1e3 * self.remote_tier.repair_phases / max(1, self.remote_tier.repairs)).tolist())))
@@ -555,6 +558,8 @@ class OasisCache(Cache):
         MemoryError that names the sizes and what to lower."""
         from .compute.prefill import prefill_chunks, run_chunks
 
+        if self._streams is not None:
+            self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
                                self.config.max_decode_tokens)
         past = self.get_seq_length(self._first_oasis_layer)

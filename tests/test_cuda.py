@@ -426,12 +426,14 @@ def test_pinned_host_memory_is_released(monkeypatch):
     assert host_memory.pinned_bytes_held() <= baseline
 
 
-def test_an_admitted_cache_replays_captured_steps(request):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_admitted_cache_replays_captured_steps(request, overlap):
     """A cache admitted from a Mooncake Store with lookahead "previous" (no exact) replays its decode steps as CUDA
     graphs: a prefetch gathers the units its local cache holds and leaves the store reads to after the step
-    (`remote.disaggregate.repair_after_step`). Same greedy tokens and logits as the prefill's own cache decoding
-    eagerly in this process; steady and completing steps replayed across the blocks decode completes (its local pool's first block
-    included); units did come from the store."""
+    (`remote.disaggregate.repair_after_step`; with `overlap`, a host thread reads each layer's record after its
+    external event inside the graph and the store while the step runs). Same greedy tokens and logits as the
+    prefill's own cache decoding eagerly in this process; steady and completing steps replayed across the blocks
+    decode completes (its local pool's first block included); units did come from the store."""
     pytest.importorskip("mooncake.store")  # (the GPU image has no Mooncake: bench/mooncake_for_gpu.sh brings it)
     mooncake_master = request.getfixturevalue("mooncake_master")
     from oasis_cache.remote import admit, connect, publish
@@ -445,10 +447,12 @@ def test_an_admitted_cache_replays_captured_steps(request):
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **local.generate_kwargs())
     store = connect(mooncake_master)
-    publish(local, store, "cuda-captured")
+    publish(local, store, f"cuda-captured-{overlap}")
     expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
-    cache = admit(model, store, "cuda-captured", cuda_graph=True)  # (the record carries the eager cache's False)
+    # (the record carries the eager cache's cuda_graph=False)
+    cache = admit(model, store, f"cuda-captured-{overlap}", cuda_graph=True, overlap=overlap)
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    cache.streams.settle()
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)

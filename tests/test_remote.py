@@ -90,6 +90,7 @@ def publish_everything(master: str) -> dict:
         if (budget, lookahead, batch) == SPLITS[0]:
             reports["evict"] = publish(cache, store, "evict")
             reports["midway-previous"] = publish(cache, store, "midway-previous")
+            reports["midway-overlap"] = publish(cache, store, "midway-overlap")
     store.close()
     return reports
 
@@ -341,8 +342,22 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         assert set(phases) == {"copy_back", "plan", "store_reads", "maps_and_gathers"} and min(phases.values()) >= 0
         assert sum(phases.values()) - phases["copy_back"] == pytest.approx(
             deferred.stats()["remote_repair_ms_per_step"], rel=1e-6)
+        # reading the store while the step runs (a host thread; the next forward finishes it): the same again
+        reads.clear()
+        overlapped = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"),
+                           deferred=True, overlap=True)
+        got = model.generate(input_ids=ids, **overlapped.generate_kwargs(), **kw)
+        assert torch.equal(got.sequences, expected.sequences)
+        for a, b in zip(got.logits, expected.logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        overlapped.streams.settle()
+        assert {name for name, _ in reads} <= {"oasis-prefetch-held_0"}
+        assert overlapped.stats()["remote_units_fetched"] == cache.stats()["remote_units_fetched"]
         with pytest.raises(ValueError, match=r"cuda_graph=True.*\(deferred=False\), which a CUDA graph cannot"):
             admit(model, store, request, deferred=False, cuda_graph=True)
+        with pytest.raises(ValueError, match=r"overlap=True\) overlaps the store reads that deferred prefetches"):
+            admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"),
+                  overlap=True)  # (on the CPU nothing is captured: not deferred unless asked)
     else:
         with pytest.raises(ValueError, match=r"deferred=True.*whose steps read the store on their critical path"):
             admit(model, store, request, deferred=True)
@@ -376,18 +391,25 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     assert stats["remote_units_evicted"] > 0 and stats["remote_units_fetched"] > default.stats()["remote_units_fetched"]
     # the after-step repair of every layer at once (`LocalCacheGroup`) decides what the per-layer repair and the
     # immediate path decide: the same units fetched and evicted, the same slot maps
+    # and so does the repair that reads the store while the step runs (overlap; on the CPU its host thread starts
+    # after the forward and the next forward finishes it)
     grouped = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
     per_layer = admit(model, store, "evict", local_cache_units=one_step, deferred=True)
+    overlapped = admit(model, store, "evict", local_cache_units=one_step, deferred=True, overlap=True)
     assert grouped.remote_tier.local_group is not None
     per_layer.remote_tier.local_group = None
-    for other in (grouped, per_layer):
+    for other in (grouped, per_layer, overlapped):
         assert torch.equal(model.generate(input_ids=ids, **other.generate_kwargs(), **kw), expected)
+    overlapped.streams.settle()  # (the last step's reads finish here)
     counted = ("remote_units_fetched", "remote_units_evicted")
     assert [grouped.stats()[key] for key in counted] == [per_layer.stats()[key] for key in counted] == [
-        stats[key] for key in counted]
+        overlapped.stats()[key] for key in counted] == [stats[key] for key in counted]
     assert grouped.stats()["remote_units_evicted"] > 0
+    assert overlapped.stats()["remote_repair_exposed_ms_per_step"] > 0
+    assert grouped.stats()["remote_repair_exposed_ms_per_step"] is None
     maps = [[(layer.pool.remote.slot_of, layer.pool.remote.unit_of, layer.pool.remote.last_used)
-             for layer in cache.layers if isinstance(layer, OasisLayer)] for cache in (grouped, per_layer, small)]
+             for layer in cache.layers if isinstance(layer, OasisLayer)]
+            for cache in (grouped, per_layer, small, overlapped)]
     assert all(torch.equal(a, b) for first, *others in zip(*maps) for other in others for a, b in zip(first, other))
     published = layer.pool.remote.published * layer.pool.batch_size * layer.pool.num_kv_heads
     default_units = max(one_step, min(4 * one_step, published // 4))
@@ -493,19 +515,22 @@ def test_an_admitted_cache_carries_the_prompts_padding(mooncake_master):
     store.close()
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published, deferred):
+@pytest.mark.parametrize("reads", ["in the step", "after the step", "overlapped"])
+def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_master, published, reads):
     """The store loses the blocks (deleted, or a restarted store) between two `generate` calls of one conversation:
-    the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix (inside the step, or
-    in the repair after it); what was generated before stays with the caller."""
+    the next step that needs one raises `RemoteBlocksMissing` naming the request and the fix (inside the step, in
+    the repair after it, or when the next forward finishes an overlapped repair); what was generated before stays
+    with the caller."""
     from oasis_cache.remote import admit
 
     model = tiny_model("llama")
-    request, batch = ("midway-previous", SPLITS[0][2]) if deferred else ("midway", SPLITS[1][2])  # (deferred: previous)
+    request, batch = {"in the step": ("midway", SPLITS[1][2]), "after the step": ("midway-previous", SPLITS[0][2]),
+                      "overlapped": ("midway-overlap", SPLITS[0][2])}[reads]  # (deferred reads: lookahead previous)
     ids = prompt_ids(SPLIT_LENGTH, batch=batch)
     store = connect(mooncake_master)
-    cache = admit(model, store, request, deferred=deferred)
+    cache = admit(model, store, request, deferred=reads != "in the step", overlap=reads == "overlapped")
     first = model.generate(input_ids=ids, **cache.generate_kwargs(), max_new_tokens=3, do_sample=False)
+    cache.streams.settle()  # (an overlapped repair of the last step finishes before the blocks go)
     length = cache.get_seq_length()
     tier = cache.remote_tier
     links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer)]

@@ -13,6 +13,11 @@ in launch order (one thread), each on the side stream after the compute event re
 `wait(layer)` joins that layer's prefetch (its errors surface there) before the compute stream waits on its event.
 Mooncake's calls release the GIL, so the store's time overlaps the rest of the step.
 
+Such a cache whose prefetches are deferred to after the step may also read the store while the step still runs
+(`admit(..., overlap=True)`): a host thread (`hold`) plans and reads layer by layer as each layer's record lands, and
+what must run on this thread (the slot maps, the gathers into the working set) is finished before the next forward
+(`finish_held`) or at any `settle`.
+
 In measurement mode each wait on a prefetch, and each fetch made on the compute stream (critical path), records
 timing events, so `exposed_wait_ms` tells how long compute stalled on transfers (read once, at `stats()` time).
 """
@@ -35,6 +40,8 @@ class PrefetchStreams:
         self._forked = False  # side-stream work was queued since the last join
         self._worker = None  # a one-thread executor for prefetches that read a remote store (`use_host_worker`)
         self._futures: dict = {}  # layer -> the worker's future for its pending prefetch
+        self._held_worker = None  # a one-thread executor for work held across a step's end (`hold`)
+        self._held = None  # (future, finish): that work, and what finishes it on this thread
 
     def use_host_worker(self) -> None:
         """Run `launch`ed prefetches on a host thread from now on (see the module's docstring)."""
@@ -43,8 +50,26 @@ class PrefetchStreams:
 
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-prefetch")
 
+    def hold(self, work, finish) -> None:
+        """Run `work()` on a host thread now; `finish(future, abandon)` runs on this thread at the next
+        `finish_held` or `settle` (`abandon` after an error elsewhere: its results are to be dropped)."""
+        self.finish_held()
+        if self._held_worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._held_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-prefetch-held")
+        self._held = (self._held_worker.submit(work), finish)
+
+    def finish_held(self, abandon: bool = False) -> None:
+        """Finish the held work, if any (its errors raise here unless `abandon`)."""
+        if self._held is None or threading.current_thread().name.startswith("oasis-prefetch"):
+            return
+        (future, finish), self._held = self._held, None
+        finish(future, abandon)
+
     def settle(self) -> None:
         """Join every prefetch the host worker holds (their side-stream work is then queued; errors raise here)."""
+        self.finish_held()
         if not self._futures or threading.current_thread().name.startswith("oasis-prefetch"):
             return  # (a prefetch running on the worker never waits for itself)
         futures, self._futures = self._futures, {}
@@ -62,6 +87,7 @@ class PrefetchStreams:
         step, and none of this cache's store reads may still run after it (the caller may close the store next)."""
         if threading.current_thread().name.startswith("oasis-prefetch"):
             return
+        self.finish_held(abandon=True)
         futures, self._futures = self._futures, {}
         for future in futures.values():
             try:

@@ -29,6 +29,7 @@ keys/values, the last features, the pending drafts).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -168,7 +169,8 @@ DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode 
 
 
 def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None,
-          measure: bool = False, deferred: bool | None = None, cuda_graph: bool | None = None) -> OasisCache:
+          measure: bool = False, deferred: bool | None = None, cuda_graph: bool | None = None,
+          overlap: bool = False) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: four working sets, B x Hkv x 4 x the slots, at
@@ -181,7 +183,10 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     steps can be captured as CUDA graphs; only for lookahead "previous" / "eagle3" without `exact`. None (default):
     where this cache captures its steps (CUDA); elsewhere the store reads run on a host thread during the step.
     `cuda_graph`: as `OasisCache(cuda_graph=...)` for the decode side; None (default): the publishing cache's
-    setting (a prefill process that decoded eagerly hands on `cuda_graph=False`)."""
+    setting (a prefill process that decoded eagerly hands on `cuda_graph=False`). `overlap` (with deferred store
+    reads): a host thread reads each layer's record as soon as the step has written it and reads the store while the
+    later layers compute (`start_repair`); the next forward finishes the maps and gathers. Off by default until
+    measured on a GPU."""
     tier = RemoteTier(store, request)
     record = tier.store.get(tier.key("admission", 0))
     if not record:
@@ -224,6 +229,11 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     cache = OasisCache(model, measure=measure, **options)
     if deferred is None:
         deferred = cache.captured_steps is not None
+    if overlap and not deferred:
+        raise ValueError(f"admit(..., overlap=True) overlaps the store reads that deferred prefetches leave to after "
+                         f"the step, and request {request!r} is admitted without them here (deferred=False, lookahead "
+                         f"'none', exact, or no captured steps on this device: pass deferred=True with lookahead "
+                         f"'previous' / 'eagle3' without exact).")
     if drafted is not None:
         _restore_draft(cache, drafted, request)
     if len(cache.layers) != len(state["oasis"]) + len(state["kept"]):
@@ -261,10 +271,12 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
             pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
                                           pool.head_dim, pool.dtype, units, pin, device)
             pool.remote.deferred = deferred
+            pool.remote.overlap = overlap
     links = [layer.pool.remote for layer in cache.layers
              if isinstance(layer, OasisLayer) and layer.is_initialized and layer.pool.remote is not None]
     # the after-step repair plans every layer at once where the layers' local caches share one shape
     tier.local_group = LocalCacheGroup(links) if deferred and LocalCacheGroup.fits(links) else None
+    tier.overlap = overlap
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
     return cache
@@ -369,6 +381,115 @@ def _count_repair(tier, waited: float, started: float, planned: float, read: flo
     tier.repairs += 1
 
 
+READ_BATCH_UNITS = 256  # an overlapped repair reads the store once this many units are planned (and at the end)
+
+
+def start_repair(cache: OasisCache) -> None:
+    """`repair_after_step` begun while the step still runs (`admit(..., overlap=True)`): a host thread takes the
+    layers' deferred records as they land (CUDA: after each layer's `ready` event, copied on a stream of its own),
+    plans each layer's evictions (`LocalBlockCache.repair_plan`, the decisions of the other paths) and reads the store
+    every `READ_BATCH_UNITS` planned units; the slot maps and the gathers into the working sets are finished on the
+    step's thread before the next forward (`PrefetchStreams.finish_held`). Same working set before every step."""
+    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer) and layer.is_initialized
+             and layer.pool.remote is not None and layer.pool.remote.pending is not None]
+    if not links:
+        return
+    tier, streams = cache.remote_tier, cache.streams
+    device = links[0].device
+    cuda = device.type == "cuda"
+    if cuda and any(link.ready is None for link in links):  # (a record made before `overlap` was set)
+        repair_after_step(cache)
+        return
+    if cuda and tier.copies is None:
+        tier.copies = torch.cuda.Stream(device)  # the helper's copies of the records (waits for their events only)
+    copies = tier.copies if cuda else None
+    plans: list = []  # (link, plan, missing entries), in layer order
+
+    def work():
+        started = time.perf_counter()
+        waited = planned = reading = 0.0
+        batch = []
+        with contextlib.ExitStack() as stack:
+            if cuda:
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(copies))
+            for i, link in enumerate(links):
+                t0 = time.perf_counter()
+                if cuda:
+                    copies.wait_event(link.ready)
+                ids, wanted = link.pending[1].to("cpu"), link.pending[3].to("cpu")  # (waits for this record only)
+                t1 = time.perf_counter()
+                plan, missing = link.repair_plan(ids, wanted.bool())
+                plans.append((link, plan, missing))
+                if plan is not None:
+                    batch.append((link, plan))
+                t2 = time.perf_counter()
+                waited, planned = waited + t1 - t0, planned + t2 - t1
+                if batch and (sum(plan[0].numel() for _, plan in batch) >= READ_BATCH_UNITS or i == len(links) - 1):
+                    for size in sorted({link.unit_nbytes for link, _ in batch}):
+                        tier.get_units_of_layers([link.reads(plan) for link, plan in batch
+                                                  if link.unit_nbytes == size], size)
+                    batch = []
+                    reading += time.perf_counter() - t2
+        return waited, planned, reading
+
+    def finish(future, abandon: bool) -> None:
+        joined = time.perf_counter()
+        try:
+            waited, planned, reading = future.result()
+        except BaseException:
+            failed = True
+            if not abandon:
+                raise
+        else:
+            failed = abandon  # (an error elsewhere left the step: what was read is dropped with its slots)
+        finally:
+            if failed or abandon:  # every planned slot holds nothing usable: emptied (on this thread)
+                for link, plan, _ in plans:
+                    if plan is not None:
+                        link.failed(plan)
+        if failed:
+            return
+        exposed = time.perf_counter() - joined
+        cache.streams.compute_waits_for_side()  # (the records and this step's gathers of what was here: side stream)
+        group = tier.local_group
+        if group is not None and [entry[0] for entry in plans] == group.links:
+            _finish_as_group(cache, group, plans)
+        else:
+            for link, plan, missing in plans:
+                if plan is not None:
+                    link.placed(plan)
+                link.repair_gather(cache.transfer, missing)
+        done = time.perf_counter()
+        tier.repair_seconds += planned + reading + done - joined - exposed
+        tier.repair_phases += torch.tensor([waited, planned, reading, done - joined - exposed], dtype=torch.float64)
+        tier.repair_exposed_seconds += done - joined
+        tier.repairs += 1
+
+    streams.hold(work, finish)
+
+
+def _finish_as_group(cache, group, plans) -> None:
+    """The maps and gathers of an overlapped repair whose layers form `group`: one copy of every layer's map changes
+    and one of the gathers' masks to the device (as `_repair_group`)."""
+    rows = [(i, plan) for i, (_, plan, _) in enumerate(plans) if plan is not None]
+    if rows:
+        group.placed(tuple(torch.cat(parts) for parts in zip(*[
+            (torch.full_like(plan[0], i), plan[0], plan[1], plan[2]) for i, plan in rows])))
+    missing = [entry[2] for entry in plans]
+    present = [m is not None and bool(m.any()) for m in missing]
+    on_device = None
+    if any(present) and plans[0][0].device.type == "cuda":
+        stacked = torch.stack([m if m is not None else torch.zeros_like(plans[0][0].pending[3], device="cpu")
+                               for m in missing])
+        on_device = stacked.pin_memory().to(plans[0][0].device, non_blocking=True)
+    for i, (link, _, m) in enumerate(plans):
+        if present[i]:
+            link.repair_gather(cache.transfer, m, on_device[i] if on_device is not None else None)
+        else:
+            link.repair_gather(cache.transfer, None)
+
+
 class _RepairAfterStep:
     """`OasisCache._after_forward` listener of an admitted cache with deferred prefetches (a weak reference: the
     cache still goes, and with it its request's keys, when its user drops it)."""
@@ -379,7 +500,10 @@ class _RepairAfterStep:
     def __call__(self) -> None:
         cache = self.cache()
         if cache is not None:
-            repair_after_step(cache)
+            if cache.remote_tier is not None and cache.remote_tier.overlap:
+                start_repair(cache)
+            else:
+                repair_after_step(cache)
 
 
 _DRAFT_NOT_PUBLISHED = ("oracle", "_aux", "static_head")  # analysis hooks, one forward's captures, a local choice

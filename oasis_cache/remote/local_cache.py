@@ -69,6 +69,8 @@ class LocalBlockCache:
         self.arena_table = torch.tensor([self.arena.data_ptr()], dtype=torch.int64).to(self.device)
         self.deferred = False  # prefetches leave their misses to `repair_after_step` (see the module's docstring)
         self.pending = None  # (working set, ids, dest, wanted) of the step's deferred prefetch: fixed device buffers
+        self.overlap = False  # the records are read while the step runs (`remote.disaggregate.start_repair`)
+        self.ready = None  # CUDA: an event after this layer's record in each step (external: host threads wait on it)
 
     @property
     def unit_nbytes(self) -> int:
@@ -161,6 +163,10 @@ class LocalBlockCache:
         slots[..., :K].copy_(dest)
         flags[..., :K].copy_(wanted)
         flags[..., K:].fill_(False)
+        if self.overlap and ids.is_cuda:  # the record is complete here: a host thread may read it while the step runs
+            if self.ready is None:
+                self.ready = torch.cuda.Event(external=True)  # (made at the first, eager, call: an event record node
+            self.ready.record()  # when captured, re-recorded at each replay)
 
     def repair_plan(self, ids: torch.Tensor, wanted: torch.Tensor):
         """After a step, on the host: `ids` and `wanted` are this layer's deferred record read back (`[B, Hkv, W]`).
