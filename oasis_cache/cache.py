@@ -464,6 +464,8 @@ class OasisCache(Cache):
             self.ride_along.repeat_interleave(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
+        if self._streams is not None:
+            self._streams.finish_held()  # (an admitted cache's overlapped store reads, before its maps change)
         self.reshaped = self.reshaped or int(tokens_to_remove) != 0
         if int(tokens_to_remove) != 0:
             self.padding = None

@@ -609,6 +609,15 @@ def test_crop_copy_and_batch_selection_of_an_admitted_cache(mooncake_master):
     again = admit(model, store, "republished")
     assert torch.equal(model.generate(input_ids=ids, **again.generate_kwargs(), **kw),
                        model.generate(input_ids=ids, **source.generate_kwargs(), **kw))
+    # cropped right after a generate whose last store reads still run on the host thread (overlap): those finish
+    # first, and the cache goes on as one that read after each step
+    runs, turns = [], []  # (kept: a dropped admitted cache deletes its request's keys)
+    for overlap in (False, True):
+        turns.append(turn := admit(model, store, "crop-copy-select", deferred=True, overlap=overlap))
+        first = model.generate(input_ids=ids, **turn.generate_kwargs(), **kw)
+        turn.crop(-4)
+        runs.append((first, model.generate(input_ids=first[:, :-4], **turn.generate_kwargs(), **kw)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
     store.close()
 
 
