@@ -479,9 +479,10 @@ def _finish_as_group(cache, group, plans) -> None:
     missing = [entry[2] for entry in plans]
     present = [m is not None and bool(m.any()) for m in missing]
     on_device = None
-    if any(present) and plans[0][0].device.type == "cuda":
-        stacked = torch.stack([m if m is not None else torch.zeros_like(plans[0][0].pending[3], device="cpu")
-                               for m in missing])
+    shapes = {link.pending[3].shape for link, _, _ in plans}
+    if any(present) and plans[0][0].device.type == "cuda" and len(shapes) == 1:  # one copy for every layer's mask
+        (shape,) = shapes
+        stacked = torch.stack([m if m is not None else torch.zeros(shape, dtype=torch.bool) for m in missing])
         on_device = stacked.pin_memory().to(plans[0][0].device, non_blocking=True)
     for i, (link, _, m) in enumerate(plans):
         if present[i]:
