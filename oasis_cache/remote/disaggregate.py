@@ -296,13 +296,18 @@ def _model_signature(model) -> dict:
             "dtype": str(next(model.parameters()).dtype)}
 
 
+def _pending_links(cache: OasisCache) -> list:
+    """The local caches of the admitted layers that hold a deferred record (`LocalBlockCache.defer`)."""
+    return [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer) and layer.is_initialized
+            and layer.pool.remote is not None and layer.pool.remote.pending is not None]
+
+
 def repair_after_step(cache: OasisCache) -> None:
     """After a forward of an admitted cache whose prefetches are deferred: every layer's record read back in one
     copy (one sync); the units they wanted marked used and slots chosen for the missing ones, layer by layer
     (`LocalBlockCache.repair_plan`); one series of batched store reads for all layers; then each layer's gather of
     what they brought into its slots (`repair_gather`)."""
-    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer) and layer.is_initialized
-             and layer.pool.remote is not None and layer.pool.remote.pending is not None]
+    links = _pending_links(cache)
     if not links:
         return
     cache.streams.compute_waits_for_side()  # the step's prefetches wrote the records on the side stream
@@ -312,8 +317,7 @@ def repair_after_step(cache: OasisCache) -> None:
     host = host.cpu()  # (waits for the step's end)
     started = time.perf_counter()
     group = cache.remote_tier.local_group
-    if group is not None and len(links) == len(group.links) and all(
-            a is b for a, b in zip(links, group.links)) and len({t.shape for t in ids}) == 1:
+    if group is not None and group.holds(links) and len({t.shape for t in ids}) == 1:
         _repair_group(cache, group, links, host, ids[0].shape, waited, started)
         return
     offsets = [0]
@@ -360,14 +364,9 @@ def _repair_group(cache, group, links, host, shape, waited, started) -> None:
     read = time.perf_counter()
     if result is not None:
         group.placed(plan)
-        any_missing = missing.flatten(1).any(1).tolist()
-        on_device = missing.pin_memory().to(links[0].device, non_blocking=True) \
-            if links[0].device.type == "cuda" else missing
-    for i, link in enumerate(links):
-        if result is not None and any_missing[i]:
-            link.repair_gather(cache.transfer, missing[i], on_device[i])
-        else:
-            link.repair_gather(cache.transfer, None)
+        _gather_repaired(cache, links, list(missing), missing)
+    else:
+        _gather_repaired(cache, links, [None] * len(links))
     _count_repair(tier, waited, started, planned, read)
 
 
@@ -390,8 +389,7 @@ def start_repair(cache: OasisCache) -> None:
     plans each layer's evictions (`LocalBlockCache.repair_plan`, the decisions of the other paths) and reads the store
     every `READ_BATCH_UNITS` planned units; the slot maps and the gathers into the working sets are finished on the
     step's thread before the next forward (`PrefetchStreams.finish_held`). Same working set before every step."""
-    links = [layer.pool.remote for layer in cache.layers if isinstance(layer, OasisLayer) and layer.is_initialized
-             and layer.pool.remote is not None and layer.pool.remote.pending is not None]
+    links = _pending_links(cache)
     if not links:
         return
     tier, streams = cache.remote_tier, cache.streams
@@ -453,7 +451,7 @@ def start_repair(cache: OasisCache) -> None:
         exposed = time.perf_counter() - joined
         cache.streams.compute_waits_for_side()  # (the records and this step's gathers of what was here: side stream)
         group = tier.local_group
-        if group is not None and [entry[0] for entry in plans] == group.links:
+        if group is not None and group.holds([link for link, _, _ in plans]):
             _finish_as_group(cache, group, plans)
         else:
             for link, plan, missing in plans:
@@ -476,17 +474,25 @@ def _finish_as_group(cache, group, plans) -> None:
     if rows:
         group.placed(tuple(torch.cat(parts) for parts in zip(*[
             (torch.full_like(plan[0], i), plan[0], plan[1], plan[2]) for i, plan in rows])))
-    missing = [entry[2] for entry in plans]
+    _gather_repaired(cache, [link for link, _, _ in plans], [missing for _, _, missing in plans])
+
+
+def _gather_repaired(cache, links, missing: list, stacked: torch.Tensor | None = None) -> None:
+    """Each layer's repair gathers (`LocalBlockCache.repair_gather`) of its `missing` entries (host masks, None:
+    nothing), their masks brought to the device in one copy where every layer's record has one shape (`stacked`:
+    the masks already as one `[L, B, Hkv, W]` tensor)."""
     present = [m is not None and bool(m.any()) for m in missing]
     on_device = None
-    shapes = {link.pending[3].shape for link, _, _ in plans}
-    if any(present) and plans[0][0].device.type == "cuda" and len(shapes) == 1:  # one copy for every layer's mask
-        (shape,) = shapes
-        stacked = torch.stack([m if m is not None else torch.zeros(shape, dtype=torch.bool) for m in missing])
-        on_device = stacked.pin_memory().to(plans[0][0].device, non_blocking=True)
-    for i, (link, _, m) in enumerate(plans):
+    if any(present) and links[0].device.type == "cuda":
+        shapes = {link.pending[3].shape for link in links}
+        if stacked is None and len(shapes) == 1:
+            (shape,) = shapes
+            stacked = torch.stack([m if m is not None else torch.zeros(shape, dtype=torch.bool) for m in missing])
+        if stacked is not None:
+            on_device = stacked.pin_memory().to(links[0].device, non_blocking=True)  # one copy for every layer
+    for i, link in enumerate(links):
         if present[i]:
-            link.repair_gather(cache.transfer, m, on_device[i] if on_device is not None else None)
+            link.repair_gather(cache.transfer, missing[i], on_device[i] if on_device is not None else None)
         else:
             link.repair_gather(cache.transfer, None)
 

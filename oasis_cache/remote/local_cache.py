@@ -276,6 +276,10 @@ class LocalCacheGroup:
         self.arena_base = torch.tensor([link.arena.data_ptr() for link in links], dtype=torch.int64)
         self.unit_nbytes = first.unit_nbytes
 
+    def holds(self, links: list[LocalBlockCache]) -> bool:
+        """Whether `links` are this group's layers, in its order."""
+        return len(links) == len(self.links) and all(a is b for a, b in zip(links, self.links))
+
     @staticmethod
     def fits(links: list[LocalBlockCache]) -> bool:
         if not links:
