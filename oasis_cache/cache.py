@@ -328,7 +328,11 @@ class OasisCache(Cache):
 
     # --------------------------------------------------------------------------------------------------- public
     def stats(self) -> dict:
-        """What the cache did so far, as a plain dict (reads the device counters once)."""
+        """What the cache did so far, as a plain dict (reads the device counters once). Prefetches still running on
+        the host thread (an admitted cache's store reads after `generate` returned) are finished first, so that
+        their reads are counted; an error one of them met raises here."""
+        if self._streams is not None:
+            self._streams.settle()
         out = self.counters.as_dict()
         if self._streams is not None and self.measure:
             if self._streams.cuda:
