@@ -142,3 +142,30 @@ def test_oasis_attention_is_sdpa_for_other_caches():
     assert model.config._attn_implementation == "oasis"
     other = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=10, do_sample=False)
     assert_same_generation(dense, other)
+
+
+def test_other_caches_extend_a_past_exactly_after_the_switch():
+    """Several new tokens over a past with another cache, no padding (the "oasis" mask is then None): a chunked
+    prefill, a second turn and assisted decoding through a DynamicCache give what they gave before the model was
+    switched to "oasis" (they were aligned top-left by SDPA's is_causal before the fix: most of the past hidden)."""
+    model = tiny_model("qwen3")
+    prompt, turn = prompt_ids(300, seed=3), prompt_ids(40, seed=4)
+
+    def runs():
+        out = {"chunked": generate(model, DynamicCache(config=model.config), {"input_ids": prompt},
+                                   max_new_tokens=8, do_sample=False, prefill_chunk_size=64).sequences}
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            out["turn"] = model(input_ids=turn, past_key_values=cache, use_cache=True).logits
+        assistant = tiny_model("qwen3", seed=5)
+        out["assisted"] = model.generate(input_ids=prompt, assistant_model=assistant, max_new_tokens=12,
+                                         do_sample=False, past_key_values=DynamicCache(config=model.config))
+        return out
+
+    before = runs()
+    oasis_cache_for(model)  # switches the model to "oasis"
+    assert model.config._attn_implementation == "oasis"
+    after = runs()
+    assert torch.equal(after["chunked"], before["chunked"]) and torch.equal(after["assisted"], before["assisted"])
+    torch.testing.assert_close(after["turn"], before["turn"], atol=ATOL, rtol=1e-4)

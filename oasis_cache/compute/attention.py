@@ -113,9 +113,15 @@ def oasis_attention_forward(
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """Plain SDPA for layers that do not belong to an OasisCache (with the compact 2D mask expanded)."""
+    """Plain SDPA for layers that do not belong to an OasisCache (with the compact 2D mask expanded). The "oasis" mask
+    function drops an all-visible causal mask (None); several new tokens after a past (another cache's chunked
+    prefill, a second turn, assisted decoding) are then aligned to the bottom right here — SDPA's own `is_causal`
+    aligns them to the top left, which would hide most of the past from them."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and attention_mask.dim() == 2:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
+    if (attention_mask is None and 1 < query.shape[2] < key.shape[2] and getattr(module, "is_causal", True)
+            and not (dropout and module.training)):
+        return dense_causal_attention(query, key, value, None, scale).transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
