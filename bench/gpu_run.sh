@@ -92,8 +92,9 @@
 #   gatherprograms  the captured `previous` step with the package's gather programs (32 per K/V on the side stream of
 #             an H200) against one per block (@gatherall, the default before the fourteenth session), 16 and 64,
 #             32K x {1, 4} and 128K x 1; 32 steps interleaved + 4 measured (exposed wait)
-#   prefill  bench/prefill.py: dense's prefill against oasis's chunked one with the past kept on the device between
-#             chunks (resident_prefill) and read back from host memory at each chunk, 32K x PREFILL_BATCHES (1 4)
+#   prefill  bench/prefill.py: dense's prefill (whole, and in the cache's chunks) against oasis's chunked one with the
+#             past kept on the device between chunks (resident_prefill) and read back from host memory at each chunk,
+#             32K x PREFILL_BATCHES (1 4); then each under torch.profiler (top PREFILL_PROFILE=25 ops, *.profile.txt)
 #   attnkernel  bench/attention_kernel.py: the decode attention kernel alone against SDPA, by key ranges (splits)
 #   eagle3exact  the default mode with a head (eagle3 + exact: joint scoring) against previous + exact, 32K x {1, 4}
 # Decode benchmarks interleave their methods step by step (bench/decode.py --interleave), except `capped`.
@@ -179,7 +180,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     chain) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods oasis-previous-captured oasis-eagle3-captured@headonly oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-chain.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-chain-b$b.log" | tail -5; done ;;
     lookaheads) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 4 --statistic mean --methods dense oasis-none-captured oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-lookaheads.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-lookaheads-b$b.log" | tail -6; done ;;
     gatherprograms) for spec in "32768:1" "32768:4" "131072:1"; do c=${spec%%:*}; b=${spec#*:}; python3 bench/decode.py --interleave --model qwen3-8b --contexts $c --batches $b --budget 2048 --steps 32 --warmup 4 --measure-steps 4 --statistic mean --prefill-chunk 32768 --methods oasis-previous-captured@gatherall oasis-previous-captured oasis-previous-captured@gather16 oasis-previous-captured@gather64 --out "$OUT/decode-qwen3-8b-$c-b$b-gather-programs.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-gather-programs-$c-b$b.log" | tail -6; done ;;
-    prefill) for b in ${PREFILL_BATCHES:-1 4}; do python3 bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch $b --repeats 3 --out "$OUT/prefill-qwen3-8b-32k-b$b.json" 2>&1 | grep --line-buffered -v Warning | tail -4; done ;;
+    prefill) for b in ${PREFILL_BATCHES:-1 4}; do python3 bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch $b --repeats 3 --profile "${PREFILL_PROFILE:-25}" --out "$OUT/prefill-qwen3-8b-32k-b$b.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
     attnkernel) python3 bench/attention_kernel.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/attention-kernel.log" ;;
     kernel) for spec in "1:dense oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured@sdpa oasis-eagle3-captured" "4:oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured"; do b=${spec%%:*}
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b$b-kernel.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-kernel-b$b.log" | tail -6; done ;;

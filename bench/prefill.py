@@ -32,22 +32,30 @@ from models import load_model  # noqa: E402
 
 from oasis_cache import OasisCache  # noqa: E402
 
-METHODS = ("dense", "oasis-resident", "oasis-host")
+METHODS = ("dense", "dense-chunked", "oasis-resident", "oasis-host")
 
 
 def build(model, method: str, args):
-    if method == "dense":
+    if method.startswith("dense"):
         return DynamicCache()
     return OasisCache(model, token_budget=args.budget, prefill_chunk_tokens=args.chunk_tokens,
                       resident_prefill=method == "oasis-resident")
 
 
-def prefill(model, ids, cache, device) -> tuple[float, torch.Tensor, dict]:
+def prefill(model, ids, cache, device, chunk_tokens: int = 0) -> tuple[float, torch.Tensor, dict]:
+    """One prefill, timed. `chunk_tokens`: feed the prompt in the chunks OasisCache would cut (`dense-chunked`: what
+    chunking alone costs, without offload or summaries)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if chunk_tokens:
+            step = max(16, chunk_tokens // ids.shape[0] // 16 * 16)
+            for lo in range(0, ids.shape[1], step):
+                logits = model(input_ids=ids[:, lo : lo + step], past_key_values=cache, use_cache=True,
+                               logits_to_keep=1).logits
+        else:
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -67,6 +75,9 @@ def main(argv=None):
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after the timing, one more prefill per method under torch.profiler: its top ROWS ops by "
+                             "device time (CUDA) or CPU time, written beside --out (printed without --out)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -84,7 +95,7 @@ def main(argv=None):
     for repeat in range(args.repeats + 1):  # the first round warms up (kernels, allocator), not counted
         for method in args.methods:
             cache = build(model, method, args)
-            seconds, logits, stats = prefill(model, ids, cache, device)
+            seconds, logits, stats = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"))
             if repeat:
                 times[method].append(seconds)
             last[method] = (logits, stats)
@@ -103,11 +114,34 @@ def main(argv=None):
         ratio = rows[method]["median_s"] / rows["dense"]["median_s"] if "dense" in rows else float("nan")
         print(f"  {method:15} {rows[method]['median_s']:8.2f} s  ({ratio:.2f}x dense)  last logits within "
               f"{rows[method]['max_logit_diff_to_' + args.methods[0]]:.2e} of {args.methods[0]}")
+    profiles = {method: profiled(model, ids, method, args, device) for method in args.methods} if args.profile else {}
+    for method, table in profiles.items():  # (to files beside --out, else printed)
+        if args.out:
+            Path(args.out).with_suffix(f".{method}.profile.txt").write_text(table)
+        else:
+            print(f"== {method}: top {args.profile} ops\n{table}")
     if args.out:
         record = dict(command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
                       machine=machine, torch=torch.__version__, args=vars(args), rows=rows)
         Path(args.out).write_text(json.dumps(record, indent=1))
         print("wrote", args.out)
+
+
+def profiled(model, ids, method: str, args, device) -> str:
+    """One more prefill of `method` under torch.profiler: its top `args.profile` ops by self device time (CUDA) or
+    self CPU time, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    cache = build(model, method, args)
+    with profile(activities=activities) as prof:
+        seconds, _, _ = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"))
+    del cache
+    gc.collect()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=args.profile, max_name_column_width=60)
+    return f"{seconds:.2f} s under the profiler\n{table}"
 
 
 if __name__ == "__main__":

@@ -176,15 +176,19 @@ def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
 
 
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
-    """`bench/prefill.py`: dense and both chunked oasis prefills (past resident on the device, past from the host
-    pool) timed in turns on one prompt; their last logits agree."""
+    """`bench/prefill.py`: dense (whole and in the cache's chunks) and both chunked oasis prefills (past resident on
+    the device, past from the host pool) timed in turns on one prompt; their last logits agree; `--profile` writes
+    each method's top ops beside the JSON."""
     sys.path.insert(0, str(ROOT / "bench"))
     import prefill
 
     out = tmp_path / "prefill.json"
     prefill.main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "600", "--batch", "2",
-                  "--chunk-tokens", "256", "--repeats", "1", "--out", str(out)])
+                  "--chunk-tokens", "256", "--repeats", "1", "--profile", "5", "--out", str(out)])
     record = json.loads(out.read_text())
-    assert set(record["rows"]) == {"dense", "oasis-resident", "oasis-host"} and record["machine"]
+    assert set(record["rows"]) == {"dense", "dense-chunked", "oasis-resident", "oasis-host"} and record["machine"]
     for row in record["rows"].values():
         assert len(row["runs_s"]) == 1 and row["median_s"] > 0 and row["max_logit_diff_to_dense"] < 1e-4
+    for method in record["rows"]:
+        table = (tmp_path / f"prefill.{method}.profile.txt").read_text()
+        assert "under the profiler" in table and "aten::" in table
