@@ -145,9 +145,9 @@ def test_oasis_attention_is_sdpa_for_other_caches():
 
 
 def test_other_caches_extend_a_past_exactly_after_the_switch():
-    """Several new tokens over a past with another cache, no padding (the "oasis" mask is then None): a chunked
-    prefill, a second turn and assisted decoding through a DynamicCache give what they gave before the model was
-    switched to "oasis" (they were aligned top-left by SDPA's is_causal before the fix: most of the past hidden)."""
+    """Other caches after the switch give what they gave before: several new tokens over a past without padding (a
+    DynamicCache's chunked prefill, a second turn, assisted decoding: once aligned top-left by SDPA's is_causal, most
+    of the past hidden) and a StaticCache, padded or not (its unwritten slots were visible)."""
     model = tiny_model("qwen3")
     prompt, turn = prompt_ids(300, seed=3), prompt_ids(40, seed=4)
 
@@ -161,11 +161,16 @@ def test_other_caches_extend_a_past_exactly_after_the_switch():
         assistant = tiny_model("qwen3", seed=5)
         out["assisted"] = model.generate(input_ids=prompt, assistant_model=assistant, max_new_tokens=12,
                                          do_sample=False, past_key_values=DynamicCache(config=model.config))
+        out["static"] = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False,
+                                       cache_implementation="static")
+        out["static padded"] = model.generate(**left_padded([60, 45]), max_new_tokens=8, do_sample=False,
+                                              cache_implementation="static")
         return out
 
     before = runs()
     oasis_cache_for(model)  # switches the model to "oasis"
     assert model.config._attn_implementation == "oasis"
     after = runs()
-    assert torch.equal(after["chunked"], before["chunked"]) and torch.equal(after["assisted"], before["assisted"])
+    for name in ("chunked", "assisted", "static", "static padded"):
+        assert torch.equal(after[name], before[name]), name
     torch.testing.assert_close(after["turn"], before["turn"], atol=ATOL, rtol=1e-4)
