@@ -677,3 +677,17 @@ def test_blocks_are_published_while_the_prefill_runs(mooncake_master):
     with pytest.raises(ValueError, match="admitted from a store; publish"):
         publishing(decoded, store, "again")
     store.close()
+
+
+def test_eviction_order_is_a_stable_sort_of_the_last_use():
+    """`least_recent` (a top-k over one key per slot) picks what a stable argsort of the last use picks first: free
+    slots (-1), then the least recently used, ties by slot index; per row of a stacked `[L, capacity]` too."""
+    from oasis_cache.remote.local_cache import least_recent
+
+    generator = torch.Generator().manual_seed(0)
+    for capacity in (1, 7, 256, 1024):
+        last_used = torch.randint(-1, 6, (5, capacity), generator=generator)  # many ties
+        for k in sorted({1, capacity // 2 or 1, capacity}):
+            expected = torch.argsort(last_used, dim=1, stable=True)[:, :k]
+            assert torch.equal(least_recent(last_used, k), expected)
+            assert torch.equal(least_recent(last_used[2], k), expected[2])

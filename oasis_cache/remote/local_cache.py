@@ -35,6 +35,15 @@ from __future__ import annotations
 import torch
 
 
+def least_recent(last_used: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` slots to evict first along the last dim of `last_used` (`[..., capacity]` steps, -1 = free): free
+    slots first, then the least recently used, ties by slot index — the first `k` of a stable argsort, found by a
+    `topk` over step * capacity + slot (one key per slot) instead of sorting every slot."""
+    capacity = last_used.shape[-1]
+    keys = last_used * capacity + torch.arange(capacity, dtype=last_used.dtype)
+    return torch.topk(keys, k, dim=-1, largest=False, sorted=True).indices
+
+
 class LocalBlockCache:
     """A bounded LRU cache of one layer's store-held (block, sequence, KV head) units.
 
@@ -118,8 +127,7 @@ class LocalBlockCache:
                 f"OasisCache: one decode step of layer {self.layer_idx} reads {units.numel()} (block, sequence, KV "
                 f"head) units from the store, more than the local cache holds ({self.capacity}). Admit with a larger "
                 f"local cache: admit(..., local_cache_units={units.numel() * 2}) or more.")
-        order = torch.argsort(self.last_used, stable=True)  # free slots (-1) first, then the least recently used
-        victims = order[: missing.numel()]
+        victims = least_recent(self.last_used, missing.numel())
         old = self.unit_of[victims]
         flat[old[old >= 0]] = -1
         return missing, victims, old
@@ -322,9 +330,9 @@ class LocalCacheGroup:
         units = keys[missing_entries].unique()  # by layer, then unit: the per-layer plans' order
         unit_layer, units = units // per_layer, units % per_layer
         needed = torch.bincount(unit_layer, minlength=L)
-        order = torch.argsort(self.last_used, dim=1, stable=True)  # free slots (-1) first, then the least recent
-        take = torch.arange(cap).view(1, cap) < needed.view(L, 1)
-        victims = order[take]  # layer by layer, as `unit_layer`
+        k = int(needed.max())
+        order = least_recent(self.last_used, k)  # [L, k]: each layer's k first victims
+        victims = order[torch.arange(k).view(1, k) < needed.view(L, 1)]  # layer by layer, as `unit_layer`
         old = self.unit_of[unit_layer, victims]
         gone = old >= 0
         self.slot_of.view(L, -1)[unit_layer[gone], old[gone]] = -1
