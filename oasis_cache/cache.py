@@ -763,6 +763,8 @@ class OasisCache(Cache):
             steps = self.captured_steps
             lines.append(f"- decode steps: replayed as CUDA graphs where the shapes allow ({steps.replays} replays, "
                          f"{steps.captures} captures so far)")
+        elif "cuda_graph" in self.why:
+            lines.append(f"- decode steps: eager ({self.why['cuda_graph']})")
         else:
             lines.append("- decode steps: eager (captured CUDA graphs need one CUDA device, a checked architecture and "
                          "the Triton backend, or cuda_graph=True)")

@@ -461,4 +461,14 @@ def test_an_admitted_cache_replays_captured_steps(request, overlap):
         steps = cache.captured_steps
         assert steps.replays >= 70 and steps.completing_replays >= 2, (steps.captures, steps.replays)
     cache.reset()
+    if not overlap:  # a request whose steps must read the store inside them: eager steps, and a warning naming the fix
+        options["lookahead"] = "none"
+        none = OasisCache(model, **options)
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], **none.generate_kwargs())
+        publish(none, store, "cuda-in-step")
+        with pytest.warns(UserWarning, match=r"lookahead='none'.*run eagerly.*lookahead='previous'"):
+            eager = admit(model, store, "cuda-in-step")
+        assert eager.captured_steps is None and "read the store inside the step" in str(eager)
+        eager.reset()
     store.close()

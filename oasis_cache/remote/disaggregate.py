@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import io
 import time
+import warnings
 import weakref
 
 import torch
@@ -221,12 +222,23 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         raise ValueError(f"admit(..., cuda_graph=True): request {request!r} would read the store inside its decode "
                          f"steps ({why}), which a CUDA graph cannot replay. Drop cuda_graph, or publish with lookahead "
                          f"'previous' or 'eagle3' without exact and leave deferred at its default.")
-    if not prefetching or deferred is False:
+    in_step = not prefetching or deferred is False
+    if in_step:
         options["cuda_graph"] = False  # a remote fetch inside the step reads the selected blocks on the host
     drafted = state.get("draft")
     if drafted is not None:
         options["draft"] = draft
     cache = OasisCache(model, measure=measure, **options)
+    if in_step:
+        why = ("deferred=False" if prefetching else f"lookahead={options['lookahead']!r}" + (
+            " with exact=True" if options["exact"] else ""))
+        cache.why["cuda_graph"] = (f"off: this request's decode steps read the store inside the step ({why}), which "
+                                   f"a CUDA graph cannot replay")
+        if device.type == "cuda" and cuda_graph is None and not prefetching:  # (deferred=False: asked for)
+            warnings.warn(f"admit: request {request!r} was published with {why}: its decode steps read the Mooncake "
+                          f"Store inside the step and run eagerly, several times slower than steps that read it after the step and replay as CUDA graphs (docs/perf.md). "
+                          f"For those, publish from OasisCache(model, token_budget=..., lookahead='previous') or with "
+                          f"exact=False; admit(..., cuda_graph=False) silences this.", stacklevel=2)
     if deferred is None:
         deferred = cache.captured_steps is not None
     if overlap and not deferred:
