@@ -291,8 +291,9 @@ class OasisConfig:
 
     def blocks_for_step(self, num_blocks: int, recent_tokens: int) -> int:
         """Complete blocks a query attends to when the context is `num_blocks` complete blocks plus `recent_tokens`
-        (the partial block and the new tokens): all of them while the whole context fits the budget (budget >=
-        context: dense attention, exactly), else K (`num_selected_blocks`), so that K * T + recent <= budget."""
+        (the partial block and the new token; a multi-token forward passes its first new token's): all of them while
+        that context fits the budget (budget >= context: dense attention, exactly), else K (`num_selected_blocks`),
+        so that K * T + recent <= budget."""
         if num_blocks * self.block_size + recent_tokens <= self.token_budget:
             return max(num_blocks, self.num_selected_blocks)
         return self.num_selected_blocks

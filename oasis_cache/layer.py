@@ -266,7 +266,9 @@ class OasisLayer(CacheLayerMixin):
             self._measure_recall(real, view)  # the slots still hold the prediction made for this step
         approximate = cfg.lookahead != "none" and not cfg.exact and self.predicted
         if not approximate:  # select with the real query; what is not resident moves now, on the critical path
-            k = cfg.blocks_for_step(NB, n - cache.draft_rows)  # every block while the context fits the budget
+            # every block while the context of this forward's first new token fits the budget (a verification
+            # forward of assisted / prompt-lookup decoding holds candidates past the final length: still dense there)
+            k = cfg.blocks_for_step(NB, n - cache.draft_rows - (Qn - cache.draft_rows - 1))
             if cache.draft_rows == 1 and cfg.exact:  # the draft row is ranked in the same pass, for the prefetch
                 block_ids, ranks = self._select_with_draft(query, view, k)
             else:

@@ -99,6 +99,25 @@ def test_budget_at_the_context_with_eagle3_sampling_and_padding():
         assert same_as_dense(dense, generate(model, cache, padded, seed=5, **kw)), budget
 
 
+@pytest.mark.parametrize("options", [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="eagle3"),
+                                     dict(lookahead="eagle3", exact=True)])
+def test_budget_at_the_final_length_in_speculative_modes(options):
+    """Assisted and prompt-lookup decoding verify candidates in multi-token forwards, and transformers' prompt lookup
+    lets the cache hold one token past the final length for a forward: with the budget at the final length
+    (prompt + new tokens), those forwards still attend every token (the first new token's context fits), so the
+    tokens are dense's — they differed at the boundary before."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    if options["lookahead"] == "eagle3":
+        options = dict(options, draft=random_head(model))
+    prompt = prompt_ids(120, seed=2)
+    assistant = tiny_model("qwen3", num_hidden_layers=2, seed=3)
+    for kw in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=assistant)):
+        kw = dict(kw, max_new_tokens=20, do_sample=False)
+        dense = model.generate(input_ids=prompt, past_key_values=dense_cache(model), **kw)
+        cache = OasisCache(model, token_budget=prompt.shape[1] + 20, **options)
+        assert torch.equal(model.generate(input_ids=prompt, past_key_values=cache, **kw), dense), (kw, options)
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_attention_switched_behind_a_filled_cache_is_refused_before_writing(implementation, hybrid):
