@@ -39,27 +39,17 @@ CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by
 
 
 def held_out_code(tokenizer, tokens: int) -> torch.Tensor:
-    """`[tokens]`: the standard library's own modules (`Lib/*.py` of this Python, in name order) with every
-    docstring removed and comments dropped (`ast.unparse`), each headed by its file name. No shipped head was trained
-    on it — their documents are Python's documentation past its first `HELD_OUT_DOCUMENT_TOKENS` tokens and the
-    standard library's docstrings (`draft/train.py`) — and it is long enough for 32K contexts (the held-out
-    documentation is 16K tokens). Code, for a coder model. (Another Python version gives another text.)"""
-    import ast
-    import sysconfig
+    """`[tokens]`: the standard library's own top-level modules (`Lib/*.py` of this Python, in name order) with every
+    docstring removed and comments dropped (`draft.train.stdlib_code`), each headed by its file name. No shipped
+    head was trained on it — their documents are Python's documentation past its first `HELD_OUT_DOCUMENT_TOKENS`
+    tokens, the standard library's docstrings and, with `--document-source code`, the code of its packages — and it
+    is long enough for 32K contexts (the held-out documentation is 16K tokens). Code, for a coder model. (Another
+    Python version gives another text.)"""
+    from oasis_cache.draft.train import stdlib_code
 
     ids: list[int] = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
-                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-                    isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-        ids += tokenizer(f"# {path.name}\n{ast.unparse(tree)}\n\n")["input_ids"]
+    for text in stdlib_code(top_level=True):
+        ids += tokenizer(text)["input_ids"]
         if len(ids) >= tokens:
             return torch.tensor(ids[:tokens])
     raise ValueError(f"the standard library's code has only {len(ids)} tokens; ask for fewer")

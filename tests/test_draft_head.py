@@ -469,6 +469,24 @@ def test_document_sources_are_large_distinct_and_deterministic():
         document_ids(tok, "web")
 
 
+def test_code_source_is_the_packages_code_without_docstrings_and_never_the_held_out_modules():
+    """`--document-source code`: the code of the standard library's packages, docstrings removed (training text for
+    a coder model's head); `eval/recall.py --text code` reads the top-level modules, which never appear in it."""
+    from oasis_cache.draft.train import document_ids, stdlib_code
+
+    tok = _CharTokenizer()
+    code = document_ids(tok, "code")
+    assert document_ids(tok, "mixed+code") == document_ids(tok, "mixed") + code
+    text = tok.decode(code)
+    headers = [line[2:] for line in text.splitlines() if line.startswith("# ") and line.endswith(".py")]
+    assert len(headers) > 100 and all("/" in h for h in headers)  # packages' modules only
+    assert not any(h.startswith(("test/", "lib2to3/")) or "/tests/" in h for h in headers)
+    held_out = {t.split("\n", 1)[0][2:] for t in stdlib_code(top_level=True)}
+    assert held_out and not held_out & set(headers)
+    assert "# json/decoder.py" in text and "class JSONDecoder" in text
+    assert "Simple JSON <https://json.org> decoder" not in text  # json.decoder's class docstring is gone
+
+
 def test_head_kv_ring_gives_the_last_rows_in_order():
     """`HeadKV` with a window of 4: after a prompt and single-row writes that wrap the ring, `past()` is the last 3
     rows in order and `valid` marks what is filled (the new row itself last)."""

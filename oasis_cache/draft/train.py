@@ -62,7 +62,7 @@ DOCUMENT_QUESTIONS = [
 HELD_OUT_DOCUMENT_TOKENS = 16384
 
 
-DOCUMENT_SOURCES = ("docs", "docstrings", "mixed")
+DOCUMENT_SOURCES = ("docs", "docstrings", "mixed", "code", "mixed+code")
 # Directories of the standard library left out of the docstring corpus: tests, and code that is not the library's.
 _NOT_LIBRARY = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
@@ -99,17 +99,52 @@ def stdlib_docstrings(min_chars: int = 200) -> tuple[str, ...]:
     return tuple(texts)
 
 
+def stdlib_code(top_level: bool):
+    """The standard library's own code, module by module (name order), each as `# <path>\n<code>` with every
+    docstring removed and comments dropped (`ast.unparse`): the top-level modules (`Lib/*.py`: `eval/recall.py
+    --text code` holds them out, ~2.9 MB on CPython 3.11) or, `top_level=False`, the modules of its packages
+    (`Lib/*/**.py`, tests and vendored code excluded: training text for a coder model's head). A generator."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(root.glob("*.py")) if top_level else sorted(
+        p for p in root.glob("*/**/*.py") if not _NOT_LIBRARY.intersection(p.relative_to(root).parts))
+    for path in paths:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        yield f"# {path.relative_to(root).as_posix()}\n{ast.unparse(tree)}\n\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _package_code() -> str:
+    """`stdlib_code(top_level=False)` as one text (~3.8 MB on CPython 3.11; ~6 s to build, once)."""
+    return "".join(stdlib_code(top_level=False))
+
+
 def document_ids(tokenizer, source: str = "docs") -> list[int]:
     """The token ids long training windows are drawn from: "docs" (Python's documentation without its first
     `HELD_OUT_DOCUMENT_TOKENS` tokens, which `eval/recall.py` and the held-out check read), "docstrings" (the
-    standard library's, `stdlib_docstrings`), or "mixed" (both, one after the other)."""
+    standard library's, `stdlib_docstrings`), "mixed" (both, one after the other), "code" (the code of the standard
+    library's packages, `stdlib_code(top_level=False)`: `eval/recall.py --text code` reads the top-level modules)
+    or "mixed+code" (all three)."""
     if source not in DOCUMENT_SOURCES:
         raise ValueError(f"document source must be one of {DOCUMENT_SOURCES}, got {source!r}")
     ids = []
-    if source in ("docs", "mixed"):
+    if source in ("docs", "mixed", "mixed+code"):
         ids += _documentation_ids(tokenizer)[HELD_OUT_DOCUMENT_TOKENS:]
-    if source in ("docstrings", "mixed"):
+    if source in ("docstrings", "mixed", "mixed+code"):
         ids += tokenizer("\n\n".join(stdlib_docstrings()))["input_ids"]
+    if source in ("code", "mixed+code"):
+        ids += tokenizer(_package_code())["input_ids"]
     return ids
 
 
