@@ -86,6 +86,7 @@ class OasisCache(Cache):
             draft = bundled_head_for(model)
             if draft is not None:
                 self.why["lookahead"] = "yours, with the head shipped for this model"
+        _check_option_names(options)
         self.config = OasisConfig(
             token_budget=token_budget,
             block_size=block_size,
@@ -177,7 +178,8 @@ class OasisCache(Cache):
                     f"Layer {pending.layer_idx}'s attention did not run through the '{ATTENTION_NAME}' attention "
                     f"function (the model's attn_implementation is "
                     f"{getattr(self._model(), 'config', None) and self._model().config._attn_implementation!r}). "
-                    f"OasisCache(model) sets it; do not change it while using the cache."
+                    f"OasisCache(model) sets it; do not change it while using the cache, and use the cache with the "
+                    f"model it was made for."
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -564,6 +566,16 @@ class OasisCache(Cache):
         MemoryError that names the sizes and what to lower."""
         from .compute.prefill import prefill_chunks, run_chunks
 
+        model, running = self._model(), getattr(getattr(runner, "eager_forward", None), "__self__", None)
+        if running is not None and model is not None and running is not model:
+            raise ValueError(f"This OasisCache was made for another model instance ({type(model).__name__} at "
+                             f"{id(model):#x}) than the one running it: make one per model, OasisCache(model, ...).")
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 0:
+            held = self.get_seq_length(self._first_oasis_layer)
+            raise ValueError(f"This OasisCache holds {held} tokens and the forward brings no new one: generate was "
+                             f"given a prompt no longer than what the cache holds. Pass the conversation so far "
+                             f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
@@ -782,6 +794,19 @@ class OasisCache(Cache):
             f"OasisCache(token_budget={cfg.token_budget}, block_size={cfg.block_size}, lookahead={cfg.lookahead!r}, "
             f"layers={len(self.layers)}, tokens={self.get_seq_length(self._first_oasis_layer)})"
         )
+
+
+def _check_option_names(options: dict) -> None:
+    """A TypeError naming an option `OasisCache` does not know, and the closest one it does (a typo must not pass)."""
+    import dataclasses
+    import difflib
+
+    known = {field.name for field in dataclasses.fields(OasisConfig)}
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known | {"draft", "measure"}), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"OasisCache got an unknown option {name!r}.{hint} Every option: docs/options.md.")
 
 
 def _default_lookahead(model, text_config, draft):

@@ -170,7 +170,7 @@ class OasisConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
-        if not isinstance(self.token_budget, int) or self.token_budget <= 0:
+        if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool) or self.token_budget <= 0:
             raise ValueError(f"token_budget must be a positive int (tokens per step), got {self.token_budget!r}.")
         needed = (self.num_sink_blocks + self.num_recent_blocks + 1) * T
         if self.token_budget < needed:

@@ -67,6 +67,41 @@ def test_cache_used_with_another_model_raises():
         second.generate(input_ids=prompt_ids(20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
 
 
+def test_cache_of_another_model_instance_raises_before_writing():
+    """Two models each with an OasisCache (their forwards both routed through one): the cache of one in the other's
+    generate is refused before anything is written, naming the fix."""
+    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+    cache, _ = OasisCache(first, token_budget=256), OasisCache(second, token_budget=256)
+    with pytest.raises(ValueError, match=r"made for another model instance .* OasisCache\(model"):
+        second.generate(input_ids=prompt_ids(20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    assert cache.get_seq_length() == 0
+
+
+def test_unknown_options_and_bool_budgets_are_refused_naming_the_fix():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="unknown option 'lookahed'. Did you mean 'lookahead'"):
+        OasisCache(model, token_budget=256, lookahed="none")
+    with pytest.raises(TypeError, match="unknown option 'colour'. Every option: docs/options.md"):
+        OasisCache(model, token_budget=256, colour="blue")
+    with pytest.raises(ValueError, match="positive int"):
+        OasisCache(model, token_budget=True)
+
+
+def test_a_prompt_no_longer_than_the_cache_names_reset():
+    """generate given a prompt no longer than what the cache holds slices it to nothing: a clear error, the cache
+    untouched, instead of a reshape error deep in the model."""
+    model = tiny_model("qwen3")
+    cache = OasisCache(model, token_budget=512)
+    prompt = prompt_ids(100)
+    model.generate(input_ids=prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    held = cache.get_seq_length()
+    with pytest.raises(ValueError, match=rf"holds {held} tokens and the forward brings no new one.*cache.reset"):
+        model.generate(input_ids=prompt[:, :50], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match="brings no new one"):
+        model(input_ids=prompt[:, :0], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == held
+
+
 def test_attention_implementation_changed_behind_the_cache_raises():
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=256)

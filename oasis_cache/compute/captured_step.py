@@ -58,7 +58,7 @@ class CapturedForward:
     model's own forward."""
 
     def __init__(self, model):
-        self.eager_forward = model.forward  # the bound class forward
+        self.eager_forward = model.forward  # the bound class forward (its `__self__`: the model, also in a deepcopy)
         self.__signature__ = inspect.signature(self.eager_forward)  # generate inspects forward's parameters
         self.__doc__ = self.eager_forward.__doc__
         self.cache_argument = generate_cache_argument(model)
