@@ -365,3 +365,42 @@ def test_summaries_on_half_the_channels():
     order = torch.tensor([1, 1])
     s.index_batch(order)
     assert torch.equal(s.channels, chosen[order])
+
+
+def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
+    """`compute.dense.dense_causal_attention` for Qn new queries after a past: no mask, an all-visible mask (one
+    batched SDPA call, as without a mask), left padding (a call per sequence) and a hole in the mask all equal an
+    explicit bottom-right causal softmax."""
+    from oasis_cache.compute import dense
+
+    torch.manual_seed(0)
+    B, Hq, H, Qn, L, D = 3, 4, 2, 5, 19, 8
+    q, k, v = torch.randn(B, Hq, Qn, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+
+    def reference(visible):
+        kk, vv = k.repeat_interleave(Hq // H, 1), v.repeat_interleave(Hq // H, 1)
+        causal = torch.arange(L)[None, :] <= torch.arange(L - Qn, L)[:, None]
+        allowed = causal[None] & visible[:, None, :]
+        allowed |= torch.arange(L)[None, None, :] == torch.arange(L - Qn, L)[None, :, None]  # a query sees itself
+        scores = (q @ kk.transpose(-1, -2)) * 0.3
+        return torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1) @ vv
+
+    calls = []
+    causal = dense._sdpa_causal
+    monkeypatch.setattr(dense, "_sdpa_causal", lambda *a: calls.append(a[0].shape[0]) or causal(*a))
+    everything = torch.ones(B, L, dtype=torch.bool)
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, None, 0.3), reference(everything))
+    calls.clear()
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, everything, 0.3), reference(everything))
+    assert calls == [B]  # one batched call
+    left = everything.clone()
+    left[0, :4] = left[2, :1] = False
+    calls.clear()
+    out = dense.dense_causal_attention(q, k, v, left, 0.3)
+    assert calls == [1] * B  # a call per sequence, on its unpadded tokens
+    real = torch.ones(B, Qn, dtype=torch.bool)  # (every query is a real token here)
+    torch.testing.assert_close(out[real[:, None, :, None].expand_as(out)], reference(left)[
+        real[:, None, :, None].expand_as(out)])
+    hole = everything.clone()
+    hole[1, 7:9] = False
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, hole, 0.3), reference(hole))

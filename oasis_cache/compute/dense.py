@@ -2,6 +2,7 @@
 the bottom right), padding respected, and no `[B, Qn, L]` mask is built for the common cases:
 
 - no padding: SDPA's own causal (`is_causal`, or `causal_lower_right` when there is a past);
+- a mask that hides nothing (generate's all-ones): as without one;
 - left padding (what `generate` produces): one SDPA call per sequence on its unpadded tokens;
 - any other mask: explicit boolean masks for bounded chunks of queries.
 
@@ -53,7 +54,10 @@ def dense_causal_attention(
     L = keys.shape[2]
     first = visible.int().argmax(dim=1)  # first visible token (0 for an all-padding row)
     left_padded = visible == (torch.arange(L, device=visible.device) >= first[:, None])
-    if bool(left_padded.all()):
+    left, padded = torch.stack([left_padded.all(), (first > 0).any()]).tolist()  # (one host read)
+    if left and not padded:  # nothing hidden (generate's all-ones mask): one batched call
+        return _sdpa_causal(query, keys, values, scale)
+    if left:
         out = torch.zeros_like(query)
         for b, start in enumerate(first.tolist()):
             q_start = max(0, start - (L - Qn))
