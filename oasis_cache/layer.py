@@ -268,7 +268,7 @@ class OasisLayer(CacheLayerMixin):
         if not approximate:  # select with the real query; what is not resident moves now, on the critical path
             # every block while the context of this forward's first new token fits the budget (a verification
             # forward of assisted / prompt-lookup decoding holds candidates past the final length: still dense there)
-            k = cfg.blocks_for_step(NB, n - cache.draft_rows - (Qn - cache.draft_rows - 1))
+            k = cfg.blocks_for_step(NB, n - Qn + 1)  # (n and Qn both count a riding draft row)
             if cache.draft_rows == 1 and cfg.exact:  # the draft row is ranked in the same pass, for the prefetch
                 block_ids, ranks = self._select_with_draft(query, view, k)
             else:

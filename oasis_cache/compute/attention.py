@@ -6,9 +6,9 @@ the same module takes it. Without a pending layer (another cache, or no cache) t
 switched to "oasis" keeps working with every other cache.
 
 Mask: for full causal attention over keys that are exactly the past and the new tokens, the mask function returns
-only the 2D visibility `[B, kv_length]` instead of a `[B, 1, q, kv]` mask (None when nothing is padding and SDPA's
-`is_causal` would be right: one new token, or no past); sliding / chunked / custom patterns and static caches get
-SDPA's own mask.
+only the 2D visibility `[B, kv_length]` instead of a `[B, 1, q, kv]` mask, or None when nothing is padding (then
+several new tokens after a past are aligned to the bottom right by the fallback: SDPA's `is_causal` aligns them to
+the top left); sliding / chunked / custom patterns and static caches get SDPA's own mask.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def oasis_mask(
     exactly the past and the new tokens (an OasisCache, a DynamicCache), else SDPA's mask: other patterns, and caches
     whose keys run past the tokens written (a StaticCache's unwritten slots; its offset is a tensor)."""
     written = isinstance(q_offset, int) and q_offset + q_length == kv_length
+    if mask_function is causal_mask_function:  # (a hybrid model's sliding mask leaves the full layers' note alone)
+        # several new tokens after a past, nothing hidden: the mask is dropped below and a layer of another cache
+        # must align them to the bottom right (`_sdpa_fallback`), which SDPA's `is_causal` does not
+        _handoff.bottom_right = (q_length, kv_length) if written and q_length > 1 and q_offset > 0 else None
     if mask_function is not causal_mask_function or kv_offset != 0 or not written:
         return sdpa_mask(
             batch_size=batch_size,
@@ -63,20 +67,13 @@ def oasis_mask(
             attention_mask=attention_mask,
             **kwargs,
         )
-    # None (nothing hidden) only where SDPA's own `is_causal` is right for a cache that is not an OasisCache: one new
-    # token, or no past; several new tokens after a past need the bottom-right alignment of the 2D path
-    droppable = q_length == 1 or q_offset == 0
     if attention_mask is None:
-        if droppable or kwargs.get("device") is None:
-            return None if droppable else sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                                                    q_offset=q_offset, kv_offset=kv_offset,
-                                                    mask_function=mask_function, **kwargs)
-        return torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs["device"])
+        return None
     visible = attention_mask.to(torch.bool)
     if visible.shape[-1] < kv_length:  # generate may pass a mask shorter than cache + new tokens
         visible = torch.nn.functional.pad(visible, (0, kv_length - visible.shape[-1]), value=True)
     visible = visible[:, :kv_length]
-    return None if droppable and _all_true_on_cpu(visible) else visible
+    return None if _all_true_on_cpu(visible) else visible
 
 
 def _all_true_on_cpu(visible: torch.Tensor) -> bool:
@@ -125,10 +122,13 @@ def oasis_attention_forward(
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """Plain SDPA for layers that do not belong to an OasisCache (with the compact 2D mask expanded: several new
-    tokens after a past, aligned to the bottom right)."""
+    """Plain SDPA for layers that do not belong to an OasisCache, with the compact 2D mask expanded; several new
+    tokens after a past whose mask was dropped (nothing hidden: `oasis_mask` notes their sizes) aligned to the bottom
+    right."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and attention_mask.dim() == 2:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
+    if attention_mask is None and getattr(_handoff, "bottom_right", None) == (query.shape[2], key.shape[2]):
+        return dense_causal_attention(query, key, value, None, scale).transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

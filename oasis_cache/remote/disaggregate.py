@@ -236,9 +236,10 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
                                    f"a CUDA graph cannot replay")
         if device.type == "cuda" and cuda_graph is None and not prefetching:  # (deferred=False: asked for)
             warnings.warn(f"admit: request {request!r} was published with {why}: its decode steps read the Mooncake "
-                          f"Store inside the step and run eagerly, several times slower than steps that read it after the step and replay as CUDA graphs (docs/perf.md). "
-                          f"For those, publish from OasisCache(model, token_budget=..., lookahead='previous') or with "
-                          f"exact=False; admit(..., cuda_graph=False) silences this.", stacklevel=2)
+                          f"Store inside the step and run eagerly, several times slower than steps that read it "
+                          f"after the step and replay as CUDA graphs (docs/perf.md). For those, publish from "
+                          f"OasisCache(model, token_budget=..., lookahead='previous') or with exact=False; "
+                          f"admit(..., cuda_graph=False) silences this.", stacklevel=2)
     if deferred is None:
         deferred = cache.captured_steps is not None
     if overlap and not deferred:
