@@ -174,3 +174,20 @@ def test_other_caches_extend_a_past_exactly_after_the_switch():
     for name in ("chunked", "assisted", "static", "static padded"):
         assert torch.equal(after[name], before[name]), name
     torch.testing.assert_close(after["turn"], before["turn"], atol=ATOL, rtol=1e-4)
+
+
+def test_oasis_mask_stays_none_for_mask_less_oasis_steps():
+    """A captured step is called without a mask (it reads the cache's padding record), an eagle3 one with its draft
+    row beside the token: the mask function must give None there, or the graph would keep one mask of one length
+    for every later step. Several tokens after a past note their sizes for the fallback of other caches; a
+    StaticCache's offset (a tensor) gets SDPA's own mask."""
+    from oasis_cache.compute import attention
+
+    none = attention.oasis_mask(batch_size=2, q_length=2, kv_length=300, q_offset=298, device=torch.device("cpu"))
+    assert none is None and attention._handoff.bottom_right == (2, 300)
+    assert attention.oasis_mask(batch_size=2, q_length=1, kv_length=300, q_offset=299) is None
+    assert attention._handoff.bottom_right is None
+    static = attention.oasis_mask(batch_size=2, q_length=1, kv_length=300, q_offset=torch.tensor(120),
+                                  device=torch.device("cpu"), attention_mask=torch.ones(2, 300, dtype=torch.bool),
+                                  allow_is_causal_skip=False)  # (as transformers asks for a static cache's step)
+    assert static is not None and static.dim() == 4 and not bool(static[0, 0, 0, 121:].any())
