@@ -472,3 +472,22 @@ def test_an_admitted_cache_replays_captured_steps(request, overlap):
         assert eager.captured_steps is None and "read the store inside the step" in str(eager)
         eager.reset()
     store.close()
+
+
+def test_other_cache_kinds_on_cuda_are_unchanged_by_the_switch():
+    """After OasisCache(model) switched the model to "oasis", transformers' CUDA cache kinds (offloaded, offloaded
+    static, static) and the default cache generate what they generated before, padded and not."""
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()
+    inputs = {"plain": {"input_ids": prompt_ids(100).cuda()},
+              "padded": {key: value.cuda() for key, value in left_padded([70, 45]).items()}}
+
+    def runs():
+        return {(kind, name): model.generate(**given, max_new_tokens=8, do_sample=False, cache_implementation=kind)
+                for kind in ("offloaded", "offloaded_static", "static", "dynamic") for name, given in inputs.items()}
+
+    model.set_attn_implementation("sdpa")
+    before = runs()
+    OasisCache(model, token_budget=512)
+    after = runs()
+    for key in before:
+        assert torch.equal(after[key], before[key]), key
