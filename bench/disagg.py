@@ -163,7 +163,8 @@ def main(argv=None):
                               units_fetched_per_step=sized_stats["remote_units_fetched"] / args.steps,
                               warm_units_per_step=sized_warm["units_per_step"], warm_tpot_ms=sized_warm["tpot_ms"],
                               local_cache_share=sized_stats["remote_local_cache_bytes"] / report["full_kv"],
-                              repair_ms_per_step=sized_stats["remote_repair_ms_per_step"], cache=sized))
+                              repair_ms_per_step=sized_stats["remote_repair_ms_per_step"],
+                              repair_phases_ms=sized_stats["remote_repair_phases_ms"], cache=sized))
         del remote
         for row in sweep:
             del row["cache"]
@@ -220,7 +221,9 @@ def main(argv=None):
         print(f"local cache of {r['working_sets']:g} working sets ({r['local_cache_share']:.1%} of the KV): "
               f"{r['units_fetched_per_step']:.0f} units fetched per step ({r['warm_units_per_step']:.0f} warm), TPOT "
               f"{r['tpot_ms']:.1f} ms ({r['warm_tpot_ms']:.1f} warm), store reads after each step "
-              f"{r['repair_ms_per_step']:.2f} ms, same tokens: {r['same_tokens']}")
+              f"{r['repair_ms_per_step']:.2f} ms (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in
+                                                              r["repair_phases_ms"].items())
+              + f"), same tokens: {r['same_tokens']}")
     if args.measure:
         print(f"exposed wait per step: remote {row['exposed_wait_ms_per_step_remote']:.2f} ms, local "
               f"{row['exposed_wait_ms_per_step_local']:.2f} ms (compute waiting on prefetches)")

@@ -160,6 +160,7 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     assert set(row["repair_phases_ms"]) == {"copy_back", "plan", "store_reads", "maps_and_gathers"}
     (sized,) = row["local_cache_sweep"]
     assert sized["same_tokens"] and sized["working_sets"] == 1
+    assert set(sized["repair_phases_ms"]) == set(row["repair_phases_ms"])  # each local cache size by phase too
     assert sized["units_fetched_per_step"] >= row["remote_units_fetched"] / 4  # (4 steps; no larger cache, no fewer)
 
 
