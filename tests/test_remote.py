@@ -401,6 +401,8 @@ def test_a_small_local_cache_evicts_and_a_too_small_one_is_named(mooncake_master
     per_layer.remote_tier.local_group = None
     for other in (grouped, per_layer, overlapped):
         assert torch.equal(model.generate(input_ids=ids, **other.generate_kwargs(), **kw), expected)
+    group = grouped.remote_tier.local_group  # its layers' records are rows of stacked ones (one copy back, one lookup)
+    assert group.stacked(group.links) and not bool(group.records[2].any())  # (cleared after the last repair)
     counted = ("remote_units_fetched", "remote_units_evicted")
     assert [grouped.stats()[key] for key in counted] == [per_layer.stats()[key] for key in counted] == [
         overlapped.stats()[key] for key in counted] == [stats[key] for key in counted]

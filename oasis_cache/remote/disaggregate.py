@@ -325,11 +325,15 @@ def repair_after_step(cache: OasisCache) -> None:
         return
     cache.streams.compute_waits_for_side()  # the step's prefetches wrote the records on the side stream
     ids = [link.pending[1] for link in links]
-    host = torch.cat([t.flatten() for t in ids] + [link.pending[3].flatten().to(ids[0].dtype) for link in links])
+    group = cache.remote_tier.local_group
+    if group is not None and group.stacked(links):  # every layer's record in two tensors
+        stacked_ids, _, stacked_wanted = group.records
+        host = torch.cat([stacked_ids.flatten(), stacked_wanted.flatten().to(stacked_ids.dtype)])
+    else:
+        host = torch.cat([t.flatten() for t in ids] + [link.pending[3].flatten().to(ids[0].dtype) for link in links])
     waited = time.perf_counter()
     host = host.cpu()  # (waits for the step's end)
     started = time.perf_counter()
-    group = cache.remote_tier.local_group
     if group is not None and group.holds(links) and len({t.shape for t in ids}) == 1:
         _repair_group(cache, group, links, host, ids[0].shape, waited, started)
         return
@@ -377,9 +381,9 @@ def _repair_group(cache, group, links, host, shape, waited, started) -> None:
     read = time.perf_counter()
     if result is not None:
         group.placed(plan)
-        _gather_repaired(cache, links, list(missing), missing)
+        _gather_repaired(cache, links, list(missing), missing, group)
     else:
-        _gather_repaired(cache, links, [None] * len(links))
+        _gather_repaired(cache, links, [None] * len(links), group=group)
     _count_repair(tier, waited, started, planned, read)
 
 
@@ -487,13 +491,14 @@ def _finish_as_group(cache, group, plans) -> None:
     if rows:
         group.placed(tuple(torch.cat(parts) for parts in zip(*[
             (torch.full_like(plan[0], i), plan[0], plan[1], plan[2]) for i, plan in rows])))
-    _gather_repaired(cache, [link for link, _, _ in plans], [missing for _, _, missing in plans])
+    _gather_repaired(cache, [link for link, _, _ in plans], [missing for _, _, missing in plans], group=group)
 
 
-def _gather_repaired(cache, links, missing: list, stacked: torch.Tensor | None = None) -> None:
+def _gather_repaired(cache, links, missing: list, stacked: torch.Tensor | None = None, group=None) -> None:
     """Each layer's repair gathers (`LocalBlockCache.repair_gather`) of its `missing` entries (host masks, None:
     nothing), their masks brought to the device in one copy where every layer's record has one shape (`stacked`:
-    the masks already as one `[L, B, Hkv, W]` tensor)."""
+    the masks already as one `[L, B, Hkv, W]` tensor). Where the records are rows of `group`'s stacked ones, their
+    arena slots are looked up and the records cleared once for every layer."""
     present = [m is not None and bool(m.any()) for m in missing]
     on_device = None
     if any(present) and links[0].device.type == "cuda":
@@ -503,11 +508,16 @@ def _gather_repaired(cache, links, missing: list, stacked: torch.Tensor | None =
             stacked = torch.stack([m if m is not None else torch.zeros(shape, dtype=torch.bool) for m in missing])
         if stacked is not None:
             on_device = stacked.pin_memory().to(links[0].device, non_blocking=True)  # one copy for every layer
+    rows = group is not None and group.stacked(links)
+    slots = group.record_slots() if rows and any(present) else None
     for i, link in enumerate(links):
         if present[i]:
-            link.repair_gather(cache.transfer, missing[i], on_device[i] if on_device is not None else None)
-        else:
+            link.repair_gather(cache.transfer, missing[i], on_device[i] if on_device is not None else None,
+                               slots[i] if slots is not None else None, clear=not rows)
+        elif not rows:
             link.repair_gather(cache.transfer, None)
+    if rows:
+        group.records[2].fill_(False)
 
 
 class _RepairAfterStep:

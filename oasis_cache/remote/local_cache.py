@@ -80,6 +80,7 @@ class LocalBlockCache:
         self.pending = None  # (working set, ids, dest, wanted) of the step's deferred prefetch: fixed device buffers
         self.overlap = False  # the records are read while the step runs (`remote.disaggregate.start_repair`)
         self.ready = None  # CUDA: an event after this layer's record in each step (external: host threads wait on it)
+        self.group, self.group_index = None, 0  # the `LocalCacheGroup` this layer belongs to, if any, and its row
 
     @property
     def unit_nbytes(self) -> int:
@@ -163,9 +164,13 @@ class LocalBlockCache:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("a deferred remote prefetch met new buffer shapes inside a graph capture")
             shape = (self.batch_size, self.num_kv_heads, max(K, width))
-            self.pending = (working_set, torch.zeros(shape, dtype=block_ids.dtype, device=block_ids.device),
-                            torch.zeros(shape, dtype=dest.dtype, device=dest.device),
-                            torch.zeros(shape, dtype=torch.bool, device=block_ids.device))
+            if self.group is not None:  # rows of the group's stacked records: the repair reads them all at once
+                self.pending = (working_set, *self.group.record_rows(self.group_index, shape, block_ids.dtype,
+                                                                     dest.dtype, block_ids.device))
+            else:
+                self.pending = (working_set, torch.zeros(shape, dtype=block_ids.dtype, device=block_ids.device),
+                                torch.zeros(shape, dtype=dest.dtype, device=dest.device),
+                                torch.zeros(shape, dtype=torch.bool, device=block_ids.device))
         _, ids, slots, flags = self.pending
         ids[..., :K].copy_(block_ids)
         slots[..., :K].copy_(dest)
@@ -187,14 +192,17 @@ class LocalBlockCache:
         # every unit this step wanted, which it marked used first)
         return plan, wanted & (torch.gather(self.slot_of, 2, ids.clamp(0, self.stride - 1)) < 0)
 
-    def repair_gather(self, transfer, missing: torch.Tensor | None, on_device: torch.Tensor | None = None) -> None:
+    def repair_gather(self, transfer, missing: torch.Tensor | None, on_device: torch.Tensor | None = None,
+                      slots: torch.Tensor | None = None, clear: bool = True) -> None:
         """Gather the record's entries `missing` (host; now here) into the slots the step assigned them, on the
-        current stream (before the next step reads them); clear the record. `on_device`: `missing` already copied."""
+        current stream (before the next step reads them); clear the record (`clear=False`: the caller clears the
+        group's at once). `on_device`: `missing` already copied; `slots`: the record's arena slots, looked up."""
         working_set, ids_device, dest_device, wanted_device = self.pending
         if missing is not None and bool(missing.any()):
-            transfer.gather_units(self, working_set, self.slots_for(ids_device), dest_device,
-                                  on_device if on_device is not None else missing.to(ids_device.device))
-        wanted_device.fill_(False)
+            transfer.gather_units(self, working_set, slots if slots is not None else self.slots_for(ids_device),
+                                  dest_device, on_device if on_device is not None else missing.to(ids_device.device))
+        if clear:
+            wanted_device.fill_(False)
 
     def pending_tensors(self) -> list[torch.Tensor]:
         """The device tensors a captured deferred prefetch writes or reads (their addresses: replay signature)."""
@@ -283,6 +291,36 @@ class LocalCacheGroup:
             link.slot_of_device = link.slot_of if self.device.type == "cpu" else self.slot_of_device[i]
         self.arena_base = torch.tensor([link.arena.data_ptr() for link in links], dtype=torch.int64)
         self.unit_nbytes = first.unit_nbytes
+        self.records = None  # (ids, dest, wanted) `[L, B, Hkv, W]`: every layer's deferred record, stacked
+        for i, link in enumerate(links):
+            link.group, link.group_index = self, i
+
+    def record_rows(self, i: int, shape, ids_dtype, dest_dtype, device) -> tuple:
+        """Layer `i`'s rows of the stacked deferred records (`LocalBlockCache.defer`), made anew (zeros) when the
+        shape or types change: layers whose working sets have not grown yet keep their rows of the old ones, and the
+        repair then takes the per-layer path until every layer's record is a row of the new ones."""
+        r = self.records
+        if r is None or tuple(r[0].shape[1:]) != tuple(shape) or r[0].dtype != ids_dtype or r[1].dtype != dest_dtype \
+                or r[0].device != torch.device(device):
+            L = len(self.links)
+            self.records = r = (torch.zeros((L, *shape), dtype=ids_dtype, device=device),
+                                torch.zeros((L, *shape), dtype=dest_dtype, device=device),
+                                torch.zeros((L, *shape), dtype=torch.bool, device=device))
+        return r[0][i], r[1][i], r[2][i]
+
+    def stacked(self, links: list[LocalBlockCache]) -> bool:
+        """Whether `links` are this group's layers and every one's record is its row of the current stacked ones."""
+        r = self.records
+        return r is not None and self.holds(links) and all(
+            link.pending is not None and link.pending[1].data_ptr() == r[0][i].data_ptr()
+            and link.pending[1].shape == r[0].shape[1:] for i, link in enumerate(links))
+
+    def record_slots(self) -> torch.Tensor:
+        """`[L, B, Hkv, W]`: the arena slots of every layer's recorded ids (-1: not here, or not in the store)."""
+        ids = self.records[0]
+        P = self.slot_of.shape[-1]
+        slots = torch.gather(self.slot_of_device, 3, ids.clamp(0, P - 1))
+        return torch.where(ids < P, slots, torch.full_like(slots, -1))
 
     def holds(self, links: list[LocalBlockCache]) -> bool:
         """Whether `links` are this group's layers, in its order."""
