@@ -404,3 +404,8 @@ def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     hole = everything.clone()
     hole[1, 7:9] = False
     torch.testing.assert_close(dense.dense_causal_attention(q, k, v, hole, 0.3), reference(hole))
+    # the mask is read on the host once per mask tensor (every layer of a forward gets the same one)
+    layout = dense.mask_layout(left)
+    assert layout == (True, True, [4, 0, 1]) and dense.mask_layout(left) is layout
+    assert dense.mask_layout(left.clone()) == layout and dense.mask_layout(left.clone()) is not layout
+    assert dense.mask_layout(hole)[0] is False

@@ -6,10 +6,14 @@ the bottom right), padding respected, and no `[B, Qn, L]` mask is built for the 
 - left padding (what `generate` produces): one SDPA call per sequence on its unpadded tokens;
 - any other mask: explicit boolean masks for bounded chunks of queries.
 
-The left-padding test reads the mask on the host (one sync per prefill forward, never in decode).
+The left-padding test reads the mask on the host (one sync per prefill forward, remembered across its layers;
+never in decode).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -52,14 +56,12 @@ def dense_causal_attention(
         return _sdpa_causal(query, keys, values, scale)
     B, Hq, Qn, D = query.shape
     L = keys.shape[2]
-    first = visible.int().argmax(dim=1)  # first visible token (0 for an all-padding row)
-    left_padded = visible == (torch.arange(L, device=visible.device) >= first[:, None])
-    left, padded = torch.stack([left_padded.all(), (first > 0).any()]).tolist()  # (one host read)
+    left, padded, firsts = mask_layout(visible)
     if left and not padded:  # nothing hidden (generate's all-ones mask): one batched call
         return _sdpa_causal(query, keys, values, scale)
     if left:
         out = torch.zeros_like(query)
-        for b, start in enumerate(first.tolist()):
+        for b, start in enumerate(firsts):
             q_start = max(0, start - (L - Qn))
             if q_start < Qn:
                 out[b : b + 1, :, q_start:] = _sdpa_causal(
@@ -67,6 +69,25 @@ def dense_causal_attention(
                 )
         return out
     return _explicit_mask_attention(query, keys, values, visible, scale)
+
+
+def mask_layout(visible: torch.Tensor) -> tuple[bool, bool, list[int]]:
+    """`(left-padded or unpadded, any padding, each sequence's first visible token)` of a `[B, L]` mask, in one host
+    read, remembered for the last mask seen on this thread: every layer of a forward gets the same mask tensor, so
+    a prefill chunk reads it once, not once per layer (each read waits for the device)."""
+    last = getattr(_layouts, "last", None)
+    if last is not None and last[0]() is visible:
+        return last[1]
+    L = visible.shape[-1]
+    first = visible.int().argmax(dim=1)  # first visible token (0 for an all-padding row)
+    left_padded = visible == (torch.arange(L, device=visible.device) >= first[:, None])
+    read = torch.cat([torch.stack([left_padded.all(), (first > 0).any()]).long(), first.long()]).tolist()
+    layout = (bool(read[0]), bool(read[1]), read[2:])
+    _layouts.last = (weakref.ref(visible), layout)
+    return layout
+
+
+_layouts = threading.local()
 
 
 def _explicit_mask_attention(query, keys, values, visible, scale):
