@@ -594,7 +594,6 @@ class OasisCache(Cache):
                             layer.resident_kv = None
             return self._forward_one(runner, kwargs)
         except torch.OutOfMemoryError as error:
-            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
             if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:
                 raise
             B, N = tokens.shape[:2]

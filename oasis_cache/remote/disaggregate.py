@@ -186,8 +186,8 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     `cuda_graph`: as `OasisCache(cuda_graph=...)` for the decode side; None (default): the publishing cache's
     setting (a prefill process that decoded eagerly hands on `cuda_graph=False`). `overlap` (with deferred store
     reads): a host thread reads each layer's record as soon as the step has written it and reads the store while the
-    later layers compute (`start_repair`); the next forward finishes the maps and gathers. Off by default until
-    measured on a GPU."""
+    later layers compute (`start_repair`); the next forward finishes the maps and gathers. Off by default: slower
+    on the H200 (its host thread competes with the step for the GIL; docs/perf.md, twenty-first session)."""
     tier = RemoteTier(store, request)
     record = tier.store.get(tier.key("admission", 0))
     if not record:
@@ -216,13 +216,13 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
                          f"{options['lookahead']!r}{' and exact=True' if options['exact'] else ''}, whose steps read "
                          f"the store on their critical path; deferred store reads need lookahead 'previous' or "
                          f"'eagle3' without exact. Drop deferred, or publish with such a cache.")
-    if cuda_graph and (not prefetching or deferred is False):
-        why = "deferred=False" if prefetching else f"lookahead={options['lookahead']!r}" + (
-            " with exact=True" if options["exact"] else "")
+    in_step = not prefetching or deferred is False
+    why = "deferred=False" if prefetching else f"lookahead={options['lookahead']!r}" + (
+        " with exact=True" if options["exact"] else "")  # (why the store would be read inside the steps)
+    if cuda_graph and in_step:
         raise ValueError(f"admit(..., cuda_graph=True): request {request!r} would read the store inside its decode "
                          f"steps ({why}), which a CUDA graph cannot replay. Drop cuda_graph, or publish with lookahead "
                          f"'previous' or 'eagle3' without exact and leave deferred at its default.")
-    in_step = not prefetching or deferred is False
     if in_step:
         options["cuda_graph"] = False  # a remote fetch inside the step reads the selected blocks on the host
     drafted = state.get("draft")
@@ -230,8 +230,6 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         options["draft"] = draft
     cache = OasisCache(model, measure=measure, **options)
     if in_step:
-        why = ("deferred=False" if prefetching else f"lookahead={options['lookahead']!r}" + (
-            " with exact=True" if options["exact"] else ""))
         cache.why["cuda_graph"] = (f"off: this request's decode steps read the store inside the step ({why}), which "
                                    f"a CUDA graph cannot replay")
         if device.type == "cuda" and cuda_graph is None and not prefetching:  # (deferred=False: asked for)

@@ -35,6 +35,13 @@ from __future__ import annotations
 import torch
 
 
+def arena_slots(slot_map: torch.Tensor, ids: torch.Tensor, bound) -> torch.Tensor:
+    """The arena slots of block `ids` along the last dim of `slot_map` (`[..., P]`, a device copy of the slot map):
+    -1 where an id is not mapped, or not below `bound` (not in the store)."""
+    slots = torch.gather(slot_map, -1, ids.clamp(0, slot_map.shape[-1] - 1))
+    return torch.where(ids < bound, slots, torch.full_like(slots, -1))
+
+
 def least_recent(last_used: torch.Tensor, k: int) -> torch.Tensor:
     """The `k` slots to evict first along the last dim of `last_used` (`[..., capacity]` steps, -1 = free): free
     slots first, then the least recently used, ties by slot index — the first `k` of a stable argsort, found by a
@@ -225,9 +232,7 @@ class LocalBlockCache:
 
     def slots_for(self, block_ids: torch.Tensor) -> torch.Tensor:
         """The arena slots of `block_ids` (`[B, Hkv, K]` on the device; entries not in the store give -1)."""
-        index = block_ids.clamp(0, self.stride - 1)
-        slots = torch.gather(self.slot_of_device, 2, index)
-        return torch.where(block_ids < self.published, slots, torch.full_like(slots, -1))
+        return arena_slots(self.slot_of_device, block_ids, self.published)
 
     def read_all_into(self, pool) -> None:
         """Write every published block into `pool` (a local pool holding blocks from 0, its chunks reserved): units
@@ -316,11 +321,9 @@ class LocalCacheGroup:
             and link.pending[1].shape == r[0].shape[1:] for i, link in enumerate(links))
 
     def record_slots(self) -> torch.Tensor:
-        """`[L, B, Hkv, W]`: the arena slots of every layer's recorded ids (-1: not here, or not in the store)."""
-        ids = self.records[0]
-        P = self.slot_of.shape[-1]
-        slots = torch.gather(self.slot_of_device, 3, ids.clamp(0, P - 1))
-        return torch.where(ids < P, slots, torch.full_like(slots, -1))
+        """`[L, B, Hkv, W]`: the arena slots of every layer's recorded ids (-1: not here, or not in the store; ids
+        past a layer's published blocks map to -1 once `truncate` has cleared them)."""
+        return arena_slots(self.slot_of_device, self.records[0], self.slot_of.shape[-1])
 
     def holds(self, links: list[LocalBlockCache]) -> bool:
         """Whether `links` are this group's layers, in its order."""
