@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oasis_cache.draft import load_eagle3, save_eagle3
+from oasis_cache.draft.eagle3 import windowed_attention
 
 from conftest import random_head as _random_head
 from conftest import tiny_model
@@ -70,6 +71,24 @@ def test_incremental_attention_equals_full(window, keep, layers):
             past = tuple(x[..., max(0, x.shape[-2] - keep) :, :] for x in past)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, window", [(37, 8), (40, 8), (17, 1), (9, 4)])
+def test_windowed_attention_by_chunks_equals_the_full_mask(n, window):
+    """`windowed_attention` (chunks of `window` rows seeing their own and the previous chunk: how the head trains over
+    long texts) gives the full causal-window attention's output and gradients, texts not a multiple of the window."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, n, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    rows = torch.arange(n)
+    mask = (rows[None] <= rows[:, None]) & (rows[None] > rows[:, None] - window)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                            attn_mask=mask)
+    chunked = windowed_attention(q, k, v, window, 3)
+    torch.testing.assert_close(chunked, full)
+    weights = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    expected = torch.autograd.grad((full * weights).sum(), (q, k, v))
+    torch.testing.assert_close(torch.autograd.grad((chunked * weights).sum(), (q, k, v)), expected)
 
 
 def _deepened(head, layers, scale=0.2, seed=3):

@@ -122,8 +122,11 @@ class _Attention(nn.Module):
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
         m = keys.shape[2] - n
         window = c.attention_window
+        G = c.num_attention_heads // c.num_key_value_heads
         if n == 1 and past_mask is None and (window is None or m < window):  # one row that sees every key
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        elif past is None and window is not None and n > 2 * window:  # a long text (training): by chunks
+            out = windowed_attention(q, k, v, window, G)
         else:  # masked, K/V heads repeated (with a mask or in fp32, SDPA's GQA path falls back to the math kernel,
             # which materializes every head's scores: fine for one row, not for a prompt)
             if past_mask is not None:
@@ -132,10 +135,31 @@ class _Attention(nn.Module):
                 mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=x.device).tril(m)
                 if window is not None:  # row i sees the `attention_window` rows up to itself
                     mask &= torch.ones_like(mask).triu(m - window + 1)
-            G = c.num_attention_heads // c.num_key_value_heads
             out = F.scaled_dot_product_attention(q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1),
                                                  attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, n, -1)), (k, v)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, groups: int) -> torch.Tensor:
+    """Causal attention within a window — row i sees rows i - window + 1 … i — of queries `[B, H, n, D]` over keys and
+    values `[B, Hkv, n, D]` (H = `groups` · Hkv), computed by chunks of `window` rows that each see their own chunk
+    and the one before it: n × 2·window scores instead of n × n, the same result as the full masked attention
+    (`tests/test_draft.py`). Returns `[B, H, n, D]`."""
+    B, H, n, D = q.shape
+    W, C = window, -(-n // window)
+    pad = C * W - n
+    qc = F.pad(q, (0, 0, 0, pad)).view(B, H, C, W, D).transpose(1, 2).reshape(B * C, H, W, D)
+
+    def pairs(x):  # [B, Hkv, n, D] -> [B * C, Hkv, 2W, D]: chunk c's keys are rows (c - 1) W … (c + 1) W - 1
+        x = F.pad(x, (0, 0, W, pad)).unfold(2, 2 * W, W)  # [B, Hkv, C, D, 2W]; a chunk of zeros in front
+        return x.permute(0, 2, 1, 4, 3).reshape(B * C, x.shape[1], 2 * W, D).repeat_interleave(groups, 1)
+
+    i = torch.arange(W, device=q.device)[:, None]
+    j = torch.arange(2 * W, device=q.device)[None]
+    mask = ((j <= i + W) & (j >= i + 1)).expand(C, W, 2 * W).clone()  # key j of a chunk is its row j - W
+    mask[0, :, :W] = False  # the first chunk has none before it
+    out = F.scaled_dot_product_attention(qc, pairs(k), pairs(v), attn_mask=mask.repeat(B, 1, 1)[:, None])
+    return out.view(B, C, H, W, D).transpose(1, 2).reshape(B, H, C * W, D)[:, :, :n]
 
 
 class _MLP(nn.Module):

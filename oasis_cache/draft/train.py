@@ -461,13 +461,17 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
             saved = done
             if not progress:
                 print(f"step {done}: loss {total:.3f}, {time.monotonic() - started:.0f} s", flush=True)
+    loop_seconds = time.monotonic() - loop_started
     if saved != done or not (out / "head").exists():  # the last steps, or a head that no step changed
         _save(head, optimizer, done, out, model)
     metrics = evaluate(head, model, held)
     if documents:
         document = held_out_document(tokenizer, document_tokens)
         metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, layers=head.config.num_hidden_layers, ttt=ttt, confidence_weight=confidence_weight,
+    metrics.update(steps=done, train_seconds=round(loop_seconds, 1),
+                   steps_per_second=round((done - start) / max(loop_seconds, 1e-9), 3),
+                   matmul_precision=torch.get_float32_matmul_precision(), layers=head.config.num_hidden_layers,
+                   ttt=ttt, confidence_weight=confidence_weight,
                    lr=lr, lr_schedule=lr_schedule,
                    crop=crop, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
                    held_out=len(held), document_source=document_source if documents and generated else None)
@@ -583,7 +587,13 @@ def main():
     parser.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument("--quiet", action="store_true", help="no progress bars; a line per checkpoint")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="high",
+                        help="float32 matmuls on CUDA (torch.set_float32_matmul_precision): high, the default, lets "
+                             "the head's training use TF32 tensor cores; highest keeps full float32 (the runs "
+                             "before the twenty-second session)")
     args = parser.parse_args()
+    if args.device.startswith("cuda"):
+        torch.set_float32_matmul_precision(args.matmul_precision)
     model, tokenizer = load_target(args.target, args.device, args.dtype)
     metrics = train(model, tokenizer, args.out, steps=args.steps, draft_vocab=args.draft_vocab, ttt=args.ttt,
                     confidence_weight=args.confidence_weight,
