@@ -55,6 +55,16 @@ def held_out_code(tokenizer, tokens: int) -> torch.Tensor:
     raise ValueError(f"the standard library's code has only {len(ids)} tokens; ask for fewer")
 
 
+def _lookup_spec(spec: str | None) -> tuple[int | None, bool]:
+    """"N" or "N+arbiter" (`--draft-lookup`) -> (order, arbiter); None: the package's default, no arbiter."""
+    if spec is None:
+        return None, False
+    order, _, rest = spec.partition("+")
+    if not order.isdigit() or rest not in ("", "arbiter"):
+        raise SystemExit(f"--draft-lookup {spec}: give N or N+arbiter (N tokens matched, 0: off)")
+    return int(order), rest == "arbiter"
+
+
 def held_out_prompts(tok, prompt: str, sequences: int, context: int, text: str = "docs") -> list:
     """The prompts this script decodes: `sequences` disjoint windows of `context` tokens of held-out text (what no
     shipped head was trained on: `text` "docs", the documentation's first 16K tokens, or "code", `held_out_code`), as
@@ -96,8 +106,10 @@ def main():
     parser.add_argument("--text", choices=["docs", "code"], default="docs",
                         help="held-out text: the documentation's first 16K tokens, or the standard library's code "
                              "without docstrings (any length: 32K contexts)")
-    parser.add_argument("--draft-lookup", type=int, default=None,
-                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone)")
+    parser.add_argument("--draft-lookup", nargs="+", default=None, metavar="N[+arbiter]",
+                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone); "
+                             "N+arbiter: the lookup's candidate only where it was right as often as the head lately "
+                             "(draft/ngram_lookup.py's arbiter); several: one eagle3 row each")
     parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
                                                                  "eagle3-oracle"],
                         help="the rows to run (default: all that apply)")
@@ -127,17 +139,19 @@ def main():
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(**inputs, max_new_tokens=args.steps + 1, do_sample=False,
                                pad_token_id=tok.pad_token_id,
-                               past_key_values=OasisCache(model, token_budget=args.budget, scorer=args.scorer,
-                                                          summary_channels=args.summary_channels))
+                               **OasisCache(model, token_budget=args.budget, scorer=args.scorer,
+                                            summary_channels=args.summary_channels).generate_kwargs())
     # K: the blocks a step selects; the slots hold at least every block of a context that fits the budget
     # (`OasisConfig.min_slots`: one more than K when the budget is not a multiple of the block size)
     K = OasisConfig(token_budget=args.budget).num_selected_blocks
     min_slots = OasisConfig(token_budget=args.budget).min_slots
-    for mode in modes:
+    lookups = [_lookup_spec(spec) for spec in args.draft_lookup or [None]]
+    runs = [(mode, lookup) for mode in modes for lookup in (lookups if mode == "eagle3" else lookups[:1])]
+    for mode, (order, arbiter) in runs:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
-        if lookahead == "eagle3" and args.draft_lookup is not None:
-            draft["draft_lookup"] = args.draft_lookup
+        if lookahead == "eagle3" and order is not None:
+            draft["draft_lookup"] = order
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
         predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
@@ -146,10 +160,15 @@ def main():
                            **predicting, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[:, position, None]  # [N, 1]
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=args.steps, do_sample=False,
+        if lookahead == "eagle3" and cache.ride_along.lookup is not None:
+            cache.ride_along.lookup.arbiter = arbiter
+        name = mode if len(lookups) == 1 or mode != "eagle3" else \
+            f"eagle3 lookup {order}{'+arbiter' if arbiter else ''}"
+        model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=args.steps, do_sample=False,
                        pad_token_id=tok.pad_token_id)
         stats = cache.stats()
-        row = dict(lookahead=mode, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
+        row = dict(lookahead=name, draft_lookup=order if lookahead == "eagle3" else None,
+                   lookup_arbiter=arbiter if lookahead == "eagle3" and order else None, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"],
                    recall_per_layer=stats["prediction_recall_per_layer"])
         if mode in ("eagle3", "eagle3-head"):  # the drafts against the tokens that came (`stats()`)
@@ -169,7 +188,7 @@ def main():
     for r in rows:
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
                  if r.get("draft_accuracy") is not None else "")
-        print(f"  {r['lookahead']:14} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
+        print(f"  {r['lookahead']:24} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
         layers = {i: v for i, v in (r["recall_per_layer"] or {}).items() if v is not None}
         if not layers:  # no decode step was measured
             continue

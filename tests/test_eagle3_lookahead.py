@@ -376,6 +376,36 @@ def test_ngram_lookup_proposes_what_followed_the_latest_occurrence():
                    draft=random_head(tiny_model("qwen3", num_hidden_layers=4)), draft_lookup=-1)
 
 
+def test_ngram_lookup_arbiter_keeps_whichever_was_right_where_they_disagreed():
+    """The arbiter (`NgramLookup.observe`): after a step where the lookup guessed wrong and the head right, that row
+    drafts the head's token while the lookup still has a candidate; after the lookup is right again where the head is
+    not, the lookup's; rows apart; without the arbiter the lookup always wins."""
+    from oasis_cache.draft.ngram_lookup import NgramLookup
+
+    runs = torch.tensor([[1, 2, 3, 7, 1, 2, 3, 7, 1, 2], [1, 2, 3, 7, 1, 2, 3, 7, 1, 2]])
+    lookup, plain = NgramLookup(order=2, window=12, arbiter=True), NgramLookup(order=2, window=12)
+    head = torch.tensor([[40], [41]])
+    for x in (lookup, plain):
+        x.extend(runs)
+        assert x.propose(head).tolist() == [[3], [3]]  # (1, 2) was followed by 3; the scores start equal
+        x.observe(torch.tensor([[40], [3]]))  # row 0: the head was right, the lookup wrong; row 1: the lookup
+        x.extend(torch.tensor([[40], [3]]))
+    assert lookup.proposed.tolist() == [[3, 40], [3, 41]]
+    assert lookup.scores[0, 0] < lookup.scores[0, 1] and lookup.scores[1, 0] > lookup.scores[1, 1]
+    lookup.extend(torch.tensor([[7, 1], [7, 1]]))  # (7, 1) was followed by 2: the lookup has 2 for both rows
+    plain.extend(torch.tensor([[7, 1], [7, 1]]))
+    assert lookup.propose(head).tolist() == [[40], [2]]
+    assert plain.propose(head).tolist() == [[2], [2]]
+    for _ in range(2):  # the lookup right, the head wrong, twice: row 0 goes back to the lookup
+        lookup.observe(torch.tensor([[2], [2]]))
+        lookup.extend(torch.tensor([[2, 3, 7, 1], [2, 3, 7, 1]]))
+        assert lookup.proposed is None  # several tokens came: no candidate to score
+        proposed = lookup.propose(head)
+    assert proposed.tolist() == [[2], [2]] and lookup.scores[0, 0] > lookup.scores[0, 1]
+    lookup.index_batch(torch.tensor([1, 1]))  # beam search: the rows' scores follow them, no stale candidates
+    assert lookup.proposed is None and torch.equal(lookup.scores[0], lookup.scores[1])
+
+
 def test_draft_lookup_copies_a_repeated_run():
     """In the ride-along: a prompt that repeats a run of tokens, decoded one step; the draft continues the run (the
     lookup), whatever the untrained head guesses; draft_lookup=0 has no lookup."""

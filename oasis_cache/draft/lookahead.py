@@ -167,6 +167,8 @@ class RideAlong:
         if made is not None and q == 1 and self.oracle is None:
             self._count_hit(made, token)
         if self.lookup is not None:
+            if q == 1:
+                self.lookup.observe(token)
             self.lookup.extend(input_ids)
         # the token the last draft row predicted holds where that draft was right (one token came: the one it drafted)
         rode = made if chain_ready and q == 1 and made is not None and self._chained.shape == made.shape else None
@@ -268,7 +270,8 @@ class RideAlong:
         return (self.oracle is None and not self._reordered and self._static is not None
                 and self._static.graph is None and kv.full and kv.k.shape[-4] == batch and self._made is not None
                 and self._hits is not None and self._last_features is not None
-                and (self.lm_head is None or self._chain_ready))
+                and (self.lm_head is None or self._chain_ready)
+                and (self.lookup is None or self.lookup.proposed is not None))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""
@@ -277,7 +280,7 @@ class RideAlong:
         if static is not None:
             tensors += [static.features, static.token, static.position, static.slot, static.draft]
         if self.lookup is not None and self.lookup.history is not None:
-            tensors.append(self.lookup.history)
+            tensors += [self.lookup.history, self.lookup.scores, self.lookup.proposed]
         return [t for t in tensors if t is not None]
 
     def advance_replayed_step(self) -> None:
