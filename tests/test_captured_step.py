@@ -13,7 +13,7 @@ from oasis_cache import OasisCache
 from conftest import prompt_ids, random_head, tiny_model
 
 MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True),
-         dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True)]
+         dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True), dict(lookahead="eagle3", draft_lookup=2)]
 _SKIPPED = {"_model", "_modules", "_forward_memo", "_cache", "captured_steps", "config"}
 
 
