@@ -488,6 +488,19 @@ def test_document_sources_are_large_distinct_and_deterministic():
         document_ids(tok, "web")
 
 
+def test_mixed_and_code_windows_come_from_each_source_alike():
+    """"mixed+code" (the Qwen head's data): windows from the documentation, the docstrings and the package code in
+    about equal numbers (not by length: the code is ~72% of the tokens), deterministic by seed."""
+    from oasis_cache.draft.train import document_ids, document_prompts
+
+    tok = _CharTokenizer()
+    texts = {part: tok.decode(document_ids(tok, part)) for part in ("docs", "docstrings", "code")}
+    prompts = document_prompts(tok, 60, 300, seed=4, source="mixed+code", question=False)
+    assert prompts == document_prompts(tok, 60, 300, seed=4, source="mixed+code", question=False)
+    counts = {part: sum(p in text for p in prompts) for part, text in texts.items()}
+    assert sum(counts.values()) == 60 and all(12 <= n <= 28 for n in counts.values()), counts
+
+
 def test_code_source_is_the_packages_code_without_docstrings_and_never_the_held_out_modules():
     """`--document-source code`: the code of the standard library's packages, docstrings removed (training text for
     a coder model's head); `eval/recall.py --text code` reads the top-level modules, which never appear in it."""

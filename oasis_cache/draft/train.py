@@ -135,7 +135,8 @@ def document_ids(tokenizer, source: str = "docs") -> list[int]:
     `HELD_OUT_DOCUMENT_TOKENS` tokens, which `eval/recall.py` and the held-out check read), "docstrings" (the
     standard library's, `stdlib_docstrings`), "mixed" (both, one after the other), "code" (the code of the standard
     library's packages, `stdlib_code(top_level=False)`: `eval/recall.py --text code` reads the top-level modules)
-    or "mixed+code" (all three)."""
+    or "mixed+code" (all three, one after the other; `document_prompts` draws its windows from each of the three in
+    equal shares)."""
     if source not in DOCUMENT_SOURCES:
         raise ValueError(f"document source must be one of {DOCUMENT_SOURCES}, got {source!r}")
     ids = []
@@ -152,11 +153,15 @@ def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0, source: 
                      question: bool = True) -> list[str]:
     """`count` long prompts: a `tokens`-token window of `document_ids(tokenizer, source)` and a question about it
     (`question=False`: the window alone, to be continued as plain text), so that the head also sees the target's
-    features deep into long contexts."""
-    ids = document_ids(tokenizer, source)
+    features deep into long contexts. "mixed+code" draws each window from the documentation, the docstrings or the
+    package code with equal odds (by length, code would take ~72% of the windows and the documentation ~7%: a head
+    for both kinds of text needs both)."""
+    parts = [document_ids(tokenizer, part) for part in ("docs", "docstrings", "code")] if source == "mixed+code" \
+        else [document_ids(tokenizer, source)]
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
+        ids = parts[0] if len(parts) == 1 else rng.choice(parts)
         start = rng.randrange(0, max(1, len(ids) - tokens))
         ask = rng.choice(DOCUMENT_QUESTIONS)  # drawn either way: the same windows for a seed
         prompts.append(tokenizer.decode(ids[start : start + tokens]) + ("\n\n" + ask if question else ""))
