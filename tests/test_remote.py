@@ -51,11 +51,13 @@ def empty_like(pool: HostKVPool) -> HostKVPool:
 
 
 SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2), (64, "eagle3", 2),  # (budget, lookahead
-          (64, "previous-exact", 1)]  # (-exact: with exact=True), batch)
+          (64, "previous-exact", 1), (64, "eagle3-lookup", 2)]  # (-exact: with exact=True; -lookup: draft_lookup=2),
+# batch)
 
 
 def split_model(lookahead):
-    return tiny_model("llama", **({"num_hidden_layers": 4} if lookahead == "eagle3" else {}))  # the head reads 3
+    return tiny_model("llama", **({"num_hidden_layers": 4} if lookahead.startswith("eagle3") else {}))  # (its head
+    # reads 3 layers)
 
 
 def split_options(model, budget, lookahead) -> dict:
@@ -64,8 +66,17 @@ def split_options(model, budget, lookahead) -> dict:
 
     name, _, variant = lookahead.partition("-")
     return {**OPTIONS, "token_budget": budget, "lookahead": name, "exact": variant == "exact",
-            **({"draft": random_head(model)} if lookahead == "eagle3" else {})}
+            **({"draft": random_head(model)} if name == "eagle3" else {}),
+            **({"draft_lookup": 2} if variant == "lookup" else {})}
 SPLIT_LENGTH = 803
+
+
+def split_prompt(lookahead: str, batch: int) -> torch.Tensor:
+    """A split's prompt `[batch, SPLIT_LENGTH]`: random ids; with the n-gram lookup, a 40-token run repeated (so the
+    lookup's history, which the admission carries, decides drafts)."""
+    if lookahead.endswith("lookup"):
+        return prompt_ids(40, batch=batch).repeat(1, SPLIT_LENGTH // 40 + 1)[:, :SPLIT_LENGTH]
+    return prompt_ids(SPLIT_LENGTH, batch=batch)
 
 
 def publish_everything(master: str) -> dict:
@@ -82,7 +93,7 @@ def publish_everything(master: str) -> dict:
     for budget, lookahead, batch in SPLITS:
         model = split_model(lookahead)
         cache = OasisCache(model, **split_options(model, budget, lookahead))
-        model(input_ids=prompt_ids(SPLIT_LENGTH, batch=batch)[:, :-1], past_key_values=cache, use_cache=True)
+        model(input_ids=split_prompt(lookahead, batch)[:, :-1], past_key_values=cache, use_cache=True)
         name = f"split-{budget}-{lookahead}-{batch}"
         reports[name] = publish(cache, store, name)
         if (budget, lookahead, batch) == SPLITS[1]:
@@ -265,13 +276,13 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
     length, request = SPLIT_LENGTH, f"split-{budget}-{lookahead}-{batch}"
     report = published[request]
     model = split_model(lookahead)
-    ids = prompt_ids(length, batch=batch)
+    ids = split_prompt(lookahead, batch)
     kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
     local = OasisCache(model, **split_options(model, budget, lookahead))
     model(input_ids=ids[:, :-1], past_key_values=local, use_cache=True)
     expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
     store = connect(mooncake_master)
-    if lookahead == "eagle3":  # the decode side continues with the prefill's head, and refuses another
+    if lookahead.startswith("eagle3"):  # the decode side continues with the prefill's head, and refuses another
         from conftest import random_head
 
         with pytest.raises(ValueError, match="published with lookahead='eagle3' and a draft head that this process "
@@ -302,7 +313,7 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
-    if lookahead == "eagle3":  # the head's state came along: its drafts were checked as in one process
+    if lookahead.startswith("eagle3"):  # the head's state came along (the lookup's too): drafts checked alike
         assert stats["draft_accuracy"] == local.stats()["draft_accuracy"]
     layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
     heads = cache.layers[0].pool.num_kv_heads
@@ -328,7 +339,8 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
         # the decode side holds its local caches and the blocks decode completed, not the prompt's KV
         assert stats["remote_local_cache_bytes"] < report["full_kv"] / 2.2
     assert report["blocks"] == stats["remote_units_published"] * 2 * 8 * 16 * 4  # fp32 [2, T, D] per unit
-    if lookahead in ("previous", "eagle3"):  # deferred store reads (what a CUDA cache captures): the same tokens,
+    if lookahead.partition("-")[0] in ("previous", "eagle3") and "exact" not in lookahead:  # deferred store reads
+        # (what a CUDA cache captures): the same tokens,
         cache.streams.settle()  # (the last step's prefetch of the first cache may still run on its worker)
         reads.clear()  # the store read only after each step, on the step's thread
         deferred = admit(model, store, request, draft=split_options(model, budget, lookahead).get("draft"),
