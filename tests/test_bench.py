@@ -193,3 +193,43 @@ def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     for method in record["rows"]:
         table = (tmp_path / f"prefill.{method}.profile.txt").read_text()
         assert "under the profiler" in table and "aten::" in table
+
+
+def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_path):
+    """`bench/install_head.py`: a run's head/ folder (safetensors pieces, metrics) becomes a shipped head with its
+    provenance; a head over the size limit, or pieces that do not make a head, leave the installed one untouched."""
+    import pytest
+    import torch
+
+    from oasis_cache.draft import load_eagle3, save_eagle3
+
+    from conftest import random_head, tiny_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from install_head import install
+
+    head = random_head(tiny_model("qwen3", num_hidden_layers=4)).to(torch.bfloat16)
+    trained, parts = save_eagle3(head, tmp_path / "trained"), tmp_path / "run" / "head"
+    parts.mkdir(parents=True)
+    blob = (trained / "model.safetensors").read_bytes()
+    for i, start in enumerate(range(0, len(blob), len(blob) // 3 + 1)):  # cut as `split -b` does
+        (parts / f"parta{chr(97 + i)}").write_bytes(blob[start : start + len(blob) // 3 + 1])
+    (parts / "config.json").write_text((trained / "config.json").read_text())
+    (parts / "metrics.json").write_text(json.dumps({"top1_agreement": 0.5, "steps": 10}))
+    heads = tmp_path / "heads"
+    with pytest.raises(SystemExit, match="target.json"):  # none in the run, no head to keep it from
+        install(parts, "h", {"trained": "today"}, heads=heads)
+    (parts / "target.json").write_text("{}")
+    installed = install(parts, "h", {"trained": "today", "data": None}, heads=heads)
+    loaded = load_eagle3(installed)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].to(value.dtype), value), name
+    metrics = json.loads((installed / "metrics.json").read_text())
+    assert metrics["trained"] == "today" and "data" not in metrics and metrics["steps"] == 10
+    before = {p.name: p.read_bytes() for p in installed.iterdir()}
+    with pytest.raises(SystemExit, match="over --max-mb"):
+        install(parts, "h", {"trained": "later"}, max_mb=0.001, heads=heads)
+    (parts / "partab").write_bytes(b"not a piece")
+    with pytest.raises(Exception):
+        install(parts, "h", {"trained": "later"}, heads=heads)
+    assert {p.name: p.read_bytes() for p in installed.iterdir()} == before
