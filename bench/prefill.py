@@ -6,8 +6,10 @@ chunk (`resident_prefill=False`, the behaviour before the twentieth session).
     python bench/prefill.py --model qwen25-coder-0.5b --context 8192 --chunk-tokens 1024 # real weights, CPU
 
 Each repeat runs every method once, in turn (interleaved), as `generate` runs a prefill: one call of the model on the
-prompt with `logits_to_keep=1`; the time is wall clock around the call (device synchronized). Prints medians and
-writes JSON (command, machine, date) with `--out`.
+prompt with `logits_to_keep=1`; the time is wall clock around the call (device synchronized). `--generate` times
+what a user runs instead: `model.generate(..., max_new_tokens=1)` with its all-ones attention mask (the prefill and
+generate's own work around it; `dense-chunked` has no such call). Prints medians and writes JSON (command, machine,
+date) with `--out`.
 """
 
 from __future__ import annotations
@@ -42,14 +44,21 @@ def build(model, method: str, args):
                       resident_prefill=method == "oasis-resident")
 
 
-def prefill(model, ids, cache, device, chunk_tokens: int = 0) -> tuple[float, torch.Tensor, dict]:
+def prefill(model, ids, cache, device, chunk_tokens: int = 0,
+            generate: bool = False) -> tuple[float, torch.Tensor, dict]:
     """One prefill, timed. `chunk_tokens`: feed the prompt in the chunks OasisCache would cut (`dense-chunked`: what
-    chunking alone costs, without offload or summaries)."""
+    chunking alone costs, without offload or summaries). `generate`: through `model.generate` (one new token)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
-        if chunk_tokens:
+        if generate:
+            given = cache.generate_kwargs() if isinstance(cache, OasisCache) else {"past_key_values": cache}
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                 **given)
+            logits = out.logits[0][:, None]  # [B, 1, V]: the prefill's last row
+        elif chunk_tokens:
             step = max(16, chunk_tokens // ids.shape[0] // 16 * 16)
             for lo in range(0, ids.shape[1], step):
                 logits = model(input_ids=ids[:, lo : lo + step], past_key_values=cache, use_cache=True,
@@ -78,8 +87,14 @@ def main(argv=None):
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timing, one more prefill per method under torch.profiler: its top ROWS ops by "
                              "device time (CUDA) or CPU time, written beside --out (printed without --out)")
+    parser.add_argument("--generate", action="store_true",
+                        help="time model.generate(max_new_tokens=1) instead of the model's forward (what users run)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if args.generate and "dense-chunked" in args.methods:
+        if args.methods != list(METHODS):
+            parser.error("--generate: dense-chunked is not a generate call; leave it out of --methods")
+        args.methods = [m for m in args.methods if m != "dense-chunked"]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.model == "qwen25-coder-0.5b":
         from oasis_cache.loaders import load_qwen25_coder_05b
@@ -95,7 +110,8 @@ def main(argv=None):
     for repeat in range(args.repeats + 1):  # the first round warms up (kernels, allocator), not counted
         for method in args.methods:
             cache = build(model, method, args)
-            seconds, logits, stats = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"))
+            seconds, logits, stats = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"),
+                                             args.generate)
             if repeat:
                 times[method].append(seconds)
             last[method] = (logits, stats)
@@ -108,7 +124,8 @@ def main(argv=None):
     for method in args.methods:
         rows[method]["max_logit_diff_to_" + args.methods[0]] = float((last[method][0] - reference).abs().max())
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'})"
-    print(f"prefill of {args.batch} x {args.context} tokens, {args.model} ({args.dtype}), {machine}, chunks of "
+    print(f"prefill{' through generate' if args.generate else ''} of {args.batch} x {args.context} tokens, "
+          f"{args.model} ({args.dtype}), {machine}, chunks of "
           f"{args.chunk_tokens} tokens over the batch, medians of {args.repeats} interleaved repeats:")
     for method in args.methods:
         ratio = rows[method]["median_s"] / rows["dense"]["median_s"] if "dense" in rows else float("nan")
@@ -136,7 +153,8 @@ def profiled(model, ids, method: str, args, device) -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     cache = build(model, method, args)
     with profile(activities=activities) as prof:
-        seconds, _, _ = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"))
+        seconds, _, _ = prefill(model, ids, cache, device, args.chunk_tokens * (method == "dense-chunked"),
+                                args.generate)
     del cache
     gc.collect()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"

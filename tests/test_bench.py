@@ -193,6 +193,12 @@ def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     for method in record["rows"]:
         table = (tmp_path / f"prefill.{method}.profile.txt").read_text()
         assert "under the profiler" in table and "aten::" in table
+    # through model.generate (its all-ones mask; no dense-chunked call): the same last logits
+    prefill.main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "600", "--batch", "2",
+                  "--chunk-tokens", "256", "--repeats", "1", "--generate", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"dense", "oasis-resident", "oasis-host"}
+    assert all(row["max_logit_diff_to_dense"] < 1e-4 for row in rows.values())
 
 
 def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_path):
