@@ -25,6 +25,7 @@ case "$cmd" in
     echo "started $name" ;;
   wait)
     limit=$1; shift; names=$(jobs_named "$@"); until=$(( $(date +%s) + limit ))
+    for n in $names; do [ -f "$BG/$n/started" ] || { echo "no job $n (jobs: $(ls "$BG" 2>/dev/null | xargs))" >&2; exit 2; }; done
     while [ "$(date +%s)" -lt "$until" ]; do
       left=0; for n in $names; do [ -f "$BG/$n/rc" ] || left=1; done
       [ $left = 0 ] && break; sleep 5
