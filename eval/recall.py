@@ -107,9 +107,9 @@ def main():
                         help="held-out text: the documentation's first 16K tokens, or the standard library's code "
                              "without docstrings (any length: 32K contexts)")
     parser.add_argument("--draft-lookup", nargs="+", default=None, metavar="N[+arbiter]",
-                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head alone); "
-                             "N+arbiter: the lookup's candidate only where it was right as often as the head lately "
-                             "(draft/ngram_lookup.py's arbiter); several: one eagle3 row each")
+                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head "
+                             "alone); N+arbiter: the lookup's candidate only where it was right as often as the head "
+                             "lately (draft/ngram_lookup.py's arbiter); several: one eagle3 row each")
     parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
                                                                  "eagle3-oracle"],
                         help="the rows to run (default: all that apply)")
@@ -168,7 +168,8 @@ def main():
                        pad_token_id=tok.pad_token_id)
         stats = cache.stats()
         row = dict(lookahead=name, draft_lookup=order if lookahead == "eagle3" else None,
-                   lookup_arbiter=arbiter if lookahead == "eagle3" and order else None, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
+                   lookup_arbiter=arbiter if lookahead == "eagle3" and order else None,
+                   recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"],
                    recall_per_layer=stats["prediction_recall_per_layer"])
         if mode in ("eagle3", "eagle3-head"):  # the drafts against the tokens that came (`stats()`)
