@@ -271,7 +271,7 @@ class RideAlong:
                 and self._static.graph is None and kv.full and kv.k.shape[-4] == batch and self._made is not None
                 and self._hits is not None and self._last_features is not None
                 and (self.lm_head is None or self._chain_ready)
-                and (self.lookup is None or self.lookup.proposed is not None))
+                and (self.lookup is None or not self.lookup.arbiter or self.lookup.proposed is not None))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""

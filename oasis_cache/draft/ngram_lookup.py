@@ -18,8 +18,8 @@ of recall, ninth session). On this CPU (Qwen2.5-Coder at 8K, twenty-second sessi
 alone: docs/perf.md.
 
 State: `history` `[B, W]` int64, the last W tokens of each sequence, oldest first (-1 before the first token), shifted
-by one per decode step; `proposed` `[B, 2]` int64, the last step's candidates (lookup, -1 where none; head);
-`scores` `[B, 2]` float32, their hit rates: fixed shapes, updated in place, no host sync.
+by one per decode step; with the arbiter, `proposed` `[B, 2]` int64, the last step's candidates (lookup, -1 where
+none; head), and `scores` `[B, 2]` float32, their hit rates: fixed shapes, updated in place, no host sync.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class NgramLookup:
         self.history.copy_(torch.cat((self.history[:, q:], ids[:, -q:].to(torch.long)), dim=1))
 
     def observe(self, token: torch.Tensor) -> None:
-        """The token `[B, 1]` that came after the last `propose`: scores both candidates where the lookup had one."""
-        if self.proposed is None or self.proposed.shape[0] != token.shape[0]:
+        """The token `[B, 1]` that came after the last `propose`: scores both candidates where the lookup had one
+        (the arbiter's bookkeeping: nothing without it)."""
+        if not self.arbiter or self.proposed is None or self.proposed.shape[0] != token.shape[0]:
             return
         hits = (self.proposed == token.to(self.proposed.device)).float()  # [B, 2]
         had = self.proposed[:, :1] >= 0  # [B, 1]
@@ -81,10 +82,11 @@ class NgramLookup:
         latest = torch.where(match, self._starts, -1).amax(-1, keepdim=True)  # [B, 1]
         follower = history.gather(1, (latest + n).clamp(min=0))  # the token after it (<= W - 1)
         found = (latest >= 0) & (follower >= 0)  # [B, 1]
-        candidates = torch.cat((torch.where(found, follower, -1), draft.to(follower.dtype)), dim=1)  # [B, 2]
-        if self.proposed is not None and self.proposed.shape == candidates.shape:
-            self.proposed.copy_(candidates)  # in place: a captured step writes the same memory
-        else:
-            self.proposed = candidates
-        use = found & (self.scores[:, :1] >= self.scores[:, 1:]) if self.arbiter else found
+        use = found
+        if self.arbiter:  # keep both candidates for `observe` (in place: a captured step writes the same memory)
+            from .lookahead import kept_in_place  # (lookahead imports this module)
+
+            candidates = torch.cat((torch.where(found, follower, -1), draft.to(follower.dtype)), dim=1)  # [B, 2]
+            self.proposed = kept_in_place(self.proposed, candidates)
+            use = found & (self.scores[:, :1] >= self.scores[:, 1:])
         return torch.where(use, follower.to(draft.dtype), draft)
