@@ -239,3 +239,15 @@ def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_pat
     with pytest.raises(Exception):
         install(parts, "h", {"trained": "later"}, heads=heads)
     assert {p.name: p.read_bytes() for p in installed.iterdir()} == before
+
+
+def test_head_attention_bench_times_both_forms_and_they_agree(capsys):
+    """`bench/head_attention.py`: the full-mask and the chunked window attention timed on one text; same output."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import head_attention
+
+    head_attention.main(["--rows", "90", "--window", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                         "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "full mask" in out and "by chunks" in out
+    assert float(out.rsplit("largest output difference", 1)[1]) < 1e-5
