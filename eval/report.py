@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,19 +57,41 @@ def make_cache(model, mode: str, budget: int | None, **cache_options):
     return OasisCache(model, token_budget=budget, lookahead=lookahead, **options)
 
 
-def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size, **cache_options):
-    """Generated token ids (lists) per sample, batches left-padded (`cache_options`: more OasisCache options)."""
+class FirstToken(StoppingCriteria):
+    """Stamps the host clock when `generate` has its first new token (the criteria run after it is sampled; the
+    device is synchronized first, so the stamp is the prefill's end, the cache's construction included)."""
+
+    def __init__(self):
+        self.stamp = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.stamp is None:
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            self.stamp = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size, timing: dict | None = None,
+                   **cache_options):
+    """Generated token ids (lists) per sample, batches left-padded (`cache_options`: more OasisCache options).
+    `timing`: a dict that gets the run's `seconds` and `prefill_seconds` (to each batch's first new token)."""
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     outputs = []
+    started, prefill = time.perf_counter(), 0.0
     for i in range(0, len(samples), batch_size):
         batch = samples[i : i + batch_size]
         enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
         enc = {k: v.to(model.device) for k, v in enc.items()}
+        first, begun = FirstToken(), time.perf_counter()
         cache = make_cache(model, mode, budget, **cache_options)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=[first],
                              pad_token_id=tokenizer.pad_token_id, **{generate_cache_argument(model): cache})
+        prefill += first.stamp - begun
         outputs += out[:, enc["input_ids"].shape[1] :].tolist()
+    if timing is not None:
+        timing.update(seconds=round(time.perf_counter() - started, 2), prefill_seconds=round(prefill, 2))
     return outputs
 
 
@@ -139,18 +161,20 @@ def main():
     for task in args.tasks:
         for length in args.lengths:
             samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
-            dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens, args.batch_size)
+            timing = {}
+            dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens, args.batch_size,
+                                   timing)
             dense_scores = score_outputs(tokenizer, dense, samples)
             rows.append(dict(task=task, length=length, mode="dense", budget=None,
-                             accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0))
+                             accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0, **timing))
             for mode in args.modes:
                 for fraction in args.fractions:
                     budget = max(256, length // fraction)
                     outs = run_generation(model, tokenizer, samples, mode, budget, args.max_new_tokens,
-                                          args.batch_size)
+                                          args.batch_size, timing)
                     scores = score_outputs(tokenizer, outs, samples)
                     rows.append(dict(task=task, length=length, mode=mode, budget=budget, fraction=fraction,
-                                     **against_dense(outs, scores, dense, dense_scores)))
+                                     **against_dense(outs, scores, dense, dense_scores), **timing))
                     print(json.dumps(rows[-1]), flush=True)
 
     nll_rows = nll_report(model, tokenizer, args)

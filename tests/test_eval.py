@@ -93,6 +93,7 @@ def test_report_runs_at_ci_size(tmp_path):
     modes = {(r["mode"], r["budget"]) for r in report["tasks"]}
     assert modes == {("dense", None), ("none@full", 256), ("previous-exact", 256)}
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
+    assert all(0.0 < r["prefill_seconds"] <= r["seconds"] for r in report["tasks"])  # where the suite's time goes
     assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
 
 

@@ -136,4 +136,4 @@ def test_the_shipped_head_is_picked_and_drafts(qwen):
     model.generate(**inputs, past_key_values=cache, max_new_tokens=24, do_sample=False,
                    pad_token_id=tok.eos_token_id)
     stats = cache.stats()
-    assert stats["drafts_checked"] >= 20 and stats["draft_accuracy"] > 0.3, stats["draft_accuracy"]  # 0.59 here
+    assert stats["drafts_checked"] >= 20 and stats["draft_accuracy"] > 0.3, stats["draft_accuracy"]  # 0.68 here (0.59: the first head)
