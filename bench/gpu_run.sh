@@ -20,6 +20,9 @@
 #             at 16K (documentation) and 32K (code) for the new head and the shipped one (QWEN_HEAD), four processes,
 #             eagle3 rows with the n-gram lookup off, on, on with its arbiter (RECALL_LOOKUP, default "0 2 2+arbiter");
 #             longer than one call: start it with bench/gpu_bg.sh
+#   suite     eval/suite.py: issue 22's whole quality suite (both models, every task, modes, budgets; 3 processes at
+#             once), its wall time and tables; OASIS_SMOLLM2_GGUF and OASIS_QWEN05_GGUF set, SUITE_ARGS more options
+#             (e.g. "--models qwen25-coder-0.5b --lengths 32768"); longer than one call: start it with bench/gpu_bg.sh
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
 #             nine parts, ../shared/tools/qwen05-parts.sh): the in-decode workload (eval/in_decode.py), the quality
 #             suite at 8K-32K, recall at 8K and 16K (the documentation's held-out region is 16K tokens;
@@ -147,6 +150,7 @@ for arg in "$@"; do
     qwenreportpar) nll=${REPORT_NLL_TOKENS:-256}; for L in ${REPORT_LENGTHS:-8192 16384 32768}; do  # one process per length (the NLL rows in the first)
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0; done; wait
       tail -n 45 "$OUT"/report-qwen05-*${REPORT_TAG:-}.log ;;
+    suite) python3 eval/suite.py --out "$OUT/suite" ${SUITE_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/suite.log" | tail -80 ;;  # issue 22's whole quality suite, both models (OASIS_SMOLLM2_GGUF and OASIS_QWEN05_GGUF set)
     qwenreporttasks) nll=${REPORT_NLL_TOKENS:-256}; L=${REPORT_LENGTHS:-32768}; for T in ${REPORT_TASKS:-single_needle multikey multivalue variable_tracking frequent_words}; do  # one process per task at one length (the NLL rows in the first)
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_TASKS=$T REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L-$T${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0
         while (( $(jobs -rp | wc -l) >= ${REPORT_PARALLEL:-3} )); do wait -n; done; done; wait  # at most 3 at once

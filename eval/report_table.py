@@ -39,7 +39,8 @@ def table(rows: list[dict]) -> str:
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in columns) + " |"]
     for key in sorted(cells, key=lambda k: (k[0], k[1])):
         accuracy = f"{dense[key]:.2f}" if key in dense else "–"
-        lines.append(f"| {key[0]} | {key[1] // 1024}K | {accuracy} | "
+        length = f"{key[1] // 1024}K" if key[1] >= 1024 else str(key[1])
+        lines.append(f"| {key[0]} | {length} | {accuracy} | "
                      + " | ".join(cells[key].get(c, "–") for c in columns) + " |")
     return "\n".join(lines)
 

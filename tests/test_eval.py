@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,6 +96,46 @@ def test_report_runs_at_ci_size(tmp_path):
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["tasks"])
     assert all(0.0 < r["prefill_seconds"] <= r["seconds"] for r in report["tasks"])  # where the suite's time goes
     assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
+
+
+def test_suite_runs_its_processes_and_tables_them(tmp_path):
+    """eval/suite.py at CI size: one report process per (model, length, task), two at once, suite.json with each
+    process's time and exit status, the reports beside it, one table per model."""
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "suite.py"), "--tiny", "--parallel", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    assert suite["meta"]["processes"] == 2 and suite["meta"]["failed"] == [] and suite["meta"]["seconds"] > 0
+    assert {p["task"] for p in suite["processes"]} == {"single_needle", "multikey"}
+    assert all(p["returncode"] == 0 and p["seconds"] > 0 for p in suite["processes"])
+    for process in suite["processes"]:
+        rows = json.loads((tmp_path / f"{process['name']}.json").read_text())["tasks"]
+        assert {r["mode"] for r in rows} == {"dense", "none", "previous"}
+    assert "| multikey | 512 |" in run.stdout and "| single_needle | 512 |" in run.stdout
+
+
+def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
+    """The whole suite's plan: both models at their lengths, every task (held-out forms too), four modes at three
+    budgets, the shipped heads, NLL rows once per model. A process that fails is named, and the suite fails."""
+    from eval.suite import MODELS, TASKS, main, plan
+
+    args = SimpleNamespace(models=list(MODELS), lengths=None, tasks=TASKS, modes=["none", "previous", "eagle3",
+                           "eagle3-exact"], fractions=[8, 16, 32], samples=24, nll=True, tiny=False, device=None,
+                           out=str(tmp_path))
+    jobs = plan(args)
+    assert len(jobs) == (2 + 3) * len(TASKS) and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
+    assert [j["length"] for j in jobs] == sorted((j["length"] for j in jobs), reverse=True)  # longest first
+    for model, spec in MODELS.items():
+        mine = [j["command"] for j in jobs if j["model"] == model]
+        assert sorted({int(c[c.index("--lengths") + 1]) for c in mine}) == spec["lengths"]
+        assert sum(c[c.index("--nll-tokens") + 1] != "0" for c in mine) == 1
+        assert all(Path(c[c.index("--head") + 1]).is_dir() for c in mine)
+        assert all(c[c.index("--fractions") + 1 : c.index("--modes")] == ["8", "16", "32"] for c in mine)
+    with pytest.raises(SystemExit, match="1 process.*failed: report-tiny-512-single_needle"):
+        main(["--tiny", "--tasks", "single_needle", "--modes", "sideways", "--out", str(tmp_path / "bad")])
+    assert "unknown mode 'sideways'" in (tmp_path / "bad" / "report-tiny-512-single_needle.log").read_text()
+    with pytest.raises(SystemExit, match="not a suite length"):
+        main(["--plan", "--models", "smollm2", "--lengths", "32768"])
 
 
 def test_scorers_order_bound_half_bound_and_exact_max():

@@ -1,0 +1,158 @@
+"""The quality suite in one command: `eval/report.py` over both real models, every task (the held-out forms too), the
+lengths each model reaches, modes `none` / `previous` / `eagle3` / the default (`eagle3-exact`), budgets 1/8, 1/16
+and 1/32 of the context, with the shipped heads. One process per (model, length, task), at most `--parallel` at
+once, the longest first; decode-mode NLL in one process per model. Prints each process's time, the whole run's wall
+time and the tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
+
+    python eval/suite.py --out eval/results/suite          # the whole suite (an H200: `bash bench/gpu_run.sh suite`)
+    python eval/suite.py --plan                            # the processes it would run, nothing run
+    python eval/suite.py --models qwen25-coder-0.5b --lengths 32768 --tasks multikey --out /tmp/s
+    python eval/suite.py --tiny --out /tmp/suite           # CI size: random weights, the plumbing only
+
+Where the time goes: every row of a report prefills its prompts again (1 + modes x budgets prefills per task and
+length); the reports' rows carry `seconds` and `prefill_seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eval.report_table import table  # noqa: E402
+from eval.tasks import HELD_OUT_TASKS  # noqa: E402
+
+HEADS = ROOT / "oasis_cache" / "draft" / "heads"
+# Per model: the lengths it reaches, its shipped head, dtype and batch (32K prompts of 8 fit three processes at once).
+MODELS = {
+    "smollm2": dict(lengths=[4096, 8192], head="smollm2-135m-instruct", dtype="float32", batch=16),
+    "qwen25-coder-0.5b": dict(lengths=[8192, 16384, 32768], head="qwen2.5-coder-0.5b-instruct", dtype="bfloat16",
+                              batch=8),
+}
+TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "frequent_words", *HELD_OUT_TASKS]
+MODES = ["none", "previous", "eagle3", "eagle3-exact"]
+FRACTIONS = [8, 16, 32]
+NLL_PREFILL, NLL_TOKENS = 7936, 256
+
+
+def plan(args) -> list[dict]:
+    """The processes: one per (model, length, task), the longest lengths first; the NLL rows in each model's first."""
+    jobs = []
+    for model in args.models:
+        spec = MODELS[model] if model != "tiny" else dict(lengths=[512], head=None, dtype="float32", batch=2)
+        lengths = [n for n in spec["lengths"] if args.lengths is None or n in args.lengths]
+        first = True
+        for length in sorted(lengths, reverse=True):
+            for task in args.tasks:
+                name = f"report-{model}-{length}-{task}"
+                modes = [m for m in args.modes if spec["head"] or not m.startswith("eagle3")]
+                command = [sys.executable, str(ROOT / "eval" / "report.py"), "--model", model, "--tasks", task,
+                           "--filler", "noise", "--lengths", str(length), "--samples", str(args.samples),
+                           "--batch-size", str(spec["batch"]), "--fractions", *map(str, args.fractions),
+                           "--modes", *modes, "--dtype", spec["dtype"], "--nll-prefill", str(NLL_PREFILL),
+                           "--nll-tokens", str(NLL_TOKENS if first and args.nll else 0),
+                           "--out", str(Path(args.out or "OUT") / f"{name}.json")]
+                if spec["head"] and any(m.startswith("eagle3") for m in modes):
+                    command += ["--head", str(HEADS / spec["head"])]
+                if args.tiny:
+                    command.append("--tiny")  # (report.py's CI size: 2 samples at 512 tokens, budget 1/4)
+                if args.device:
+                    command += ["--device", args.device]
+                jobs.append(dict(model=model, length=length, task=task, name=name, command=command))
+                first = False
+    return sorted(jobs, key=lambda j: -j["length"])  # (stable: each model's NLL process stays its first)
+
+
+def run(jobs: list[dict], out: Path, parallel: int) -> None:
+    """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`."""
+    waiting, running = list(jobs), []
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            job = waiting.pop(0)
+            log = open(out / f"{job['name']}.log", "w")
+            job["started"] = time.perf_counter()
+            job["process"] = subprocess.Popen(job["command"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            job["log"] = log
+            running.append(job)
+        time.sleep(0.5)
+        for job in [j for j in running if j["process"].poll() is not None]:
+            running.remove(job)
+            job["log"].close()
+            job["seconds"] = round(time.perf_counter() - job.pop("started"), 1)
+            job["returncode"] = job.pop("process").returncode
+            del job["log"]
+            state = "ok" if job["returncode"] == 0 else f"FAILED (exit {job['returncode']}; {job['name']}.log)"
+            print(f"{job['name']:60} {job['seconds']:8.1f} s  {state}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for the reports, their logs and suite.json")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, "tiny"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="only these of each model's lengths")
+    parser.add_argument("--tasks", nargs="+", default=TASKS)
+    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--fractions", type=int, nargs="+", default=FRACTIONS)
+    parser.add_argument("--samples", type=int, default=24)
+    parser.add_argument("--no-nll", dest="nll", action="store_false", help="no decode-mode NLL rows")
+    parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--plan", action="store_true", help="print the processes and stop")
+    parser.add_argument("--tiny", action="store_true", help="CI size: the random-weight model, two tasks, two modes")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.models, args.modes = ["tiny"], [m for m in args.modes if not m.startswith("eagle3")] or ["none"]
+        args.tasks = args.tasks if args.tasks != TASKS else ["single_needle", "multikey"]
+    unknown = [t for t in args.tasks if t not in TASKS and t not in ("multi_needle", "passkey")]
+    if unknown:
+        raise SystemExit(f"unknown task(s) {unknown}: one of {', '.join(TASKS)}, multi_needle, passkey")
+    if not args.plan and not args.out:
+        raise SystemExit("--out FOLDER is needed (the reports, their logs and suite.json go there); --plan runs nothing")
+    reached = {n for model in args.models for n in MODELS.get(model, dict(lengths=[512]))["lengths"]}
+    if args.lengths and not set(args.lengths) <= reached:
+        raise SystemExit(f"--lengths {sorted(set(args.lengths) - reached)}: not a suite length of "
+                         f"{', '.join(args.models)} (theirs: {sorted(reached)})")
+    jobs = plan(args)
+    if args.plan:
+        for job in jobs:
+            print(" ".join(job["command"]))
+        print(f"{len(jobs)} processes")
+        return
+    import torch
+
+    parallel = args.parallel or (3 if torch.cuda.is_available() else 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    run(jobs, out, parallel)
+    seconds = round(time.perf_counter() - started, 1)
+    failed = [j["name"] for j in jobs if j["returncode"] != 0]
+    meta = dict(command="python " + " ".join(sys.argv if argv is None else ["eval/suite.py", *argv]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU",
+                seconds=seconds, parallel=parallel, processes=len(jobs), failed=failed)
+    for job in jobs:
+        job["command"] = " ".join(job["command"][1:])
+    (out / "suite.json").write_text(json.dumps(dict(meta=meta, processes=jobs), indent=1))
+    for model in args.models:
+        rows = [r for j in jobs if j["model"] == model and j["returncode"] == 0
+                for r in json.loads((out / f"{j['name']}.json").read_text())["tasks"]]
+        if rows:
+            print(f"\n{model}\n{table(rows)}")
+    print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall; wrote {out / 'suite.json'}")
+    if failed:
+        raise SystemExit(f"{len(failed)} process(es) failed: {', '.join(failed)} (their logs are in {out})")
+
+
+if __name__ == "__main__":
+    main()
