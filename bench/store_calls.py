@@ -9,8 +9,9 @@ by `batch_put_from` calls of `BATCH_OBJECTS` objects, gets them back by `batch_g
 object and the throughput (medians of `--repeats`). `--probe N ...`: one `batch_put_from` of N 8-KiB objects each,
 on a fresh store, and whether every object went in (Mooncake 0.3.13 fails whole batches above ~2K objects).
 `--ranges`: the other layout a remote tier could use — 32 objects of 256 units of 8 KiB (a head's blocks of one
-host chunk in one object), put whole, then `get_into_ranges` of 4 / 16 / 64 units from each into a registered buffer
-(`batch_get_into_multi_buffer_ranges` answers -600 here, registered or not).
+host chunk in one object), put whole, then `get_into_ranges` of 4 / 16 / 64 units from each into a registered buffer,
+and the same reads by `batch_get_into_multi_buffer_ranges` inside a get session (`batch_get_session_start`: the
+replicas looked up once; without a session that call answers -600).
 """
 
 from __future__ import annotations
@@ -115,10 +116,27 @@ def ranges(repeats: int) -> list[dict]:
                                        data[(i * per + u) * unit: (i * per + u + 1) * unit])
                            for i, p in enumerate(picks) for u in p)
             get = statistics.median(gets)
+            sessions = []  # the same reads as one get session: replicas looked up once, then ranged reads
+            for rep in range(repeats):
+                names = [f"{k}/{rep}" for k in keys]
+                picks = [torch.randperm(per, generator=generator)[:want].sort().values.tolist() for _ in range(count)]
+                assert all(s == 0 for s in client.batch_get_session_start(names))
+                start = time.perf_counter()
+                got = client.batch_get_into_multi_buffer_ranges(
+                    names, [[back.data_ptr() + (i * per + u) * unit for u in p] for i, p in enumerate(picks)],
+                    [[unit] * want] * count, [[u * unit for u in p] for p in picks])
+                sessions.append(time.perf_counter() - start)
+                client.batch_get_session_end(names)
+                assert got == [want * unit] * count
+                assert all(torch.equal(back[(i * per + u) * unit: (i * per + u + 1) * unit],
+                                       data[(i * per + u) * unit: (i * per + u + 1) * unit])
+                           for i, p in enumerate(picks) for u in p)
+            session = statistics.median(sessions)
             rows.append(dict(units_per_object=per, units_read_per_object=want, objects=count,
-                             put_us_per_unit=put / (count * per) * 1e6, get_us_per_unit=get / (count * want) * 1e6))
-            print(f"get_into_ranges, {want} units from each object: {rows[-1]['get_us_per_unit']:.1f} us per unit",
-                  flush=True)
+                             put_us_per_unit=put / (count * per) * 1e6, get_us_per_unit=get / (count * want) * 1e6,
+                             session_get_us_per_unit=session / (count * want) * 1e6))
+            print(f"{want} units from each object: get_into_ranges {rows[-1]['get_us_per_unit']:.1f} us per unit, "
+                  f"in a get session {rows[-1]['session_get_us_per_unit']:.1f}", flush=True)
         client.close()
     return rows
 
