@@ -174,6 +174,7 @@ def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
     assert [r["objects"] for r in rows] == [128, 16] and all(r["put_us_per_object"] > 0 for r in rows)
     ranged = store_calls.ranges(repeats=1)  # asserts every range read equals what was put
     assert [r["units_read_per_object"] for r in ranged] == [4, 16, 64]
+    assert all(r["session_get_us_per_unit"] > 0 for r in ranged)  # (the session reads are checked byte for byte too)
 
 
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
