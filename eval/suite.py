@@ -75,24 +75,31 @@ def plan(args) -> list[dict]:
 def run(jobs: list[dict], out: Path, parallel: int) -> None:
     """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`."""
     waiting, running = list(jobs), []
-    while waiting or running:
-        while waiting and len(running) < parallel:
-            job = waiting.pop(0)
-            log = open(out / f"{job['name']}.log", "w")
-            job["started"] = time.perf_counter()
-            job["process"] = subprocess.Popen(job["command"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            job["log"] = log
-            running.append(job)
-        time.sleep(0.5)
-        for job in [j for j in running if j["process"].poll() is not None]:
-            running.remove(job)
+    try:
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                job = waiting.pop(0)
+                log = open(out / f"{job['name']}.log", "w")
+                job["started"] = time.perf_counter()
+                job["process"] = subprocess.Popen(job["command"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                job["log"] = log
+                running.append(job)
+            time.sleep(0.5)
+            for job in [j for j in running if j["process"].poll() is not None]:
+                running.remove(job)
+                job["log"].close()
+                job["seconds"] = round(time.perf_counter() - job.pop("started"), 1)
+                job["returncode"] = job.pop("process").returncode
+                del job["log"]
+                state = "ok" if job["returncode"] == 0 else f"FAILED (exit {job['returncode']}; {job['name']}.log)"
+                print(f"{job['name']:60} {job['seconds']:8.1f} s  {state}", flush=True)
+    finally:  # (interrupted: no report process goes on holding the GPU)
+        for job in running:
+            job["process"].terminate()
+        for job in running:
+            job["process"].wait()
             job["log"].close()
-            job["seconds"] = round(time.perf_counter() - job.pop("started"), 1)
-            job["returncode"] = job.pop("process").returncode
-            del job["log"]
-            state = "ok" if job["returncode"] == 0 else f"FAILED (exit {job['returncode']}; {job['name']}.log)"
-            print(f"{job['name']:60} {job['seconds']:8.1f} s  {state}", flush=True)
 
 
 def main(argv=None):

@@ -138,6 +138,21 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
         main(["--plan", "--models", "smollm2", "--lengths", "32768"])
 
 
+def test_suite_interrupted_leaves_no_process_running(tmp_path, monkeypatch):
+    """Ctrl-C in eval/suite.py: the report processes it started are stopped, not left holding the device."""
+    import eval.suite as suite
+
+    jobs = [dict(name=f"sleeper{i}", command=[sys.executable, "-c", "import time; time.sleep(120)"]) for i in range(2)]
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite.time, "sleep", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        suite.run(jobs, tmp_path, parallel=2)
+    assert all(job["process"].poll() is not None for job in jobs)  # stopped (a sleeper alone runs 120 s)
+
+
 def test_scorers_order_bound_half_bound_and_exact_max():
     """The shipped min/max bound and the half-block bound are upper bounds of the exact max q.k, the finer one
     tighter: exact max <= half_bound <= bound, block by block."""
