@@ -9,8 +9,9 @@ time and the tables (`eval/report_table.py`); writes `suite.json` beside the rep
     python eval/suite.py --models qwen25-coder-0.5b --lengths 32768 --tasks multikey --out /tmp/s
     python eval/suite.py --tiny --out /tmp/suite           # CI size: random weights, the plumbing only
 
-Where the time goes: every row of a report prefills its prompts again (1 + modes x budgets prefills per task and
-length); the reports' rows carry `seconds` and `prefill_seconds`.
+Where the time goes: the prefill (the reports' rows carry `seconds` and `prefill_seconds`). Each report process
+prefills a batch once for dense and once per mode, but for its last chunk, which each budget runs from a fork of
+that cache (`report.py --shared-prefill`, `OasisCache.fork`: the tokens each budget's own `generate` gives).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def plan(args) -> list[dict]:
                            "--out", str(Path(args.out or "OUT") / f"{name}.json")]
                 if spec["head"] and any(m.startswith("eagle3") for m in modes):
                     command += ["--head", str(HEADS / spec["head"])]
+                if args.shared_prefill:
+                    command.append("--shared-prefill")  # (report.py: one prefill per batch and mode, forked per budget)
                 if args.tiny:
                     command.append("--tiny")  # (report.py's CI size: 2 samples at 512 tokens, budget 1/4)
                 if args.device:
@@ -112,6 +115,9 @@ def main(argv=None):
     parser.add_argument("--fractions", type=int, nargs="+", default=FRACTIONS)
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--no-nll", dest="nll", action="store_false", help="no decode-mode NLL rows")
+    parser.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
+                        help="every (mode, budget) row prefills its prompts itself (default: once per mode, the "
+                        "budgets forked from it; the same tokens)")
     parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--plan", action="store_true", help="print the processes and stop")

@@ -10,6 +10,7 @@ sliding / chunked layers of hybrid models keep HF's own dynamic layer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 
 import torch
@@ -535,6 +536,35 @@ class OasisCache(Cache):
         new.ride_along = self.ride_along.copy_for(model, new) if self.ride_along is not None else None
         if new.ride_along is not None:
             weakref.finalize(new, new.ride_along.remove)
+        return new
+
+    def fork(self, *, token_budget: int | None = None) -> "OasisCache":
+        """A copy of this cache, as `copy.deepcopy(cache)` makes, that shares the host pools' chunks of complete
+        blocks with it instead of copying them (the largest part of a long prompt's cache): each fork then decodes on
+        its own, and pinned host memory is allocated only for the blocks it completes. Shared blocks are never
+        written (a crop into them copies them first), so neither cache sees the other's tokens.
+
+        `token_budget`: the fork's budget from its next forward on, at least this cache's (the working set has grown
+        to this budget's slots; a smaller one would leave more resident than it allows: fork from a cache made with
+        the smallest budget). E.g. one prefill, several budgets: `generate` the prompt but its last tokens with a
+        cache made with the smallest budget, then `generate` the whole prompt with `cache.fork(token_budget=b)` for
+        each b: each runs the prompt's last tokens and decodes as a cache made with budget b would."""
+        from .pools.host_kv import SHARE_CHUNKS
+
+        config = self.config
+        if token_budget is not None:
+            if isinstance(token_budget, int) and not isinstance(token_budget, bool) and \
+                    token_budget < config.token_budget:
+                raise ValueError(f"fork(token_budget={token_budget}) is below this cache's budget "
+                                 f"({config.token_budget}): its working set may hold more than that. Fork from a "
+                                 f"cache made with the smallest budget you want, OasisCache(model, "
+                                 f"token_budget={token_budget}, ...).")
+            config = dataclasses.replace(config, token_budget=token_budget)  # (validated as the constructor does)
+        new = copy.deepcopy(self, {SHARE_CHUNKS: True})
+        new.config = config
+        for layer in new.layers:
+            if isinstance(layer, OasisLayer):
+                layer.config = config
         return new
 
     def __reduce_ex__(self, protocol):

@@ -134,7 +134,10 @@ class OasisLayer(CacheLayerMixin):
             back = engine.load_range(self.pool, keep_blocks, self.pool.num_blocks)  # [2, B, H, n, T, D]
             two, B, H, n, _, D = back.shape
             self.recent.prepend(back.reshape(2, B, H, n * T, D))
+            shared = bool(self.pool.shared)
             self.pool.truncate(keep_blocks)
+            if shared:  # a fork's shared chunk may have become its own: the gathers' address table follows now
+                engine.refresh_addresses(self.pool)
             self.summaries.truncate(keep_blocks)
             self.slot_map.forget_blocks_from(keep_blocks)
         self.recent.truncate(keep - keep_blocks * T)

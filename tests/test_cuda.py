@@ -503,3 +503,29 @@ def test_other_cache_kinds_on_cuda_are_unchanged_by_the_switch():
     after = runs()
     for key in before:
         assert torch.equal(after[key], before[key]), key
+
+
+@pytest.mark.parametrize("lookahead", ["previous", "none"])
+def test_fork_on_cuda_decodes_what_a_copy_decodes_and_leaves_the_original(lookahead):
+    """`cache.fork()` on CUDA (pinned pools, the Triton gather reading shared chunks, captured steps): the fork and a
+    deep copy decode the same tokens; a crop of the fork into the shared chunks leaves the original's decode as it
+    was."""
+    import copy
+
+    model = tiny_model("llama").cuda()
+    ids = prompt_ids(150).cuda()
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2,
+                       lookahead=lookahead)
+    first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    twin, fork = copy.deepcopy(cache), cache.fork()
+    assert fork.layers[0].pool.chunks[0].data_ptr() == cache.layers[0].pool.chunks[0].data_ptr()
+    kw = dict(max_new_tokens=40, do_sample=False)
+    from_fork = generate(model, fork, {"input_ids": first}, **kw)
+    from_twin = generate(model, twin, {"input_ids": first}, **kw)
+    assert torch.equal(from_fork.sequences, from_twin.sequences)
+    fork.crop(60)
+    generate(model, fork, {"input_ids": first[:, :60]}, **kw)
+    from_original = generate(model, cache, {"input_ids": first}, **kw)
+    assert torch.equal(from_original.sequences, from_twin.sequences)
+    for a, b in zip(from_original.logits, from_twin.logits):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

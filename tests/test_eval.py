@@ -98,6 +98,22 @@ def test_report_runs_at_ci_size(tmp_path):
     assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
 
 
+@pytest.mark.parametrize("mode", ["none", "previous-exact"])
+def test_shared_prefill_generates_what_each_budget_generates(tokenizer, mode):
+    """`report.py --shared-prefill`: a batch's prompt prefilled once (but its last chunk) and forked per budget gives
+    every budget the tokens of its own `generate` (random weights, a left-padded batch of different lengths)."""
+    from eval.report import run_budgets, run_generation
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096)
+    samples = generate_samples(tokenizer, "multikey", 1024, 3, filler="noise")
+    options = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
+    shared = run_budgets(model, tokenizer, samples, mode, [256, 128, 256], 6, 3, **options)
+    assert sorted(shared) == [128, 256] and all(t["shared_prefill_batches"] == 1 for _, t in shared.values())
+    for budget, (outputs, timing) in shared.items():
+        assert outputs == run_generation(model, tokenizer, samples, mode, budget, 6, 3, **options), budget
+        assert 0 < timing["prefill_seconds"] <= timing["seconds"]
+
+
 def test_suite_runs_its_processes_and_tables_them(tmp_path):
     """eval/suite.py at CI size: one report process per (model, length, task), two at once, suite.json with each
     process's time and exit status, the reports beside it, one table per model."""
@@ -121,7 +137,7 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
 
     args = SimpleNamespace(models=list(MODELS), lengths=None, tasks=TASKS, modes=["none", "previous", "eagle3",
                            "eagle3-exact"], fractions=[8, 16, 32], samples=24, nll=True, tiny=False, device=None,
-                           out=str(tmp_path))
+                           out=str(tmp_path), shared_prefill=True)
     jobs = plan(args)
     assert len(jobs) == (2 + 3) * len(TASKS) and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
     assert [j["length"] for j in jobs] == sorted((j["length"] for j in jobs), reverse=True)  # longest first
@@ -131,6 +147,7 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
         assert sum(c[c.index("--nll-tokens") + 1] != "0" for c in mine) == 1
         assert all(Path(c[c.index("--head") + 1]).is_dir() for c in mine)
         assert all(c[c.index("--fractions") + 1 : c.index("--modes")] == ["8", "16", "32"] for c in mine)
+        assert all("--shared-prefill" in c for c in mine)
     with pytest.raises(SystemExit, match="1 process.*failed: report-tiny-512-single_needle"):
         main(["--tiny", "--tasks", "single_needle", "--modes", "sideways", "--out", str(tmp_path / "bad")])
     assert "unknown mode 'sideways'" in (tmp_path / "bad" / "report-tiny-512-single_needle.log").read_text()

@@ -202,6 +202,66 @@ def test_deepcopy_with_eagle3_keeps_its_own_drafts():
     assert len(model.model._forward_hooks) == hooks  # the copy's hooks left with it
 
 
+def test_fork_shares_complete_blocks_and_neither_cache_sees_the_other():
+    """`cache.fork()`: the host pools' chunks full of complete blocks are the same memory in both caches, the chunk
+    being filled is the fork's own; each decodes what a deep copy decodes (bitwise), and a crop of the fork into the
+    shared blocks copies them first: the original still decodes as before."""
+    model = tiny_model("llama")
+    ids = prompt_ids(150)
+    options = dict(token_budget=64, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
+    cache = OasisCache(model, **options)
+    first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    twin, fork = copy.deepcopy(cache), cache.fork()
+    for layer, forked in zip(cache.layers, fork.layers):
+        pool, shared = layer.pool, forked.pool
+        full = pool.num_blocks // pool.chunk_blocks  # 9 blocks: chunks 0-3 full, chunk 4 half
+        assert full == 4 and pool.shared == shared.shared == set(range(full))
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(pool.chunks[:full], shared.chunks[:full]))
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(pool.chunks[full:], shared.chunks[full:]))
+    kw = dict(max_new_tokens=40, do_sample=False)
+    from_fork, from_twin = generate(model, fork, {"input_ids": first}, **kw), generate(model, twin, {"input_ids": first}, **kw)
+    assert torch.equal(from_fork.sequences, from_twin.sequences)
+    for a, b in zip(from_fork.logits, from_twin.logits):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    fork.crop(60)  # into the shared chunks: the fork copies what it will write
+    assert fork.layers[0].pool.shared == set(range(60 // 16 // 2))
+    generate(model, fork, {"input_ids": first[:, :60]}, max_new_tokens=40, do_sample=False)  # rewrites blocks 3-5
+    from_original = generate(model, cache, {"input_ids": first}, **kw)
+    assert torch.equal(from_original.sequences, from_twin.sequences)
+    for a, b in zip(from_original.logits, from_twin.logits):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
+def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode):
+    """The evaluation's shared prefill: the prompt but its last chunk prefilled once with the smallest budget, then
+    per budget `fork(token_budget=b)` and `generate` on the whole prompt: the tokens a cache made with budget b
+    generates (a left-padded batch, chunked prefill); a budget below the cache's is refused, naming the way."""
+    from oasis_cache.compute.prefill import prefill_chunks
+
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    lookahead, _, exact = mode.partition("-")
+    options = dict(lookahead=lookahead, exact=exact == "exact", prefill_chunk_tokens=512, host_chunk_blocks=4,
+                   draft=random_head(model) if lookahead == "eagle3" else None)
+    inputs = left_padded([700, 640])
+    kw = dict(max_new_tokens=20, do_sample=False)
+    spans = prefill_chunks(dict(inputs, logits_to_keep=1), 512, 16, 16)
+    split = spans[-1][0]
+    base = OasisCache(model, token_budget=96, **options)
+    model.generate(**{k: v[:, :split] for k, v in inputs.items()}, past_key_values=base, max_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    assert base.layers[0].pool.shared == set()
+    for budget in (96, 160, 256):
+        direct = generate(model, OasisCache(model, token_budget=budget, **options), inputs, **kw)
+        forked = generate(model, base.fork(token_budget=budget), inputs, **kw)
+        assert torch.equal(forked.sequences, direct.sequences), budget
+        for a, b in zip(forked.logits, direct.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # (blocks may sit in other slots)
+    assert base.layers[0].pool.shared  # (the pools shared their full chunks)
+    with pytest.raises(ValueError, match=r"below this cache's budget \(96\).*token_budget=64"):
+        base.fork(token_budget=64)
+
+
 def test_pickle_names_the_way_out_and_the_dynamic_round_trip_is_exact():
     model = tiny_model("llama")
     ids = prompt_ids(70)

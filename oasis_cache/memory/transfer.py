@@ -105,6 +105,12 @@ class TransferEngine:
         if self.backend == "triton" and len(pool.chunks) != chunks:
             self._addresses(pool)
 
+    def refresh_addresses(self, pool: HostKVPool) -> None:
+        """After `pool` replaced a chunk (a fork's crop, `HostKVPool.truncate`): its address table now, before any
+        captured step could read the old one (a new table changes the captured steps' signature)."""
+        if self.backend == "triton":
+            self._addresses(pool)
+
     def prepare_capture(self, pools) -> None:
         """Before a decode step is captured (the compute stream has joined the side stream): every offload has
         landed, and each pool's chunk-address table is current — built now, not inside the graph (its host staging

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+# A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
+SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
+
 
 class HostKVPool:
     """Complete blocks of one attention layer, in host memory.
@@ -38,6 +41,9 @@ class HostKVPool:
         self.num_blocks = 0  # NB: complete blocks of the layer (those below `first_block` are not in this pool)
         self.first_block = 0  # blocks [0, first_block) live in a store, behind `remote`
         self.remote = None  # `remote.local_cache.LocalBlockCache` on a decode side
+        # chunks another pool holds too (`OasisCache.fork`): full of complete blocks, so never written (blocks are
+        # appended past `num_blocks`); `truncate` gives this pool its own copy before a crop could write one
+        self.shared: set[int] = set()
 
     # ----------------------------------------------------------------------------------------------------- capacity
     @property
@@ -84,6 +90,9 @@ class HostKVPool:
             self.remote.truncate(num_blocks)
             self.first_block = num_blocks
         self.num_blocks = num_blocks
+        for index in sorted(i for i in self.shared if i >= (num_blocks - self.first_block) // self.chunk_blocks):
+            self.chunks[index] = _pin(self.chunks[index].clone(), self.pin_memory)  # (blocks past the end: rewritten)
+            self.shared.discard(index)
 
     def index_batch(self, indices: torch.Tensor) -> None:
         """Keep or reorder sequences: sequence i becomes old sequence `indices[i]` (beam search, batch selection)."""
@@ -92,15 +101,24 @@ class HostKVPool:
         self.chunks = [
             _pin(chunk.index_select(2, indices), self.pin_memory) for chunk in self.chunks
         ]
+        self.shared = set()
         self.batch_size = int(indices.numel())
 
     def __deepcopy__(self, memo):
-        """Every chunk copied, pinned again where the pool is pinned (a gather reads it through unified addressing)."""
+        """Every chunk copied, pinned again where the pool is pinned (a gather reads it through unified addressing).
+        With `memo[SHARE_CHUNKS]` (`OasisCache.fork`) the chunks full of complete blocks are shared with the copy
+        instead (both pools mark them `shared`); the one being filled is copied, the empty ones made anew."""
         self.fetch_all_remote()  # the copy owns every block (the store's keys go with the original)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.remote = None
-        new.chunks = [_pin(chunk.clone(), self.pin_memory) for chunk in self.chunks]
+        full = self.num_blocks // self.chunk_blocks if memo.get(SHARE_CHUNKS) else 0
+        filled = -(-self.num_blocks // self.chunk_blocks)
+        new.chunks = self.chunks[:full] + [
+            _pin(chunk.clone() if index < filled else torch.empty_like(chunk), self.pin_memory)
+            for index, chunk in enumerate(self.chunks[full:], start=full)]
+        self.shared |= set(range(full))
+        new.shared = set(range(full))
         memo[id(self)] = new
         return new
 
@@ -118,6 +136,7 @@ class HostKVPool:
             for chunk, lo, hi, offset in self.spans(first, self.num_blocks):
                 chunk[lo:hi].copy_(completed[offset : offset + hi - lo])
         self.remote = None
+        self.shared = set()
 
     @property
     def nbytes(self) -> int:
