@@ -95,51 +95,61 @@ def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batc
     return outputs
 
 
-def run_budgets(model, tokenizer, samples, mode, budgets, max_new_tokens, batch_size, **cache_options) -> dict:
-    """`run_generation` of an OasisCache mode at several budgets, each batch's prefill shared: the prompt but its
-    last prefill chunk runs once, through a cache made with the smallest budget, and each budget's `generate` starts
-    from `fork(token_budget=b)` of it, running the last chunk and the decode itself (the tokens a cache made with
-    that budget generates: tests/test_reliability.py). Prompts that fit one chunk are run per budget.
-    {budget: (outputs, timing)}; a batch's shared time is split evenly between the budgets; `timing` also counts
-    the batches that shared a prefill."""
+def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_size, **cache_options) -> dict:
+    """`run_generation` of several OasisCache modes at several budgets, each batch prefilled once: the prompt but its
+    last prefill chunk runs through one cache (eagle3 + exact with the smallest budget where an eagle3 mode is asked,
+    else `previous`), and each (mode, budget)'s `generate` starts from a `fork` of it with that mode and budget,
+    running the last chunk and the decode itself: the tokens a cache made so generates (tests/test_reliability.py).
+    Modes with another option variant ("@...": other summaries) get a prefill of their own; prompts that fit one
+    chunk run per mode and budget. {(mode, budget): (outputs, timing)}; a batch's shared time is split evenly between
+    its runs; `timing` counts the batches that shared a prefill."""
     from oasis_cache.compute.prefill import prefill_chunks
 
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     budgets = sorted(set(budgets))
-    runs = {b: ([], dict(seconds=0.0, prefill_seconds=0.0)) for b in budgets}
-    batches_shared = 0
+    runs = {(m, b): ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0)) for m in modes
+            for b in budgets}
+    groups: dict[str, list[str]] = {}  # option variant -> its modes
+    for mode in modes:
+        groups.setdefault(mode.partition("@")[2], []).append(mode)
     for i in range(0, len(samples), batch_size):
         batch = samples[i : i + batch_size]
         enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
         enc = {k: v.to(model.device) for k, v in enc.items()}
-        begun = time.perf_counter()
-        base = make_cache(model, mode, budgets[0], **cache_options)
-        cfg = base.config
-        spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
-                               cfg.max_decode_tokens)
         kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        if spans is not None and len(spans) > 1:
-            split = spans[-1][0]
-            model.generate(**{k: v[:, :split] for k, v in enc.items()}, max_new_tokens=1, **kw,
-                           **{generate_cache_argument(model): base})
-            batches_shared += 1
-        else:
-            base = None  # one chunk: nothing to share
-        shared = (time.perf_counter() - begun) / len(budgets)
-        for budget in budgets:
-            first, started = FirstToken(), time.perf_counter()
-            cache = base.fork(token_budget=budget) if base is not None else make_cache(model, mode, budget,
-                                                                                       **cache_options)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
-                                 **{generate_cache_argument(model): cache})
-            outputs, timing = runs[budget]
-            outputs += out[:, enc["input_ids"].shape[1] :].tolist()
-            timing["seconds"] += shared + time.perf_counter() - started
-            timing["prefill_seconds"] += shared + first.stamp - started
-            del cache, out
+        for variant, members in groups.items():
+            begun = time.perf_counter()
+            eagle3 = any(m.startswith("eagle3") for m in members)
+            base_mode = ("eagle3-exact" if eagle3 else "previous") + (f"@{variant}" if variant else "")
+            base = make_cache(model, base_mode, budgets[0], **cache_options)
+            cfg = base.config
+            spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
+                                   cfg.max_decode_tokens)
+            if spans is not None and len(spans) > 1:
+                split = spans[-1][0]
+                model.generate(**{k: v[:, :split] for k, v in enc.items()}, max_new_tokens=1, **kw,
+                               **{generate_cache_argument(model): base})
+            else:
+                base = None  # one chunk: nothing to share
+            shared = (time.perf_counter() - begun) / (len(members) * len(budgets))
+            for mode in members:
+                lookahead, _, exact = mode.partition("@")[0].partition("-")
+                for budget in budgets:
+                    first, started = FirstToken(), time.perf_counter()
+                    cache = make_cache(model, mode, budget, **cache_options) if base is None else base.fork(
+                        token_budget=budget, lookahead=lookahead, exact=exact == "exact")
+                    out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
+                                         **{generate_cache_argument(model): cache})
+                    outputs, timing = runs[mode, budget]
+                    outputs += out[:, enc["input_ids"].shape[1] :].tolist()
+                    timing["seconds"] += shared + time.perf_counter() - started
+                    timing["prefill_seconds"] += shared + first.stamp - started
+                    timing["shared_prefill_batches"] += base is not None
+                    del cache, out
+            del base
     for _, timing in runs.values():
-        timing.update({k: round(v, 2) for k, v in timing.items()}, shared_prefill_batches=batches_shared)
+        timing.update({k: round(v, 2) for k, v in timing.items() if isinstance(v, float)})
     return runs
 
 
@@ -193,7 +203,7 @@ def main():
     parser.add_argument("--nll-prefill", type=int, default=7168)
     parser.add_argument("--nll-tokens", type=int, default=256)
     parser.add_argument("--shared-prefill", action="store_true",
-                        help="each batch's prompt prefilled once per mode (but its last chunk), every budget forked "
+                        help="each batch's prompt prefilled once (but its last chunk), every mode and budget forked "
                         "from it (`OasisCache.fork`): the same tokens, a fraction of the prefill time")
     add_run_arguments(parser, max_new_tokens=24, tiny="2 samples at 512 tokens, budget 1/4, small NLL")
     args = parser.parse_args()
@@ -218,13 +228,13 @@ def main():
             dense_scores = score_outputs(tokenizer, dense, samples)
             rows.append(dict(task=task, length=length, mode="dense", budget=None,
                              accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0, **timing))
+            budgets = {fraction: max(256, length // fraction) for fraction in args.fractions}
+            shared = run_shared(model, tokenizer, samples, args.modes, budgets.values(), args.max_new_tokens,
+                                args.batch_size) if args.shared_prefill else {}
             for mode in args.modes:
-                budgets = {fraction: max(256, length // fraction) for fraction in args.fractions}
-                shared = run_budgets(model, tokenizer, samples, mode, budgets.values(), args.max_new_tokens,
-                                     args.batch_size) if args.shared_prefill else {}
                 for fraction, budget in budgets.items():
                     if args.shared_prefill:
-                        outs, timing = shared[budget]
+                        outs, timing = shared[mode, budget]
                     else:
                         outs = run_generation(model, tokenizer, samples, mode, budget, args.max_new_tokens,
                                               args.batch_size, timing)

@@ -10,8 +10,8 @@ time and the tables (`eval/report_table.py`); writes `suite.json` beside the rep
     python eval/suite.py --tiny --out /tmp/suite           # CI size: random weights, the plumbing only
 
 Where the time goes: the prefill (the reports' rows carry `seconds` and `prefill_seconds`). Each report process
-prefills a batch once for dense and once per mode, but for its last chunk, which each budget runs from a fork of
-that cache (`report.py --shared-prefill`, `OasisCache.fork`: the tokens each budget's own `generate` gives).
+prefills a batch once for dense and once for every mode and budget but the last chunk, which each (mode, budget)
+runs from a fork of that cache (`report.py --shared-prefill`, `OasisCache.fork`: the tokens of its own `generate`).
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--no-nll", dest="nll", action="store_false", help="no decode-mode NLL rows")
     parser.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
-                        help="every (mode, budget) row prefills its prompts itself (default: once per mode, the "
-                        "budgets forked from it; the same tokens)")
+                        help="every (mode, budget) row prefills its prompts itself (default: once, every mode and "
+                        "budget forked from it; the same tokens)")
     parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--plan", action="store_true", help="print the processes and stop")

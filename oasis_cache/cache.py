@@ -538,7 +538,8 @@ class OasisCache(Cache):
             weakref.finalize(new, new.ride_along.remove)
         return new
 
-    def fork(self, *, token_budget: int | None = None) -> "OasisCache":
+    def fork(self, *, token_budget: int | None = None, lookahead: str | None = None,
+             exact: bool | None = None) -> "OasisCache":
         """A copy of this cache, as `copy.deepcopy(cache)` makes, that shares the host pools' chunks of complete
         blocks with it instead of copying them (the largest part of a long prompt's cache): each fork then decodes on
         its own, and pinned host memory is allocated only for the blocks it completes. Shared blocks are never
@@ -548,10 +549,25 @@ class OasisCache(Cache):
         to this budget's slots; a smaller one would leave more resident than it allows: fork from a cache made with
         the smallest budget). E.g. one prefill, several budgets: `generate` the prompt but its last tokens with a
         cache made with the smallest budget, then `generate` the whole prompt with `cache.fork(token_budget=b)` for
-        each b: each runs the prompt's last tokens and decodes as a cache made with budget b would."""
+        each b: each runs the prompt's last tokens and decodes as a cache made with budget b would.
+
+        `lookahead`, `exact`: the fork's, from its next forward on; "eagle3" only where this cache has a draft head
+        (an eagle3 cache forks to "none" or "previous" too, without its head)."""
         from .pools.host_kv import SHARE_CHUNKS
 
-        config = self.config
+        config, changes = self.config, {}
+        if lookahead is not None and lookahead != config.lookahead:
+            if lookahead == "eagle3":
+                raise ValueError(f"fork(lookahead='eagle3') needs a cache with a draft head; this one runs "
+                                 f"{config.lookahead!r}. Make the cache to fork from with lookahead='eagle3' (it can "
+                                 f"fork to 'none' and 'previous').")
+            changes["lookahead"] = lookahead
+            if lookahead == "none" and exact is None:
+                exact = False  # (nothing to repair without a prediction)
+        if exact is not None and exact != config.exact:
+            changes["exact"] = exact
+        if changes:
+            config = dataclasses.replace(config, **changes)  # (validated as the constructor does)
         if token_budget is not None:
             if isinstance(token_budget, int) and not isinstance(token_budget, bool) and \
                     token_budget < config.token_budget:
@@ -565,6 +581,10 @@ class OasisCache(Cache):
         for layer in new.layers:
             if isinstance(layer, OasisLayer):
                 layer.config = config
+        new.counters.attention_row = CacheStats(config.lookahead, config.exact).attention_row
+        if new.ride_along is not None and config.lookahead != "eagle3":
+            new.ride_along.remove()  # (its hooks leave the model: the fork drafts nothing)
+            new.ride_along = None
         return new
 
     def __reduce_ex__(self, protocol):

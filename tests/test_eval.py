@@ -18,7 +18,7 @@ from eval.tasks import TASKS, generate_samples, score
 from oasis_cache import OasisCache
 from oasis_cache.loaders import load_smollm2
 
-from conftest import dense_cache, prompt_ids, tiny_model
+from conftest import dense_cache, prompt_ids, random_head, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,20 +98,26 @@ def test_report_runs_at_ci_size(tmp_path):
     assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
 
 
-@pytest.mark.parametrize("mode", ["none", "previous-exact"])
-def test_shared_prefill_generates_what_each_budget_generates(tokenizer, mode):
-    """`report.py --shared-prefill`: a batch's prompt prefilled once (but its last chunk) and forked per budget gives
-    every budget the tokens of its own `generate` (random weights, a left-padded batch of different lengths)."""
-    from eval.report import run_budgets, run_generation
+def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer):
+    """`report.py --shared-prefill`: a batch's prompt prefilled once (but its last chunk) and forked per mode and
+    budget gives each its own `generate`'s tokens (random weights, a random head, a left-padded batch of different
+    lengths); a mode with other summaries ("@full") prefills for itself."""
+    import eval.report as report
+    from eval.report import run_generation, run_shared
 
-    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096)
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=4)
     samples = generate_samples(tokenizer, "multikey", 1024, 3, filler="noise")
     options = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
-    shared = run_budgets(model, tokenizer, samples, mode, [256, 128, 256], 6, 3, **options)
-    assert sorted(shared) == [128, 256] and all(t["shared_prefill_batches"] == 1 for _, t in shared.values())
-    for budget, (outputs, timing) in shared.items():
-        assert outputs == run_generation(model, tokenizer, samples, mode, budget, 6, 3, **options), budget
-        assert 0 < timing["prefill_seconds"] <= timing["seconds"]
+    modes = ["none", "previous-exact", "eagle3", "none@full"]
+    report.HEAD = random_head(model)
+    try:
+        shared = run_shared(model, tokenizer, samples, modes, [256, 128, 256], 6, 3, **options)
+        assert sorted(shared) == sorted((m, b) for m in modes for b in (128, 256))
+        for (mode, budget), (outputs, timing) in shared.items():
+            assert outputs == run_generation(model, tokenizer, samples, mode, budget, 6, 3, **options), (mode, budget)
+            assert timing["shared_prefill_batches"] == 1 and 0 < timing["prefill_seconds"] <= timing["seconds"]
+    finally:
+        report.HEAD = None
 
 
 def test_suite_runs_its_processes_and_tables_them(tmp_path):

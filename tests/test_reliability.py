@@ -262,6 +262,39 @@ def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode):
         base.fork(token_budget=64)
 
 
+def test_one_eagle3_prefill_forks_to_every_mode_and_budget():
+    """One prefill (but its last chunk) through an eagle3 + exact cache serves every mode: forks with
+    lookahead none / previous (the head dropped, its hooks gone), eagle3 with or without exact, at larger budgets,
+    each generating the tokens a cache made so generates; eagle3 from a cache without a head is refused."""
+    from oasis_cache.compute.prefill import prefill_chunks
+
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    head = random_head(model)
+    inputs = left_padded([700, 640])
+    kw = dict(max_new_tokens=20, do_sample=False)
+    split = prefill_chunks(dict(inputs, logits_to_keep=1), 512, 16, 16)[-1][0]
+    common = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
+    base = OasisCache(model, token_budget=96, lookahead="eagle3", exact=True, draft=head, **common)
+    model.generate(**{k: v[:, :split] for k, v in inputs.items()}, past_key_values=base, max_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    hooks = len(model.model._forward_hooks)
+    for lookahead, exact in [("none", False), ("previous", False), ("previous", True), ("eagle3", False)]:
+        for budget in (96, 200):
+            extra = dict(draft=head) if lookahead == "eagle3" else {}
+            direct = generate(model, OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact,
+                                                **extra, **common), inputs, **kw)
+            fork = base.fork(token_budget=budget, lookahead=lookahead, exact=exact)
+            assert (fork.ride_along is None) == (lookahead != "eagle3")
+            forked = generate(model, fork, inputs, **kw)
+            assert torch.equal(forked.sequences, direct.sequences), (lookahead, exact, budget)
+            del fork, forked, direct
+            gc.collect()
+    assert len(model.model._forward_hooks) == hooks  # (the forks' hooks left with them)
+    plain = OasisCache(model, token_budget=96, lookahead="previous", **common)
+    with pytest.raises(ValueError, match="needs a cache with a draft head"):
+        plain.fork(lookahead="eagle3")
+
+
 def test_pickle_names_the_way_out_and_the_dynamic_round_trip_is_exact():
     model = tiny_model("llama")
     ids = prompt_ids(70)
