@@ -552,7 +552,8 @@ class OasisCache(Cache):
         each b: each runs the prompt's last tokens and decodes as a cache made with budget b would.
 
         `lookahead`, `exact`: the fork's, from its next forward on; "eagle3" only where this cache has a draft head
-        (an eagle3 cache forks to "none" or "previous" too, without its head)."""
+        (an eagle3 cache forks to "none" or "previous" too, without its head). Each cache's `stats()` counts the
+        shared chunks among its host bytes."""
         from .pools.host_kv import SHARE_CHUNKS
 
         config, changes = self.config, {}
