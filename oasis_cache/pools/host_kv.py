@@ -115,7 +115,8 @@ class HostKVPool:
         full = self.num_blocks // self.chunk_blocks if memo.get(SHARE_CHUNKS) else 0
         filled = -(-self.num_blocks // self.chunk_blocks)
         new.chunks = self.chunks[:full] + [
-            _pin(chunk.clone() if index < filled else torch.empty_like(chunk), self.pin_memory)
+            _pin(chunk.clone(), self.pin_memory) if index < filled else
+            torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=self.pin_memory)  # (nothing in it yet)
             for index, chunk in enumerate(self.chunks[full:], start=full)]
         self.shared |= set(range(full))
         new.shared = set(range(full))
