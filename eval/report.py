@@ -72,18 +72,23 @@ class FirstToken(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def encoded_batches(model, tokenizer, samples, batch_size):
+    """The samples' chat prompts in batches of `batch_size`, left-padded, on the model's device."""
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    for i in range(0, len(samples), batch_size):
+        enc = tokenizer([chat_prompt(tokenizer, s) for s in samples[i : i + batch_size]], return_tensors="pt",
+                        padding=True)
+        yield {k: v.to(model.device) for k, v in enc.items()}
+
+
 def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batch_size, timing: dict | None = None,
                    **cache_options):
     """Generated token ids (lists) per sample, batches left-padded (`cache_options`: more OasisCache options).
     `timing`: a dict that gets the run's `seconds` and `prefill_seconds` (to each batch's first new token)."""
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     outputs = []
     started, prefill = time.perf_counter(), 0.0
-    for i in range(0, len(samples), batch_size):
-        batch = samples[i : i + batch_size]
-        enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
-        enc = {k: v.to(model.device) for k, v in enc.items()}
+    for enc in encoded_batches(model, tokenizer, samples, batch_size):
         first, begun = FirstToken(), time.perf_counter()
         cache = make_cache(model, mode, budget, **cache_options)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=[first],
@@ -105,18 +110,13 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     its runs; `timing` counts the batches that shared a prefill."""
     from oasis_cache.compute.prefill import prefill_chunks
 
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     budgets = sorted(set(budgets))
     runs = {(m, b): ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0)) for m in modes
             for b in budgets}
     groups: dict[str, list[str]] = {}  # option variant -> its modes
     for mode in modes:
         groups.setdefault(mode.partition("@")[2], []).append(mode)
-    for i in range(0, len(samples), batch_size):
-        batch = samples[i : i + batch_size]
-        enc = tokenizer([chat_prompt(tokenizer, s) for s in batch], return_tensors="pt", padding=True)
-        enc = {k: v.to(model.device) for k, v in enc.items()}
+    for enc in encoded_batches(model, tokenizer, samples, batch_size):
         kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for variant, members in groups.items():
             begun = time.perf_counter()

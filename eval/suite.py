@@ -39,6 +39,7 @@ MODELS = {
     "qwen25-coder-0.5b": dict(lengths=[8192, 16384, 32768], head="qwen2.5-coder-0.5b-instruct", dtype="bfloat16",
                               batch=8),
 }
+TINY = dict(lengths=[512], head=None, dtype="float32", batch=2)  # `--tiny`: report.py's random-weight model
 TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "frequent_words", *HELD_OUT_TASKS]
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
@@ -49,7 +50,7 @@ def plan(args) -> list[dict]:
     """The processes: one per (model, length, task), the longest lengths first; the NLL rows in each model's first."""
     jobs = []
     for model in args.models:
-        spec = MODELS[model] if model != "tiny" else dict(lengths=[512], head=None, dtype="float32", batch=2)
+        spec = MODELS.get(model, TINY)
         lengths = [n for n in spec["lengths"] if args.lengths is None or n in args.lengths]
         first = True
         for length in sorted(lengths, reverse=True):
@@ -65,7 +66,7 @@ def plan(args) -> list[dict]:
                 if spec["head"] and any(m.startswith("eagle3") for m in modes):
                     command += ["--head", str(HEADS / spec["head"])]
                 if args.shared_prefill:
-                    command.append("--shared-prefill")  # (report.py: one prefill per batch and mode, forked per budget)
+                    command.append("--shared-prefill")  # (report.py: one prefill per batch, forked per mode and budget)
                 if args.tiny:
                     command.append("--tiny")  # (report.py's CI size: 2 samples at 512 tokens, budget 1/4)
                 if args.device:
@@ -131,7 +132,7 @@ def main(argv=None):
         raise SystemExit(f"unknown task(s) {unknown}: one of {', '.join(TASKS)}, multi_needle, passkey")
     if not args.plan and not args.out:
         raise SystemExit("--out FOLDER is needed (the reports, their logs and suite.json go there); --plan runs nothing")
-    reached = {n for model in args.models for n in MODELS.get(model, dict(lengths=[512]))["lengths"]}
+    reached = {n for model in args.models for n in MODELS.get(model, TINY)["lengths"]}
     if args.lengths and not set(args.lengths) <= reached:
         raise SystemExit(f"--lengths {sorted(set(args.lengths) - reached)}: not a suite length of "
                          f"{', '.join(args.models)} (theirs: {sorted(reached)})")

@@ -232,24 +232,31 @@ def test_fork_shares_complete_blocks_and_neither_cache_sees_the_other():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def prefilled_but_the_last_chunk(model, cache, inputs):
+    """`cache` after `generate` ran the prompt `inputs` but the last chunk of the chunked prefill its own
+    `generate` on the whole prompt would run (the evaluation's shared prefill, `eval/report.py`)."""
+    from oasis_cache.compute.prefill import prefill_chunks
+
+    cfg = cache.config
+    split = prefill_chunks(dict(inputs, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
+                           cfg.max_decode_tokens)[-1][0]
+    model.generate(**{k: v[:, :split] for k, v in inputs.items()}, past_key_values=cache, max_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    return cache
+
+
 @pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
 def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode):
     """The evaluation's shared prefill: the prompt but its last chunk prefilled once with the smallest budget, then
     per budget `fork(token_budget=b)` and `generate` on the whole prompt: the tokens a cache made with budget b
     generates (a left-padded batch, chunked prefill); a budget below the cache's is refused, naming the way."""
-    from oasis_cache.compute.prefill import prefill_chunks
-
     model = tiny_model("qwen3", num_hidden_layers=3)
     lookahead, _, exact = mode.partition("-")
     options = dict(lookahead=lookahead, exact=exact == "exact", prefill_chunk_tokens=512, host_chunk_blocks=4,
                    draft=random_head(model) if lookahead == "eagle3" else None)
     inputs = left_padded([700, 640])
     kw = dict(max_new_tokens=20, do_sample=False)
-    spans = prefill_chunks(dict(inputs, logits_to_keep=1), 512, 16, 16)
-    split = spans[-1][0]
-    base = OasisCache(model, token_budget=96, **options)
-    model.generate(**{k: v[:, :split] for k, v in inputs.items()}, past_key_values=base, max_new_tokens=1,
-                   do_sample=False, pad_token_id=0)
+    base = prefilled_but_the_last_chunk(model, OasisCache(model, token_budget=96, **options), inputs)
     assert base.layers[0].pool.shared == set()
     for budget in (96, 160, 256):
         direct = generate(model, OasisCache(model, token_budget=budget, **options), inputs, **kw)
@@ -266,17 +273,13 @@ def test_one_eagle3_prefill_forks_to_every_mode_and_budget():
     """One prefill (but its last chunk) through an eagle3 + exact cache serves every mode: forks with
     lookahead none / previous (the head dropped, its hooks gone), eagle3 with or without exact, at larger budgets,
     each generating the tokens a cache made so generates; eagle3 from a cache without a head is refused."""
-    from oasis_cache.compute.prefill import prefill_chunks
-
     model = tiny_model("qwen3", num_hidden_layers=3)
     head = random_head(model)
     inputs = left_padded([700, 640])
     kw = dict(max_new_tokens=20, do_sample=False)
-    split = prefill_chunks(dict(inputs, logits_to_keep=1), 512, 16, 16)[-1][0]
     common = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
-    base = OasisCache(model, token_budget=96, lookahead="eagle3", exact=True, draft=head, **common)
-    model.generate(**{k: v[:, :split] for k, v in inputs.items()}, past_key_values=base, max_new_tokens=1,
-                   do_sample=False, pad_token_id=0)
+    base = prefilled_but_the_last_chunk(
+        model, OasisCache(model, token_budget=96, lookahead="eagle3", exact=True, draft=head, **common), inputs)
     hooks = len(model.model._forward_hooks)
     for lookahead, exact in [("none", False), ("previous", False), ("previous", True), ("eagle3", False)]:
         for budget in (96, 200):
