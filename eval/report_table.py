@@ -25,9 +25,13 @@ def cell(row: dict) -> str:
     return f"{row['accuracy']:.2f}"
 
 
-def table(rows: list[dict]) -> str:
-    columns = sorted({(r["mode"], r["fraction"]) for r in rows if r["mode"] != "dense"},
-                     key=lambda c: (c[0], c[1]))
+def table(rows: list[dict], modes: list[str] | None = None, fractions: list[int] | None = None) -> str:
+    """One row per (task, length), one column per (mode, fraction) present (only `modes` / `fractions` if given,
+    in that order)."""
+    order = {m: i for i, m in enumerate(modes or [])}
+    columns = sorted({(r["mode"], r["fraction"]) for r in rows if r["mode"] != "dense"
+                      and (modes is None or r["mode"] in modes) and (fractions is None or r["fraction"] in fractions)},
+                     key=lambda c: (order.get(c[0], 0), c[0], c[1]))
     cells, dense = {}, {}
     for r in rows:
         key = (r["task"], r["length"])
@@ -48,8 +52,10 @@ def table(rows: list[dict]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--modes", nargs="+", default=None, help="only these modes' columns, in this order")
+    parser.add_argument("--fractions", type=int, nargs="+", default=None, help="only these budgets (1/F)")
     args = parser.parse_args(argv)
-    print(table([r for path in args.files for r in read_rows(path)]))
+    print(table([r for path in args.files for r in read_rows(path)], args.modes, args.fractions))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
 """The quality suite in one command: `eval/report.py` over both real models, every task (the held-out forms too), the
 lengths each model reaches, modes `none` / `previous` / `eagle3` / the default (`eagle3-exact`), budgets 1/8, 1/16
 and 1/32 of the context, with the shipped heads. One process per (model, length, task), at most `--parallel` at
-once, the longest first; decode-mode NLL in one process per model. Prints each process's time, the whole run's wall
-time and the tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
+once, decode-mode NLL in one process per model first, then the longest lengths first; a process that ran out of GPU
+memory beside others runs again alone at the end. Prints each process's time, the whole run's wall time and the
+tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
 
     python eval/suite.py --out eval/results/suite          # the whole suite (an H200: `bash bench/gpu_run.sh suite`)
     python eval/suite.py --plan                            # the processes it would run, nothing run
     python eval/suite.py --models qwen25-coder-0.5b --lengths 32768 --tasks multikey --out /tmp/s
     python eval/suite.py --tiny --out /tmp/suite           # CI size: random weights, the plumbing only
 
-Where the time goes: the prefill (the reports' rows carry `seconds` and `prefill_seconds`). Each report process
-prefills a batch once for dense and once for every mode and budget but the last chunk, which each (mode, budget)
-runs from a fork of that cache (`report.py --shared-prefill`, `OasisCache.fork`: the tokens of its own `generate`).
+Where the time goes: the prefill (the reports' rows carry `seconds`, `prefill_seconds` and the shared prefill's
+`shared_prefill_seconds`). Each report process prefills its samples once for dense and once for every mode and
+budget but the last chunk, which each (mode, budget) runs from a fork of that cache (`report.py --shared-prefill`,
+`OasisCache.fork`: the tokens of its own `generate`); all samples of a cell in one batch (one fork, one captured
+decode per row). Measured on the H200 (2026-12-02, batches of 8, two processes at once): 72-97 s per 32K report, of
+which dense 27 s, the rows ~3 s each.
 """
 
 from __future__ import annotations
@@ -33,51 +37,74 @@ from eval.report_table import table  # noqa: E402
 from eval.tasks import HELD_OUT_TASKS  # noqa: E402
 
 HEADS = ROOT / "oasis_cache" / "draft" / "heads"
-# Per model: the lengths it reaches, its shipped head, dtype and batch (32K prompts of 8 fit three processes at once).
+# Per model: the lengths it reaches, its shipped head, dtype and batch (a cell's 24 samples in one batch: dense
+# prefills each prompt alone, the oasis caches in chunks, so a 32K batch of 24 holds ~10 GB of KV on the device).
 MODELS = {
-    "smollm2": dict(lengths=[4096, 8192], head="smollm2-135m-instruct", dtype="float32", batch=16),
+    "smollm2": dict(lengths=[4096, 8192], head="smollm2-135m-instruct", dtype="float32", batch=24),
     "qwen25-coder-0.5b": dict(lengths=[8192, 16384, 32768], head="qwen2.5-coder-0.5b-instruct", dtype="bfloat16",
-                              batch=8),
+                              batch=24),
 }
 TINY = dict(lengths=[512], head=None, dtype="float32", batch=2)  # `--tiny`: report.py's random-weight model
 TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "frequent_words", *HELD_OUT_TASKS]
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
 NLL_PREFILL, NLL_TOKENS = 7936, 256
+# The report processes' environment: several share one GPU, so their allocators keep few reserved-but-unused bytes
+# (three 32K processes of the twenty-fourth session ran out of memory with 40 GiB of each reserved, not allocated).
+ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def plan(args) -> list[dict]:
-    """The processes: one per (model, length, task), the longest lengths first; the NLL rows in each model's first."""
+    """The processes: each model's decode-mode NLL rows first (a process of their own), then one per (model, length,
+    task), the longest lengths first."""
     jobs = []
     for model in args.models:
         spec = MODELS.get(model, TINY)
         lengths = [n for n in spec["lengths"] if args.lengths is None or n in args.lengths]
-        first = True
+        modes = [m for m in args.modes if spec["head"] or not m.startswith("eagle3")]
+
+        def job(name, length, task, nll_tokens):
+            command = [sys.executable, str(ROOT / "eval" / "report.py"), "--model", model, "--tasks", *task,
+                       "--filler", "noise", "--lengths", str(length), "--samples", str(args.samples),
+                       "--batch-size", str(min(spec["batch"], args.samples)), "--fractions", *map(str, args.fractions),
+                       "--modes", *modes, "--dtype", spec["dtype"], "--nll-prefill", str(NLL_PREFILL),
+                       "--nll-tokens", str(nll_tokens), "--out", str(Path(args.out or "OUT") / f"{name}.json")]
+            if spec["head"] and any(m.startswith("eagle3") for m in modes):
+                command += ["--head", str(HEADS / spec["head"])]
+            if args.shared_prefill:
+                command.append("--shared-prefill")  # (report.py: one prefill per batch, forked per mode and budget)
+            if args.tiny:
+                command.append("--tiny")  # (report.py's CI size: 2 samples at 512 tokens, budget 1/4)
+            if args.device:
+                command += ["--device", args.device]
+            return dict(model=model, length=length, task=" ".join(task) or "nll", name=name, command=command)
+
+        if args.nll and lengths:
+            jobs.append(job(f"nll-{model}", NLL_PREFILL + NLL_TOKENS, [], NLL_TOKENS))
         for length in sorted(lengths, reverse=True):
             for task in args.tasks:
-                name = f"report-{model}-{length}-{task}"
-                modes = [m for m in args.modes if spec["head"] or not m.startswith("eagle3")]
-                command = [sys.executable, str(ROOT / "eval" / "report.py"), "--model", model, "--tasks", task,
-                           "--filler", "noise", "--lengths", str(length), "--samples", str(args.samples),
-                           "--batch-size", str(spec["batch"]), "--fractions", *map(str, args.fractions),
-                           "--modes", *modes, "--dtype", spec["dtype"], "--nll-prefill", str(NLL_PREFILL),
-                           "--nll-tokens", str(NLL_TOKENS if first and args.nll else 0),
-                           "--out", str(Path(args.out or "OUT") / f"{name}.json")]
-                if spec["head"] and any(m.startswith("eagle3") for m in modes):
-                    command += ["--head", str(HEADS / spec["head"])]
-                if args.shared_prefill:
-                    command.append("--shared-prefill")  # (report.py: one prefill per batch, forked per mode and budget)
-                if args.tiny:
-                    command.append("--tiny")  # (report.py's CI size: 2 samples at 512 tokens, budget 1/4)
-                if args.device:
-                    command += ["--device", args.device]
-                jobs.append(dict(model=model, length=length, task=task, name=name, command=command))
-                first = False
-    return sorted(jobs, key=lambda j: -j["length"])  # (stable: each model's NLL process stays its first)
+                jobs.append(job(f"report-{model}-{length}-{task}", length, [task], 0))
+    return sorted(jobs, key=lambda j: (j["task"] != "nll", -j["length"]))
 
 
 def run(jobs: list[dict], out: Path, parallel: int) -> None:
-    """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`."""
+    """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`. A job that ran
+    out of GPU memory beside others runs again alone once the rest have ended (`retried`: its first exit status)."""
+    _run(jobs, out, parallel)
+    again = [j for j in jobs if j["returncode"] != 0 and parallel > 1 and _out_of_memory(out / f"{j['name']}.log")]
+    for job in again:
+        print(f"{job['name']:60} ran out of GPU memory beside others: again, alone", flush=True)
+        job["retried"] = job["returncode"]
+        (out / f"{job['name']}.log").rename(out / f"{job['name']}.first.log")
+    _run(again, out, 1)
+
+
+def _out_of_memory(log: Path) -> bool:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "CUDA out of memory" in text or "OutOfMemoryError" in text
+
+
+def _run(jobs: list[dict], out: Path, parallel: int) -> None:
     waiting, running = list(jobs), []
     try:
         while waiting or running:
@@ -86,7 +113,7 @@ def run(jobs: list[dict], out: Path, parallel: int) -> None:
                 log = open(out / f"{job['name']}.log", "w")
                 job["started"] = time.perf_counter()
                 job["process"] = subprocess.Popen(job["command"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                                  env=ENV)
                 job["log"] = log
                 running.append(job)
             time.sleep(0.5)

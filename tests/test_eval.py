@@ -120,45 +120,89 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
         report.HEAD = None
 
 
+def test_dense_reference_prefilled_alone_generates_what_the_padded_batch_generates(tokenizer):
+    """The report's dense rows prefill each prompt alone (no padding mask) and decode the batch: the tokens of HF's
+    own `generate` on the left-padded batch (random weights, prompts of different lengths, real and tiny models'
+    layouts); a batch it cannot take (one-token prompts) falls back to HF's own prefill."""
+    from eval.report import dense_prefilled, encoded_batches, run_generation
+
+    samples = [generate_samples(tokenizer, "multikey", n, 1, seed=n)[0] for n in (512, 384, 448)]
+    for model in (tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048),
+                  tiny_model("qwen2", vocab_size=len(tokenizer), max_position_embeddings=2048)):
+        (enc,) = encoded_batches(model, tokenizer, samples, 3)
+        assert len(set(enc["attention_mask"].sum(1).tolist())) == 3  # three lengths: real padding
+        cache = dense_prefilled(model, enc)
+        assert cache.get_seq_length() == enc["input_ids"].shape[1] - 1
+        alone = run_generation(model, tokenizer, samples, "dense", None, 8, 3)
+        padded = run_generation(model, tokenizer, samples, "dense", None, 8, 3, dense_prefill_alone=False)
+        assert alone == padded
+        one = dict(input_ids=enc["input_ids"][:, -1:], attention_mask=enc["attention_mask"][:, -1:])
+        assert dense_prefilled(model, one) is None
+
+
 def test_suite_runs_its_processes_and_tables_them(tmp_path):
-    """eval/suite.py at CI size: one report process per (model, length, task), two at once, suite.json with each
-    process's time and exit status, the reports beside it, one table per model."""
+    """eval/suite.py at CI size: the NLL rows in a process of their own, one report process per (model, length,
+    task), two at once, suite.json with each process's time and exit status, the reports beside it, one table per
+    model."""
     run = subprocess.run([sys.executable, str(ROOT / "eval" / "suite.py"), "--tiny", "--parallel", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     suite = json.loads((tmp_path / "suite.json").read_text())
-    assert suite["meta"]["processes"] == 2 and suite["meta"]["failed"] == [] and suite["meta"]["seconds"] > 0
-    assert {p["task"] for p in suite["processes"]} == {"single_needle", "multikey"}
+    assert suite["meta"]["processes"] == 3 and suite["meta"]["failed"] == [] and suite["meta"]["seconds"] > 0
+    assert [p["task"] for p in suite["processes"]] == ["nll", "single_needle", "multikey"]
     assert all(p["returncode"] == 0 and p["seconds"] > 0 for p in suite["processes"])
     for process in suite["processes"]:
-        rows = json.loads((tmp_path / f"{process['name']}.json").read_text())["tasks"]
-        assert {r["mode"] for r in rows} == {"dense", "none", "previous"}
+        report = json.loads((tmp_path / f"{process['name']}.json").read_text())
+        if process["task"] == "nll":
+            assert report["tasks"] == [] and [r["mode"] for r in report["nll"]] == ["dense", "none", "previous"]
+        else:
+            assert {r["mode"] for r in report["tasks"]} == {"dense", "none", "previous"} and report["nll"] == []
     assert "| multikey | 512 |" in run.stdout and "| single_needle | 512 |" in run.stdout
 
 
 def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
     """The whole suite's plan: both models at their lengths, every task (held-out forms too), four modes at three
-    budgets, the shipped heads, NLL rows once per model. A process that fails is named, and the suite fails."""
+    budgets, the shipped heads, NLL rows once per model (their own process, first). A process that fails is named,
+    and the suite fails; one that ran out of GPU memory beside others runs again alone."""
     from eval.suite import MODELS, TASKS, main, plan
 
     args = SimpleNamespace(models=list(MODELS), lengths=None, tasks=TASKS, modes=["none", "previous", "eagle3",
                            "eagle3-exact"], fractions=[8, 16, 32], samples=24, nll=True, tiny=False, device=None,
                            out=str(tmp_path), shared_prefill=True)
     jobs = plan(args)
-    assert len(jobs) == (2 + 3) * len(TASKS) and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
-    assert [j["length"] for j in jobs] == sorted((j["length"] for j in jobs), reverse=True)  # longest first
+    assert len(jobs) == (2 + 3) * len(TASKS) + 2 and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
+    assert [j["task"] for j in jobs[:2]] == ["nll", "nll"] and "nll" not in {j["task"] for j in jobs[2:]}
+    assert [j["length"] for j in jobs[2:]] == sorted((j["length"] for j in jobs[2:]), reverse=True)  # longest first
     for model, spec in MODELS.items():
         mine = [j["command"] for j in jobs if j["model"] == model]
         assert sorted({int(c[c.index("--lengths") + 1]) for c in mine}) == spec["lengths"]
         assert sum(c[c.index("--nll-tokens") + 1] != "0" for c in mine) == 1
+        assert all(c[c.index("--batch-size") + 1] == "24" for c in mine)  # a cell's samples in one batch
         assert all(Path(c[c.index("--head") + 1]).is_dir() for c in mine)
         assert all(c[c.index("--fractions") + 1 : c.index("--modes")] == ["8", "16", "32"] for c in mine)
         assert all("--shared-prefill" in c for c in mine)
     with pytest.raises(SystemExit, match="1 process.*failed: report-tiny-512-single_needle"):
-        main(["--tiny", "--tasks", "single_needle", "--modes", "sideways", "--out", str(tmp_path / "bad")])
+        main(["--tiny", "--no-nll", "--tasks", "single_needle", "--modes", "sideways", "--out", str(tmp_path / "bad")])
     assert "unknown mode 'sideways'" in (tmp_path / "bad" / "report-tiny-512-single_needle.log").read_text()
     with pytest.raises(SystemExit, match="not a suite length"):
         main(["--plan", "--models", "smollm2", "--lengths", "32768"])
+
+
+def test_suite_runs_a_process_out_of_gpu_memory_again_alone(tmp_path):
+    """A report process that ran out of GPU memory beside others runs again alone at the end (its first log kept);
+    one that failed otherwise is not run again."""
+    from eval.suite import run
+
+    marker = tmp_path / "tried"
+    oom = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); first = not m.exists(); m.touch(); "
+           "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB' if first else 'ok'); "
+           "sys.exit(1 if first else 0)")
+    jobs = [dict(name="oom", command=[sys.executable, "-c", oom, str(marker)]),
+            dict(name="broken", command=[sys.executable, "-c", "raise SystemExit(3)"])]
+    run(jobs, tmp_path, parallel=2)
+    assert jobs[0]["returncode"] == 0 and jobs[0]["retried"] == 1
+    assert "out of memory" in (tmp_path / "oom.first.log").read_text() and "ok" in (tmp_path / "oom.log").read_text()
+    assert jobs[1]["returncode"] == 3 and "retried" not in jobs[1]
 
 
 def test_suite_interrupted_leaves_no_process_running(tmp_path, monkeypatch):
