@@ -114,10 +114,11 @@ def release_device_memory() -> None:
 def dense_prefilled(model, enc) -> DynamicCache | None:
     """HF's dense cache holding a left-padded batch's prompts but their last token, each prompt prefilled alone on
     its unpadded tokens (HF's model and SDPA), then left-padded with zeros into one batch: `generate` with it runs the
-    last token and decodes the batch as from its own prefill (the padding stays masked). Why: HF's prefill of a
-    left-padded batch builds a `[B, 1, L, L]` mask and SDPA's masked kernel skips no causal half: 23.6 s for three
-    batches of 8 x 32K on an H200 (the suite, 2026-12-02), where a prompt alone takes the causal kernel. None where
-    that does not apply: a layer that is not full attention, a prompt of one token, a mask not left-padded."""
+    last token and decodes the batch as from its own prefill (the padding stays masked). Why: the prefill's
+    activations are one prompt's, whatever the batch (a whole batch of 24 x 32K at once holds ~25 GB of MLP states;
+    the suite runs several report processes on one GPU), and a padded batch needs no `[B, 1, L, L]` padding mask
+    (SDPA's masked kernel skips no causal half; a prompt alone takes the causal one). None where that does not
+    apply: a layer that is not full attention, a prompt of one token, a mask not left-padded."""
     ids, mask = enc["input_ids"], enc.get("attention_mask")
     B, L = ids.shape
     if mask is None or L < 2 or any(kind != "full_attention" for kind, _ in
