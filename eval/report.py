@@ -13,6 +13,7 @@ Writes JSON (with command, date, machine) and a plot under eval/results/, prints
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -43,6 +44,11 @@ def make_cache(model, mode: str, budget: int | None, **cache_options):
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
+    return OasisCache(model, **cache_kwargs(mode, budget, **cache_options))
+
+
+def cache_kwargs(mode: str, budget: int, **cache_options) -> dict:
+    """`OasisCache(model, **...)` for an oasis `mode` (`make_cache`)."""
     prediction, _, option_variant = mode.partition("@")
     lookahead, _, variant = prediction.partition("-")
     if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or (
@@ -54,7 +60,7 @@ def make_cache(model, mode: str, budget: int | None, **cache_options):
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
         options["draft"] = HEAD
-    return OasisCache(model, token_budget=budget, lookahead=lookahead, **options)
+    return dict(token_budget=budget, lookahead=lookahead, **options)
 
 
 class FirstToken(StoppingCriteria):
@@ -111,29 +117,30 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def dense_prefilled(model, enc) -> DynamicCache | None:
-    """HF's dense cache holding a left-padded batch's prompts but their last token, each prompt prefilled alone on
-    its unpadded tokens (HF's model and SDPA), then left-padded with zeros into one batch: `generate` with it runs the
-    last token and decodes the batch as from its own prefill (the padding stays masked). Why: the prefill's
+def dense_prefilled(model, enc, upto: int | None = None) -> DynamicCache | None:
+    """HF's dense cache holding a left-padded batch's prompts up to position `upto` (default: but their last token),
+    each prompt prefilled alone on its unpadded tokens (HF's model and SDPA), then left-padded with zeros into one
+    batch: `generate` with it runs the rest and decodes the batch as from its own prefill (the padding stays masked). Why: the prefill's
     activations are one prompt's, whatever the batch (a whole batch of 24 x 32K at once holds ~25 GB of MLP states;
     the suite runs several report processes on one GPU), and a padded batch needs no `[B, 1, L, L]` padding mask
     (SDPA's masked kernel skips no causal half; a prompt alone takes the causal one). None where that does not
     apply: a layer that is not full attention, a prompt of one token, a mask not left-padded."""
     ids, mask = enc["input_ids"], enc.get("attention_mask")
     B, L = ids.shape
-    if mask is None or L < 2 or any(kind != "full_attention" for kind, _ in
+    upto = L - 1 if upto is None else upto
+    if mask is None or not 0 < upto < L or any(kind != "full_attention" for kind, _ in
                                     layer_types_and_kwargs(model.config.get_text_config(decoder=True))):
         return None
     starts = mask.int().argmax(dim=1)
     left = bool((mask.bool() == (torch.arange(L, device=mask.device) >= starts[:, None])).all())
     starts = starts.tolist()
-    if not left or max(starts) >= L - 1:
+    if not left or max(starts) >= upto:
         return None
     alone = []
     with torch.no_grad():
         for b, start in enumerate(starts):
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids[b : b + 1, start : L - 1], use_cache=True, logits_to_keep=1,
+            model(input_ids=ids[b : b + 1, start:upto], use_cache=True, logits_to_keep=1,
                   **{generate_cache_argument(model): cache})
             alone.append(cache)
         batch = DynamicCache(config=model.config)
@@ -146,56 +153,85 @@ def dense_prefilled(model, enc) -> DynamicCache | None:
     return batch
 
 
-def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_size, **cache_options) -> dict:
-    """`run_generation` of several OasisCache modes at several budgets, each batch prefilled once: the prompt but its
-    last prefill chunk runs through one cache (eagle3 + exact with the smallest budget where an eagle3 mode is asked,
-    else `previous`), and each (mode, budget)'s `generate` starts from a `fork` of it with that mode and budget,
-    running the last chunk and the decode itself: the tokens a cache made so generates (tests/test_reliability.py).
-    Modes with another option variant ("@...": other summaries) get a prefill of their own; prompts that fit one
-    chunk run per mode and budget. {(mode, budget): (outputs, timing)}; a batch's shared time is split evenly between
-    its runs (`seconds`, `prefill_seconds`); `timing` also counts the batches that shared a prefill and their whole
-    shared prefill time (`shared_prefill_seconds`, the same in each run of a group)."""
+def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_size, dense: bool = False,
+               **cache_options) -> dict:
+    """`run_generation` of dense (with `dense`) and of several OasisCache modes at several budgets, each batch's
+    prompts prefilled once: all but their last tokens by HF's own model into a `DynamicCache` (each prompt alone,
+    `dense_prefilled`). Every OasisCache mode starts from a cache made of it (`OasisCache.from_dynamic_cache`: the
+    blocks in its host pool and summaries as a prefill of those tokens leaves them; one per option variant "@...",
+    with the smallest budget, eagle3 + exact where an eagle3 mode is asked), forked per (mode, budget) (`fork`), and
+    runs the last tokens and its decode itself; dense's own `generate` continues the `DynamicCache` (HF's model and
+    attention from end to end). The last tokens are the cache's last prefill chunk and at least the draft head's
+    attention window, whose rows they fill as a whole prefill would: each mode gets the tokens of its own `generate`
+    but for the floating-point differences of HF's prefill and the cache's (tests/test_eval.py). A padded batch (the
+    padding tokens' keys, which the summaries of their blocks see, are HF's own in a prefill and zeros here), prompts
+    that fit one chunk, or a head without a window: each run prefills for itself. {(mode, budget): (outputs, timing)}, dense's under
+    ("dense", None); the shared prefill's time is split evenly between the runs (`seconds`, `prefill_seconds`), and
+    `timing` counts the batches that shared it and its whole time (`shared_prefill_seconds`)."""
+    from oasis_cache.cache import ATTENTION_NAME
     from oasis_cache.compute.prefill import prefill_chunks
 
     budgets = sorted(set(budgets))
-    runs = {(m, b): ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0, shared_prefill_seconds=0.0))
-            for m in modes for b in budgets}
+    keys = ([("dense", None)] if dense else []) + [(m, b) for m in modes for b in budgets]
+    runs = {k: ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0, shared_prefill_seconds=0.0))
+            for k in keys}
     groups: dict[str, list[str]] = {}  # option variant -> its modes
     for mode in modes:
         groups.setdefault(mode.partition("@")[2], []).append(mode)
+    fields = {f.name for f in dataclasses.fields(OasisConfig)}
+    cfg = OasisConfig(token_budget=budgets[0], **{k: v for k, v in cache_options.items() if k in fields})
+    window = 0
+    if any(m.startswith("eagle3") for m in modes) and HEAD is not None:
+        window = HEAD.config.attention_window  # (None: the head attends every row, which only a prefill gives it)
+    kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    argument = generate_cache_argument(model)
     for enc in encoded_batches(model, tokenizer, samples, batch_size):
-        kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        length = enc["input_ids"].shape[1]
+        begun = time.perf_counter()
+        spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
+                               cfg.max_decode_tokens)
+        prefix, bases = None, {}
+        padded = bool((enc["attention_mask"] == 0).any())  # (its padding's keys differ between HF and the cache)
+        if spans is not None and len(spans) > 1 and window is not None and not padded:
+            make_cache(model, "dense", None)  # (HF's own SDPA for the prefix)
+            prefix = dense_prefilled(model, enc, upto=min(spans[-1][0], length - window))
+        if prefix is not None:
+            for variant, members in groups.items():
+                base_mode = ("eagle3-exact" if any(m.startswith("eagle3") for m in members) else "previous") + (
+                    f"@{variant}" if variant else "")
+                bases[variant] = OasisCache.from_dynamic_cache(model, prefix,
+                                                               **cache_kwargs(base_mode, budgets[0], **cache_options))
+        shared = prefix is not None
+        whole = time.perf_counter() - begun if shared else 0.0
+
+        def generate(key, cache):
+            first, started = FirstToken(), time.perf_counter()
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
+                                 **{argument: cache})
+            outputs, timing = runs[key]
+            outputs += out[:, enc["input_ids"].shape[1] :].tolist()
+            timing["seconds"] += whole / len(keys) + time.perf_counter() - started
+            timing["prefill_seconds"] += whole / len(keys) + first.stamp - started
+            timing["shared_prefill_batches"] += shared
+            timing["shared_prefill_seconds"] += whole
+
+        if dense:
+            cache = make_cache(model, "dense", None)
+            generate(("dense", None), prefix if prefix is not None else dense_prefilled(model, enc) or cache)
+            del cache
+        prefix = None  # (dense extended it; the bases hold their own copy)
         for variant, members in groups.items():
-            begun = time.perf_counter()
-            eagle3 = any(m.startswith("eagle3") for m in members)
-            base_mode = ("eagle3-exact" if eagle3 else "previous") + (f"@{variant}" if variant else "")
-            base = make_cache(model, base_mode, budgets[0], **cache_options)
-            cfg = base.config
-            spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
-                                   cfg.max_decode_tokens)
-            if spans is not None and len(spans) > 1:
-                split = spans[-1][0]
-                model.generate(**{k: v[:, :split] for k, v in enc.items()}, max_new_tokens=1, **kw,
-                               **{generate_cache_argument(model): base})
-            else:
-                base = None  # one chunk: nothing to share
-            whole = time.perf_counter() - begun
-            shared = whole / (len(members) * len(budgets))
+            base = bases.pop(variant, None)
             for mode in members:
                 lookahead, _, exact = mode.partition("@")[0].partition("-")
                 for budget in budgets:
-                    first, started = FirstToken(), time.perf_counter()
-                    cache = make_cache(model, mode, budget, **cache_options) if base is None else base.fork(
-                        token_budget=budget, lookahead=lookahead, exact=exact == "exact")
-                    out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
-                                         **{generate_cache_argument(model): cache})
-                    outputs, timing = runs[mode, budget]
-                    outputs += out[:, enc["input_ids"].shape[1] :].tolist()
-                    timing["seconds"] += shared + time.perf_counter() - started
-                    timing["prefill_seconds"] += shared + first.stamp - started
-                    timing["shared_prefill_batches"] += base is not None
-                    timing["shared_prefill_seconds"] += whole if base is not None else 0.0
-                    del cache, out
+                    if base is None:
+                        cache = make_cache(model, mode, budget, **cache_options)
+                    else:
+                        model.set_attn_implementation(ATTENTION_NAME)  # (dense's run set HF's SDPA)
+                        cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
+                    generate((mode, budget), cache)
+                    del cache
             del base
             release_device_memory()
     for _, timing in runs.values():
@@ -254,8 +290,9 @@ def main():
     parser.add_argument("--nll-prefill", type=int, default=7168)
     parser.add_argument("--nll-tokens", type=int, default=256)
     parser.add_argument("--shared-prefill", action="store_true",
-                        help="each batch's prompt prefilled once (but its last chunk), every mode and budget forked "
-                        "from it (`OasisCache.fork`): the same tokens, a fraction of the prefill time")
+                        help="each batch's prompt prefilled once (but its last tokens) by HF's model, dense continuing "
+                        "it and every mode and budget forked from a cache made of it (`run_shared`): a fraction of "
+                        "the prefill time")
     add_run_arguments(parser, max_new_tokens=24, tiny="2 samples at 512 tokens, budget 1/4, small NLL")
     args = parser.parse_args()
     if args.tiny:
@@ -273,15 +310,18 @@ def main():
     for task in args.tasks:
         for length in args.lengths:
             samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
-            timing = {}
-            dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens, args.batch_size,
-                                   timing)
+            budgets = {fraction: max(256, length // fraction) for fraction in args.fractions}
+            shared = run_shared(model, tokenizer, samples, args.modes, budgets.values(), args.max_new_tokens,
+                                args.batch_size, dense=True) if args.shared_prefill else {}
+            if args.shared_prefill:
+                dense, timing = shared["dense", None]
+            else:
+                timing = {}
+                dense = run_generation(model, tokenizer, samples, "dense", None, args.max_new_tokens,
+                                       args.batch_size, timing)
             dense_scores = score_outputs(tokenizer, dense, samples)
             rows.append(dict(task=task, length=length, mode="dense", budget=None,
                              accuracy=sum(dense_scores) / len(samples), retention=1.0, agreement=1.0, **timing))
-            budgets = {fraction: max(256, length // fraction) for fraction in args.fractions}
-            shared = run_shared(model, tokenizer, samples, args.modes, budgets.values(), args.max_new_tokens,
-                                args.batch_size) if args.shared_prefill else {}
             for mode in args.modes:
                 for fraction, budget in budgets.items():
                     if args.shared_prefill:

@@ -11,11 +11,12 @@ tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--ou
     python eval/suite.py --tiny --out /tmp/suite           # CI size: random weights, the plumbing only
 
 Where the time goes: the prefill (the reports' rows carry `seconds`, `prefill_seconds` and the shared prefill's
-`shared_prefill_seconds`). Each report process prefills its samples once for dense and once for every mode and
-budget but the last chunk, which each (mode, budget) runs from a fork of that cache (`report.py --shared-prefill`,
-`OasisCache.fork`: the tokens of its own `generate`); all samples of a cell in one batch (one fork, one captured
-decode per row). Measured on the H200 (2026-12-02, batches of 8, two processes at once): 72-97 s per 32K report, of
-which dense 27 s, the rows ~3 s each.
+`shared_prefill_seconds`). Each report process prefills its samples once, but their last tokens, with HF's model:
+dense continues that cache, and every (mode, budget) runs the last tokens and its decode from a fork of an
+OasisCache made of it (`report.py --shared-prefill`, `run_shared`: the tokens of its own `generate`); all samples of
+a cell in one batch (one fork, one captured decode per row). Measured on the H200 before these two changes
+(2026-12-02, batches of 8, dense's prefill apart, two processes at once): 69-137 s per 32K report, of which dense
+29 s, the rows ~4 s each.
 """
 
 from __future__ import annotations

@@ -430,12 +430,18 @@ class OasisCache(Cache):
     def from_dynamic_cache(cls, model, dynamic, **options) -> "OasisCache":
         """An OasisCache for `model` (`options` as for the constructor) holding the tokens of a transformers
         `DynamicCache` (or any cache whose layers keep `keys` / `values` `[B, Hkv, N, D]`): complete blocks go to the
-        host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens. With
-        eagle3 the draft head starts from the next forward."""
+        host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens, in the
+        chunks such a prefill runs (`compute/prefill.py`: the summaries' key channels come from the first chunk's
+        blocks, so a cache rebuilt so decodes as the one that prefilled them, at any budget). What a prefill's last
+        query made — a lookahead's first prediction, the draft head's rows — comes with the next forward instead (a
+        forward of several tokens, e.g. the prompt's last ones, makes both)."""
+        from .compute.prefill import prefill_chunks
+
         cache = cls(model, **options)
         if len(dynamic.layers) != len(cache.layers):
             raise ValueError(f"the cache holds {len(dynamic.layers)} layers; {type(model).__name__} has "
                              f"{len(cache.layers)}.")
+        cfg = cache.config
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
             if not getattr(source, "is_initialized", False):
                 continue
@@ -444,9 +450,14 @@ class OasisCache(Cache):
                 continue
             if cache._transfer is None:
                 cache._start_engine(source.keys.device)
-            layer.update(source.keys, source.values)
-            clear_pending()
-            layer._offload_complete_blocks()
+            B, _, N, _ = source.keys.shape
+            tokens = torch.empty((B, N), dtype=torch.long, device="meta")  # (only its shape is read)
+            spans = prefill_chunks(dict(input_ids=tokens, logits_to_keep=1), cfg.prefill_chunk_tokens,
+                                   cfg.block_size, cfg.max_decode_tokens) or [(0, N)]
+            for start, end in spans:
+                layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
+                clear_pending()
+                layer._offload_complete_blocks()
         return cache
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -99,25 +99,58 @@ def test_report_runs_at_ci_size(tmp_path):
 
 
 def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer):
-    """`report.py --shared-prefill`: a batch's prompt prefilled once (but its last chunk) and forked per mode and
-    budget gives each its own `generate`'s tokens (random weights, a random head, a left-padded batch of different
-    lengths); a mode with other summaries ("@full") prefills for itself."""
+    """`report.py --shared-prefill`: a batch's prompts prefilled once (but their last tokens) by HF's model; dense
+    continuing that cache and each (mode, budget) forked from an OasisCache made of it gives each the tokens of its own
+    `generate` (random weights, a random head, every option variant sharing the one prefix; the draft head's window
+    run by each fork itself). A padded batch runs each mode on its own prefill, with the same tokens."""
     import eval.report as report
-    from eval.report import run_generation, run_shared
+    from eval.report import encoded_batches, run_generation, run_shared
 
     model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=4)
-    samples = generate_samples(tokenizer, "multikey", 1024, 3, filler="noise")
     options = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
     modes = ["none", "previous-exact", "eagle3", "none@full"]
+    same = [generate_samples(tokenizer, "multikey", 1024, 1, seed=n, filler="noise")[0] for n in (1024, 900, 960)]
+    padded = [generate_samples(tokenizer, "multikey", n, 1, seed=n, filler="noise")[0] for n in (1024, 900)]
     report.HEAD = random_head(model)
     try:
-        shared = run_shared(model, tokenizer, samples, modes, [256, 128, 256], 6, 3, **options)
-        assert sorted(shared) == sorted((m, b) for m in modes for b in (128, 256))
-        for (mode, budget), (outputs, timing) in shared.items():
-            assert outputs == run_generation(model, tokenizer, samples, mode, budget, 6, 3, **options), (mode, budget)
-            assert timing["shared_prefill_batches"] == 1 and 0 < timing["prefill_seconds"] <= timing["seconds"]
+        for samples, sharing in ((same, 1), (padded, 0)):
+            (enc,) = encoded_batches(model, tokenizer, samples, 3)
+            assert bool((enc["attention_mask"] == 0).any()) == (not sharing)
+            assert report.HEAD.config.attention_window < enc["input_ids"].shape[1] - 512  # a prefix to share
+            shared = run_shared(model, tokenizer, samples, modes, [256, 128, 256], 6, 3, dense=True, **options)
+            assert sorted(shared, key=str) == sorted([("dense", None)] + [(m, b) for m in modes for b in (128, 256)],
+                                                     key=str)
+            for (mode, budget), (outputs, timing) in shared.items():
+                own = run_generation(model, tokenizer, samples, mode, budget, 6, 3, **options)
+                assert outputs == own, (mode, budget, sharing)
+                assert timing["shared_prefill_batches"] == sharing
+                assert 0 <= timing["prefill_seconds"] <= timing["seconds"]  # (rounded to 10 ms: 0 here)
+                assert (timing["shared_prefill_seconds"] > 0) == bool(sharing)
     finally:
         report.HEAD = None
+
+
+def test_a_cache_rebuilt_from_its_dynamic_copy_decodes_as_the_one_that_prefilled(tokenizer):
+    """`OasisCache.from_dynamic_cache` lays the tokens out as a prefill of them does, in its chunks (the summaries'
+    key channels come from the first chunk's blocks): at a small budget, every pool and summary equal and the same
+    tokens decoded, whatever the chunk size (the seventeenth session's round trip was checked at a full budget only).
+    (A lookahead's first prediction, made by the prefill's last query, comes with the next forward instead.)"""
+    from eval.report import encoded_batches
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=2)
+    samples = [generate_samples(tokenizer, "multikey", 1024, 1, seed=n, filler="noise")[0] for n in (1024, 900, 960)]
+    (enc,) = encoded_batches(model, tokenizer, samples, 3)
+    kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for chunk in (512, 0):
+        options = dict(token_budget=128, lookahead="none", prefill_chunk_tokens=chunk, host_chunk_blocks=4)
+        cache = OasisCache(model, **options)
+        model.generate(**enc, max_new_tokens=1, **kw, **cache.generate_kwargs())
+        rebuilt = OasisCache.from_dynamic_cache(model, cache.to_dynamic_cache(), **options)
+        for a, b in zip(cache.layers, rebuilt.layers):
+            assert all(torch.equal(x, y) for x, y in zip(a.state_tensors(), b.state_tensors())), chunk
+        decoded = [model.generate(**enc, max_new_tokens=8, **kw, **c.generate_kwargs()).tolist()
+                   for c in (cache, rebuilt)]
+        assert decoded[0] == decoded[1], chunk
 
 
 def test_dense_reference_prefilled_alone_generates_what_the_padded_batch_generates(tokenizer):
