@@ -359,8 +359,18 @@ class OasisLayer(CacheLayerMixin):
         if blocks is None:
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
-        self.summaries.append(blocks[0])
+        self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if not self.summaries.channels_fixed
+                              else None)
         self._after_completed_blocks(blocks.shape[3])
+
+    def _real_tokens(self, n: int) -> torch.Tensor | None:
+        """`[B, n, T]` bool: which tokens of the `n` blocks just completed (after the pool's earlier ones) are real,
+        from the batch's recorded padding (noted by this forward's first layer); None without padding there."""
+        padding, T = self._cache.padding, self.config.block_size
+        start = (self.pool.num_blocks - n) * T
+        if padding is None or padding.tokens is None or padding.tokens.shape[1] < start + n * T:
+            return None
+        return padding.tokens[:, start : start + n * T].reshape(self.batch_size, n, T)
 
     def _after_completed_blocks(self, n: int) -> None:
         """The host side of completing `n` blocks, after their offload and summaries (an eager step, or the

@@ -367,6 +367,35 @@ def test_summaries_on_half_the_channels():
     assert torch.equal(s.channels, chosen[order])
 
 
+def test_summary_channels_of_a_padded_sequence_are_chosen_from_its_real_tokens():
+    """A left-padded sequence's summary channels come from its real tokens, not its padding's keys: in a batch where
+    it is mostly padding, the channels a prompt gets alone (the weights of its real tokens decide; padding tokens
+    were counted before the twenty-fourth session). The summaries' own rule: padding weighs nothing; a sequence with
+    no real token in the blocks weighs them all."""
+    from conftest import left_padded, tiny_model
+
+    from oasis_cache import OasisCache
+    from oasis_cache.pools.summaries import key_channels
+
+    blocks = torch.randn(2, 1, 3, 4, 8)
+    real = torch.zeros(2, 3, 4, dtype=torch.bool)
+    real[0, 2] = True  # sequence 0: its last block real; sequence 1: none real
+    blocks[0, :, :2, :, 1] = blocks[0, :, :2, :, 5] = 100.0  # its padding is loud on channels 1 and 5
+    assert torch.equal(key_channels(blocks, 2, real)[0], key_channels(blocks[:1, :, 2:], 2)[0])
+    assert torch.equal(key_channels(blocks, 2, real)[1], key_channels(blocks, 2)[1])
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    batch = left_padded([200, 40])
+    options = dict(token_budget=128, summary_channels=0.5, prefill_chunk_tokens=0)
+    together = OasisCache(model, **options)
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # (as generate numbers a padded row)
+    model(**batch, position_ids=positions, use_cache=True, **together.generate_kwargs())
+    alone = OasisCache(model, **options)
+    model(input_ids=batch["input_ids"][1:, -40:], use_cache=True, **alone.generate_kwargs())
+    for a, b in zip(together.layers, alone.layers):
+        assert torch.equal(a.summaries.channels[1], b.summaries.channels[0])
+
+
 def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     """`compute.dense.dense_causal_attention` for Qn new queries after a past: no mask, an all-visible mask (one
     batched SDPA call, as without a mask), left padding (a call per sequence) and a hole in the mask all equal an

@@ -17,10 +17,10 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
     levels then take the bytes of a bf16 min/max. Products of such levels with bf16 queries stay exact in TF32.
 
 With `kept_channels` < D (`OasisConfig.summary_channels`), codes and levels cover only that many key channels per
-sequence and KV head (`channels` `[B, Hkv, D']`: rotary pairs kept together, those of largest mean |k| in the first
-blocks appended, usually the prompt's), and queries are read on the same channels (`query_channels`): the summaries
-shrink by D / D', the rest of q.k is left out of the ranking (eval/scoring.py `centroid1_half` measured what it
-keeps). Every shape above then has D' in place of D.
+sequence and KV head (`channels` `[B, Hkv, D']`: rotary pairs kept together, those of largest mean |k| over the real
+tokens of the first blocks appended, usually the prompt's: a left-padded row's padding does not choose), and queries
+are read on the same channels (`query_channels`): the summaries shrink by D / D', the rest of q.k is left out of the
+ranking (eval/scoring.py `centroid1_half` measured what it keeps). Every shape above then has D' in place of D.
 
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
@@ -70,9 +70,15 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return above, low, high
 
 
-def key_channels(key_blocks: torch.Tensor, kept: int) -> torch.Tensor:
-    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64: the channels of largest mean |k| (`heaviest_channels`)."""
-    return heaviest_channels(key_blocks.float().abs().mean(dim=(2, 3)), kept)
+def key_channels(key_blocks: torch.Tensor, kept: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64: the channels of largest mean |k| (`heaviest_channels`)
+    over the real tokens (`real` `[B, n, T]` bool, False = padding; None: all; a sequence without a real token here
+    weighs all of its tokens)."""
+    weight = key_blocks.float().abs()
+    if real is not None:
+        use = torch.where(real.any(dim=(1, 2), keepdim=True), real, torch.ones_like(real))  # [B, n, T]
+        weight = weight * use[:, None, :, :, None]
+    return heaviest_channels(weight.sum(dim=(2, 3)), kept)
 
 
 def heaviest_channels(weight: torch.Tensor, kept: int) -> torch.Tensor:
@@ -156,16 +162,18 @@ class BlockSummaries:
         if self.scales is not None:
             self.scales = self._grown(self.scales, 2, capacity)
 
-    def append(self, key_blocks: torch.Tensor) -> None:
-        """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device. One
-        block (a decode step's) is written at the device count and counted by a device add — the same operators for
-        every block, so that a captured step that completes a block replays for the next ones."""
+    def append(self, key_blocks: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device; `real`:
+        `[B, n, T]` bool (False = padding) or None, read only where the channels are chosen (their padding's keys do
+        not choose a sequence's channels). One block (a decode step's) is written at the device count and counted by
+        a device add — the same operators for every block, so that a captured step that completes a block replays
+        for the next ones."""
         B, H, n, T, _ = key_blocks.shape
         end = self.num_blocks + n
         self.reserve(end)
         if self.kept_channels < self.head_dim:
             if self.channels is None:
-                self.channels = key_channels(key_blocks, self.kept_channels)
+                self.channels = key_channels(key_blocks, self.kept_channels, real)
             key_blocks = key_blocks.gather(-1, self.channels[:, :, None, None].expand(B, H, n, T, self.kept_channels))
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
