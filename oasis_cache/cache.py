@@ -207,6 +207,10 @@ class OasisCache(Cache):
         decode = layer.decodes(key_states.shape[2])
         self.counters.consume_predictions(decode)
         if decode:
+            if not layer.summaries.channels_fixed:  # the prompt's blocks choose the summaries' channels
+                for each in self.layers:
+                    if isinstance(each, OasisLayer) and each.is_initialized:
+                        each.summaries.fix_channels()
             self.decode_clock += 1
             self.counters.decode_steps += 1
             self.counters.decode_tokens += Qn
@@ -431,8 +435,8 @@ class OasisCache(Cache):
         """An OasisCache for `model` (`options` as for the constructor) holding the tokens of a transformers
         `DynamicCache` (or any cache whose layers keep `keys` / `values` `[B, Hkv, N, D]`): complete blocks go to the
         host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens, in the
-        chunks such a prefill runs (`compute/prefill.py`: the summaries' key channels come from the first chunk's
-        blocks, so a cache rebuilt so decodes as the one that prefilled them, at any budget). What a prefill's last
+        chunks such a prefill runs (`compute/prefill.py`), so a cache rebuilt so decodes as the one that prefilled
+        them, at any budget. What a prefill's last
         query made — a lookahead's first prediction, the draft head's rows — comes with the next forward instead (a
         forward of several tokens, e.g. the prompt's last ones, makes both)."""
         from .compute.prefill import prefill_chunks
@@ -696,7 +700,7 @@ class OasisCache(Cache):
         """What `replayable_step` answers but for the device and backend (CPU tests ask it): "steady", "completing",
         or None (the next one-token decode forward must run eagerly)."""
         layer = self.layers[self._first_oasis_layer]
-        # (summaries' channels are chosen at the first append, in the same forward for every layer)
+        # (summaries' channels are chosen at the first decode step, for every layer at once: it runs eagerly)
         if not (layer.is_initialized and self._decode_step_of_fixed_shapes() and layer.summaries.channels_fixed
                 and self.padding_covers(layer.pool.num_blocks)):
             return None

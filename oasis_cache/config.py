@@ -94,8 +94,9 @@ class OasisConfig:
             capability 8.9, which cannot convert fp8 (`pools.summaries.fp8_levels_for`); True there is an error.
         summary_channels: with the bits scorer, the fraction of key channels its summaries cover. None (default):
             0.5 with the bits scorer (1.0 with "bound", and where half the head would be an odd number of channels):
-            per sequence and KV head, the rotary pairs of largest mean |k| in the first blocks summarized (the
-            prompt's), the others left out of the ranking (`pools/summaries.py`); the summaries then take 3.1% of
+            per sequence and KV head, the rotary pairs of largest mean |k| over the prompt's real tokens (chosen at
+            the first decode step: the same whatever the batch, its padding and the prefill's chunks), the others
+            left out of the ranking (`pools/summaries.py`); the summaries then take 3.1% of
             K+V per block with fp8 levels instead of 6.25%, which keeps the device's KV within 10% of dense at 32K
             with a 2048-token budget (on SmolLM2's six tasks: equal retention but one sample; docs/perf.md, eleventh
             session). 1.0: every channel. An explicit fraction must keep an even number of the head's channels.
@@ -127,9 +128,8 @@ class OasisConfig:
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
             prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0:
-            off. Same result as the whole forward (the cache's prefill is dense attention either way), but for the
-            summaries' channels (`summary_channels` < 1), chosen from the blocks of the first chunk (8192 tokens by
-            default) instead of the whole prompt's.
+            off. Same result as the whole forward (the cache's prefill is dense attention either way; the summaries'
+            channels are the whole prompt's since the twenty-fourth session, not the first chunk's).
         resident_prefill: during a chunked prefill, keep the prompt's keys and values on the device until its last
             chunk, where every full-attention layer's fit in half the device memory the process may still take
             (`OasisLayer._attend_resident`): a chunk reads the past there instead of bringing it back from host

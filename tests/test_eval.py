@@ -281,6 +281,7 @@ def test_scorers_order_bound_half_bound_and_exact_max():
     # ... and on half the channels (summary_channels=0.5), what `centroid1_half` simulates.
     half = BlockSummaries(2, 3, 8, torch.float32, "cpu", 16, key_bits=True, kept_channels=4)
     half.append(keys)
+    half.fix_channels()  # (what the first decode step does)
     shipped = rank_blocks(q, half, torch.zeros(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool), 16)
     torch.testing.assert_close(SCORERS["centroid1_half"](q, keys), shipped)
 

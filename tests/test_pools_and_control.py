@@ -332,9 +332,10 @@ def test_summary_channels_default_to_half_with_the_bits_scorer():
 
 
 def test_summaries_on_half_the_channels():
-    """summary_channels < 1: the channels are chosen once, by rotary pairs of largest mean |k| in each sequence and
-    KV head, from the first blocks appended; later blocks are summarized on the same channels; queries are read on
-    them; the summaries shrink by the fraction; a batch reorder moves them."""
+    """summary_channels < 1: the channels are chosen once (`fix_channels`, at the first decode step), by rotary pairs
+    of largest mean |k| in each sequence and KV head over the blocks so far, however they were appended; those
+    blocks' summaries are kept on them and later blocks summarized on the same channels; queries are read on them;
+    the summaries shrink by the fraction; a batch reorder moves them."""
     from oasis_cache.pools.summaries import key_channels
 
     B, H, T, D = 2, 3, 16, 8
@@ -343,7 +344,10 @@ def test_summaries_on_half_the_channels():
     blocks[0, 1, :, :, 6] *= 10
     s = BlockSummaries(B, H, D, torch.float32, "cpu", T, key_bits=True, kept_channels=4)
     assert not s.channels_fixed
-    s.append(blocks[:, :, :30])
+    s.append(blocks[:, :, :10])
+    s.append(blocks[:, :, 10:30])  # (a prefill in two chunks)
+    assert not s.channels_fixed and s.levels.shape[-1] == D  # every channel until chosen
+    s.fix_channels()
     chosen = s.channels.clone()
     assert s.channels_fixed and chosen.shape == (B, H, 4)
     assert torch.equal(chosen, key_channels(blocks[:, :, :30], 4))
@@ -367,33 +371,34 @@ def test_summaries_on_half_the_channels():
     assert torch.equal(s.channels, chosen[order])
 
 
-def test_summary_channels_of_a_padded_sequence_are_chosen_from_its_real_tokens():
-    """A left-padded sequence's summary channels come from its real tokens, not its padding's keys: in a batch where
-    it is mostly padding, the channels a prompt gets alone (the weights of its real tokens decide; padding tokens
-    were counted before the twenty-fourth session). The summaries' own rule: padding weighs nothing; a sequence with
-    no real token in the blocks weighs them all."""
+def test_summary_channels_are_the_prompts_whatever_its_chunks_batch_and_padding():
+    """The summaries' channels come from the prompt's real tokens, chosen at the first decode step: a prompt gets the
+    same channels and decodes the same tokens alone, in a left-padded batch where it is mostly padding, and prefilled
+    in chunks of any size (before the twenty-fourth session they came from the first chunk's blocks, padding
+    included: they changed with the batch and the chunk size)."""
     from conftest import left_padded, tiny_model
 
     from oasis_cache import OasisCache
     from oasis_cache.pools.summaries import key_channels
 
-    blocks = torch.randn(2, 1, 3, 4, 8)
-    real = torch.zeros(2, 3, 4, dtype=torch.bool)
-    real[0, 2] = True  # sequence 0: its last block real; sequence 1: none real
-    blocks[0, :, :2, :, 1] = blocks[0, :, :2, :, 5] = 100.0  # its padding is loud on channels 1 and 5
-    assert torch.equal(key_channels(blocks, 2, real)[0], key_channels(blocks[:1, :, 2:], 2)[0])
-    assert torch.equal(key_channels(blocks, 2, real)[1], key_channels(blocks, 2)[1])
+    blocks = torch.randn(1, 1, 3, 4, 8)
+    real = torch.zeros(1, 3, 4, dtype=torch.bool)
+    real[0, 2] = True
+    blocks[0, :, :2, :, 1] = blocks[0, :, :2, :, 5] = 100.0  # loud padding on channels 1 and 5
+    assert torch.equal(key_channels(blocks, 2, real), key_channels(blocks[:, :, 2:], 2))  # padding weighs nothing
 
     model = tiny_model("llama", num_hidden_layers=2)
-    batch = left_padded([200, 40])
-    options = dict(token_budget=128, summary_channels=0.5, prefill_chunk_tokens=0)
-    together = OasisCache(model, **options)
-    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # (as generate numbers a padded row)
-    model(**batch, position_ids=positions, use_cache=True, **together.generate_kwargs())
-    alone = OasisCache(model, **options)
-    model(input_ids=batch["input_ids"][1:, -40:], use_cache=True, **alone.generate_kwargs())
-    for a, b in zip(together.layers, alone.layers):
-        assert torch.equal(a.summaries.channels[1], b.summaries.channels[0])
+    batch = left_padded([480, 320])
+    alone = {k: v[1:, -320:] for k, v in batch.items()}
+    runs = []
+    for inputs, chunk in ((alone, 0), (alone, 64), (batch, 0), (batch, 192)):  # (budget 128 of 320 tokens)
+        cache = OasisCache(model, token_budget=128, summary_channels=0.5, prefill_chunk_tokens=chunk)
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=0, **cache.generate_kwargs())
+        channels = [layer.summaries.channels[-1] for layer in cache.layers]
+        runs.append((channels, out[-1, inputs["input_ids"].shape[1]:].tolist(), chunk))
+    for channels, tokens, chunk in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(channels, runs[0][0])), chunk
+        assert tokens == runs[0][1], chunk
 
 
 def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):

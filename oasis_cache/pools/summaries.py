@@ -18,9 +18,12 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
 
 With `kept_channels` < D (`OasisConfig.summary_channels`), codes and levels cover only that many key channels per
 sequence and KV head (`channels` `[B, Hkv, D']`: rotary pairs kept together, those of largest mean |k| over the real
-tokens of the first blocks appended, usually the prompt's: a left-padded row's padding does not choose), and queries
-are read on the same channels (`query_channels`): the summaries shrink by D / D', the rest of q.k is left out of the
-ranking (eval/scoring.py `centroid1_half` measured what it keeps). Every shape above then has D' in place of D.
+tokens of the prompt — a left-padded row's padding does not choose), and queries are read on the same channels
+(`query_channels`): the summaries shrink by D / D', the rest of q.k is left out of the ranking (eval/scoring.py
+`centroid1_half` measured what it keeps). Every shape above then has D' in place of D. Until the channels are
+chosen (`fix_channels`, at the first decode step: the prompt's blocks, whatever chunks and batch its prefill ran
+in) the blocks are summarized on all D channels and `channel_weight` `[B, Hkv, D]` sums their |k|; choosing keeps
+those blocks' codes and levels on the chosen channels (their fp8 scales stay: powers of two, exact either way).
 
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
@@ -70,15 +73,19 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return above, low, high
 
 
-def key_channels(key_blocks: torch.Tensor, kept: int, real: torch.Tensor | None = None) -> torch.Tensor:
-    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64: the channels of largest mean |k| (`heaviest_channels`)
-    over the real tokens (`real` `[B, n, T]` bool, False = padding; None: all; a sequence without a real token here
-    weighs all of its tokens)."""
+def channel_weight(key_blocks: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, D]` fp32: the sum of |k| per channel over the real tokens (`real`
+    `[B, n, T]` bool, False = padding; None: all)."""
     weight = key_blocks.float().abs()
     if real is not None:
-        use = torch.where(real.any(dim=(1, 2), keepdim=True), real, torch.ones_like(real))  # [B, n, T]
-        weight = weight * use[:, None, :, :, None]
-    return heaviest_channels(weight.sum(dim=(2, 3)), kept)
+        weight = weight * real[:, None, :, :, None]
+    return weight.sum(dim=(2, 3))
+
+
+def key_channels(key_blocks: torch.Tensor, kept: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, kept]` int64: the channels of largest mean |k| over the real tokens
+    (`heaviest_channels`; `real` as for `channel_weight`)."""
+    return heaviest_channels(channel_weight(key_blocks, real), kept)
 
 
 def heaviest_channels(weight: torch.Tensor, kept: int) -> torch.Tensor:
@@ -121,8 +128,10 @@ class BlockSummaries:
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
                  fp8_levels: bool = False, kept_channels: int | None = None):
         self.head_dim = head_dim
-        D = self.kept_channels = head_dim if kept_channels is None else kept_channels  # D' (see the module doc)
-        self.channels = None  # [B, Hkv, D'] int64 once chosen (D' < D), at the first append
+        self.kept_channels = head_dim if kept_channels is None else kept_channels  # D' (see the module doc)
+        D = head_dim  # (all channels until `fix_channels` chooses D')
+        self.channels = None  # [B, Hkv, D'] int64 once chosen (D' < D), at the first decode step
+        self.channel_weight = None  # [B, Hkv, D] fp32 until then (D' < D): |k| summed over the real tokens
         self.levels = torch.empty((2, batch_size, num_kv_heads, 0, D), dtype=FP8 if fp8_levels else dtype,
                                   device=device)
         self.scales = (torch.empty((batch_size, num_kv_heads, 0), dtype=torch.float32, device=device)
@@ -141,7 +150,7 @@ class BlockSummaries:
 
     def query_channels(self, query: torch.Tensor) -> torch.Tensor:
         """`query` `[B, Hq, Qn, D]` -> `[B, Hq, Qn, D']`: the channels the summaries cover (the query itself if all)."""
-        if self.kept_channels == self.head_dim:
+        if self.channels is None:
             return query
         B, Hq, Qn, _ = query.shape
         index = self.channels.repeat_interleave(Hq // self.channels.shape[1], dim=1)  # [B, Hq, D']
@@ -171,9 +180,10 @@ class BlockSummaries:
         B, H, n, T, _ = key_blocks.shape
         end = self.num_blocks + n
         self.reserve(end)
-        if self.kept_channels < self.head_dim:
-            if self.channels is None:
-                self.channels = key_channels(key_blocks, self.kept_channels, real)
+        if not self.channels_fixed:
+            weight = channel_weight(key_blocks, real)
+            self.channel_weight = weight if self.channel_weight is None else self.channel_weight + weight
+        elif self.channels is not None:
             key_blocks = key_blocks.gather(-1, self.channels[:, :, None, None].expand(B, H, n, T, self.kept_channels))
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
@@ -190,6 +200,24 @@ class BlockSummaries:
             self.count.add_(1)
         else:
             self._set_count(end)
+
+    def fix_channels(self) -> None:
+        """Choose the kept channels from the blocks so far (`channel_weight`) and keep their codes and levels on them
+        (new tensors: before any captured step). Nothing to do with all channels kept, once chosen, or before the
+        first block."""
+        if self.channels_fixed or self.channel_weight is None:
+            return
+        self.channels = heaviest_channels(self.channel_weight, self.kept_channels)  # [B, Hkv, D']
+        self.channel_weight = None
+        B, H, D = self.channels.shape
+
+        def kept(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            source = pool.view(torch.uint8) if pool.element_size() == 1 else pool  # (fp8 has no gather)
+            return source.gather(-1, index.expand(*pool.shape[:-1], D)).view(pool.dtype)
+
+        self.levels = kept(self.levels, self.channels.view(1, B, H, 1, D))  # [2, B, Hkv, NBcap, D]
+        if self.codes is not None:
+            self.codes = kept(self.codes, self.channels.view(B, H, 1, 1, D))  # [B, Hkv, NBcap, ceil(T/8), D]
 
     def _write(self, pool: torch.Tensor, block_dim: int, values: torch.Tensor) -> None:
         """`values` (n blocks along `block_dim`) into `pool` after the valid blocks: one block at the device count."""
@@ -226,6 +254,8 @@ class BlockSummaries:
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.levels = self.levels.index_select(1, indices.to(self.levels.device))
+        if self.channel_weight is not None:
+            self.channel_weight = self.channel_weight.index_select(0, indices.to(self.channel_weight.device))
         if self.channels is not None:
             self.channels = self.channels.index_select(0, indices.to(self.channels.device))
         if self.codes is not None:

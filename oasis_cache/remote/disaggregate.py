@@ -74,6 +74,7 @@ def publish(cache: OasisCache, store, request: str, _published: dict | None = No
             continue
         if not layer.is_initialized:
             raise ValueError(f"publish: layer {idx} holds no tokens while others do.")
+        layer.summaries.fix_channels()  # (the prompt is complete: the channels its first decode step would choose)
         pool = layer.pool
         pool.fetch_all_remote()  # a cache admitted from a store publishes every block, not only those it fetched
         blocks_bytes += tier.publish(idx, pool, start=(_published or {}).get(idx, 0))
