@@ -356,7 +356,7 @@ def test_a_failed_capture_names_the_fix():
 def test_half_channel_summaries_on_cuda():
     """The default summaries (half the key channels) on CUDA: the Triton kernels rank with the queries read on the
     chosen channels as the torch backend does (same tokens), the captured steps replay once the channels are chosen
-    (at the prefill), and the summaries hold half the bytes of codes and levels of those on every channel."""
+    (at the first decode step), and the summaries hold half the bytes of codes and levels of those on every channel."""
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
