@@ -161,13 +161,14 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     blocks in its host pool and summaries as a prefill of those tokens leaves them; one per option variant "@...",
     with the smallest budget, eagle3 + exact where an eagle3 mode is asked), forked per (mode, budget) (`fork`), and
     runs the last tokens and its decode itself; dense's own `generate` continues the `DynamicCache` (HF's model and
-    attention from end to end). The last tokens are the cache's last prefill chunk and at least the draft head's
-    attention window, whose rows they fill as a whole prefill would: each mode gets the tokens of its own `generate`
-    but for the floating-point differences of HF's prefill and the cache's (tests/test_eval.py). A padded batch (the
-    padding tokens' keys, which the summaries of their blocks see, are HF's own in a prefill and zeros here), prompts
-    that fit one chunk, or a head without a window: each run prefills for itself. {(mode, budget): (outputs, timing)}, dense's under
-    ("dense", None); the shared prefill's time is split evenly between the runs (`seconds`, `prefill_seconds`), and
-    `timing` counts the batches that shared it and its whole time (`shared_prefill_seconds`)."""
+    attention from end to end). The last tokens are the cache's last prefill chunk and at least what the draft
+    head's last row sees (its attention window per layer), whose rows they fill as a whole prefill would: each mode
+    gets the tokens of its own `generate` but for the floating-point differences of HF's prefill and the cache's
+    (tests/test_eval.py). A padded batch (the padding tokens' keys, which the summaries of their blocks see, are
+    HF's own in a prefill and zeros here), prompts that fit one chunk, or a head without a window: each run prefills
+    for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
+    split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it
+    and its whole time (`shared_prefill_seconds`)."""
     from oasis_cache.cache import ATTENTION_NAME
     from oasis_cache.compute.prefill import prefill_chunks
 
@@ -180,9 +181,11 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
         groups.setdefault(mode.partition("@")[2], []).append(mode)
     fields = {f.name for f in dataclasses.fields(OasisConfig)}
     cfg = OasisConfig(token_budget=budgets[0], **{k: v for k, v in cache_options.items() if k in fields})
-    window = 0
-    if any(m.startswith("eagle3") for m in modes) and HEAD is not None:
-        window = HEAD.config.attention_window  # (None: the head attends every row, which only a prefill gives it)
+    window = 0  # rows the draft head's last row depends on
+    if any(m.startswith("eagle3") for m in modes) and HEAD is not None and HEAD.config.attention_window is not None:
+        window = HEAD.config.attention_window * HEAD.config.num_hidden_layers
+    elif any(m.startswith("eagle3") for m in modes) and HEAD is not None:
+        window = None  # (the head attends every row: only a prefill gives it them)
     kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     argument = generate_cache_argument(model)
     for enc in encoded_batches(model, tokenizer, samples, batch_size):

@@ -436,9 +436,9 @@ class OasisCache(Cache):
         `DynamicCache` (or any cache whose layers keep `keys` / `values` `[B, Hkv, N, D]`): complete blocks go to the
         host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens, in the
         chunks such a prefill runs (`compute/prefill.py`), so a cache rebuilt so decodes as the one that prefilled
-        them, at any budget. What a prefill's last
-        query made — a lookahead's first prediction, the draft head's rows — comes with the next forward instead (a
-        forward of several tokens, e.g. the prompt's last ones, makes both)."""
+        them, at any budget. What a prefill's last query made — a lookahead's first prediction, the draft head's
+        rows — comes with the next forward instead (a forward of several tokens, e.g. the prompt's last ones, makes
+        both)."""
         from .compute.prefill import prefill_chunks
 
         cache = cls(model, **options)

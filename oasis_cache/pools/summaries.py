@@ -173,8 +173,8 @@ class BlockSummaries:
 
     def append(self, key_blocks: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device; `real`:
-        `[B, n, T]` bool (False = padding) or None, read only where the channels are chosen (their padding's keys do
-        not choose a sequence's channels). One block (a decode step's) is written at the device count and counted by
+        `[B, n, T]` bool (False = padding) or None, read until the channels are chosen (a sequence's padding does
+        not weigh in `channel_weight`). One block (a decode step's) is written at the device count and counted by
         a device add — the same operators for every block, so that a captured step that completes a block replays
         for the next ones."""
         B, H, n, T, _ = key_blocks.shape
@@ -250,7 +250,7 @@ class BlockSummaries:
         return low.float() * scale, high.float() * scale
 
     def truncate(self, num_blocks: int) -> None:
-        self._set_count(num_blocks)
+        self._set_count(num_blocks)  # (before the channels are chosen, the blocks cut off still weigh in them)
 
     def index_batch(self, indices: torch.Tensor) -> None:
         self.levels = self.levels.index_select(1, indices.to(self.levels.device))
