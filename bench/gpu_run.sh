@@ -43,7 +43,7 @@
 #             {1, 4}: what a captured decode step gives (the ceiling for a captured oasis step)
 #   gather    gather bandwidth;  programs  32K x 4 with 64 gather programs;  profile  kernel table, 32K x 4
 #   train     the SmolLM2 EAGLE-3 head (TRAIN_SECONDS, default 480; TRAIN_RESUME=1 continues $TRAIN_DIR;
-#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
+#             TRAIN_INIT=1 starts from $HEAD, the shipped head; TRAIN_SEED another draw of texts; TRAIN_DATA="FILE ..." reuses earlier runs' data.pt;
 #             TRAIN_SOURCE=docs|docstrings|mixed: where the long windows come from, default docs; TRAIN_CROP=ROWS:
 #             train each text on a window of at most ROWS rows, half at its end; TRAIN_TTT, TRAIN_LR,
 #             TRAIN_SCHEDULE=constant|cosine, TRAIN_WEIGHT (γ: rows weighted by the target's top-1 probability^γ),
@@ -163,7 +163,7 @@ for arg in "$@"; do
       tail -n 5 "$OUT"/recall-*.log ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
-      python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_INTERMEDIATE:+--intermediate-size "$TRAIN_INTERMEDIATE"} ${TRAIN_DTYPE:+--dtype "$TRAIN_DTYPE"} ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
+      python3 -m oasis_cache.draft.train --target "${TARGET:-smollm2}" --out "$TD" --documents 400 --document-tokens 4096 --generate-batch 64 --cache-features --steps "${TRAIN_STEPS:-20000}" --save-every 1000 --draft-vocab 8192 --time-limit "${TRAIN_SECONDS:-480}" ${TRAIN_INTERMEDIATE:+--intermediate-size "$TRAIN_INTERMEDIATE"} ${TRAIN_DTYPE:+--dtype "$TRAIN_DTYPE"} ${TRAIN_RESUME:+--resume} ${TRAIN_INIT:+--init-head "$HEAD"} ${TRAIN_DATA:+--data $TRAIN_DATA} ${TRAIN_SOURCE:+--document-source "$TRAIN_SOURCE"} ${TRAIN_CROP:+--crop "$TRAIN_CROP"} ${TRAIN_TTT:+--ttt "$TRAIN_TTT"} ${TRAIN_WEIGHT:+--confidence-weight "$TRAIN_WEIGHT"} ${TRAIN_LAYERS:+--layers "$TRAIN_LAYERS"} ${TRAIN_SCHEDULE:+--lr-schedule "$TRAIN_SCHEDULE"} ${TRAIN_LR:+--lr "$TRAIN_LR"} ${TRAIN_SEED:+--seed "$TRAIN_SEED"} --quiet 2>&1 | grep --line-buffered -v Warning | tee "$OUT/train.log" | tail -8
       python3 -c "
 import torch, sys; from oasis_cache.draft import load_eagle3, save_eagle3
 save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
