@@ -18,6 +18,7 @@
 #   qwenhead  issue 22's recall target: `train` with TARGET=qwen25-coder-0.5b on documentation and package code
 #             (TRAIN_SOURCE, default mixed+code; TRAIN_SECONDS counts the texts' generation, ~7 min), then eval/recall.py
 #             at 16K (documentation) and 32K (code) for the new head and the shipped one (QWEN_HEAD), four processes,
+#             each at K = 1/16 of the context and K = 20 blocks (RECALL_KS, default "sixteenth 20"),
 #             eagle3 rows with the n-gram lookup off, on, on with its arbiter (RECALL_LOOKUP, default "0 2 2+arbiter");
 #             longer than one call: start it with bench/gpu_bg.sh
 #   suite     eval/suite.py: issue 22's whole quality suite (both models, every task, modes, budgets; 3 processes at
@@ -26,7 +27,8 @@
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
 #             nine parts, ../shared/tools/qwen05-parts.sh): the in-decode workload (eval/in_decode.py), the quality
 #             suite at 8K-32K, recall at 8K and 16K (the documentation's held-out region is 16K tokens;
-#             RECALL_TEXT=code RECALL_CONTEXTS="16000 32000": the standard library's code); REPORT_HEAD=1 adds eagle3
+#             RECALL_TEXT=code RECALL_CONTEXTS="16000 32000": the standard library's code; RECALL_KS="sixteenth 20": K
+#             = 1/16 of the context, K = 20 blocks); REPORT_HEAD=1 adds eagle3
 #             with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
@@ -155,11 +157,13 @@ for arg in "$@"; do
         HEAD=$HEAD REPORT_LENGTHS=$L REPORT_TASKS=$T REPORT_NLL_TOKENS=$nll REPORT_TAG=-$L-$T${REPORT_TAG:-} bash "$0" qwenreport > /dev/null 2>&1 & nll=0
         while (( $(jobs -rp | wc -l) >= ${REPORT_PARALLEL:-3} )); do wait -n; done; done; wait  # at most 3 at once
       tail -n 12 "$OUT"/report-qwen05-$L-*${REPORT_TAG:-}.log ;;
-    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} ${RECALL_LOOKUP:+--draft-lookup $RECALL_LOOKUP} --context $context --budget $(( (context / 16 + 15) / 16 * 16 )) --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context${RECALL_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
+    qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do for k in ${RECALL_KS:-sixteenth}; do  # K: 1/16 of the context, or K blocks (issue 22's target: K = 20)
+        if [ "$k" = sixteenth ]; then budget=$(( (context / 16 + 15) / 16 * 16 )); tag=; else budget=$(( (k + 1) * 16 )); tag=-k$k; fi
+        python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} ${RECALL_LOOKUP:+--draft-lookup $RECALL_LOOKUP} --context $context --budget $budget --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context$tag${RECALL_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     qwenhead) HO=${HEAD_OUT:-/tmp/oasis-head}  # a Qwen head trained on documentation and code, then recall beside the shipped one ($QWEN_HEAD)
       TARGET=qwen25-coder-0.5b TRAIN_DTYPE=bfloat16 TRAIN_INTERMEDIATE=2048 TRAIN_SOURCE=${TRAIN_SOURCE:-mixed+code} bash "$0" train
       for h in "new:$HO" "shipped:${QWEN_HEAD:-oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct}"; do for t in docs:16000 code:32000; do
-        HEAD=${h#*:} REPORT_HEAD=1 RECALL_LOOKUP=${RECALL_LOOKUP:-0 2 2+arbiter} RECALL_TEXT=${t%%:*} RECALL_CONTEXTS=${t#*:} RECALL_TAG=-${h%%:*}-${t%%:*} bash "$0" qwenrecall > "$OUT/recall-${h%%:*}-${t%%:*}.log" 2>&1 & done; done; wait
+        HEAD=${h#*:} REPORT_HEAD=1 RECALL_LOOKUP=${RECALL_LOOKUP:-0 2 2+arbiter} RECALL_KS=${RECALL_KS:-sixteenth 20} RECALL_TEXT=${t%%:*} RECALL_CONTEXTS=${t#*:} RECALL_TAG=-${h%%:*}-${t%%:*} bash "$0" qwenrecall > "$OUT/recall-${h%%:*}-${t%%:*}.log" 2>&1 & done; done; wait
       tail -n 5 "$OUT"/recall-*.log ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;
     train) TD=${TRAIN_DIR:-/tmp/oasis-train} HO=${HEAD_OUT:-/tmp/oasis-head}
