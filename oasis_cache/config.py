@@ -109,6 +109,10 @@ class OasisConfig:
             the draft was right (the token that came is the one that rode), that token is the target's own prediction
             of the step after — it becomes the draft instead of the head's guess; where it was wrong, the head
             drafts (`draft/lookahead.py`). False: the head drafts every step.
+        draft_sees_its_blocks: research (torch attention path, eagle3 + exact): the riding draft row attends only the
+            working-set blocks among its own top-K (those the next step is predicted to attend), not every block of
+            this step, so that its deeper layers' queries come closer to the next step's real ones. Off by default:
+            measured on CPU only (docs/perf.md, twenty-fourth session).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -155,6 +159,7 @@ class OasisConfig:
     summary_channels: float | None = None
     draft_lookup: int = 0
     chain_drafts: bool = True
+    draft_sees_its_blocks: bool = False
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool = False
@@ -218,6 +223,8 @@ class OasisConfig:
                                  "longer bound q.k).")
         if not isinstance(self.chain_drafts, bool):
             raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
+        if not isinstance(self.draft_sees_its_blocks, bool):
+            raise ValueError(f"draft_sees_its_blocks must be True or False, got {self.draft_sees_its_blocks!r}.")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):

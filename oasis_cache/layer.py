@@ -301,9 +301,24 @@ class OasisLayer(CacheLayerMixin):
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)
-            out = sparse_attention(query, keys, values, mask, scale, bias)
+            out = sparse_attention(query, keys, values, mask, scale, bias, self._draft_visible(mask, cfg, S, T))
         cache.counters.record_layer_step(B * H, n)
         return out
+
+    def _draft_visible(self, mask: torch.Tensor, cfg, S: int, T: int) -> torch.Tensor | None:
+        """`OasisConfig.draft_sees_its_blocks`: `mask` `[B, Hkv, L]` but the slot tokens of blocks outside the riding
+        draft row's own top-K (its ranking, made in this step's selection), or None."""
+        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None):
+            return None
+        NB, ranks = self._draft_ranks
+        block_ids, _ = top_blocks(ranks, cfg.slots)
+        B, H = block_ids.shape[:2]
+        chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=block_ids.device)
+        chosen.scatter_(-1, block_ids.clamp(max=NB), True)
+        held = self.slot_map.slot_block[..., :S]
+        mine = chosen.gather(-1, held.clamp(min=0, max=NB)) & (held >= 0)  # [B, H, S]
+        slots = mask[:, :, : S * T] & mine[..., None].expand(B, H, S, T).reshape(B, H, S * T)
+        return torch.cat((slots, mask[:, :, S * T :]), dim=-1)
 
     def _prefetch_next(self, query, visible, after_decode: bool) -> None:
         """Lookahead: `query` (this forward's, or the draft token's) selects the next step's blocks; their gather

@@ -425,3 +425,23 @@ def test_draft_lookup_copies_a_repeated_run():
         drafts[order], lookups[order] = made[0].item(), ride.lookup
     assert drafts[3] == run[5].item()
     assert lookups[0] is None and lookups[3] is not None
+
+
+def test_a_draft_row_that_sees_only_its_blocks_changes_the_prediction_not_the_tokens():
+    """`draft_sees_its_blocks` (research): with exact, the real tokens are the same; the draft row's attention, and
+    so its deeper queries and the next step's prediction, change (recall measured, not asserted up)."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    head = random_head(model)
+    ids = prompt_ids(600, batch=2)
+    runs = []
+    for sees in (False, True):
+        cache = OasisCache(model, token_budget=160, lookahead="eagle3", draft=head, exact=True, measure=True,
+                           draft_sees_its_blocks=sees)
+        out = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                             **cache.generate_kwargs())
+        runs.append((out, cache.stats()["prediction_recall"]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] != runs[1][1]  # the draft row attended differently
+    with pytest.raises(ValueError, match="draft_sees_its_blocks must be True or False"):
+        OasisCache(model, token_budget=160, draft_sees_its_blocks="yes")
+
