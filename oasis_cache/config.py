@@ -109,10 +109,11 @@ class OasisConfig:
             the draft was right (the token that came is the one that rode), that token is the target's own prediction
             of the step after — it becomes the draft instead of the head's guess; where it was wrong, the head
             drafts (`draft/lookahead.py`). False: the head drafts every step.
-        draft_sees_its_blocks: research (torch attention path, eagle3 + exact): the riding draft row attends only the
-            working-set blocks among its own top-K (those the next step is predicted to attend), not every block of
-            this step, so that its deeper layers' queries come closer to the next step's real ones. Off by default:
-            measured on CPU only (docs/perf.md, twenty-fourth session).
+        draft_sees_its_blocks: research (eagle3 + exact, on the torch attention path: on CUDA with
+            attention_kernel=False): the riding draft row attends only the working-set blocks among its own top-K
+            (those the next step is predicted to attend), not every block of this step, so that its deeper layers'
+            queries come closer to the next step's real ones. Off by default: measured on CPU only (docs/perf.md,
+            twenty-fourth session).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel

@@ -57,6 +57,9 @@ class OasisLayer(CacheLayerMixin):
         if self.attention_kernel and not self.use_kernels:
             raise ValueError(f"attention_kernel=True runs a Triton kernel, but this cache runs the torch backend on "
                              f"{self.device}: leave attention_kernel=None (or False) here.")
+        if self.attention_kernel and cfg.draft_sees_its_blocks:
+            raise ValueError("draft_sees_its_blocks=True runs on the torch attention path (the Triton decode kernel "
+                             "masks every row of a sequence alike): pass attention_kernel=False with it.")
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
