@@ -157,7 +157,7 @@ def main():
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
         if lookahead == "eagle3" and args.draft_sees_its_blocks:
-            draft["draft_sees_its_blocks"] = True
+            draft.update(draft_sees_its_blocks=True, attention_kernel=False)  # (the torch attention path has it)
         predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            summary_channels=args.summary_channels,
