@@ -31,6 +31,7 @@ from eval.tasks import chat_prompt, generate_samples, score  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.config import OPTION_VARIANTS, OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument, layer_types_and_kwargs  # noqa: E402
+from oasis_cache.compute.dense import mask_layout  # noqa: E402
 
 
 HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
@@ -120,20 +121,19 @@ def release_device_memory() -> None:
 def dense_prefilled(model, enc, upto: int | None = None) -> DynamicCache | None:
     """HF's dense cache holding a left-padded batch's prompts up to position `upto` (default: but their last token),
     each prompt prefilled alone on its unpadded tokens (HF's model and SDPA), then left-padded with zeros into one
-    batch: `generate` with it runs the rest and decodes the batch as from its own prefill (the padding stays masked). Why: the prefill's
-    activations are one prompt's, whatever the batch (a whole batch of 24 x 32K at once holds ~25 GB of MLP states;
-    the suite runs several report processes on one GPU), and a padded batch needs no `[B, 1, L, L]` padding mask
-    (SDPA's masked kernel skips no causal half; a prompt alone takes the causal one). None where that does not
-    apply: a layer that is not full attention, a prompt of one token, a mask not left-padded."""
+    batch: `generate` with it runs the rest and decodes the batch as from its own prefill (the padding stays
+    masked). Why: the prefill's activations are one prompt's, whatever the batch (a whole batch of 24 x 32K at once
+    holds ~25 GB of MLP states; the suite runs several report processes on one GPU), and a padded batch needs no
+    `[B, 1, L, L]` padding mask (SDPA's masked kernel skips no causal half; a prompt alone takes the causal one).
+    None where that does not apply: a layer that is not full attention, a prompt of one token, a mask not
+    left-padded."""
     ids, mask = enc["input_ids"], enc.get("attention_mask")
-    B, L = ids.shape
+    L = ids.shape[1]
     upto = L - 1 if upto is None else upto
     if mask is None or not 0 < upto < L or any(kind != "full_attention" for kind, _ in
                                     layer_types_and_kwargs(model.config.get_text_config(decoder=True))):
         return None
-    starts = mask.int().argmax(dim=1)
-    left = bool((mask.bool() == (torch.arange(L, device=mask.device) >= starts[:, None])).all())
-    starts = starts.tolist()
+    left, _, starts = mask_layout(mask.bool())  # (the cache's own reading of a mask: one host sync)
     if not left or max(starts) >= upto:
         return None
     alone = []
@@ -194,7 +194,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
         spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
                                cfg.max_decode_tokens)
         prefix, bases = None, {}
-        padded = bool((enc["attention_mask"] == 0).any())  # (its padding's keys differ between HF and the cache)
+        padded = mask_layout(enc["attention_mask"].bool())[1]  # (its padding's keys differ between HF and the cache)
         if spans is not None and len(spans) > 1 and window is not None and not padded:
             make_cache(model, "dense", None)  # (HF's own SDPA for the prefix)
             prefix = dense_prefilled(model, enc, upto=min(spans[-1][0], length - window))

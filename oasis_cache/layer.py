@@ -316,10 +316,8 @@ class OasisLayer(CacheLayerMixin):
         NB, ranks = self._draft_ranks
         block_ids, _ = top_blocks(ranks, cfg.slots)
         B, H = block_ids.shape[:2]
-        chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=block_ids.device)
-        chosen.scatter_(-1, block_ids.clamp(max=NB), True)
         held = self.slot_map.slot_block[..., :S]
-        mine = chosen.gather(-1, held.clamp(min=0, max=NB)) & (held >= 0)  # [B, H, S]
+        mine = marked_blocks(block_ids, block_ids < NB, NB).gather(-1, held.clamp(0, NB - 1)) & (held >= 0)  # [B,H,S]
         slots = mask[:, :, : S * T] & mine[..., None].expand(B, H, S, T).reshape(B, H, S * T)
         return torch.cat((slots, mask[:, :, S * T :]), dim=-1)
 
@@ -341,11 +339,8 @@ class OasisLayer(CacheLayerMixin):
                                       self.working_set.visible, cache.counters.device_counts(self.device)[2],
                                       cfg.block_size, max_fetch)
         if cache.selection_log is not None:  # what this prediction placed, for the next step's record
-            chosen = torch.zeros((self.batch_size, self.num_kv_heads, self.pool.num_blocks + 1), dtype=torch.bool,
-                                 device=block_ids.device)
-            real = (ranks > -torch.inf) & (block_ids < self.pool.num_blocks)
-            self.last_prediction = chosen.scatter_(-1, torch.where(real, block_ids, self.pool.num_blocks),
-                                                   True)[..., :-1].cpu()
+            NB = self.pool.num_blocks
+            self.last_prediction = marked_blocks(block_ids, (ranks > -torch.inf) & (block_ids < NB), NB).cpu()
         pool, ws = self.pool, self.working_set
         cache.streams.launch(
             self.layer_idx,
@@ -360,8 +355,7 @@ class OasisLayer(CacheLayerMixin):
         B, H = self.batch_size, self.num_kv_heads
         attended = self.working_set.visible[:, :, : S * T].reshape(B, H, S, T).any(-1)
         held = self.slot_map.slot_block[..., :S]
-        chosen = torch.zeros((B, H, NB + 1), dtype=torch.bool, device=held.device)
-        return chosen.scatter_(-1, torch.where(attended & (held >= 0), held, NB), True)[..., :NB]
+        return marked_blocks(held, attended & (held >= 0), NB)
 
     def _measure_recall(self, query, view) -> None:
         """Measurement mode: how many of the real query's top-K blocks (sink and recent excluded: always in both) the
@@ -490,4 +484,11 @@ class OasisLayer(CacheLayerMixin):
 
     def __repr__(self):
         return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
+
+
+def marked_blocks(block_ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """`[B, H, num_blocks]` bool: the blocks named in `block_ids` `[B, H, k]` where `keep` `[B, H, k]` is True."""
+    B, H = block_ids.shape[:2]
+    marked = torch.zeros((B, H, num_blocks + 1), dtype=torch.bool, device=block_ids.device)
+    return marked.scatter_(-1, torch.where(keep, block_ids, num_blocks), True)[..., :num_blocks]
 
