@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import platform
 import sys
@@ -32,6 +33,7 @@ from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.config import OPTION_VARIANTS, OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument, layer_types_and_kwargs  # noqa: E402
 from oasis_cache.compute.dense import mask_layout  # noqa: E402
+from oasis_cache.memory.host_memory import pinned_bytes_held, release_cached_pinned  # noqa: E402
 
 
 HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
@@ -113,9 +115,32 @@ def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batc
 
 
 def release_device_memory() -> None:
-    """Give the allocator's cached blocks back: report processes share a GPU (`eval/suite.py`)."""
+    """Give the allocators' cached blocks back, the device's and the pinned host memory's: report processes share a
+    GPU and its host (`eval/suite.py`). A dropped cache's pinned pools stay in torch's caching host allocator, usable
+    by this process only (three 32K x 24 report processes on the H200, 2026-12-02: one held 97 GB, a sibling's
+    cache was refused)."""
+    gc.collect()  # (a cache in a reference cycle holds its pools until collected)
+    release_cached_pinned()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class PinnedBound:
+    """Between the forks of `run_shared`: collects the dropped fork (`gc.collect`), reads the pinned bytes the
+    process holds (`pinned_gib`, kept per row) and hands the cached ones back once they exceed 1.5 x what the first
+    fork left: forks of one shape reuse each other's pinned blocks (no re-pinning, ~2 GB/s) while that holds."""
+
+    def __init__(self):
+        self.limit = None
+
+    def __call__(self) -> float:
+        gc.collect()
+        held = pinned_bytes_held()
+        if self.limit is None:
+            self.limit = 1.5 * held
+        elif held > self.limit:
+            release_cached_pinned()
+        return round(held / 2**30, 2)
 
 
 def dense_prefilled(model, enc, upto: int | None = None) -> DynamicCache | None:
@@ -164,9 +189,9 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     attention from end to end). The last tokens are the cache's last prefill chunk and at least what the draft
     head's last row sees (its attention window per layer), whose rows they fill as a whole prefill would: each mode
     gets the tokens of its own `generate` but for the floating-point differences of HF's prefill and the cache's
-    (tests/test_eval.py). A padded batch (the padding tokens' keys, which the summaries of their blocks see, are
-    HF's own in a prefill and zeros here), prompts that fit one chunk, or a head without a window: each run prefills
-    for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
+    (tests/test_eval.py); a left-padded batch too (the base records its mask, so the padding's keys — HF's own in
+    a prefill, zeros here — weigh in no summary). Prompts that fit one chunk, or a head without a window: each run
+    prefills for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
     split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it
     and its whole time (`shared_prefill_seconds`)."""
     from oasis_cache.cache import ATTENTION_NAME
@@ -188,22 +213,23 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
         window = None  # (the head attends every row: only a prefill gives it them)
     kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     argument = generate_cache_argument(model)
+    pinned = PinnedBound()
     for enc in encoded_batches(model, tokenizer, samples, batch_size):
         length = enc["input_ids"].shape[1]
         begun = time.perf_counter()
         spans = prefill_chunks(dict(enc, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
                                cfg.max_decode_tokens)
         prefix, bases = None, {}
-        padded = mask_layout(enc["attention_mask"].bool())[1]  # (its padding's keys differ between HF and the cache)
-        if spans is not None and len(spans) > 1 and window is not None and not padded:
+        if spans is not None and len(spans) > 1 and window is not None:
             make_cache(model, "dense", None)  # (HF's own SDPA for the prefix)
             prefix = dense_prefilled(model, enc, upto=min(spans[-1][0], length - window))
         if prefix is not None:
             for variant, members in groups.items():
                 base_mode = ("eagle3-exact" if any(m.startswith("eagle3") for m in members) else "previous") + (
                     f"@{variant}" if variant else "")
-                bases[variant] = OasisCache.from_dynamic_cache(model, prefix,
-                                                               **cache_kwargs(base_mode, budgets[0], **cache_options))
+                bases[variant] = OasisCache.from_dynamic_cache(
+                    model, prefix, attention_mask=enc["attention_mask"][:, : prefix.get_seq_length()],
+                    **cache_kwargs(base_mode, budgets[0], **cache_options))
         shared = prefix is not None
         whole = time.perf_counter() - begun if shared else 0.0
 
@@ -235,6 +261,8 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                         cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
                     generate((mode, budget), cache)
                     del cache
+                    timing = runs[mode, budget][1]
+                    timing["pinned_gib"] = max(timing.get("pinned_gib", 0.0), pinned())
             del base
             release_device_memory()
     for _, timing in runs.values():

@@ -14,9 +14,9 @@ Where the time goes: the prefill (the reports' rows carry `seconds`, `prefill_se
 `shared_prefill_seconds`). Each report process prefills its samples once, but their last tokens, with HF's model:
 dense continues that cache, and every (mode, budget) runs the last tokens and its decode from a fork of an
 OasisCache made of it (`report.py --shared-prefill`, `run_shared`: the tokens of its own `generate`); all samples of
-a cell in one batch (one fork, one captured decode per row). Measured on the H200 before these two changes
-(2026-12-02, batches of 8, dense's prefill apart, two processes at once): 69-137 s per 32K report, of which dense
-29 s, the rows ~4 s each.
+a cell in one batch (one fork, one captured decode per row; a left-padded batch shares too). Measured on the H200
+(2026-12-02): batches of 8, nothing shared, two processes at once: 69-137 s per 32K report, of which dense 29 s;
+batches of 24 whose padding then kept every row on its own prefill (~40 s a row), three at once: 520-590 s.
 """
 
 from __future__ import annotations

@@ -431,14 +431,19 @@ class OasisCache(Cache):
         return dynamic
 
     @classmethod
-    def from_dynamic_cache(cls, model, dynamic, **options) -> "OasisCache":
+    def from_dynamic_cache(cls, model, dynamic, attention_mask: torch.Tensor | None = None,
+                           **options) -> "OasisCache":
         """An OasisCache for `model` (`options` as for the constructor) holding the tokens of a transformers
         `DynamicCache` (or any cache whose layers keep `keys` / `values` `[B, Hkv, N, D]`): complete blocks go to the
         host pool and the summaries, the rest to the recent tokens — as after a prefill of the same tokens, in the
         chunks such a prefill runs (`compute/prefill.py`), so a cache rebuilt so decodes as the one that prefilled
         them, at any budget. What a prefill's last query made — a lookahead's first prediction, the draft head's
         rows — comes with the next forward instead (a forward of several tokens, e.g. the prompt's last ones, makes
-        both)."""
+        both).
+
+        `attention_mask` `[B, N]` (1 = a real token), for a left-padded batch: the mask its tokens were prefilled
+        with, recorded as a prefill records it, so that the padding weighs in no summary (what the padding's keys
+        hold — HF's, zeros — then does not matter: attention never reads them)."""
         from .compute.prefill import prefill_chunks
 
         cache = cls(model, **options)
@@ -446,6 +451,14 @@ class OasisCache(Cache):
             raise ValueError(f"the cache holds {len(dynamic.layers)} layers; {type(model).__name__} has "
                              f"{len(cache.layers)}.")
         cfg = cache.config
+        if attention_mask is not None:
+            first = next((source for source in dynamic.layers if getattr(source, "is_initialized", False)), None)
+            shape = tuple(first.keys.shape[::2]) if first is not None else None  # (B, N)
+            if shape is None or tuple(attention_mask.shape) != shape:
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the cache holds "
+                                 f"{'no tokens' if shape is None else f'{shape[0]} sequences of {shape[1]} tokens'}"
+                                 f": pass the mask of exactly the tokens it holds (attention_mask[:, :N]).")
+            cache.padding = Padding.of(attention_mask.to(first.keys.device).bool(), shape[0], first.keys.device)
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
             if not getattr(source, "is_initialized", False):
                 continue

@@ -201,7 +201,8 @@ class OasisLayer(CacheLayerMixin):
         draft_rows = self._cache.draft_rows
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)
-        self._offload_complete_blocks()
+        # (a one-token step reads no padding: its completed block holds its own token, and a captured one replays)
+        self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed)
         if cfg.lookahead != "none" and self.pool.num_blocks > 0:
             # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
             predictor = query[:, :, -1:] if (draft_rows or not is_decode) else query
@@ -366,13 +367,14 @@ class OasisLayer(CacheLayerMixin):
         predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))
         self._cache.counters.record_recall(self.layer_idx, (predicted & real).sum(), real.sum())
 
-    def _offload_complete_blocks(self) -> None:
+    def _offload_complete_blocks(self, padding: bool = True) -> None:
+        """Move the recent tokens' complete blocks to the host pool and summarize them; with `padding`, the batch's
+        recorded padding among their tokens weighs in no summary (`_real_tokens`)."""
         blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]
         if blocks is None:
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
-        self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if not self.summaries.channels_fixed
-                              else None)
+        self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
 
     def _real_tokens(self, n: int) -> torch.Tensor | None:

@@ -102,7 +102,9 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
     """`report.py --shared-prefill`: a batch's prompts prefilled once (but their last tokens) by HF's model; dense
     continuing that cache and each (mode, budget) forked from an OasisCache made of it gives each the tokens of its own
     `generate` (random weights, a random head, every option variant sharing the one prefix; the draft head's window
-    run by each fork itself). A padded batch runs each mode on its own prefill, with the same tokens."""
+    run by each fork itself), a left-padded batch too (its padding weighs in no summary: HF's padding keys and the
+    prefix's zeros alike; the suite's batches of prompts of a task are padded: unshared, every 32K report took ~9
+    minutes on the H200, 2026-12-02)."""
     import eval.report as report
     from eval.report import encoded_batches, run_generation, run_shared
 
@@ -113,9 +115,9 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
     padded = [generate_samples(tokenizer, "multikey", n, 1, seed=n, filler="noise")[0] for n in (1024, 900)]
     report.HEAD = random_head(model)
     try:
-        for samples, sharing in ((same, 1), (padded, 0)):
+        for samples, sharing in ((same, 1), (padded, 1)):
             (enc,) = encoded_batches(model, tokenizer, samples, 3)
-            assert bool((enc["attention_mask"] == 0).any()) == (not sharing)
+            assert bool((enc["attention_mask"] == 0).any()) == (samples is padded)
             assert report.HEAD.config.attention_window < enc["input_ids"].shape[1] - 512  # a prefix to share
             shared = run_shared(model, tokenizer, samples, modes, [256, 128, 256], 6, 3, dense=True, **options)
             assert sorted(shared, key=str) == sorted([("dense", None)] + [(m, b) for m in modes for b in (128, 256)],
@@ -151,6 +153,44 @@ def test_a_cache_rebuilt_from_its_dynamic_copy_decodes_as_the_one_that_prefilled
         decoded = [model.generate(**enc, max_new_tokens=8, **kw, **c.generate_kwargs()).tolist()
                    for c in (cache, rebuilt)]
         assert decoded[0] == decoded[1], chunk
+
+
+def test_the_padding_of_a_batch_weighs_in_no_summary(tokenizer):
+    """A left-padded batch's padding keys (what the cache's prefill made of them, or zeros: `report.dense_prefilled`
+    pads with zeros) change no block summary: `from_dynamic_cache(attention_mask=...)` of the prefilled cache with
+    its padding keys zeroed summarizes every block as the prefill did (bits and bound scorers, half and all
+    channels), and decodes the same tokens at a small budget. Old code: the mixed blocks' levels held the padding."""
+    from eval.report import encoded_batches
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096, num_hidden_layers=2)
+    samples = [generate_samples(tokenizer, "multikey", n, 1, seed=n, filler="noise")[0] for n in (1024, 700, 850)]
+    (enc,) = encoded_batches(model, tokenizer, samples, 3)
+    mask = enc["attention_mask"]
+    assert (mask[:, :16] == 0).any() and (mask[:, 16:] == 0).any()  # padding within blocks, not only whole blocks
+    kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for scorer, channels in (("bits", 0.5), ("bound", 1.0)):
+        options = dict(token_budget=128, lookahead="none", prefill_chunk_tokens=512, host_chunk_blocks=4,
+                       scorer=scorer, summary_channels=channels)
+        cache = OasisCache(model, **options)
+        model.generate(**enc, max_new_tokens=1, **kw, **cache.generate_kwargs())
+        dynamic = cache.to_dynamic_cache()
+        N = dynamic.get_seq_length()
+        for layer in dynamic.layers:
+            layer.keys.mul_(mask[:, None, :N, None].to(layer.keys.dtype))  # the padding's keys: zeros
+            layer.values.mul_(mask[:, None, :N, None].to(layer.values.dtype))
+        rebuilt = OasisCache.from_dynamic_cache(model, dynamic, attention_mask=mask[:, :N], **options)
+        for a, b in zip(cache.layers, rebuilt.layers):
+            a.summaries.fix_channels()
+            b.summaries.fix_channels()
+            assert all(torch.equal(x, y) for x, y in zip(a.summaries.view(), b.summaries.view())), scorer
+            if a.summaries.codes is not None:
+                assert torch.equal(a.summaries.codes[:, :, : a.summaries.num_blocks],
+                                   b.summaries.codes[:, :, : b.summaries.num_blocks])
+        decoded = [model.generate(**enc, max_new_tokens=8, **kw, **c.generate_kwargs()).tolist()
+                   for c in (cache, rebuilt)]
+        assert decoded[0] == decoded[1], scorer
+    with pytest.raises(ValueError, match="attention_mask"):
+        OasisCache.from_dynamic_cache(model, dynamic, attention_mask=mask[:, 1:], token_budget=128)
 
 
 def test_dense_reference_prefilled_alone_generates_what_the_padded_batch_generates(tokenizer):

@@ -73,6 +73,20 @@ def one_bit_code(key_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return above, low, high
 
 
+def without_padding(key_blocks: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """`key_blocks` `[B, Hkv, n, T, D]` with each padding token's key (`real` `[B, n, T]` False) replaced by the key of
+    its block's last real token, and zeros in blocks of padding only: a block's summary then depends on its real keys
+    alone — not on what a prefill made of the padding (HF's model, the cache's, or zeros in `from_dynamic_cache` of
+    a padded `DynamicCache`), which attention never reads. A repeated key changes no token-wise maximum; in the bits
+    scorer's mean and levels it weighs as that key again."""
+    B, H, n, T, D = key_blocks.shape
+    positions = torch.arange(T, device=real.device)
+    last = torch.where(real, positions, -1).amax(dim=-1)  # [B, n]: each block's last real token, -1 if none
+    source = torch.where(real, positions, last[..., None].clamp(min=0))  # [B, n, T]
+    filled = key_blocks.gather(3, source[:, None, :, :, None].expand(B, H, n, T, D))
+    return torch.where((last >= 0)[:, None, :, None, None], filled, 0.0)
+
+
 def channel_weight(key_blocks: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """`key_blocks` `[B, Hkv, n, T, D]` -> `[B, Hkv, D]` fp32: the sum of |k| per channel over the real tokens (`real`
     `[B, n, T]` bool, False = padding; None: all)."""
@@ -173,17 +187,19 @@ class BlockSummaries:
 
     def append(self, key_blocks: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """Summarize and append new complete blocks. `key_blocks`: `[B, Hkv, n, T, D]` on the compute device; `real`:
-        `[B, n, T]` bool (False = padding) or None, read until the channels are chosen (a sequence's padding does
-        not weigh in `channel_weight`). One block (a decode step's) is written at the device count and counted by
-        a device add — the same operators for every block, so that a captured step that completes a block replays
-        for the next ones."""
+        `[B, n, T]` bool (False = padding) or None (given while the prompt's blocks are appended): a sequence's
+        padding weighs neither in `channel_weight` nor in the blocks' summaries (`without_padding`). One block (a
+        decode step's) is written at the device count and counted by a device add — the same operators for every
+        block, so that a captured step that completes a block replays for the next ones."""
         B, H, n, T, _ = key_blocks.shape
         end = self.num_blocks + n
         self.reserve(end)
         if not self.channels_fixed:
             weight = channel_weight(key_blocks, real)
             self.channel_weight = weight if self.channel_weight is None else self.channel_weight + weight
-        elif self.channels is not None:
+        if real is not None:
+            key_blocks = without_padding(key_blocks, real)
+        if self.channels_fixed and self.channels is not None:
             key_blocks = key_blocks.gather(-1, self.channels[:, :, None, None].expand(B, H, n, T, self.kept_channels))
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
