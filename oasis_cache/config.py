@@ -112,8 +112,9 @@ class OasisConfig:
         draft_sees_its_blocks: research (eagle3 + exact, on the torch attention path: on CUDA with
             attention_kernel=False): the riding draft row attends only the working-set blocks among its own top-K
             (those the next step is predicted to attend), not every block of this step, so that its deeper layers'
-            queries come closer to the next step's real ones. Off by default: measured on CPU only (docs/perf.md,
-            twenty-fourth session).
+            queries come closer to the next step's real ones. "all": its whole top-K, the blocks not resident read
+            from the host pool on the critical path (a measure of the prediction's ceiling, not a speed path). Off
+            by default (docs/perf.md, twenty-fourth and twenty-fifth sessions).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -160,7 +161,7 @@ class OasisConfig:
     summary_channels: float | None = None
     draft_lookup: int = 0
     chain_drafts: bool = True
-    draft_sees_its_blocks: bool = False
+    draft_sees_its_blocks: bool | str = False
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool = False
@@ -224,8 +225,8 @@ class OasisConfig:
                                  "longer bound q.k).")
         if not isinstance(self.chain_drafts, bool):
             raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
-        if not isinstance(self.draft_sees_its_blocks, bool):
-            raise ValueError(f"draft_sees_its_blocks must be True or False, got {self.draft_sees_its_blocks!r}.")
+        if not isinstance(self.draft_sees_its_blocks, bool) and self.draft_sees_its_blocks != "all":
+            raise ValueError(f"draft_sees_its_blocks must be True, False or 'all', got {self.draft_sees_its_blocks!r}.")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):
