@@ -93,9 +93,10 @@ def main():
     parser.add_argument("--head", default=None, help="an EAGLE-3 head for SmolLM2 (directory): adds an eagle3 row")
     parser.add_argument("--prompt", choices=["document", "chat"], default="document",
                         help="continue the document, or answer a question about it as a chat turn")
-    parser.add_argument("--draft-sees-its-blocks", nargs="?", const="resident", choices=["resident", "all"],
+    parser.add_argument("--draft-sees-its-blocks", nargs="?", const="resident",
                         help="eagle3 rows: the draft row attends only its own top-K's resident blocks (research); "
-                        "'all': its whole top-K, read from the host pool (the prediction's ceiling)")
+                        "'all': its whole top-K, read from the host pool (the prediction's ceiling); 'all:N': so in "
+                        "the first N layers")
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--scorer", choices=["bits", "bound"], default="bits", help="the block scorer (OasisConfig)")
@@ -158,7 +159,8 @@ def main():
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
         if lookahead == "eagle3" and args.draft_sees_its_blocks:
-            draft.update(draft_sees_its_blocks=True if args.draft_sees_its_blocks == "resident" else "all",
+            sees = args.draft_sees_its_blocks
+            draft.update(draft_sees_its_blocks=True if sees == "resident" else sees,
                          attention_kernel=False)  # (the torch attention path has it)
         predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,

@@ -113,8 +113,9 @@ class OasisConfig:
             attention_kernel=False): the riding draft row attends only the working-set blocks among its own top-K
             (those the next step is predicted to attend), not every block of this step, so that its deeper layers'
             queries come closer to the next step's real ones. "all": its whole top-K, the blocks not resident read
-            from the host pool on the critical path (a measure of the prediction's ceiling, not a speed path). Off
-            by default (docs/perf.md, twenty-fourth and twenty-fifth sessions).
+            from the host pool on the critical path (a measure of the prediction's ceiling, not a speed path);
+            "all:N": so in the first N layers only (by index), the others as by default. Off by default
+            (docs/perf.md, twenty-fourth and twenty-fifth sessions).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -168,6 +169,16 @@ class OasisConfig:
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
+
+    @property
+    def draft_all_layers(self) -> int | None:
+        """`draft_sees_its_blocks` "all" (every layer: a large number) or "all:N" (N), else None."""
+        spec = self.draft_sees_its_blocks
+        if spec == "all":
+            return 1 << 30
+        if isinstance(spec, str) and spec.startswith("all:") and spec[4:].isdigit() and int(spec[4:]) >= 1:
+            return int(spec[4:])
+        return None
 
     def __post_init__(self):
         T = self.block_size
@@ -225,8 +236,9 @@ class OasisConfig:
                                  "longer bound q.k).")
         if not isinstance(self.chain_drafts, bool):
             raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
-        if not isinstance(self.draft_sees_its_blocks, bool) and self.draft_sees_its_blocks != "all":
-            raise ValueError(f"draft_sees_its_blocks must be True, False or 'all', got {self.draft_sees_its_blocks!r}.")
+        if not isinstance(self.draft_sees_its_blocks, bool) and self.draft_all_layers is None:
+            raise ValueError(f"draft_sees_its_blocks must be True, False, 'all' or 'all:N' (N layers, N >= 1), got "
+                             f"{self.draft_sees_its_blocks!r}.")
         if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
             raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):

@@ -307,7 +307,9 @@ class OasisLayer(CacheLayerMixin):
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)
             out = sparse_attention(query, keys, values, mask, scale, bias, self._draft_visible(mask, cfg, S, T))
-            if cfg.draft_sees_its_blocks == "all" and cache.draft_rows == 1 and self._draft_ranks is not None:
+            all_layers = cfg.draft_all_layers
+            if all_layers is not None and cache.draft_rows == 1 and self._draft_ranks is not None \
+                    and self.layer_idx < all_layers:
                 out[:, :, -1:] = self._draft_over_its_blocks(query[:, :, -1:], view, keys, values, mask, S * T, scale)
         cache.counters.record_layer_step(B * H, n)
         return out
@@ -338,7 +340,8 @@ class OasisLayer(CacheLayerMixin):
     def _draft_visible(self, mask: torch.Tensor, cfg, S: int, T: int) -> torch.Tensor | None:
         """`OasisConfig.draft_sees_its_blocks`: `mask` `[B, Hkv, L]` but the slot tokens of blocks outside the riding
         draft row's own top-K (its ranking, made in this step's selection), or None."""
-        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None):
+        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None) or (
+                cfg.draft_all_layers is not None and self.layer_idx >= cfg.draft_all_layers):  # ("all:N" past N)
             return None
         NB, ranks = self._draft_ranks
         block_ids, _ = top_blocks(ranks, cfg.slots)
