@@ -119,9 +119,11 @@ def main():
                         help="the rows to run (default: all that apply)")
     parser.add_argument("--model", default="smollm2", choices=sorted(OFFLINE_MODELS),
                         help="the target (offline): smollm2, or qwen25-coder-0.5b (32K context)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the target's (and the head's) dtype; default: the loader's for the device")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    model, tok = load_offline(args.model, device=args.device)
+    model, tok = load_offline(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context, args.text)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
