@@ -1,8 +1,10 @@
 """The quality suite in one command: `eval/report.py` over both real models, every task (the held-out forms too), the
 lengths each model reaches, modes `none` / `previous` / `eagle3` / the default (`eagle3-exact`), budgets 1/8, 1/16
-and 1/32 of the context, with the shipped heads. One process per (model, length, task), at most `--parallel` at
-once, decode-mode NLL in one process per model first, then the longest lengths first; a process that ran out of GPU
-memory beside others runs again alone at the end. Prints each process's time, the whole run's wall time and the
+and 1/32 of the context, with the shipped heads. One process per (model, length) and `--tasks-per-process` tasks
+(4: a process takes ~11 s to start on the H200, so 42 of them, one per task, cost ~2.5 min of a three-wide run's
+wall time; 4 tasks keep a 32K process under a third of the whole), at most `--parallel` at once, decode-mode NLL in
+one process per model first, then the longest lengths first; a process that ran out of GPU memory beside others
+runs again alone at the end. Prints each process's time, the whole run's wall time and the
 tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
 
     python eval/suite.py --out eval/results/suite          # the whole suite (an H200: `bash bench/gpu_run.sh suite`)
@@ -56,8 +58,8 @@ ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYT
 
 
 def plan(args) -> list[dict]:
-    """The processes: each model's decode-mode NLL rows first (a process of their own), then one per (model, length,
-    task), the longest lengths first."""
+    """The processes: each model's decode-mode NLL rows first (a process of their own), then one per (model, length)
+    and `args.tasks_per_process` tasks, the longest lengths first."""
     jobs = []
     for model in args.models:
         spec = MODELS.get(model, TINY)
@@ -82,9 +84,11 @@ def plan(args) -> list[dict]:
 
         if args.nll and lengths:
             jobs.append(job(f"nll-{model}", NLL_PREFILL + NLL_TOKENS, [], NLL_TOKENS))
+        per = max(1, args.tasks_per_process)
         for length in sorted(lengths, reverse=True):
-            for task in args.tasks:
-                jobs.append(job(f"report-{model}-{length}-{task}", length, [task], 0))
+            for i in range(0, len(args.tasks), per):
+                tasks = args.tasks[i : i + per]
+                jobs.append(job(f"report-{model}-{length}-{'+'.join(tasks)}", length, tasks, 0))
     return sorted(jobs, key=lambda j: (j["task"] != "nll", -j["length"]))
 
 
@@ -148,6 +152,8 @@ def main(argv=None):
                         help="every (mode, budget) row prefills its prompts itself (default: once, every mode and "
                         "budget forked from it; the same tokens)")
     parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
+    parser.add_argument("--tasks-per-process", type=int, default=4,
+                        help="tasks one report process runs one after the other (each process loads the model)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--plan", action="store_true", help="print the processes and stop")
     parser.add_argument("--tiny", action="store_true", help="CI size: the random-weight model, two tasks, two modes")

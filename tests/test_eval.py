@@ -214,11 +214,12 @@ def test_dense_reference_prefilled_alone_generates_what_the_padded_batch_generat
 
 
 def test_suite_runs_its_processes_and_tables_them(tmp_path):
-    """eval/suite.py at CI size: the NLL rows in a process of their own, one report process per (model, length,
-    task), two at once, suite.json with each process's time and exit status, the reports beside it, one table per
-    model."""
+    """eval/suite.py at CI size: the NLL rows in a process of their own, the report processes by (model, length)
+    and tasks per process, two at once, suite.json with each process's time and exit status, the reports beside
+    it, one table per model."""
     run = subprocess.run([sys.executable, str(ROOT / "eval" / "suite.py"), "--tiny", "--parallel", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          "--tasks-per-process", "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["meta"]["processes"] == 3 and suite["meta"]["failed"] == [] and suite["meta"]["seconds"] > 0
@@ -241,9 +242,17 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
 
     args = SimpleNamespace(models=list(MODELS), lengths=None, tasks=TASKS, modes=["none", "previous", "eagle3",
                            "eagle3-exact"], fractions=[8, 16, 32], samples=24, nll=True, tiny=False, device=None,
-                           out=str(tmp_path), shared_prefill=True)
+                           out=str(tmp_path), shared_prefill=True, tasks_per_process=1)
+    assert len(plan(args)) == (2 + 3) * len(TASKS) + 2 and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
+    args.tasks_per_process = 4  # the default: every task once, in 2 processes per (model, length)
     jobs = plan(args)
-    assert len(jobs) == (2 + 3) * len(TASKS) + 2 and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
+    assert len(jobs) == (2 + 3) * 2 + 2
+    for model, spec in MODELS.items():
+        for length in spec["lengths"]:
+            mine = [j["command"] for j in jobs if (j["model"], j["length"]) == (model, length) and j["task"] != "nll"]
+            tasks = [t for c in mine for t in c[c.index("--tasks") + 1 : c.index("--filler")]]
+            assert sorted(tasks) == sorted(TASKS) and all(len(c[c.index("--tasks") + 1 : c.index("--filler")]) == 4
+                                                          for c in mine)
     assert [j["task"] for j in jobs[:2]] == ["nll", "nll"] and "nll" not in {j["task"] for j in jobs[2:]}
     assert [j["length"] for j in jobs[2:]] == sorted((j["length"] for j in jobs[2:]), reverse=True)  # longest first
     for model, spec in MODELS.items():
