@@ -4,7 +4,9 @@ excluded) that the prediction had made resident (`previous`: this step's query; 
 set is the real top-K, so 1.000, a check of the measure).
 
 All rows run with `exact=True` and `num_slots` = K (`--slots`): every step attends to the real query's top-K, so
-every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs. The oracle row
+every row follows the same trajectory (that of `lookahead="none"`) and only the prediction differs — up to floating
+point: a row's share of tokens equal to the first row's is reported (`same_tokens_as_first_row`; on the H200 rows
+part at near-ties). The oracle row
 drafts the token that trajectory actually produces next (read from a first `none` run): the ceiling of eagle3.
 
     python eval/recall.py --context 4000 --budget 512 --steps 24 [--head heads/smollm2/head]
@@ -153,6 +155,7 @@ def main():
     min_slots = OasisConfig(token_budget=args.budget).min_slots
     lookups = [_lookup_spec(spec) for spec in args.draft_lookup or [None]]
     runs = [(mode, lookup) for mode in modes for lookup in (lookups if mode == "eagle3" else lookups[:1])]
+    first = None
     for mode, (order, arbiter) in runs:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
@@ -174,14 +177,16 @@ def main():
             cache.ride_along.lookup.arbiter = arbiter
         name = mode if len(lookups) == 1 or mode != "eagle3" else \
             f"eagle3 lookup {order}{'+arbiter' if arbiter else ''}"
-        model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=args.steps, do_sample=False,
-                       pad_token_id=tok.pad_token_id)
+        tokens = model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=args.steps, do_sample=False,
+                                pad_token_id=tok.pad_token_id)[:, inputs["input_ids"].shape[1] :]
+        first = tokens if first is None else first  # (the first row's tokens: every row should follow them)
         stats = cache.stats()
         row = dict(lookahead=name, draft_lookup=order if lookahead == "eagle3" else None,
                    lookup_arbiter=arbiter if lookahead == "eagle3" and order else None,
                    recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"],
-                   recall_per_layer=stats["prediction_recall_per_layer"])
+                   recall_per_layer=stats["prediction_recall_per_layer"],
+                   same_tokens_as_first_row=(tokens == first).float().mean().item())
         if mode in ("eagle3", "eagle3-head"):  # the drafts against the tokens that came (`stats()`)
             row["draft_accuracy"] = stats["draft_accuracy"]
         if mode == "eagle3-oracle":  # the head's drafts against the oracle's (the same trajectory)
@@ -199,7 +204,8 @@ def main():
     for r in rows:
         extra = (f", the draft was right {r['draft_accuracy']:.0%} of steps"
                  if r.get("draft_accuracy") is not None else "")
-        print(f"  {r['lookahead']:24} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra})")
+        print(f"  {r['lookahead']:24} recall {r['recall']:.3f}  (working-set hit rate {r['hit_rate']:.3f}{extra}; "
+              f"tokens as the first row's {r['same_tokens_as_first_row']:.0%})")
         layers = {i: v for i, v in (r["recall_per_layer"] or {}).items() if v is not None}
         if not layers:  # no decode step was measured
             continue

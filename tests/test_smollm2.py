@@ -183,6 +183,7 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path, smollm2):
     for r in result["rows"]:  # per layer (JSON keys are strings): every layer of SmolLM2, within [0, 1]
         assert len(r["recall_per_layer"]) == 30 and all(0.0 <= v <= 1.0 for v in r["recall_per_layer"].values())
     assert all(v == 1.0 for v in rows["none"]["recall_per_layer"].values())
+    assert all(r["same_tokens_as_first_row"] == 1.0 for r in rows.values())  # exact: one trajectory (on the CPU)
     assert result["meta"]["slots"] == result["meta"]["K"] > 0 and result["meta"]["model"] == "smollm2"
     assert all(0.0 < rows[m]["draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-head", "eagle3-oracle"))
     # several lookups: one eagle3 row each, named and recorded; a malformed one is refused
