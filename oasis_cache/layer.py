@@ -340,8 +340,8 @@ class OasisLayer(CacheLayerMixin):
     def _draft_visible(self, mask: torch.Tensor, cfg, S: int, T: int) -> torch.Tensor | None:
         """`OasisConfig.draft_sees_its_blocks`: `mask` `[B, Hkv, L]` but the slot tokens of blocks outside the riding
         draft row's own top-K (its ranking, made in this step's selection), or None."""
-        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None) or (
-                cfg.draft_all_layers is not None and self.layer_idx >= cfg.draft_all_layers):  # ("all:N" past N)
+        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None) or \
+                cfg.draft_all_layers is not None:  # ("all": the row is attended anew, or as by default past N)
             return None
         NB, ranks = self._draft_ranks
         block_ids, _ = top_blocks(ranks, cfg.slots)

@@ -199,7 +199,7 @@ class BlockSummaries:
             self.channel_weight = weight if self.channel_weight is None else self.channel_weight + weight
         if real is not None:
             key_blocks = without_padding(key_blocks, real)
-        if self.channels_fixed and self.channels is not None:
+        if self.channels is not None:  # (chosen: the blocks are summarized on them)
             key_blocks = key_blocks.gather(-1, self.channels[:, :, None, None].expand(B, H, n, T, self.kept_channels))
         if self.codes is None:
             low, high = key_blocks.amin(dim=3), key_blocks.amax(dim=3)  # [B, Hkv, n, D]
