@@ -114,13 +114,14 @@ def run_generation(model, tokenizer, samples, mode, budget, max_new_tokens, batc
     return outputs
 
 
-def release_device_memory() -> None:
-    """Give the allocators' cached blocks back, the device's and the pinned host memory's: report processes share a
-    GPU and its host (`eval/suite.py`). A dropped cache's pinned pools stay in torch's caching host allocator, usable
-    by this process only (three 32K x 24 report processes on the H200, 2026-12-02: one held 97 GB, a sibling's
-    cache was refused)."""
+def release_device_memory(pinned: bool = True) -> None:
+    """Give the allocators' cached blocks back, the device's and (`pinned`) the pinned host memory's: report
+    processes share a GPU and its host (`eval/suite.py`). A dropped cache's pinned pools stay in torch's caching host
+    allocator, usable by this process only (three 32K x 24 report processes on the H200, 2026-12-02: one held 97 GB,
+    a sibling's cache was refused)."""
     gc.collect()  # (a cache in a reference cycle holds its pools until collected)
-    release_cached_pinned()
+    if pinned:
+        release_cached_pinned()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -193,14 +194,15 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     a prefill, zeros here — weigh in no summary). Prompts that fit one chunk, or a head without a window: each run
     prefills for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
     split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it
-    and its whole time (`shared_prefill_seconds`)."""
+    and its whole time (`shared_prefill_seconds`), and the time of the run's `fork`s (`fork_seconds`, in no other
+    field)."""
     from oasis_cache.cache import ATTENTION_NAME
     from oasis_cache.compute.prefill import prefill_chunks
 
     budgets = sorted(set(budgets))
     keys = ([("dense", None)] if dense else []) + [(m, b) for m in modes for b in budgets]
-    runs = {k: ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0, shared_prefill_seconds=0.0))
-            for k in keys}
+    runs = {k: ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0, shared_prefill_seconds=0.0,
+                         fork_seconds=0.0)) for k in keys}
     groups: dict[str, list[str]] = {}  # option variant -> its modes
     for mode in modes:
         groups.setdefault(mode.partition("@")[2], []).append(mode)
@@ -258,13 +260,16 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                         cache = make_cache(model, mode, budget, **cache_options)
                     else:
                         model.set_attn_implementation(ATTENTION_NAME)  # (dense's run set HF's SDPA)
+                        forked = time.perf_counter()
                         cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
+                        runs[mode, budget][1]["fork_seconds"] += time.perf_counter() - forked
                     generate((mode, budget), cache)
                     del cache
                     timing = runs[mode, budget][1]
                     timing["pinned_gib"] = max(timing.get("pinned_gib", 0.0), pinned())
             del base
-            release_device_memory()
+            release_device_memory(pinned=False)  # (the next batch's base reuses this one's pinned chunks; `pinned`
+            # bounds what the process keeps)
     for _, timing in runs.values():
         timing.update({k: round(v, 2) for k, v in timing.items() if isinstance(v, float)})
     return runs

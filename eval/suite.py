@@ -3,8 +3,9 @@ lengths each model reaches, modes `none` / `previous` / `eagle3` / the default (
 and 1/32 of the context, with the shipped heads. One process per (model, length) and `--tasks-per-process` tasks
 (4: a process takes ~11 s to start on the H200, so 42 of them, one per task, cost ~2.5 min of a three-wide run's
 wall time; 4 tasks keep a 32K process under a third of the whole), at most `--parallel` at once, decode-mode NLL in
-one process per model first, then the longest lengths first; a process that ran out of GPU memory beside others
-runs again alone at the end. Prints each process's time, the whole run's wall time and the
+one process per model; the processes that took longest in the last run (`--durations`) start first, so that the
+run ends soon after its longest process; a process that ran out of GPU memory beside others runs again alone at
+the end. Prints each process's time, the whole run's wall time and the
 tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
 
     python eval/suite.py --out eval/results/suite          # the whole suite (an H200: `bash bench/gpu_run.sh suite`)
@@ -18,7 +19,10 @@ dense continues that cache, and every (mode, budget) runs the last tokens and it
 OasisCache made of it (`report.py --shared-prefill`, `run_shared`: the tokens of its own `generate`); all samples of
 a cell in one batch (one fork, one captured decode per row; a left-padded batch shares too). Measured on the H200
 (2026-12-02): batches of 8, nothing shared, two processes at once: 69-137 s per 32K report, of which dense 29 s;
-batches of 24 whose padding then kept every row on its own prefill (~40 s a row), three at once: 520-590 s.
+batches of 24 whose padding then kept every row on its own prefill (~40 s a row), three at once: 520-590 s;
+padded batches shared, 4 tasks per process, three at once: the whole suite in 837 s (32K processes 210-277 s,
+SmolLM2's 8K ones 357-370 s, of which ~150 s outside any row: its forks copied a whole host chunk each, 4.2 GiB,
+until `HostKVPool._own_copy`; `fork_seconds` in the rows since).
 """
 
 from __future__ import annotations
@@ -52,14 +56,15 @@ TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "freque
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
 NLL_PREFILL, NLL_TOKENS = 7936, 256
+LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-02" / "suite.json"
 # The report processes' environment: several share one GPU, so their allocators keep few reserved-but-unused bytes
 # (three 32K processes of the twenty-fourth session ran out of memory with 40 GiB of each reserved, not allocated).
 ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def plan(args) -> list[dict]:
-    """The processes: each model's decode-mode NLL rows first (a process of their own), then one per (model, length)
-    and `args.tasks_per_process` tasks, the longest lengths first."""
+    """The processes: each model's decode-mode NLL rows (a process of their own) and one per (model, length) and
+    `args.tasks_per_process` tasks, those expected to take longest first (`expected_seconds`: the last run's)."""
     jobs = []
     for model in args.models:
         spec = MODELS.get(model, TINY)
@@ -89,7 +94,17 @@ def plan(args) -> list[dict]:
             for i in range(0, len(args.tasks), per):
                 tasks = args.tasks[i : i + per]
                 jobs.append(job(f"report-{model}-{length}-{'+'.join(tasks)}", length, tasks, 0))
-    return sorted(jobs, key=lambda j: (j["task"] != "nll", -j["length"]))
+    seconds = last_seconds(args.durations)
+    for job in jobs:  # (a process not in the last run: ~1 s per 100 tokens of its length, as the H200 ran them)
+        job["expected_seconds"] = seconds.get(job["name"], job["length"] / 100)
+    return sorted(jobs, key=lambda j: -j["expected_seconds"])  # (the longest first: no long one starts last)
+
+
+def last_seconds(path: Path | None) -> dict[str, float]:
+    """Each process's seconds in an earlier run (its `suite.json`), by name; {} without one."""
+    if path is None or not Path(path).exists():
+        return {}
+    return {j["name"]: j["seconds"] for j in json.loads(Path(path).read_text())["processes"] if "seconds" in j}
 
 
 def run(jobs: list[dict], out: Path, parallel: int) -> None:
@@ -154,6 +169,9 @@ def main(argv=None):
     parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
     parser.add_argument("--tasks-per-process", type=int, default=4,
                         help="tasks one report process runs one after the other (each process loads the model)")
+    parser.add_argument("--durations", type=Path, default=LAST_RUN,
+                        help="an earlier run's suite.json: its processes' seconds order this run's, the longest first "
+                        "(default: the last committed run)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--plan", action="store_true", help="print the processes and stop")
     parser.add_argument("--tiny", action="store_true", help="CI size: the random-weight model, two tasks, two modes")
@@ -173,7 +191,7 @@ def main(argv=None):
     jobs = plan(args)
     if args.plan:
         for job in jobs:
-            print(" ".join(job["command"]))
+            print(f"# expected {job['expected_seconds']:.0f} s\n" + " ".join(job["command"]))
         print(f"{len(jobs)} processes")
         return
     import torch

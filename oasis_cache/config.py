@@ -72,7 +72,8 @@ class OasisConfig:
             more slots than its context has blocks (memory follows the context, not the budget).
         max_decode_tokens: forwards of at most this many new tokens on a non-empty cache decode sparsely (assisted
             decoding verifies a few tokens at once); longer ones attend densely (prefill, chunked prefill).
-        host_chunk_blocks: blocks per allocation of the host pool; the pool grows by such chunks.
+        host_chunk_blocks: blocks per allocation of the host pool, at least; the pool grows by such chunks (pinned
+            ones hold as many blocks as fill the power-of-two allocation torch's pinned allocator makes).
         backend: "triton" (CUDA kernels: block scores, slot assignment, and a gather that reads pinned host memory
             directly), "torch" (plain tensor ops; on CUDA the gather stages through host memory), or "auto"
             (triton on CUDA when available, else torch).

@@ -25,6 +25,7 @@ from .compute.sparse import sparse_attention
 from .control import all_blocks, rank_blocks, top_blocks
 from .kernels.decode_attention import decode_attention
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
+from .pools.host_kv import fitted_chunk_blocks
 from .pools.summaries import fp8_levels_for
 
 HOST_GROWTH_SPREAD = 16  # blocks: layers take their host pool's next chunk at up to this many different block steps
@@ -435,12 +436,13 @@ class OasisLayer(CacheLayerMixin):
     def host_bytes_for(self, new_tokens: int, like: torch.Tensor) -> int:
         """Host bytes this layer's pool would add to hold `new_tokens` more tokens (shaped like `like`, `[B, Hkv, q,
         D]`, before the layer initializes), the blocks it reserves ahead included."""
-        cfg = self.config
-        T, C = cfg.block_size, cfg.host_chunk_blocks
+        T = self.config.block_size
         B, H, _, D = like.shape
+        block_nbytes = 2 * B * H * T * D * like.element_size()
+        C = fitted_chunk_blocks(self.config.host_chunk_blocks, block_nbytes, like.device.type == "cuda")
         blocks = (self.get_seq_length() + new_tokens) // T + 1 + HOST_GROWTH_SPREAD
         chunks = -(-blocks // C) - (len(self.pool.chunks) if self.is_initialized else 0)
-        return max(0, chunks) * C * 2 * B * H * T * D * like.element_size()
+        return max(0, chunks) * C * block_nbytes
 
     def reserve_slots(self, num_blocks: int) -> None:
         """Working-set slots for a context of `num_blocks` complete blocks: as many as a step may select from it, up

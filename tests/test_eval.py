@@ -236,13 +236,13 @@ def test_suite_runs_its_processes_and_tables_them(tmp_path):
 
 def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
     """The whole suite's plan: both models at their lengths, every task (held-out forms too), four modes at three
-    budgets, the shipped heads, NLL rows once per model (their own process, first). A process that fails is named,
-    and the suite fails; one that ran out of GPU memory beside others runs again alone."""
-    from eval.suite import MODELS, TASKS, main, plan
+    budgets, the shipped heads, NLL rows once per model (their own process), the longest processes first. A process
+    that fails is named, and the suite fails; one that ran out of GPU memory beside others runs again alone."""
+    from eval.suite import LAST_RUN, MODELS, TASKS, main, plan
 
     args = SimpleNamespace(models=list(MODELS), lengths=None, tasks=TASKS, modes=["none", "previous", "eagle3",
                            "eagle3-exact"], fractions=[8, 16, 32], samples=24, nll=True, tiny=False, device=None,
-                           out=str(tmp_path), shared_prefill=True, tasks_per_process=1)
+                           out=str(tmp_path), shared_prefill=True, tasks_per_process=1, durations=LAST_RUN)
     assert len(plan(args)) == (2 + 3) * len(TASKS) + 2 and {"multikey_uuids", "frequent_words_close"} <= set(TASKS)
     args.tasks_per_process = 4  # the default: every task once, in 2 processes per (model, length)
     jobs = plan(args)
@@ -253,8 +253,14 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
             tasks = [t for c in mine for t in c[c.index("--tasks") + 1 : c.index("--filler")]]
             assert sorted(tasks) == sorted(TASKS) and all(len(c[c.index("--tasks") + 1 : c.index("--filler")]) == 4
                                                           for c in mine)
-    assert [j["task"] for j in jobs[:2]] == ["nll", "nll"] and "nll" not in {j["task"] for j in jobs[2:]}
-    assert [j["length"] for j in jobs[2:]] == sorted((j["length"] for j in jobs[2:]), reverse=True)  # longest first
+    assert sum(j["task"] == "nll" for j in jobs) == 2
+    expected = [j["expected_seconds"] for j in jobs]  # the last committed run's seconds order the processes
+    assert expected == sorted(expected, reverse=True) and len(set(expected)) > 2
+    (tmp_path / "last.json").write_text(json.dumps(dict(processes=[dict(name=jobs[-1]["name"], seconds=9999.0)])))
+    args.durations = tmp_path / "last.json"
+    again = plan(args)
+    assert again[0]["name"] == jobs[-1]["name"]  # what took longest last time starts first
+    assert [j["length"] for j in again[1:]] == sorted((j["length"] for j in again[1:]), reverse=True)  # unknown: by length
     for model, spec in MODELS.items():
         mine = [j["command"] for j in jobs if j["model"] == model]
         assert sorted({int(c[c.index("--lengths") + 1]) for c in mine}) == spec["lengths"]

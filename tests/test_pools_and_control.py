@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from oasis_cache.control import rank_blocks, score_blocks, step_visibility, top_blocks
 from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
+from oasis_cache.pools.host_kv import SHARE_CHUNKS, fitted_chunk_blocks
 from oasis_cache.pools.summaries import unpack_key_bits
 
 
@@ -198,6 +201,40 @@ def test_host_pool_offload_and_load_roundtrip_across_chunks():
     assert pool.num_blocks == 9 and len(pool.chunks) == 3
     assert torch.equal(engine.load_range(pool, 0, 9), torch.cat([first, second], dim=3))
     assert torch.equal(engine.load_range(pool, 2, 7), torch.cat([first, second], dim=3)[:, :, :, 2:7])
+
+
+def test_pinned_chunks_fill_the_power_of_two_allocation_torch_makes():
+    block = 2 * 24 * 3 * 16 * 64 * 4  # SmolLM2 in fp32 at a batch of 24: 589,824 bytes a block
+    assert fitted_chunk_blocks(256, block, pin_memory=False) == 256  # (pageable memory: as asked)
+    fitted = fitted_chunk_blocks(256, block, pin_memory=True)
+    assert fitted == 455 and fitted * block <= 2**28 < (fitted + 1) * block  # 151 MB asked, 256 MiB pinned
+    assert fitted_chunk_blocks(256, 2 * 8 * 16 * 128 * 2, pin_memory=True) == 256  # Qwen3-8B, batch 1: 16 MiB
+    assert fitted_chunk_blocks(3, 96, pin_memory=True) == 5  # 288 bytes asked, 512 pinned
+    assert HostKVPool(2, 3, 5, 4, torch.float32, chunk_blocks=3, pin_memory=False).chunk_blocks == 3
+
+
+def test_a_shared_copy_shares_full_chunks_and_copies_the_blocks_in_use():
+    B, H, T, D = 2, 3, 4, 5
+    pool = HostKVPool(B, H, D, T, torch.float32, chunk_blocks=3, pin_memory=False)
+    engine = TransferEngine("torch", torch.device("cpu"))
+    data = torch.randn(2, B, H, 7, T, D)
+    engine.offload(pool, data)
+    pool.reserve(10)  # chunks: 0-2, 3-5 full; 6 in use in the third; the fourth empty
+    fork = copy.deepcopy(pool, {SHARE_CHUNKS: True})
+    assert [a is b for a, b in zip(pool.chunks, fork.chunks)] == [True, True, False, False]
+    assert pool.shared == fork.shared == {0, 1}
+    assert torch.equal(engine.load_range(fork, 0, 7), data)
+    more = torch.randn(2, B, H, 2, T, D)
+    engine.offload(fork, more)  # blocks 7, 8: the fork's own third chunk
+    assert torch.equal(engine.load_range(pool, 0, 7), data) and pool.num_blocks == 7
+    assert torch.equal(engine.load_range(fork, 0, 9), torch.cat([data, more], dim=3))
+    pool.truncate(4)  # into shared chunk 1: the pool's own copy of its block 3, chunk 0 still shared
+    assert pool.shared == {0} and pool.chunks[1] is not fork.chunks[1]
+    assert torch.equal(engine.load_range(pool, 0, 4), data[:, :, :, :4])
+    engine.offload(pool, more)  # blocks 4, 5 of the pool: the fork's stay
+    assert torch.equal(engine.load_range(fork, 0, 9), torch.cat([data, more], dim=3))
+    pool.index_batch(torch.tensor([1, 0]))
+    assert torch.equal(engine.load_range(pool, 0, 6), torch.cat([data[:, :, :, :4], more], dim=3).flip(1))
 
 
 def test_fetch_copies_exactly_the_flagged_blocks():
