@@ -14,7 +14,8 @@ first step's compilation and graph captures excluded; the mean over the N − 1 
 (`DynamicCache`), dense-chunked (the same, `generate(prefill_chunk_size=8192)`: a dense prefill that fits a small
 card), dense-compiled (a `StaticCache`, which `generate` compiles on its own), offload
 (`DynamicCache(offloading=True)`), oasis (`OasisCache(model, token_budget=--budget)`, every other option the package's
-default). Writes JSON (`--out`) and prints a table.
+default: lookahead "none" for a model without a shipped head), oasis-none / oasis-previous / oasis-previous-exact
+(that lookahead set). Writes JSON (`--out`) and prints a table.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("dense", "dense-chunked", "dense-compiled", "offload", "oasis")
+# oasis with a lookahead set (the default picks "none" for a model without a shipped head, as the random-weight
+# shapes are): `generate` against `bench/decode.py`'s bare forwards of the same mode
+OASIS_LOOKAHEADS = {"oasis-none": dict(lookahead="none"), "oasis-previous": dict(lookahead="previous"),
+                    "oasis-previous-exact": dict(lookahead="previous", exact=True)}
 
 
 def run_batches(args) -> None:
@@ -59,7 +64,7 @@ def run_batches(args) -> None:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
-    if args.method != "oasis":
+    if not args.method.startswith("oasis"):
         model.set_attn_implementation("sdpa")
     keyword = generate_cache_argument(model)  # `cache` on transformers >= 5.24, else `past_key_values`
     context, n = args.context, args.new_tokens
@@ -77,8 +82,8 @@ def run_batches(args) -> None:
             return
         torch.manual_seed(1)
         ids = torch.randint(0, vocab, (batch, context), device=args.device)
-        if args.method == "oasis":
-            cache = OasisCache(model, token_budget=args.budget)
+        if args.method.startswith("oasis"):
+            cache = OasisCache(model, token_budget=args.budget, **OASIS_LOOKAHEADS.get(args.method, {}))
         elif args.method == "dense-compiled":
             cache = StaticCache(config=config, max_cache_len=context + n)
         elif args.method == "offload":
@@ -161,9 +166,9 @@ def main(argv=None):
     if args.child:
         run_batches(args)
         return
-    unknown = set(args.methods) - set(METHODS)
+    unknown = set(args.methods) - set(METHODS) - set(OASIS_LOOKAHEADS)
     if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}: choose from {', '.join(METHODS)}")
+        parser.error(f"unknown methods {sorted(unknown)}: choose from {', '.join([*METHODS, *OASIS_LOOKAHEADS])}")
     import torch
     import transformers
 
@@ -172,7 +177,7 @@ def main(argv=None):
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
               f"{args.new_tokens} new tokens per generate")
     print(header, flush=True)
-    print(f"{'context':>8} {'cap GiB':>7} {'method':<15} {'max batch':>9} {'tok/s':>8} {'ms/step':>8} {'peak GiB':>8}  "
+    print(f"{'context':>8} {'cap GiB':>7} {'method':<20} {'max batch':>9} {'tok/s':>8} {'ms/step':>8} {'peak GiB':>8}  "
           f"stopped by", flush=True)
     rows = []
     for context in args.contexts:
@@ -189,7 +194,7 @@ def main(argv=None):
                            tok_s=best["tok_s"] if best else 0.0, step_ms=best["step_ms"] if best else 0.0,
                            peak_gib=best["peak_gib"] if best else 0.0, stopped_by=stopped, tries=tries)
                 rows.append(row)
-                print(f"{context:>8} {cap or '-':>7} {method:<15} {row['max_batch']:>9} {row['tok_s']:>8.1f} "
+                print(f"{context:>8} {cap or '-':>7} {method:<20} {row['max_batch']:>9} {row['tok_s']:>8.1f} "
                       f"{row['step_ms']:>8.1f} {row['peak_gib']:>8.2f}  {stopped}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
