@@ -22,7 +22,7 @@ SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
 def fitted_chunk_blocks(chunk_blocks: int, block_nbytes: int, pin_memory: bool) -> int:
     """Blocks per chunk: `chunk_blocks`, and for pinned chunks as many more as fit the allocation torch makes for
     it — its caching host allocator rounds every pinned request up to a power of two (a chunk of 256 blocks of
-    SmolLM2 in fp32 at a batch of 24 asks 151 MB and pins 256 MiB; the 105 MiB past it would sit unused)."""
+    SmolLM2 in fp32 at a batch of 24 asks 144 MiB and pins 256 MiB; the 112 MiB past it would sit unused)."""
     if not pin_memory:
         return chunk_blocks
     pinned = 1 << (chunk_blocks * block_nbytes - 1).bit_length()
