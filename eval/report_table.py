@@ -54,8 +54,12 @@ def main(argv=None):
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--modes", nargs="+", default=None, help="only these modes' columns, in this order")
     parser.add_argument("--fractions", type=int, nargs="+", default=None, help="only these budgets (1/F)")
+    parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks' rows")
     args = parser.parse_args(argv)
-    print(table([r for path in args.files for r in read_rows(path)], args.modes, args.fractions))
+    rows = [r for path in args.files for r in read_rows(path) if args.tasks is None or r["task"] in args.tasks]
+    if not rows:
+        raise SystemExit(f"no rows of tasks {args.tasks} in {', '.join(map(str, args.files))}")
+    print(table(rows, args.modes, args.fractions))
 
 
 if __name__ == "__main__":

@@ -428,9 +428,9 @@ def test_in_decode_helpers():
     assert equal_prefix(a, torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])) == [2, 4]
 
 
-def test_report_table_reads_json_and_log_lines(tmp_path):
+def test_report_table_reads_json_and_log_lines(tmp_path, capsys):
     """eval/report_table.py: kept/dense-solved per mode and budget, a task dense never fully solves as accuracies;
-    rows from a report's JSON and from the JSON lines of a run's log land in one table."""
+    rows from a report's JSON and from the JSON lines of a run's log land in one table; `--tasks` keeps those rows."""
     from eval.report_table import read_rows, table
 
     full = [dict(task="multikey", length=8192, mode="dense", budget=None, accuracy=0.5),
@@ -444,6 +444,12 @@ def test_report_table_reads_json_and_log_lines(tmp_path):
     lines = table(rows).splitlines()
     assert lines[0] == "| task | length | dense accuracy | `none` 1/16 |"
     assert lines[2] == "| multikey | 8K | 0.50 | 11/12 |" and lines[3] == "| variable_tracking | 16K | – | 0.71 |"
+    from eval.report_table import main
+
+    main([str(tmp_path / "a.json"), str(tmp_path / "b.jsonl"), "--tasks", "variable_tracking"])
+    assert capsys.readouterr().out.splitlines()[2:] == ["| variable_tracking | 16K | – | 0.71 |"]
+    with pytest.raises(SystemExit, match="no rows of tasks"):
+        main([str(tmp_path / "a.json"), "--tasks", "passkey"])
 
 
 def test_held_out_code_is_long_and_has_no_docstrings():
