@@ -260,7 +260,8 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
     args.durations = tmp_path / "last.json"
     again = plan(args)
     assert again[0]["name"] == jobs[-1]["name"]  # what took longest last time starts first
-    assert [j["length"] for j in again[1:]] == sorted((j["length"] for j in again[1:]), reverse=True)  # unknown: by length
+    lengths = [j["length"] for j in again[1:]]
+    assert lengths == sorted(lengths, reverse=True)  # (unknown processes: by length)
     for model, spec in MODELS.items():
         mine = [j["command"] for j in jobs if j["model"] == model]
         assert sorted({int(c[c.index("--lengths") + 1]) for c in mine}) == spec["lengths"]
