@@ -16,7 +16,9 @@ Recall is counted per layer (`stats()["prediction_recall_per_layer"]`, in the JS
 documentation (`pydoc_data.topics`): its first `HELD_OUT_DOCUMENT_TOKENS` tokens, which no shipped head was trained
 on; `--text code` instead the standard library's own code without its docstrings (`held_out_code`: as long as a 32K
 context needs). `--sequences N` decodes N disjoint windows of that text as one batch (N times the samples of one
-window; of the documentation at most 4 at 4K, 2 at 8K). Prints a table, writes JSON.
+window; of the documentation at most 4 at 4K, 2 at 8K). Both texts are the running Python's: CPython 3.11 and 3.12
+differ (the H200 machine runs 3.12), so figures from two Pythons measure different text (`python` in the JSON).
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ def main():
             row["draft_accuracy"] = hits / max(made, 1)
         rows.append(row)
     meta = dict(command="python " + " ".join(sys.argv), slots=max(args.slots or K, min_slots), sequences=args.sequences,
-                text=args.text,
+                text=args.text, python=platform.python_version(),  # (the held-out text is this Python's)
+                dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
                 model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size,

@@ -194,15 +194,15 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     a prefill, zeros here — weigh in no summary). Prompts that fit one chunk, or a head without a window: each run
     prefills for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
     split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it
-    and its whole time (`shared_prefill_seconds`), and the time of the run's `fork`s (`fork_seconds`, in no other
-    field)."""
+    and its whole time (`shared_prefill_seconds`; of it, building the bases from HF's cache:
+    `shared_prefill_base_seconds`), and the time of the run's `fork`s (`fork_seconds`, in no other field)."""
     from oasis_cache.cache import ATTENTION_NAME
     from oasis_cache.compute.prefill import prefill_chunks
 
     budgets = sorted(set(budgets))
     keys = ([("dense", None)] if dense else []) + [(m, b) for m in modes for b in budgets]
     runs = {k: ([], dict(seconds=0.0, prefill_seconds=0.0, shared_prefill_batches=0, shared_prefill_seconds=0.0,
-                         fork_seconds=0.0)) for k in keys}
+                         shared_prefill_base_seconds=0.0, fork_seconds=0.0)) for k in keys}
     groups: dict[str, list[str]] = {}  # option variant -> its modes
     for mode in modes:
         groups.setdefault(mode.partition("@")[2], []).append(mode)
@@ -225,6 +225,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
         if spans is not None and len(spans) > 1 and window is not None:
             make_cache(model, "dense", None)  # (HF's own SDPA for the prefix)
             prefix = dense_prefilled(model, enc, upto=min(spans[-1][0], length - window))
+        based = time.perf_counter()
         if prefix is not None:
             for variant, members in groups.items():
                 base_mode = ("eagle3-exact" if any(m.startswith("eagle3") for m in members) else "previous") + (
@@ -234,6 +235,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                     **cache_kwargs(base_mode, budgets[0], **cache_options))
         shared = prefix is not None
         whole = time.perf_counter() - begun if shared else 0.0
+        base_part = time.perf_counter() - based if shared else 0.0  # (of `whole`: building the bases from HF's cache)
 
         def generate(key, cache):
             first, started = FirstToken(), time.perf_counter()
@@ -245,6 +247,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
             timing["prefill_seconds"] += whole / len(keys) + first.stamp - started
             timing["shared_prefill_batches"] += shared
             timing["shared_prefill_seconds"] += whole
+            timing["shared_prefill_base_seconds"] += base_part
 
         if dense:
             cache = make_cache(model, "dense", None)

@@ -4,9 +4,9 @@ and 1/32 of the context, with the shipped heads. One process per (model, length)
 (4: a process takes ~11 s to start on the H200, so 42 of them, one per task, cost ~2.5 min of a three-wide run's
 wall time; 4 tasks keep a 32K process under a third of the whole), at most `--parallel` at once, decode-mode NLL in
 one process per model; the processes that took longest in the last run (`--durations`) start first, so that the
-run ends soon after its longest process; a process that ran out of GPU memory beside others runs again alone at
-the end. Prints each process's time, the whole run's wall time and the
-tables (`eval/report_table.py`); writes `suite.json` beside the reports in `--out`.
+run ends soon after its longest process; a process that ran out of GPU or host memory beside others runs again
+alone at the end. Prints each process's time, the whole run's wall time and the tables (`eval/report_table.py`);
+writes `suite.json` beside the reports in `--out`.
 
     python eval/suite.py --out eval/results/suite          # the whole suite (an H200: `bash bench/gpu_run.sh suite`)
     python eval/suite.py --plan                            # the processes it would run, nothing run
@@ -22,7 +22,10 @@ a cell in one batch (one fork, one captured decode per row; a left-padded batch 
 batches of 24 whose padding then kept every row on its own prefill (~40 s a row), three at once: 520-590 s;
 padded batches shared, 4 tasks per process, three at once: the whole suite in 837 s (32K processes 210-277 s,
 SmolLM2's 8K ones 357-370 s, of which ~150 s outside any row: its forks copied a whole host chunk each, 4.2 GiB,
-until `HostKVPool._own_copy`; `fork_seconds` in the rows since).
+until `HostKVPool._own_copy`; `fork_seconds` in the rows since); with it, three at once: 626 s (SmolLM2's 8K
+processes 308-328 s, of which ~115 s their shared prefills: `shared_prefill_base_seconds` splits those since). The
+processes then summed 1870 s and the run had no idle slot, so four at once (the default since; pinned memory per
+process <= 22.5 GiB, four fit the 125 GiB host) predicts ~485 s if they do not slow each other.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "freque
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
 NLL_PREFILL, NLL_TOKENS = 7936, 256
-LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-02" / "suite.json"
+LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-02-session27" / "suite.json"
 # The report processes' environment: several share one GPU, so their allocators keep few reserved-but-unused bytes
 # (three 32K processes of the twenty-fourth session ran out of memory with 40 GiB of each reserved, not allocated).
 ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
@@ -109,11 +112,12 @@ def last_seconds(path: Path | None) -> dict[str, float]:
 
 def run(jobs: list[dict], out: Path, parallel: int) -> None:
     """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`. A job that ran
-    out of GPU memory beside others runs again alone once the rest have ended (`retried`: its first exit status)."""
+    out of GPU or host memory beside others runs again alone once the rest have ended (`retried`: its first exit
+    status)."""
     _run(jobs, out, parallel)
     again = [j for j in jobs if j["returncode"] != 0 and parallel > 1 and _out_of_memory(out / f"{j['name']}.log")]
     for job in again:
-        print(f"{job['name']:60} ran out of GPU memory beside others: again, alone", flush=True)
+        print(f"{job['name']:60} ran out of memory beside others: again, alone", flush=True)
         job["retried"] = job["returncode"]
         (out / f"{job['name']}.log").rename(out / f"{job['name']}.first.log")
     _run(again, out, 1)
@@ -121,7 +125,8 @@ def run(jobs: list[dict], out: Path, parallel: int) -> None:
 
 def _out_of_memory(log: Path) -> bool:
     text = log.read_text(errors="replace") if log.exists() else ""
-    return "CUDA out of memory" in text or "OutOfMemoryError" in text
+    return "CUDA out of memory" in text or "OutOfMemoryError" in text or "of host memory" in text  # (host: the
+    # cache's own MemoryError, raised before anything is written)
 
 
 def _run(jobs: list[dict], out: Path, parallel: int) -> None:
@@ -166,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                         help="every (mode, budget) row prefills its prompts itself (default: once, every mode and "
                         "budget forked from it; the same tokens)")
-    parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 3 with CUDA, else 1)")
+    parser.add_argument("--parallel", type=int, default=None, help="processes at once (default: 4 with CUDA, else 1)")
     parser.add_argument("--tasks-per-process", type=int, default=4,
                         help="tasks one report process runs one after the other (each process loads the model)")
     parser.add_argument("--durations", type=Path, default=LAST_RUN,
@@ -196,7 +201,7 @@ def main(argv=None):
         return
     import torch
 
-    parallel = args.parallel or (3 if torch.cuda.is_available() else 1)
+    parallel = args.parallel or (4 if torch.cuda.is_available() else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

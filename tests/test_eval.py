@@ -128,6 +128,7 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
                 assert timing["shared_prefill_batches"] == sharing
                 assert 0 <= timing["prefill_seconds"] <= timing["seconds"]  # (rounded to 10 ms: 0 here)
                 assert (timing["shared_prefill_seconds"] > 0) == bool(sharing)
+                assert 0 <= timing["shared_prefill_base_seconds"] <= timing["shared_prefill_seconds"]
     finally:
         report.HEAD = None
 
@@ -277,21 +278,25 @@ def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):
         main(["--plan", "--models", "smollm2", "--lengths", "32768"])
 
 
-def test_suite_runs_a_process_out_of_gpu_memory_again_alone(tmp_path):
-    """A report process that ran out of GPU memory beside others runs again alone at the end (its first log kept);
-    one that failed otherwise is not run again."""
+def test_suite_runs_a_process_out_of_memory_again_alone(tmp_path):
+    """A report process that ran out of GPU memory, or of host memory (the cache's own MemoryError), beside others
+    runs again alone at the end (its first log kept); one that failed otherwise is not run again."""
     from eval.suite import run
 
-    marker = tmp_path / "tried"
-    oom = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); first = not m.exists(); m.touch(); "
-           "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB' if first else 'ok'); "
-           "sys.exit(1 if first else 0)")
-    jobs = [dict(name="oom", command=[sys.executable, "-c", oom, str(marker)]),
-            dict(name="broken", command=[sys.executable, "-c", "raise SystemExit(3)"])]
-    run(jobs, tmp_path, parallel=2)
-    assert jobs[0]["returncode"] == 0 and jobs[0]["retried"] == 1
-    assert "out of memory" in (tmp_path / "oom.first.log").read_text() and "ok" in (tmp_path / "oom.log").read_text()
-    assert jobs[1]["returncode"] == 3 and "retried" not in jobs[1]
+    errors = {"oom": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB",
+              "host": "MemoryError: OasisCache: the host pool of 30 layers for 8192 tokens x 24 sequences needs "
+                      "8.44 GiB of host memory, but 3.10 GiB are available"}
+    script = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); first = not m.exists(); m.touch(); "
+              "print(sys.argv[2] if first else 'ok'); sys.exit(1 if first else 0)")
+    jobs = [dict(name=name, command=[sys.executable, "-c", script, str(tmp_path / f"{name}.tried"), error])
+            for name, error in errors.items()]
+    jobs.append(dict(name="broken", command=[sys.executable, "-c", "raise SystemExit(3)"]))
+    run(jobs, tmp_path, parallel=3)
+    for job, name in zip(jobs, errors):
+        assert job["returncode"] == 0 and job["retried"] == 1, name
+        assert errors[name] in (tmp_path / f"{name}.first.log").read_text()
+        assert "ok" in (tmp_path / f"{name}.log").read_text()
+    assert jobs[2]["returncode"] == 3 and "retried" not in jobs[2]
 
 
 def test_suite_interrupted_leaves_no_process_running(tmp_path, monkeypatch):

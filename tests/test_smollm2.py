@@ -162,6 +162,7 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path, smollm2):
     right in both of its rows (from stats(), or against the oracle's); too many windows for the held-out region are
     refused."""
     import json
+    import platform
     import subprocess
     import sys
     from pathlib import Path
@@ -185,6 +186,7 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path, smollm2):
     assert all(v == 1.0 for v in rows["none"]["recall_per_layer"].values())
     assert all(r["same_tokens_as_first_row"] == 1.0 for r in rows.values())  # exact: one trajectory (on the CPU)
     assert result["meta"]["slots"] == result["meta"]["K"] > 0 and result["meta"]["model"] == "smollm2"
+    assert result["meta"]["python"] == platform.python_version() and result["meta"]["dtype"] == "float32"
     assert all(0.0 < rows[m]["draft_accuracy"] <= 1.0 for m in ("eagle3", "eagle3-head", "eagle3-oracle"))
     # several lookups: one eagle3 row each, named and recorded; a malformed one is refused
     run = subprocess.run(args[:-4] + ["--modes", "eagle3", "--draft-lookup", "0", "2+arbiter", "--out", str(out)],
