@@ -214,6 +214,38 @@ def test_dense_reference_prefilled_alone_generates_what_the_padded_batch_generat
         assert dense_prefilled(model, one) is None
 
 
+def test_fp32_fast_path_repeats_the_kv_heads_and_gives_the_same_logits(monkeypatch):
+    """`sdpa_fp32_fast_path`: inside it HF's SDPA repeats the key / value heads instead of asking torch for GQA (the
+    switch the report's dense prefill uses in fp32 on CUDA), outside nothing changed; the logits are the same within
+    fp tolerance (GQA model: 4 query heads on 2 KV heads). A bf16 model, or fp32 on the CPU, keeps HF's own path."""
+    from transformers.integrations import sdpa_attention
+
+    from eval.report import sdpa_fp32_fast_path
+
+    model, ids = tiny_model("qwen2"), prompt_ids(96)
+    choose = sdpa_attention.use_gqa_in_sdpa
+    sdpa, key_heads = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(query, key, value, *args, **kwargs):
+        key_heads.append((key.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        assert set(key_heads) == {(2, True)}  # HF's own path here: torch's GQA over the 2 KV heads
+        key_heads.clear()
+        with sdpa_fp32_fast_path(model, on_cpu=True):
+            fast = model(input_ids=ids).logits
+        assert set(key_heads) == {(4, False)}  # the heads repeated, one per query head
+        assert sdpa_attention.use_gqa_in_sdpa is choose  # restored
+        with sdpa_fp32_fast_path(model):  # fp32 on the CPU: HF's own path
+            assert sdpa_attention.use_gqa_in_sdpa is choose
+        with sdpa_fp32_fast_path(tiny_model("qwen2").to(torch.bfloat16), on_cpu=True):
+            assert sdpa_attention.use_gqa_in_sdpa is choose
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_suite_runs_its_processes_and_tables_them(tmp_path):
     """eval/suite.py at CI size: the NLL rows in a process of their own, the report processes by (model, length)
     and tasks per process, two at once, suite.json with each process's time and exit status, the reports beside
