@@ -6,6 +6,7 @@
 # back after ~30 s idle), with `bash bench/device_light.sh on` here (the heads out of the tree):
 #   carry [".model/q00"]: bash bench/gpu_setup.sh q00        ... the same for q01 ... q07
 #   carry [".model/q08", "oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct"]: bash bench/gpu_setup.sh q08
+#     (add ".model/qwen-head-data" to that carry to bring the Qwen head's training texts, 7 MB: /tmp/q/head-data.pt)
 #   carry [".model/p1"]: bash bench/gpu_setup.sh p1          carry [".model/p2"]: bash bench/gpu_setup.sh p2
 #   carry [".model/p3", "oasis_cache/draft/heads/smollm2-135m-instruct"]: bash bench/gpu_setup.sh p3 && <start a job>
 # Start the main job in the last setup call: a machine can vanish between two calls, and with it the setup.
@@ -24,7 +25,9 @@ case "$step" in
        rm -f /tmp/q/c0*
        python3 -m pip install -q --no-index --no-deps --target /tmp/site .model/q08/gguf-*.whl
        echo "export OASIS_QWEN05_GGUF=/tmp/q/qwen.gguf" >> /tmp/env.sh
-       mkdir -p /tmp/heads && cp -r "$heads/qwen2.5-coder-0.5b-instruct" /tmp/heads/ ;;
+       mkdir -p /tmp/heads && cp -r "$heads/qwen2.5-coder-0.5b-instruct" /tmp/heads/
+       # the shipped head's training texts, where carried (TRAIN_DATA=/tmp/q/head-data.pt: no texts to write)
+       if [ -f .model/qwen-head-data/data.pt ]; then cp .model/qwen-head-data/data.pt /tmp/q/head-data.pt; fi ;;
   p1) mkdir -p /tmp/smol && cp .model/p1/* /tmp/smol/
       [ -f /tmp/env.sh ] || echo "export OMP_NUM_THREADS=2 PYTHONPATH=/tmp/site:$PWD:$PWD/tests" > /tmp/env.sh ;;
   p2) cp .model/p2/* /tmp/smol/ ;;
