@@ -29,7 +29,8 @@
 #             suite at 8K-32K, recall at 8K and 16K (the documentation's held-out region is 16K tokens;
 #             RECALL_TEXT=code RECALL_CONTEXTS="16000 32000": the standard library's code; RECALL_KS="sixteenth 20": K
 #             = 1/16 of the context, K = 20 blocks; RECALL_SLOTS=40: the slots the prediction fills, 2K as the
-#             default exact mode has them at K = 20); REPORT_HEAD=1 adds eagle3 with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
+#             default exact mode has them at K = 20; RECALL_STEPS: decode steps, 64 by default); REPORT_HEAD=1
+#             adds eagle3 with $HEAD. train / gendata take TARGET=qwen25-coder-0.5b for its head (TRAIN_INTERMEDIATE=2048 keeps it
 #             ≤ 40 MB, TRAIN_DTYPE=bfloat16 the target's dtype). qwenindecodepar / qwenreportpar: the same work as
 #             processes side by side on the GPU (one per (mode, budget) after dense's pass; one per length);
 #             qwenreporttasks: one process per task at one length (REPORT_LENGTHS=32768: a whole length in one call;
@@ -159,7 +160,7 @@ for arg in "$@"; do
       tail -n 12 "$OUT"/report-qwen05-$L-*${REPORT_TAG:-}.log ;;
     qwenrecall) for context in ${RECALL_CONTEXTS:-8000 16000}; do for k in ${RECALL_KS:-sixteenth}; do  # K: 1/16 of the context, or K blocks (issue 22's target: K = 20)
         if [ "$k" = sixteenth ]; then budget=$(( (context / 16 + 15) / 16 * 16 )); tag=; else budget=$(( (k + 1) * 16 )); tag=-k$k; fi
-        python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} ${RECALL_LOOKUP:+--draft-lookup $RECALL_LOOKUP} --context $context --budget $budget ${RECALL_SLOTS:+--slots $RECALL_SLOTS} --steps 64 --sequences 1 --out "$OUT/recall-qwen05-$context$tag${RECALL_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
+        python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} ${RECALL_LOOKUP:+--draft-lookup $RECALL_LOOKUP} --context $context --budget $budget ${RECALL_SLOTS:+--slots $RECALL_SLOTS} --steps ${RECALL_STEPS:-64} --sequences 1 --out "$OUT/recall-qwen05-$context$tag${RECALL_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     qwenhead) HO=${HEAD_OUT:-/tmp/oasis-head}  # a Qwen head trained on documentation and code, then recall beside the shipped one ($QWEN_HEAD)
       TARGET=qwen25-coder-0.5b TRAIN_DTYPE=bfloat16 TRAIN_INTERMEDIATE=2048 TRAIN_SOURCE=${TRAIN_SOURCE:-mixed+code} bash "$0" train
       for h in "new:$HO" "shipped:${QWEN_HEAD:-oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct}"; do for t in docs:16000 code:32000; do
