@@ -7,7 +7,10 @@ uncapped, and its decode tokens per second, measured through `model.generate` as
 
 For each (context, cap, method) a fresh child process (a cap is per process) loads the model once and tries the batches
 in increasing order until one fails (an out-of-memory error can leave a process fragmented, so it stops there) or the
-child exceeds `--try-timeout` seconds per batch; the row reports the largest that ran. A try: random prompt tokens,
+child exceeds `--try-timeout` seconds per batch; the row reports the largest that ran. A try: random prompt tokens
+(`--prompt code` with a real model: the standard library's code, whose blocks a step selects as stably as a real
+workload's; random weights select anew each step, the worst case for an oasis step's fetches — oasis rows carry the
+hit rate and the megabytes per step fetched on the critical path),
 `model.generate(max_new_tokens=min_new_tokens=N, do_sample=False)`; a stopping criterion stamps each new token (a CUDA
 event, no sync), and tokens per second = batch / the median time between consecutive new tokens (steady decode: a
 first step's compilation and graph captures excluded; the mean over the N − 1 steps is kept too). Methods: dense
@@ -49,7 +52,7 @@ def run_batches(args) -> None:
 
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
-    from models import load_model
+    from models import code_prompt, load_model
     from token_clock import TokenClock
 
     from oasis_cache import OasisCache
@@ -60,7 +63,7 @@ def run_batches(args) -> None:
     dtype = getattr(torch, args.dtype)
     if cuda and args.cap:
         torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / torch.cuda.get_device_properties(0).total_memory)
-    model, vocab = load_model(args.model, args.device, dtype)
+    model, vocab, tokenizer = load_model(args.model, args.device, dtype, tokenizer=True)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
@@ -81,7 +84,10 @@ def run_batches(args) -> None:
                                    f"{available / 2**30:.1f} GiB available")
             return
         torch.manual_seed(1)
-        ids = torch.randint(0, vocab, (batch, context), device=args.device)
+        if getattr(args, "prompt", "random") == "code":
+            ids = code_prompt(args.model, tokenizer, batch, context).to(args.device)
+        else:
+            ids = torch.randint(0, vocab, (batch, context), device=args.device)
         if args.method.startswith("oasis"):
             cache = OasisCache(model, token_budget=args.budget, **OASIS_LOOKAHEADS.get(args.method, {}))
         elif args.method == "dense-compiled":
@@ -113,13 +119,18 @@ def run_batches(args) -> None:
         span = clock.span_s()
         step_s, steps = clock.median_step_s(), len(clock.stamps) - 1
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        fetches = {}
+        if isinstance(cache, OasisCache):  # what the steps fetched: random weights select anew each step
+            stats = cache.stats()
+            fetches = dict(hit_rate=stats["hit_rate"], fetched_mb_per_step=stats["bytes_fetched_per_step"] / 1e6,
+                           critical_path_mb_per_step=stats["bytes_fetched_on_critical_path_per_step"] / 1e6)
         del cache, ids, clock
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
             release_cached_pinned()
         report(ok=True, tok_s=batch / step_s, step_ms=step_s * 1e3, mean_step_ms=span * 1e3 / steps,
-               generate_s=total, prefill_s=total - span, peak_gib=peak)
+               generate_s=total, prefill_s=total - span, peak_gib=peak, **fetches)
 
 
 def tries_in_child(args, context, cap, method, batches) -> list:
@@ -127,7 +138,8 @@ def tries_in_child(args, context, cap, method, batches) -> list:
     child died or ran past `--try-timeout` per batch."""
     command = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device, "--dtype",
                args.dtype, "--budget", str(args.budget), "--new-tokens", str(args.new_tokens), "--context",
-               str(context), "--cap", str(cap), "--method", method, "--try-batches", *map(str, batches)]
+               str(context), "--cap", str(cap), "--method", method, "--prompt", args.prompt, "--try-batches",
+               *map(str, batches)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.try_timeout * len(batches))
         stdout, failure = done.stdout, None if done.returncode == 0 else \
@@ -155,6 +167,9 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--prompt", choices=["random", "code"], default="random",
+                        help="random token ids, or (a real model: smollm2, qwen25-coder-0.5b) the standard library's "
+                             "code, whose selection is as stable as a real workload's")
     parser.add_argument("--try-timeout", type=float, default=300)
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -166,6 +181,8 @@ def main(argv=None):
     if args.child:
         run_batches(args)
         return
+    if args.prompt == "code" and args.model not in ("smollm2", "qwen25-coder-0.5b"):
+        parser.error(f"--prompt code needs a real model (--model smollm2 or qwen25-coder-0.5b), not {args.model}")
     unknown = set(args.methods) - set(METHODS) - set(OASIS_LOOKAHEADS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}: choose from {', '.join([*METHODS, *OASIS_LOOKAHEADS])}")
@@ -177,8 +194,8 @@ def main(argv=None):
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; "
               f"{args.new_tokens} new tokens per generate")
     print(header, flush=True)
-    print(f"{'context':>8} {'cap GiB':>7} {'method':<20} {'max batch':>9} {'tok/s':>8} {'ms/step':>8} {'peak GiB':>8}  "
-          f"stopped by", flush=True)
+    print(f"{'context':>8} {'cap GiB':>7} {'method':<20} {'max batch':>9} {'tok/s':>8} {'ms/step':>8} {'peak GiB':>8} "
+          f"{'hit':>5} {'crit MB':>7}  stopped by", flush=True)
     rows = []
     for context in args.contexts:
         for cap in args.caps:
@@ -192,10 +209,13 @@ def main(argv=None):
                     best = result
                 row = dict(context=context, cap_gib=cap, method=method, max_batch=best["batch"] if best else 0,
                            tok_s=best["tok_s"] if best else 0.0, step_ms=best["step_ms"] if best else 0.0,
-                           peak_gib=best["peak_gib"] if best else 0.0, stopped_by=stopped, tries=tries)
+                           peak_gib=best["peak_gib"] if best else 0.0, stopped_by=stopped, tries=tries,
+                           **{k: best[k] for k in ("hit_rate", "critical_path_mb_per_step") if best and k in best})
                 rows.append(row)
+                hit, crit = row.get("hit_rate"), row.get("critical_path_mb_per_step")
                 print(f"{context:>8} {cap or '-':>7} {method:<20} {row['max_batch']:>9} {row['tok_s']:>8.1f} "
-                      f"{row['step_ms']:>8.1f} {row['peak_gib']:>8.2f}  {stopped}", flush=True)
+                      f"{row['step_ms']:>8.1f} {row['peak_gib']:>8.2f} {'-' if hit is None else f'{hit:.3f}':>5} "
+                      f"{'-' if crit is None else f'{crit:.1f}':>7}  {stopped}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(header=header, argv=sys.argv, rows=rows), indent=1))

@@ -7,7 +7,9 @@
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   capacity32k / capacity128k  bench/capacity.py: the largest batch under a 24 GiB cap and uncapped (CAPS="24" or
 #             "0" runs one of them; BATCHES, METHODS override the batches and methods tried, TAG names the files), dense (eager,
-#             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table)
+#             compiled), HF offload, oasis, through model.generate, with its tok/s (issue 21's equal-memory table);
+#             capacity32k takes BENCH_MODEL=qwen25-coder-0.5b PROMPT=code: a real model on real text (a stable
+#             selection, where random weights select anew each step; oasis rows carry the hit rate, critical MB)
 #   disaggqwen  bench/disagg.py with Qwen2.5-Coder-0.5B's real weights at 32K (OASIS_QWEN05_GGUF set): store reads
 #             deferred (captured steps), deferred and overlapped with the step (--overlap), during the step (eager),
 #             against the local pool; Mooncake from
@@ -21,7 +23,7 @@
 #             each at K = 1/16 of the context and K = 20 blocks (RECALL_KS, default "sixteenth 20"),
 #             eagle3 rows with the n-gram lookup off, on, on with its arbiter (RECALL_LOOKUP, default "0 2 2+arbiter");
 #             longer than one call: start it with bench/gpu_bg.sh
-#   suite     eval/suite.py: issue 22's whole quality suite (both models, every task, modes, budgets; 3 processes at
+#   suite     eval/suite.py: issue 22's whole quality suite (both models, every task, modes, budgets; 4 processes at
 #             once), its wall time and tables; OASIS_SMOLLM2_GGUF and OASIS_QWEN05_GGUF set, SUITE_ARGS more options
 #             (e.g. "--models qwen25-coder-0.5b --lengths 32768"); longer than one call: start it with bench/gpu_bg.sh
 #   qwenindecode / qwenreport / qwenrecall  issue 22 on Qwen2.5-Coder-0.5B (OASIS_QWEN05_GGUF set; the GGUF carried in
@@ -126,7 +128,7 @@ for arg in "$@"; do
     bench128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 10 --warmup 2 --measure-steps 4 --prefill-chunk 32768 --out "$OUT/decode-qwen3-8b-128k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-128k.log" | tail -8 ;;
     capped) python3 bench/decode.py --model qwen3-8b --contexts 65536 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --prefill-chunk 8192 --memory-cap-gib 24 --methods dense oasis-previous --out "$OUT/decode-qwen3-8b-capped24.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped.log" | tail -5 ;;
     capped128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --memory-cap-gib 24 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-capped24-defaults.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped128k.log" | tail -4 ;;
-    capacity32k) python3 bench/capacity.py --model qwen3-8b --contexts 32768 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4 8 16} --new-tokens 24 --try-timeout 120 --out "$OUT/capacity-qwen3-8b-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
+    capacity32k) python3 bench/capacity.py --model ${BENCH_MODEL:-qwen3-8b} --prompt ${PROMPT:-random} --contexts 32768 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4 8 16} --new-tokens 24 --try-timeout 120 --out "$OUT/capacity-${BENCH_MODEL:-qwen3-8b}-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4} --new-tokens 24 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
     disagg) python3 bench/disagg.py --device cuda --context 32768 --budget 2048 --steps 32 --layers 4 --segment 4GB --out "$OUT/disagg-qwen3-8b-kv-32k.json" 2>&1 | grep --line-buffered -v "^[IWE]1\|Warning" | tee "$OUT/disagg.log" | tail -3

