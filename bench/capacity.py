@@ -84,7 +84,7 @@ def run_batches(args) -> None:
                                    f"{available / 2**30:.1f} GiB available")
             return
         torch.manual_seed(1)
-        if getattr(args, "prompt", "random") == "code":
+        if args.prompt == "code":
             ids = code_prompt(args.model, tokenizer, batch, context).to(args.device)
         else:
             ids = torch.randint(0, vocab, (batch, context), device=args.device)
@@ -181,8 +181,11 @@ def main(argv=None):
     if args.child:
         run_batches(args)
         return
-    if args.prompt == "code" and args.model not in ("smollm2", "qwen25-coder-0.5b"):
-        parser.error(f"--prompt code needs a real model (--model smollm2 or qwen25-coder-0.5b), not {args.model}")
+    sys.path.insert(0, str(HERE))
+    from models import REAL
+
+    if args.prompt == "code" and args.model not in REAL:
+        parser.error(f"--prompt code needs a real model (--model {' or '.join(REAL)}), not {args.model}")
     unknown = set(args.methods) - set(METHODS) - set(OASIS_LOOKAHEADS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}: choose from {', '.join([*METHODS, *OASIS_LOOKAHEADS])}")

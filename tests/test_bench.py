@@ -121,7 +121,7 @@ def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
         with contextlib.redirect_stdout(printed):
             capacity.run_batches(types.SimpleNamespace(
                 model="tiny", device="cpu", dtype="float32", cap=cap, context=context, new_tokens=4, method=method,
-                budget=128, try_batches=[b for b in batches if method != "dense" or b <= 2]))
+                budget=128, try_batches=[b for b in batches if method != "dense" or b <= 2], prompt="random"))
         tries = [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
         if method == "dense":
             tries.append({"batch": 3, "ok": False, "error": "OutOfMemoryError: CUDA out of memory"})
