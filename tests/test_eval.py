@@ -102,9 +102,9 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
     """`report.py --shared-prefill`: a batch's prompts prefilled once (but their last tokens) by HF's model; dense
     continuing that cache and each (mode, budget) forked from an OasisCache made of it gives each the tokens of its own
     `generate` (random weights, a random head, every option variant sharing the one prefix; the draft head's window
-    run by each fork itself), a left-padded batch too (its padding weighs in no summary: HF's padding keys and the
-    prefix's zeros alike; the suite's batches of prompts of a task are padded: unshared, every 32K report took ~9
-    minutes on the H200, 2026-12-02)."""
+    run by each fork itself; its past read from the prefix's own tensors, `past_on_device`), a left-padded batch too
+    (its padding weighs in no summary: HF's padding keys and the prefix's zeros alike; the suite's batches of prompts
+    of a task are padded: unshared, every 32K report took ~9 minutes on the H200, 2026-12-02)."""
     import eval.report as report
     from eval.report import encoded_batches, run_generation, run_shared
 
@@ -119,7 +119,9 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
             (enc,) = encoded_batches(model, tokenizer, samples, 3)
             assert bool((enc["attention_mask"] == 0).any()) == (samples is padded)
             assert report.HEAD.config.attention_window < enc["input_ids"].shape[1] - 512  # a prefix to share
+            report.past_on_device.reads = 0
             shared = run_shared(model, tokenizer, samples, modes, [256, 128, 256], 6, 3, dense=True, **options)
+            assert report.past_on_device.reads >= 8 * 4  # (the forks' past read from the prefix on the device)
             assert sorted(shared, key=str) == sorted([("dense", None)] + [(m, b) for m in modes for b in (128, 256)],
                                                      key=str)
             for (mode, budget), (outputs, timing) in shared.items():
