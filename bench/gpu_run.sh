@@ -23,6 +23,8 @@
 #             each at K = 1/16 of the context and K = 20 blocks (RECALL_KS, default "sixteenth 20"),
 #             eagle3 rows with the n-gram lookup off, on, on with its arbiter (RECALL_LOOKUP, default "0 2 2+arbiter");
 #             longer than one call: start it with bench/gpu_bg.sh
+#   qwenheadsrecall  qwenhead's recall half for a head trained before: NEW_HEAD=<dir> beside the shipped one
+#             (RECALL_STEPS=256: four times the default's decode steps, less noise from one window)
 #   suite     eval/suite.py: issue 22's whole quality suite (both models, every task, modes, budgets; 4 processes at
 #             once), its wall time and tables; OASIS_SMOLLM2_GGUF and OASIS_QWEN05_GGUF set, SUITE_ARGS more options
 #             (e.g. "--models qwen25-coder-0.5b --lengths 32768"); longer than one call: start it with bench/gpu_bg.sh
@@ -165,7 +167,9 @@ for arg in "$@"; do
         python3 eval/recall.py --model qwen25-coder-0.5b ${REPORT_HEAD:+--head "$HEAD" --oracle} ${RECALL_TEXT:+--text "$RECALL_TEXT"} ${RECALL_LOOKUP:+--draft-lookup $RECALL_LOOKUP} --context $context --budget $budget ${RECALL_SLOTS:+--slots $RECALL_SLOTS} --steps ${RECALL_STEPS:-64} --sequences 1 --out "$OUT/recall-qwen05-$context$tag${RECALL_TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done; done ;;
     qwenhead) HO=${HEAD_OUT:-/tmp/oasis-head}  # a Qwen head trained on documentation and code, then recall beside the shipped one ($QWEN_HEAD)
       TARGET=qwen25-coder-0.5b TRAIN_DTYPE=bfloat16 TRAIN_INTERMEDIATE=2048 TRAIN_SOURCE=${TRAIN_SOURCE:-mixed+code} bash "$0" train
-      for h in "new:$HO" "shipped:${QWEN_HEAD:-oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct}"; do for t in docs:16000 code:32000; do
+      NEW_HEAD=$HO bash "$0" qwenheadsrecall ;;
+    qwenheadsrecall)  # recall of $NEW_HEAD beside the shipped one ($QWEN_HEAD): 16K docs and 32K code, 4 jobs at once
+      for h in "new:$NEW_HEAD" "shipped:${QWEN_HEAD:-oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct}"; do for t in docs:16000 code:32000; do
         HEAD=${h#*:} REPORT_HEAD=1 RECALL_LOOKUP=${RECALL_LOOKUP:-0 2 2+arbiter} RECALL_KS=${RECALL_KS:-sixteenth 20} RECALL_TEXT=${t%%:*} RECALL_CONTEXTS=${t#*:} RECALL_TAG=-${h%%:*}-${t%%:*} bash "$0" qwenrecall > "$OUT/recall-${h%%:*}-${t%%:*}.log" 2>&1 & done; done; wait
       tail -n 5 "$OUT"/recall-*.log ;;
     profile) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods dense oasis-previous-captured --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 22 "==" ;;

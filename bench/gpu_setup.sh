@@ -8,12 +8,14 @@
 #   carry [".model/q08", "oasis_cache/draft/heads/qwen2.5-coder-0.5b-instruct"]: bash bench/gpu_setup.sh q08
 #     (add ".model/qwen-head-data" to that carry to bring the Qwen head's training texts, 7 MB: /tmp/q/head-data.pt)
 #   carry [".model/p1"]: bash bench/gpu_setup.sh p1          carry [".model/p2"]: bash bench/gpu_setup.sh p2
+#   (a candidate Qwen head in .model/qwen-head-ft, ignored: carry [".model/qwen-head-ft"]: bash bench/gpu_setup.sh qwenft
+#    -> /tmp/qwen-head-ft, for NEW_HEAD=/tmp/qwen-head-ft bash bench/gpu_run.sh qwenheadsrecall)
 #   carry [".model/p3", "oasis_cache/draft/heads/smollm2-135m-instruct"]: bash bench/gpu_setup.sh p3 && <start a job>
 # Start the main job in the last setup call: a machine can vanish between two calls, and with it the setup.
 # A job then runs `. /tmp/env.sh` (and `bash bench/gpu_setup.sh heads` if the tree lacks the heads); every later
 # call carries both heads while a job reads them (a call without them removes them from the device's tree).
 set -euo pipefail
-step=${1:?usage: bash bench/gpu_setup.sh q00..q08 | p1 | p2 | p3 | heads}
+step=${1:?usage: bash bench/gpu_setup.sh q00..q08 | p1 | p2 | p3 | heads | qwenft}
 heads=oasis_cache/draft/heads
 case "$step" in
   q00) mkdir -p /tmp/q && cp .model/q00/* /tmp/q/
@@ -37,6 +39,7 @@ case "$step" in
       echo "export OASIS_SMOLLM2_GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf" >> /tmp/env.sh
       mkdir -p /tmp/heads && cp -r "$heads/smollm2-135m-instruct" /tmp/heads/ ;;
   heads) mkdir -p "$heads" && cp -r /tmp/heads/* "$heads/" ;;
-  *) echo "unknown step $step: q00..q08, p1, p2, p3, heads" >&2; exit 2 ;;
+  qwenft) mkdir -p /tmp/qwen-head-ft && cp .model/qwen-head-ft/* /tmp/qwen-head-ft/ ;;  # a candidate Qwen head (36 MB)
+  *) echo "unknown step $step: q00..q08, p1, p2, p3, heads, qwenft" >&2; exit 2 ;;
 esac
 echo "$step done: $(ls /tmp/q /tmp/smol 2>/dev/null | xargs)"

@@ -69,6 +69,23 @@ def _lookup_spec(spec: str | None) -> tuple[int | None, bool]:
     return int(order), rest == "arbiter"
 
 
+def use_documentation_from(path: str) -> None:
+    """Make `pydoc_data.topics` the module at `path` (another CPython's `pydoc_data/topics.py`) for this process:
+    every reader of the documentation (`held_out_document`, the tasks' filler) imports it from there."""
+    import importlib.util
+
+    import pydoc_data
+
+    spec = importlib.util.spec_from_file_location("pydoc_data.topics", path)
+    if spec is None or not Path(path).is_file():
+        raise SystemExit(f"--docs-from {path}: no such file (give a CPython's Lib/pydoc_data/topics.py)")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not isinstance(getattr(module, "topics", None), dict):
+        raise SystemExit(f"--docs-from {path}: no `topics` dict in it (is it pydoc_data/topics.py?)")
+    sys.modules["pydoc_data.topics"] = pydoc_data.topics = module
+
+
 def held_out_prompts(tok, prompt: str, sequences: int, context: int, text: str = "docs") -> list:
     """The prompts this script decodes: `sequences` disjoint windows of `context` tokens of held-out text (what no
     shipped head was trained on: `text` "docs", the documentation's first 16K tokens, or "code", `held_out_code`), as
@@ -125,8 +142,13 @@ def main():
                         help="the target (offline): smollm2, or qwen25-coder-0.5b (32K context)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="the target's (and the head's) dtype; default: the loader's for the device")
+    parser.add_argument("--docs-from", default=None, metavar="TOPICS_PY",
+                        help="another CPython's pydoc_data/topics.py as the documentation (--text docs): the held-out "
+                             "text is the running Python's, and 3.11 and 3.12 ship other text (the H200 runs 3.12)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.docs_from:
+        use_documentation_from(args.docs_from)
     model, tok = load_offline(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     prompts = held_out_prompts(tok, args.prompt, args.sequences, args.context, args.text)
     tok.padding_side = "left"
@@ -197,6 +219,7 @@ def main():
         rows.append(row)
     meta = dict(command="python " + " ".join(sys.argv), slots=max(args.slots or K, min_slots), sequences=args.sequences,
                 text=args.text, python=platform.python_version(),  # (the held-out text is this Python's)
+                docs_from=args.docs_from,  # (... or that file's)
                 dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",

@@ -507,3 +507,29 @@ def test_held_out_code_is_long_and_has_no_docstrings():
     assert "# __future__.py" in text and "class _Feature" in text
     assert "Record of phased-in incompatible language changes" not in text  # __future__'s docstring
     assert '"""' not in text
+
+
+def test_recall_reads_another_pythons_documentation(tmp_path, monkeypatch):
+    """`eval/recall.py --docs-from`: the held-out documentation is the running Python's `pydoc_data.topics`, and
+    CPython 3.11 and 3.12 ship other text (the H200 runs 3.12; this CPU 3.11): the flag makes another Python's file the
+    one every reader imports; a wrong path or file is refused by name."""
+    import pydoc_data
+    import pydoc_data.topics
+
+    from eval.recall import use_documentation_from
+    from oasis_cache.draft.train import _documentation_ids
+
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", pydoc_data.topics)
+    monkeypatch.setattr(pydoc_data, "topics", pydoc_data.topics)
+    other = tmp_path / "topics.py"
+    other.write_text("topics = {'a': 'first topic', 'b': 'second topic'}\n")
+    use_documentation_from(str(other))
+    import pydoc_data.topics as topics
+
+    assert topics.topics == {"a": "first topic", "b": "second topic"}
+    assert _documentation_ids(lambda text: {"input_ids": list(text)}) == list("first topic\n\nsecond topic")
+    with pytest.raises(SystemExit, match="no such file"):
+        use_documentation_from(str(tmp_path / "missing.py"))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="no `topics` dict"):
+        use_documentation_from(str(tmp_path / "empty.py"))
