@@ -203,7 +203,7 @@ def dense_prefilled(model, enc, upto: int | None = None) -> DynamicCache | None:
 
 
 @contextlib.contextmanager
-def past_on_device(prefix: list[tuple[torch.Tensor, torch.Tensor]], cache=None):
+def past_on_device(prefix: list[tuple[torch.Tensor, torch.Tensor]], cache):
     """While it runs, `cache` (a fork of a base built from a prefix) reads its past from `prefix` — the prefix's own
     keys and values `[B, Hkv, N, D]` per layer, still on the device — where a dense forward would bring the whole past
     back from host memory (`TransferEngine.load_range` of blocks from 0: ~9.7 GB per fork for Qwen2.5-Coder at
@@ -213,7 +213,7 @@ def past_on_device(prefix: list[tuple[torch.Tensor, torch.Tensor]], cache=None):
     from oasis_cache.layer import OasisLayer
     from oasis_cache.memory.transfer import TransferEngine
 
-    pools = {id(layer.pool): i for i, layer in enumerate(cache.layers if cache is not None else [])
+    pools = {id(layer.pool): i for i, layer in enumerate(cache.layers)
              if isinstance(layer, OasisLayer) and i < len(prefix)}
     original = TransferEngine.load_range
 
@@ -328,7 +328,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                         forked = time.perf_counter()
                         cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
                         runs[mode, budget][1]["fork_seconds"] += time.perf_counter() - forked
-                    with past_on_device(on_device, cache if base is not None else None):
+                    with past_on_device(on_device, cache) if base is not None else contextlib.nullcontext():
                         generate((mode, budget), cache)
                     del cache
                     timing = runs[mode, budget][1]

@@ -25,7 +25,8 @@ SmolLM2's 8K ones 357-370 s, of which ~150 s outside any row: its forks copied a
 until `HostKVPool._own_copy`; `fork_seconds` in the rows since); with it, three at once: 626 s (SmolLM2's 8K
 processes 308-328 s, of which ~115 s their shared prefills: `shared_prefill_base_seconds` splits those since). The
 processes then summed 1870 s and the run had no idle slot, so four at once (the default since; pinned memory per
-process <= 22.5 GiB, four fit the 125 GiB host) predicts ~485 s if they do not slow each other.
+process <= 22.5 GiB, four fit the 125 GiB host) predicted ~485 s if they did not slow each other; measured 542 s
+(2026-12-03: they did, summing 2149 s — the GPU and its PCIe link are shared, so more at once would not help).
 """
 
 from __future__ import annotations
