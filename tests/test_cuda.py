@@ -15,7 +15,7 @@ from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
 from oasis_cache.layer import OasisLayer
 
-from conftest import dense_cache, generate, left_padded, prompt_ids, tiny_model
+from conftest import cuda_runtime, dense_cache, generate, left_padded, prompt_ids, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,6 +26,21 @@ ATOL = 2e-4
 
 def on_cuda(inputs):
     return {k: v.cuda() for k, v in inputs.items()}
+
+
+def test_an_unchecked_cuda_error_is_seen_where_torch_would_raise_it():
+    """The suite's check for CUDA errors left pending (conftest `_no_cuda_error_left`) reads the runtime torch uses:
+    an error left there by a call nobody checked is what torch's next kernel launch raises."""
+    runtime = cuda_runtime()
+    if runtime is None:
+        pytest.skip("torch links the CUDA runtime statically: no pending error can be read")
+    torch.ones(4, device="cuda").add_(1)
+    assert runtime.cudaPeekAtLastError() == 0
+    assert runtime.cudaSetDevice(10**6) != 0  # fails, and nobody checks: its error stays pending
+    assert runtime.cudaPeekAtLastError() != 0
+    with pytest.raises(RuntimeError):  # torch's next launch check raises it (and clears it)
+        torch.ones(4, device="cuda").add_(1)
+    assert runtime.cudaPeekAtLastError() == 0
 
 
 MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True)]
