@@ -38,6 +38,19 @@ from oasis_cache.memory.host_memory import pinned_bytes_held, release_cached_pin
 
 
 HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
+# Seconds per phase of this process (written to the JSON's meta["phases"]; what they leave of meta["seconds"] is
+# "unaccounted"): where a suite process's time goes outside its rows' generate calls
+PHASES: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Adds the time spent inside to `PHASES[name]`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - started
 
 
 def make_cache(model, mode: str, budget: int | None, **cache_options):
@@ -120,11 +133,12 @@ def release_device_memory(pinned: bool = True) -> None:
     processes share a GPU and its host (`eval/suite.py`). A dropped cache's pinned pools stay in torch's caching host
     allocator, usable by this process only (three 32K x 24 report processes on the H200, 2026-12-02: one held 97 GB,
     a sibling's cache was refused)."""
-    gc.collect()  # (a cache in a reference cycle holds its pools until collected)
-    if pinned:
-        release_cached_pinned()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    with phase("release_memory"):
+        gc.collect()  # (a cache in a reference cycle holds its pools until collected)
+        if pinned:
+            release_cached_pinned()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class PinnedBound:
@@ -136,13 +150,14 @@ class PinnedBound:
         self.limit = None
 
     def __call__(self) -> float:
-        gc.collect()
-        held = pinned_bytes_held()
-        if self.limit is None:
-            self.limit = 1.5 * held
-        elif held > self.limit:
-            release_cached_pinned()
-        return round(held / 2**30, 2)
+        with phase("pinned_bound"):
+            gc.collect()
+            held = pinned_bytes_held()
+            if self.limit is None:
+                self.limit = 1.5 * held
+            elif held > self.limit:
+                release_cached_pinned()
+            return round(held / 2**30, 2)
 
 
 @contextlib.contextmanager
@@ -294,12 +309,14 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                     **cache_kwargs(base_mode, budgets[0], **cache_options))
         shared = prefix is not None
         whole = time.perf_counter() - begun if shared else 0.0
+        PHASES["shared_prefill"] = PHASES.get("shared_prefill", 0.0) + whole
         base_part = time.perf_counter() - based if shared else 0.0  # (of `whole`: building the bases from HF's cache)
 
         def generate(key, cache):
             first, started = FirstToken(), time.perf_counter()
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
-                                 **{argument: cache})
+            with phase("generate"):
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, stopping_criteria=[first], **kw,
+                                     **{argument: cache})
             outputs, timing = runs[key]
             outputs += out[:, enc["input_ids"].shape[1] :].tolist()
             timing["seconds"] += whole / len(keys) + time.perf_counter() - started
@@ -328,9 +345,11 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                         forked = time.perf_counter()
                         cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
                         runs[mode, budget][1]["fork_seconds"] += time.perf_counter() - forked
+                        PHASES["fork"] = PHASES.get("fork", 0.0) + time.perf_counter() - forked
                     with past_on_device(on_device, cache) if base is not None else contextlib.nullcontext():
                         generate((mode, budget), cache)
-                    del cache
+                    with phase("drop_cache"):
+                        del cache
                     timing = runs[mode, budget][1]
                     timing["pinned_gib"] = max(timing.get("pinned_gib", 0.0), pinned())
             del base
@@ -403,17 +422,20 @@ def main():
         args.lengths, args.samples, args.fractions = [512], 2, [4]
         args.nll_prefill, args.nll_tokens, args.max_new_tokens = 512, min(16, args.nll_tokens), 8  # (0: still none)
     started = time.time()
-    model, tokenizer = load(args)
+    with phase("load"):
+        model, tokenizer = load(args)
     if args.head:
         from oasis_cache.draft import load_eagle3
 
         global HEAD
-        HEAD = load_eagle3(args.head, target_model=model)
+        with phase("load"):
+            HEAD = load_eagle3(args.head, target_model=model)
 
     rows = []
     for task in args.tasks:
         for length in args.lengths:
-            samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
+            with phase("samples"):
+                samples = generate_samples(tokenizer, task, length, args.samples, filler=args.filler)
             budgets = {fraction: max(256, length // fraction) for fraction in args.fractions}
             shared = run_shared(model, tokenizer, samples, args.modes, budgets.values(), args.max_new_tokens,
                                 args.batch_size, dense=True) if args.shared_prefill else {}
@@ -438,13 +460,17 @@ def main():
                                      **against_dense(outs, scores, dense, dense_scores), **timing))
                     print(json.dumps(rows[-1]), flush=True)
 
-    nll_rows = nll_report(model, tokenizer, args)
+    with phase("nll"):
+        nll_rows = nll_report(model, tokenizer, args)
+    seconds = time.time() - started
+    phases = {k: round(v, 1) for k, v in PHASES.items()}
+    phases["unaccounted"] = round(seconds - sum(v for k, v in PHASES.items()), 1)
     meta = dict(
         command="python " + " ".join(sys.argv),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU",
-        model=args.model, filler=args.filler, samples=args.samples, seconds=round(time.time() - started, 1),
-        dtype=str(next(model.parameters()).dtype),
+        model=args.model, filler=args.filler, samples=args.samples, seconds=round(seconds, 1),
+        dtype=str(next(model.parameters()).dtype), phases=phases,
     )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"report-{args.model}-{'tiny-' if args.tiny else ''}{meta['date'][:10]}.json")

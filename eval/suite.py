@@ -221,6 +221,12 @@ def main(argv=None):
                 for r in json.loads((out / f"{j['name']}.json").read_text())["tasks"]]
         if rows:
             print(f"\n{model}\n{table(rows)}")
+    print("\nwhere each process's time went (seconds; report.py's meta[\"phases\"]):")
+    for job in jobs:
+        if job["returncode"] == 0:
+            meta = json.loads((out / f"{job['name']}.json").read_text())["meta"]
+            phases = dict(meta.get("phases", {}), imports_and_plot=job["seconds"] - meta["seconds"])
+            print(f"{job['name'][:60]:60} {job['seconds']:7.1f}  " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall; wrote {out / 'suite.json'}")
     if failed:
         raise SystemExit(f"{len(failed)} process(es) failed: {', '.join(failed)} (their logs are in {out})")

@@ -266,6 +266,9 @@ def test_suite_runs_its_processes_and_tables_them(tmp_path):
             assert report["tasks"] == [] and [r["mode"] for r in report["nll"]] == ["dense", "none", "previous"]
         else:
             assert {r["mode"] for r in report["tasks"]} == {"dense", "none", "previous"} and report["nll"] == []
+            phases = report["meta"]["phases"]  # where the process's time went (the rows' generate calls and the rest)
+            assert phases["generate"] > 0 and phases["load"] > 0 and phases["samples"] >= 0
+            assert abs(sum(phases.values()) - report["meta"]["seconds"]) < 0.1 * len(phases)
     assert "| multikey | 512 |" in run.stdout and "| single_needle | 512 |" in run.stdout
 
 
