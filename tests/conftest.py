@@ -182,7 +182,8 @@ def _no_cuda_error_left(request):
     torch's next kernel-launch check raises it wherever that is — in a later test (the H200, 2026-12-03: 12 tests
     failed with "CUDA error: invalid argument" at their first kernel, after one left it). Here the test that leaves
     one fails itself, naming it (and clears it: the tests after it run as if it had not happened); one found before a
-    test started was left between tests (an object collected late)."""
+    test started was left between tests (an object collected late). `OASIS_TEST_GC_CHECK=1`: the test's garbage is
+    collected at its end and checked apart ("when its garbage was collected": a destructor's call)."""
     runtime = cuda_runtime() if request.node.get_closest_marker("gpu") is not None else None
     if runtime is None:
         yield
@@ -190,7 +191,14 @@ def _no_cuda_error_left(request):
     before = runtime.cudaGetLastError()
     yield
     after = runtime.cudaGetLastError()
-    found = [(when, code) for when, code in (("before it started", before), ("when it ended", after)) if code]
+    collected = 0
+    if os.environ.get("OASIS_TEST_GC_CHECK") == "1":
+        import gc
+
+        gc.collect()
+        collected = runtime.cudaGetLastError()
+    found = [(when, code) for when, code in (("before it started", before), ("when it ended", after),
+                                             ("when its garbage was collected", collected)) if code]
     if found:
         pytest.fail("a CUDA error was pending " + "; ".join(
             f"{when}: {runtime.cudaGetErrorString(code).decode()} ({code})" for when, code in found), pytrace=False)
