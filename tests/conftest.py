@@ -168,7 +168,8 @@ def cuda_runtime():
                     paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
             except OSError:
                 paths = []
-            if paths:
+            if paths:  # (torch's own where several are loaded: its lib folder's, then the CUDA wheels')
+                paths.sort(key=lambda path: ("/torch/" not in path, "/nvidia/" not in path))
                 found = ctypes.CDLL(paths[0])
                 found.cudaGetLastError.restype = found.cudaPeekAtLastError.restype = ctypes.c_int
                 found.cudaGetErrorString.restype = ctypes.c_char_p
