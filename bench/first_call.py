@@ -2,12 +2,13 @@
 
     python bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32
     python bench/first_call.py --model tiny --device cpu --context 256 --new-tokens 8   # smoke
+    python bench/first_call.py --model qwen3-8b --context 32768 --compile-decode   # with OasisConfig.compile_decode
 
-Runs `--processes` fresh child processes one after another (the first one starts with an empty Triton kernel cache
-when `--fresh-kernel-cache` is given: what a new machine pays; the later ones find the kernels on disk, as every later
-process on that machine does). Each child loads the model, then calls `model.generate` `--calls` times, each with a
-fresh `OasisCache(model, token_budget=--budget)` on the same random prompt, and reports each call's wall time. Prints
-a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
+Runs `--processes` fresh child processes one after another (the first one starts with empty Triton and inductor
+kernel caches when `--fresh-kernel-cache` is given: what a new machine pays; the later ones find the kernels on disk,
+as every later process on that machine does). Each child loads the model, then calls `model.generate` `--calls`
+times, each with a fresh `OasisCache(model, token_budget=--budget)` on the same random prompt, and reports each call's
+wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def child(args) -> dict:
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
     times = []
     for _ in range(args.calls):
-        cache = OasisCache(model, token_budget=args.budget)
+        cache = OasisCache(model, token_budget=args.budget, **({"compile_decode": True} if args.compile_decode else {}))
         t0 = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False, **cache.generate_kwargs())
@@ -66,6 +67,8 @@ def main(argv=None):
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--fresh-kernel-cache", action="store_true",
                         help="the first child starts with an empty Triton cache (TRITON_CACHE_DIR in a new folder)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -78,7 +81,8 @@ def main(argv=None):
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     header = (f"{args.model} {args.dtype} on {device}, torch {torch.__version__}, transformers "
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; context "
-              f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}")
+              f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
+              + (", compile_decode" if args.compile_decode else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
     rows = []
@@ -86,9 +90,11 @@ def main(argv=None):
         env = dict(os.environ)
         if kernel_cache:
             env["TRITON_CACHE_DIR"] = kernel_cache  # empty for the first child, filled by it for the later ones
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(kernel_cache, "inductor")  # (compile_decode's kernels)
         command = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device, "--dtype",
                    args.dtype, "--context", str(args.context), "--budget", str(args.budget), "--new-tokens",
                    str(args.new_tokens), "--calls", str(args.calls)]
+        command += ["--compile-decode"] if args.compile_decode else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
