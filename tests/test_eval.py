@@ -268,7 +268,8 @@ def test_suite_runs_its_processes_and_tables_them(tmp_path):
             assert {r["mode"] for r in report["tasks"]} == {"dense", "none", "previous"} and report["nll"] == []
             phases = report["meta"]["phases"]  # where the process's time went (the rows' generate calls and the rest)
             assert phases["generate"] > 0 and phases["load"] > 0 and phases["samples"] >= 0
-            assert abs(sum(phases.values()) - report["meta"]["seconds"]) < 0.1 * len(phases)
+            # disjoint phases: together never more than the process's time (what they leave is "unaccounted")
+            assert -0.1 * len(phases) <= phases["unaccounted"] <= report["meta"]["seconds"]
     assert "| multikey | 512 |" in run.stdout and "| single_needle | 512 |" in run.stdout
 
 
