@@ -131,7 +131,7 @@ for arg in "$@"; do
     testsdiag) for run in plain again omp16 gccheck; do  # the twenty-ninth session's pending "invalid argument": up to
         # four runs of the CUDA tests, stopping at the first with a failure (conftest's `_no_cuda_error_left` names
         # the test that leaves a pending CUDA error); ~2-2.5 min each: start it with bench/gpu_bg.sh
-        case $run in omp16) extra=OMP_NUM_THREADS=16 ;; gccheck) extra=OASIS_TEST_GC_CHECK=1 ;; *) extra=DIAG=1 ;; esac
+        case $run in omp16) extra=OMP_NUM_THREADS=16 ;; gccheck) extra=OASIS_TEST_GC_CHECK=1 ;; *) extra= ;; esac
         env $extra python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider > "$OUT/pytest-gpu-diag-$run.log" 2>&1
         rc=$?; echo "$run: $(tail -n 1 "$OUT/pytest-gpu-diag-$run.log")"
         [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR)|pending" "$OUT/pytest-gpu-diag-$run.log" | head -20; break; }

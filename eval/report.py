@@ -43,6 +43,10 @@ HEAD = None  # the EAGLE-3 head for mode "eagle3" (--head)
 PHASES: dict[str, float] = {}
 
 
+def add_phase(name: str, seconds: float) -> None:
+    PHASES[name] = PHASES.get(name, 0.0) + seconds
+
+
 @contextlib.contextmanager
 def phase(name: str):
     """Adds the time spent inside to `PHASES[name]`."""
@@ -50,7 +54,7 @@ def phase(name: str):
     try:
         yield
     finally:
-        PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - started
+        add_phase(name, time.perf_counter() - started)
 
 
 def make_cache(model, mode: str, budget: int | None, **cache_options):
@@ -309,7 +313,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                     **cache_kwargs(base_mode, budgets[0], **cache_options))
         shared = prefix is not None
         whole = time.perf_counter() - begun if shared else 0.0
-        PHASES["shared_prefill"] = PHASES.get("shared_prefill", 0.0) + whole
+        add_phase("shared_prefill", whole)
         base_part = time.perf_counter() - based if shared else 0.0  # (of `whole`: building the bases from HF's cache)
 
         def generate(key, cache):
@@ -344,8 +348,9 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
                         model.set_attn_implementation(ATTENTION_NAME)  # (dense's run set HF's SDPA)
                         forked = time.perf_counter()
                         cache = base.fork(token_budget=budget, lookahead=lookahead, exact=exact == "exact")
-                        runs[mode, budget][1]["fork_seconds"] += time.perf_counter() - forked
-                        PHASES["fork"] = PHASES.get("fork", 0.0) + time.perf_counter() - forked
+                        took = time.perf_counter() - forked
+                        runs[mode, budget][1]["fork_seconds"] += took
+                        add_phase("fork", took)
                     with past_on_device(on_device, cache) if base is not None else contextlib.nullcontext():
                         generate((mode, budget), cache)
                     with phase("drop_cache"):
