@@ -2,6 +2,8 @@
 
     python bench/op_count.py --layers 8 --modes dense previous eagle3 eagle3-exact
     TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes previous eagle3-exact
+    TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes dense previous --by-site
+    python bench/op_count.py --layers 4 --modes previous --inductor   # what compile_decode's regions compile into
 
 Runs a tiny random Qwen3 (CPU), prefills `--context` tokens, decodes a few steps, then records one decode step
 with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly); `dense` is HF's
@@ -30,6 +32,13 @@ from oasis_cache.compat import generate_cache_argument  # noqa: E402
 
 
 KERNEL = "triton kernel"
+_IN_KERNEL = [0]  # > 0 while a wrapped Triton launch runs (what the interpreter does inside it is one launch)
+_LAUNCHED = collections.Counter()  # wrapped Triton launches by kernel name
+# Operators that launch no kernel on a GPU (views, allocations, metadata), left out of `--by-site`
+NO_LAUNCH = {"set_", "empty", "new_empty", "empty_like", "empty_strided", "select", "slice", "expand", "unsqueeze",
+             "squeeze", "alias", "view", "_unsafe_view", "_reshape_alias", "reshape", "transpose", "t", "permute",
+             "as_strided", "detach", "lift_fresh", "split", "split_with_sizes", "unbind", "narrow",
+             "_local_scalar_dense"}
 
 
 def count_kernels_as_launches() -> None:
@@ -41,8 +50,13 @@ def count_kernels_as_launches() -> None:
 
     for module, name in ((scores, "block_scores"), (assign, "slot_assign"), (transfer, "gather_blocks")):
         def launch(*args, _fn=getattr(module, name), _name=name, **kwargs):
-            with record_function(f"{KERNEL} {_name}"):
-                return _fn(*args, **kwargs)
+            _LAUNCHED[_name] += not _IN_KERNEL[0]
+            _IN_KERNEL[0] += 1
+            try:
+                with record_function(f"{KERNEL} {_name}"):
+                    return _fn(*args, **kwargs)
+            finally:
+                _IN_KERNEL[0] -= 1
         setattr(module, name, launch)
 
 
@@ -120,6 +134,71 @@ def count_ops(model, ids, mode: str, head, budget: int, backend: str = "torch") 
     return counts
 
 
+def launches_by_site(model, ids, mode: str, head, budget: int, backend: str = "torch") -> collections.Counter:
+    """The operators of one decode step that launch a kernel (not in `NO_LAUNCH`; a Triton launch counted as its
+    kernels, not looked into), by the innermost line of `oasis_cache` on the stack: {(site, operator): count}, site
+    "model" for the model's own work. `backend="triton"` needs `count_kernels_as_launches()` first."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sites = collections.Counter()
+
+    class Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if not _IN_KERNEL[0] and name not in NO_LAUNCH:
+                ours = [f for f in traceback.extract_stack() if "oasis_cache/" in f.filename and
+                        not f.filename.endswith(("oasis_cache/cache.py", "compute/captured_step.py"))]
+                where = ours[-1] if ours else None
+                site = f"{where.filename.split('oasis_cache/')[-1]}:{where.lineno}" if where else "model"
+                sites[(site, name)] += 1
+            return func(*args, **(kwargs or {}))
+
+    import oasis_cache.layer as layer
+
+    attend = layer.decode_attention  # the Triton decode attention: two launches (split, combine), not looked into
+
+    def decode_attention(*args, **kwargs):
+        sites[("kernels/decode_attention.py", "triton kernels split + combine")] += 2
+        _IN_KERNEL[0] += 1
+        try:
+            return attend(*args, **kwargs)
+        finally:
+            _IN_KERNEL[0] -= 1
+
+    step, _ = decoding(model, ids, mode, head, budget, backend)
+    layer.decode_attention = decode_attention
+    _LAUNCHED.clear()
+    try:
+        with torch.no_grad(), Sites():
+            step()
+    finally:
+        layer.decode_attention = attend
+    for name, n in _LAUNCHED.items():
+        sites[(f"triton {name}", "triton kernel")] += n
+    return sites
+
+
+def inductor_kernels(model, ids, budget: int, steps: int = 3) -> dict:
+    """`OasisCache(..., lookahead="previous", compile_decode=True)`: the kernels inductor generates for the decoder
+    layers' compiled regions over a few decode steps (its own backend on this device: C++ on a CPU, a proxy for the
+    Triton one), the distinct graphs, and the graph breaks between them."""
+    import torch._dynamo.utils as dynamo_utils
+    import torch._inductor.metrics as metrics
+
+    cache = OasisCache(model, token_budget=budget, lookahead="previous", compile_decode=True)
+    kw = {generate_cache_argument(model): cache, "use_cache": True}
+    with torch.no_grad():
+        token = model(input_ids=ids, **kw).logits[:, -1:].argmax(-1)
+        metrics.reset()
+        dynamo_utils.counters.clear()
+        for _ in range(steps):
+            token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)
+    return dict(kernels=metrics.generated_kernel_count, graphs=dynamo_utils.counters["stats"]["unique_graphs"],
+                graph_breaks=sum(dynamo_utils.counters["graph_break"].values()))
+
+
 def step_arguments(parser, layers: int, modes: list[str]):
     """The options of the CPU step tools (this one, `capture_audit.py`): the tiny model, its prompt, the modes."""
     parser.add_argument("--layers", type=int, default=layers)
@@ -127,6 +206,10 @@ def step_arguments(parser, layers: int, modes: list[str]):
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16, help="block size T (sink T tokens, recent 4T)")
     parser.add_argument("--modes", nargs="+", default=modes)
+    parser.add_argument("--by-site", action="store_true",
+                        help="also: the last mode's kernel-launching operators by the package line that issues them")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also: what compile_decode compiles (`previous`): inductor's kernels, graphs, breaks")
     parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
                         help="triton: the CUDA path's operators, run with TRITON_INTERPRET=1 on CPU")
     args = parser.parse_args()
@@ -154,6 +237,18 @@ def main():
     for name in sorted(set(a) | set(b), key=lambda n: a[n] - b[n]):
         if a[name] != b[name]:
             print(f"  {name:36} {a[name]:5} -> {b[name]:5} ({b[name] - a[name]:+d})")
+    if args.by_site:
+        sites = launches_by_site(model, ids, last, head, args.budget, args.backend)
+        ours = {key: n for key, n in sites.items() if key[0] != "model"}
+        print(f"\n{last}: {sum(sites.values())} kernel-launching operators in one step (Triton launches included), "
+              f"{sum(sites.values()) - sum(ours.values())} of them the model's own, {sum(ours.values())} the "
+              f"package's, by line:")
+        for (site, name), n in sorted(ours.items(), key=lambda item: -item[1]):
+            print(f"  {n:4} {name:24} {site}")
+    if args.inductor:
+        found = inductor_kernels(model, ids, args.budget)
+        print(f"\ncompile_decode, {args.layers} layers: {found['kernels']} kernels generated in {found['graphs']} "
+              f"distinct graphs, {found['graph_breaks']} graph breaks (the cache's update and the oasis attention)")
 
 
 if __name__ == "__main__":
