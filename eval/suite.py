@@ -111,6 +111,28 @@ def last_seconds(path: Path | None) -> dict[str, float]:
     return {j["name"]: j["seconds"] for j in json.loads(Path(path).read_text())["processes"] if "seconds" in j}
 
 
+def prepare(models: list[str]) -> dict[str, float]:
+    """Seconds each real model took to leave its plain checkpoint, for those without one (at once, a process each):
+    the first load of a machine dequantizes the GGUF (~40 s for Qwen2.5-Coder-0.5B alone on a CPU core). Done inside
+    the report processes, the first ones of a model start together, one dequantizes and the others wait on its lock
+    (the H200, 2026-12-03: 70 s "load" in each 32K process, 25 s in SmolLM2's 8K ones, the four longest). A missing
+    model's error (its install command) stops the suite here, before any report runs."""
+    from oasis_cache.loaders import has_plain_copy
+
+    todo = [m for m in models if m in MODELS and not has_plain_copy(m)]
+    started = time.perf_counter()
+    procs = {m: subprocess.Popen([sys.executable, "-c", "import sys; from oasis_cache.loaders import load_offline; "
+                                  "load_offline(sys.argv[1])", m], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for m in todo}
+    seconds = {}
+    for model, proc in procs.items():
+        output, _ = proc.communicate()
+        seconds[model] = round(time.perf_counter() - started, 1)
+        if proc.returncode != 0:
+            raise SystemExit(f"loading {model} failed:\n{output[-3000:]}")
+    return seconds
+
+
 def run(jobs: list[dict], out: Path, parallel: int) -> None:
     """Run `jobs` at most `parallel` at once; each gets `seconds`, `returncode` and its log in `out`. A job that ran
     out of GPU or host memory beside others runs again alone once the rest have ended (`retried`: its first exit
@@ -205,6 +227,10 @@ def main(argv=None):
     parallel = args.parallel or (4 if torch.cuda.is_available() else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    prepared = prepare(args.models)
+    if prepared:
+        print("plain checkpoints made (once per machine): " + ", ".join(f"{m} {s:.1f} s" for m, s in prepared.items()),
+              flush=True)
     started = time.perf_counter()
     run(jobs, out, parallel)
     seconds = round(time.perf_counter() - started, 1)
@@ -212,7 +238,8 @@ def main(argv=None):
     meta = dict(command="python " + " ".join(sys.argv if argv is None else ["eval/suite.py", *argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU",
-                seconds=seconds, parallel=parallel, processes=len(jobs), failed=failed)
+                seconds=seconds, prepare_seconds=max(prepared.values(), default=0.0), parallel=parallel,
+                processes=len(jobs), failed=failed)
     for job in jobs:
         job["command"] = " ".join(job["command"][1:])
     (out / "suite.json").write_text(json.dumps(dict(meta=meta, processes=jobs), indent=1))
@@ -225,9 +252,12 @@ def main(argv=None):
     for job in jobs:
         if job["returncode"] == 0:
             meta = json.loads((out / f"{job['name']}.json").read_text())["meta"]
-            phases = dict(meta.get("phases", {}), imports_and_plot=job["seconds"] - meta["seconds"])
+            phases = dict(meta.get("phases", {}))  # (imports and plot: outside the report's own seconds)
+            phases["start_and_exit"] = (job["seconds"] - meta["seconds"] - phases.get("imports", 0.0)
+                                        - phases.get("plot", 0.0))
             print(f"{job['name'][:60]:60} {job['seconds']:7.1f}  " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-    print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall; wrote {out / 'suite.json'}")
+    made = f" (and {max(prepared.values()):.1f} s before, making plain checkpoints)" if prepared else ""
+    print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall{made}; wrote {out / 'suite.json'}")
     if failed:
         raise SystemExit(f"{len(failed)} process(es) failed: {', '.join(failed)} (their logs are in {out})")
 

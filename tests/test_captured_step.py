@@ -323,3 +323,27 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
     assert counters["stats"]["unique_graphs"] == graphs and cache.layers[0].pool.num_blocks >= 21
     with pytest.raises(ValueError, match="compile_decode must be True or False"):
         OasisCache(model, token_budget=128, compile_decode="yes")
+
+
+def test_compiled_decode_compiles_once_for_all_layers():
+    """The decoder layers share their forward's code: a model deeper than dynamo's recompile limit (8) compiles the
+    same graphs as a two-layer one, so no layer past the limit runs eager, unseen (the H200 profile of the thirtieth
+    session: 8 of 36 layers compiled), and the first step compiles once, not once per layer."""
+    from torch._dynamo.utils import counters
+
+    from conftest import generate
+
+    graphs = []
+    for layers in (2, 10):
+        torch._dynamo.reset()
+        model = tiny_model("qwen3", num_hidden_layers=layers)
+        before = counters["stats"]["unique_graphs"]
+        options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+        got = generate(model, OasisCache(model, compile_decode=True, **options), {"input_ids": prompt_ids(300)},
+                       max_new_tokens=6, do_sample=False)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        expected = generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
+                            do_sample=False)
+        assert torch.equal(got.sequences, expected.sequences)
+    assert graphs[0] > 0 and graphs[1] == graphs[0], graphs
+    assert not torch._dynamo.config.allow_unspec_int_on_nn_module  # patched around the layers' calls only

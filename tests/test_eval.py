@@ -268,9 +268,26 @@ def test_suite_runs_its_processes_and_tables_them(tmp_path):
             assert {r["mode"] for r in report["tasks"]} == {"dense", "none", "previous"} and report["nll"] == []
             phases = report["meta"]["phases"]  # where the process's time went (the rows' generate calls and the rest)
             assert phases["generate"] > 0 and phases["load"] > 0 and phases["samples"] >= 0
+            assert phases["imports"] > 0 and phases["plot"] >= 0  # (outside the report's own seconds)
             # disjoint phases: together never more than the process's time (what they leave is "unaccounted")
             assert -0.1 * len(phases) <= phases["unaccounted"] <= report["meta"]["seconds"]
     assert "| multikey | 512 |" in run.stdout and "| single_needle | 512 |" in run.stdout
+
+
+def test_suite_makes_the_plain_checkpoints_first(tmp_path, monkeypatch):
+    """Before its report processes, the suite loads each real model that has no plain checkpoint yet (a process
+    each, at once): their first loads then take seconds instead of waiting on one another's dequantization. A model
+    that cannot load stops it there, named."""
+    import eval.suite as suite
+
+    assert suite.prepare(["tiny"]) == {}  # (random weights: nothing to make)
+    monkeypatch.setattr("oasis_cache.loaders.has_plain_copy", lambda name: name == "qwen25-coder-0.5b")
+    assert set(suite.prepare(["smollm2", "qwen25-coder-0.5b"])) == {"smollm2"}  # (its copy exists: loaded only)
+    monkeypatch.setattr("oasis_cache.loaders.has_plain_copy", lambda name: False)
+    monkeypatch.setattr(suite, "ENV", dict(suite.ENV, OASIS_CACHE_HOME=str(tmp_path),
+                                           OASIS_QWEN05_GGUF=str(tmp_path / "missing.gguf")))
+    with pytest.raises(SystemExit, match="loading qwen25-coder-0.5b failed"):
+        suite.prepare(["qwen25-coder-0.5b"])
 
 
 def test_suite_plans_the_issue_matrix_and_names_a_failed_process(tmp_path):

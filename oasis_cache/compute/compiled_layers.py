@@ -20,6 +20,14 @@ import torch
 # Decode-sized calls that run compiled: one token per sequence, or two (the real one and eagle3's riding draft).
 COMPILED_QUERY_LENGTHS = (1, 2)
 
+# The layers share their forward's code, and dynamo keys a code object's graphs by its guards: an `int` attribute
+# of a module (`self.layer_idx`, read for the cache's update) is a constant by default, so every layer would compile
+# its own graphs until the recompile limit (8), and the layers past it would run eager, silently (the thirtieth
+# session's H200 profile: 8 of 36 layers compiled). As a symbolic int it is one input more: one set of graphs serves
+# every layer, and the first step compiles once, not once per layer. Patched around each compiled call only (a
+# recompilation, e.g. for a riding draft's two query rows, traces under it too); a user's own compiles are untouched.
+_ONE_GRAPH_FOR_ALL_LAYERS = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+
 
 class CompiledDecode:
     """Installed once per decoder layer as its `forward` (same signature): a decode-sized call with an OasisCache
@@ -54,4 +62,5 @@ class CompiledDecode:
             return self.eager_forward(*args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.eager_forward)
-        return self.compiled(*args, **kwargs)
+        with _ONE_GRAPH_FOR_ALL_LAYERS:
+            return self.compiled(*args, **kwargs)
