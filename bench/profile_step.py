@@ -96,7 +96,8 @@ def main():
         print(cpu_table)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"profile-{method}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
+            name = method.replace("@", "+")  # (a file name the device tool brings back)
+            (Path(args.out) / f"profile-{name}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
         del cache, out
 
 

@@ -60,7 +60,7 @@ TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "freque
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
 NLL_PREFILL, NLL_TOKENS = 7936, 256
-LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-03-session28" / "suite.json"
+LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-03-session30" / "suite.json"
 # The report processes' environment: several share one GPU, so their allocators keep few reserved-but-unused bytes
 # (three 32K processes of the twenty-fourth session ran out of memory with 40 GiB of each reserved, not allocated).
 ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
@@ -255,7 +255,8 @@ def main(argv=None):
             phases = dict(meta.get("phases", {}))  # (imports and plot: outside the report's own seconds)
             phases["start_and_exit"] = (job["seconds"] - meta["seconds"] - phases.get("imports", 0.0)
                                         - phases.get("plot", 0.0))
-            print(f"{job['name'][:60]:60} {job['seconds']:7.1f}  " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+            print(f"{job['name'][:60]:60} {job['seconds']:7.1f}  "
+                  + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     made = f" (and {max(prepared.values()):.1f} s before, making plain checkpoints)" if prepared else ""
     print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall{made}; wrote {out / 'suite.json'}")
     if failed:
