@@ -34,6 +34,8 @@ OPTION_VARIANTS = {
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
     "compiled": dict(compile_decode=True),  # the layers' own work torch.compile'd in decode steps
+    "topk": dict(top_k_kernel=True),  # the k best blocks by the package's sort kernel, not torch.topk
+    "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
@@ -132,6 +134,9 @@ class OasisConfig:
             in decode steps (`compute/compiled_layers.py`), the cache's update and the oasis attention left as they
             are: fewer, fused kernels per layer; compiled at the first decode steps of a process. Same tokens as
             eager within floating-point rounding. Off by default until measured on the GPU.
+        top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
+            sort (`kernels/top_k.py`) instead of `torch.topk`: the same blocks and order (ties in block order, where
+            torch leaves them unspecified). Research toggle, off until measured on the GPU.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -167,6 +172,7 @@ class OasisConfig:
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool = False
+    top_k_kernel: bool = False
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
@@ -260,6 +266,8 @@ class OasisConfig:
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.compile_decode not in (True, False):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}.")
+        if self.top_k_kernel not in (True, False):
+            raise ValueError(f"top_k_kernel must be True or False, got {self.top_k_kernel!r}.")
         if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "

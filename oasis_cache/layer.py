@@ -54,10 +54,12 @@ class OasisLayer(CacheLayerMixin):
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
         self.use_kernels = self._cache.backend_for(self.device) == "triton"
+        self.top_k_kernel = self.use_kernels and cfg.top_k_kernel
         self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
-        if self.attention_kernel and not self.use_kernels:
-            raise ValueError(f"attention_kernel=True runs a Triton kernel, but this cache runs the torch backend on "
-                             f"{self.device}: leave attention_kernel=None (or False) here.")
+        for name in ("attention_kernel", "top_k_kernel"):
+            if getattr(cfg, name) and not self.use_kernels:
+                raise ValueError(f"{name}=True runs a Triton kernel, but this cache runs the torch backend on "
+                                 f"{self.device}: leave {name} at its default here (or pass backend='triton').")
         if self.attention_kernel and cfg.draft_sees_its_blocks:
             raise ValueError(f"draft_sees_its_blocks={cfg.draft_sees_its_blocks!r} runs on the torch attention path "
                              "(the Triton decode kernel masks every row of a sequence alike): pass "
@@ -246,7 +248,7 @@ class OasisLayer(CacheLayerMixin):
             return all_blocks(view.allowed[:, :NB], H)
         ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
                             use_kernel=self.use_kernels)
-        return top_blocks(ranks, k)
+        return top_blocks(ranks, k, self.top_k_kernel)
 
     def _select_with_draft(self, query, view, k: int):
         """`_select` of the real rows (all but the last of `query`), when a draft rides along and will also choose
@@ -259,7 +261,7 @@ class OasisLayer(CacheLayerMixin):
                             use_kernel=self.use_kernels, split_last=True)  # [B, H, 2, NB]
         real, draft = ranks.unbind(2)
         self._draft_ranks = (NB, draft)
-        return top_blocks(real, k)
+        return top_blocks(real, k, self.top_k_kernel)
 
     def _attend_sparse(self, query, visible, scale):
         cache, cfg = self._cache, self.config
@@ -321,7 +323,7 @@ class OasisLayer(CacheLayerMixin):
         `values`, `mask` past `slot_tokens`): what the next step's real query would attend, given the same token.
         `[B, Hq, 1, D]`."""
         NB, ranks = self._draft_ranks
-        block_ids, kept = top_blocks(ranks, self.config.slots)  # [B, Hkv, K]
+        block_ids, kept = top_blocks(ranks, self.config.slots, self.top_k_kernel)  # [B, Hkv, K]
         B, H, K = block_ids.shape
         T, D = self.config.block_size, query.shape[-1]
         ids = block_ids.clamp(max=NB - 1)
@@ -345,7 +347,7 @@ class OasisLayer(CacheLayerMixin):
                 cfg.draft_all_layers is not None:  # ("all": the row is attended anew, or as by default past N)
             return None
         NB, ranks = self._draft_ranks
-        block_ids, _ = top_blocks(ranks, cfg.slots)
+        block_ids, _ = top_blocks(ranks, cfg.slots, self.top_k_kernel)
         B, H = block_ids.shape[:2]
         held = self.slot_map.slot_block[..., :S]
         mine = marked_blocks(block_ids, block_ids < NB, NB).gather(-1, held.clamp(0, NB - 1)) & (held >= 0)  # [B,H,S]
@@ -362,7 +364,7 @@ class OasisLayer(CacheLayerMixin):
         k = cfg.slots if cfg.exact else cfg.blocks_for_step(self.pool.num_blocks, self.recent.num_tokens + 1)
         ranked, self._draft_ranks = self._draft_ranks, None
         if ranked is not None and ranked[0] == self.pool.num_blocks:  # ranked before attention, same blocks since
-            block_ids, ranks = top_blocks(ranked[1], k)
+            block_ids, ranks = top_blocks(ranked[1], k, self.top_k_kernel)
         else:
             block_ids, ranks = self._select(query, view, k)
         max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots

@@ -86,8 +86,11 @@ def draft_part(inputs, kw) -> tuple[bool, bool]:
     half = dict(token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous", summary_channels=0.5)
     by_kernels = generate(model, OasisCache(model, backend="triton", **half), inputs, **kw)
     by_torch = generate(model, OasisCache(model, backend="torch", **half), inputs, **kw)
-    half_ok = torch.equal(by_kernels.sequences, by_torch.sequences)
-    print("half-channel summaries, kernels equal torch:", half_ok)
+    # ... and with the k best blocks taken by the package's sort kernel (`top_k_kernel`) instead of torch.topk
+    by_sort = generate(model, OasisCache(model, backend="triton", top_k_kernel=True, **half), inputs, **kw)
+    half_ok = torch.equal(by_kernels.sequences, by_torch.sequences) and torch.equal(by_sort.sequences,
+                                                                                    by_torch.sequences)
+    print("half-channel summaries, kernels (torch.topk or the sort kernel) equal torch:", half_ok)
     return ride_ok, half_ok
 
 

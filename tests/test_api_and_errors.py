@@ -29,6 +29,7 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, summary_channels=1.5), r"summary_channels must be None \(automatic\) or in"),
         (dict(token_budget=256, scorer="bound", summary_channels=0.5), "summary_channels < 1 is for scorer='bits'"),
         (dict(token_budget=256, attention_kernel="yes"), "attention_kernel must be None"),
+        (dict(token_budget=256, top_k_kernel="yes"), "top_k_kernel must be True or False"),
         (dict(token_budget=256, backend="torch", attention_kernel=True), "attention_kernel=True runs a Triton kernel"),
     ],
 )
@@ -37,12 +38,13 @@ def test_bad_options_raise_clear_errors(kwargs, message):
         OasisConfig(**kwargs)
 
 
-def test_attention_kernel_without_the_triton_backend_names_the_fix():
-    """On CPU ("auto" resolves to the torch backend) the Triton decode attention cannot run: the first forward says
-    so instead of running SDPA silently."""
+@pytest.mark.parametrize("option", ["attention_kernel", "top_k_kernel"])
+def test_a_triton_kernel_without_the_triton_backend_names_the_fix(option):
+    """On CPU ("auto" resolves to the torch backend) the Triton decode attention or top-k cannot run: the first
+    forward says so instead of running the torch path silently."""
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=128, attention_kernel=True)
-    with pytest.raises(ValueError, match="leave attention_kernel=None"):
+    cache = OasisCache(model, token_budget=128, **{option: True})
+    with pytest.raises(ValueError, match=f"leave {option} at its default"):
         generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=2)
 
 

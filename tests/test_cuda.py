@@ -290,7 +290,8 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
     assert runs[0].shape == (batch, 22) and torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES[:2], ids=lambda m: "-".join(str(v) for v in m.values()))
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES[:2] + [dict(lookahead="previous", top_k_kernel=True)],
+                         ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_captured_steps_decode_what_eager_steps_decode(mode):
     """cuda_graph=True (the default here) replays decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
@@ -298,20 +299,25 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     the slots), dense-equal they are recaptured as blocks complete (every block selected: shapes follow the count);
     a left-padded batch replays too (its steps are called without their masks and read the padding recorded at the
     prefill), sparse and dense-equal, with the same result. With eagle3 the ride-along is in the graph: the same
-    drafts (their count of right guesses) and, without `exact` (the draft's choice is attended), the same tokens."""
+    drafts (their count of right guesses) and, without `exact` (the draft's choice is attended), the same tokens.
+    With the sort kernel's top-k (`top_k_kernel`), whose size follows the summaries' capacity: compiled at the
+    capture of a grown capacity too."""
     from conftest import random_head
 
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()
     if mode["lookahead"] == "eagle3":
         mode = dict(mode, draft=random_head(model))
     kw = dict(max_new_tokens=60, do_sample=False)
-    for inputs, budget, replays in [
+    cases = [
         ({"input_ids": prompt_ids(300)}, 128, True),
         ({"input_ids": prompt_ids(300, batch=3)}, 128, True),
         ({"input_ids": prompt_ids(300)}, 1024, True),
         (left_padded([300, 240, 270]), 128, True),  # (as wide as the unpadded prompt: eagle3's steps stay eager
         (left_padded([300, 240, 270]), 1024, True),  # until the head's ring of 255 rows fills, as many as for it)
-    ]:
+    ]
+    if mode.get("top_k_kernel"):  # the ranked rows grow from 64 to 128 blocks at a captured step (CPU-checked)
+        cases.append(({"input_ids": prompt_ids(1000)}, 128, True))
+    for inputs, budget, replays in cases:
         inputs = on_cuda(inputs)
         options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)
         eager_cache = OasisCache(model, cuda_graph=False, **options)

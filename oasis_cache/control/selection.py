@@ -101,9 +101,13 @@ def _rank_blocks(query, summaries, forced, allowed, block_size: int) -> torch.Te
     return torch.where(allowed[:, None], ranked, -torch.inf)
 
 
-def top_blocks(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_blocks(ranks: torch.Tensor, k: int, use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`(block_ids, ranks)` of the k best blocks per KV head, `[B, Hkv, k]` each, best first (a fetch cap keeps
-    the first ones)."""
+    the first ones). `use_kernel`: the package's one-launch sort (`kernels/top_k.py`; ties in block order)."""
+    if use_kernel:
+        from ..kernels.top_k import top_k
+
+        return top_k(ranks, k)
     top = torch.topk(ranks, k, dim=-1, sorted=True)
     return top.indices, top.values
 
