@@ -343,6 +343,28 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
             assert steps.replays >= 40 and steps.captures >= 3, (steps.captures, steps.replays)
 
 
+def test_compiled_decode_captured_decodes_what_eager_decodes():
+    """`compile_decode=True` on CUDA, steps captured (the default here): every layer of a model deeper than dynamo's
+    recompile limit runs compiled (one set of graphs for all; thirtieth session: only 8 of 36 did) and the greedy
+    tokens equal the eager cache's, with logits within rounding, across block completions."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=10).cuda()
+    inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
+    kw = dict(max_new_tokens=40, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, **kw)
+    before = counters["stats"]["unique_graphs"]
+    cache = OasisCache(model, compile_decode=True, **options)
+    compiled = generate(model, cache, inputs, **kw)
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 9  # (a few regions for all 10 layers, not per layer)
+    assert cache.captured_steps.replays >= 30
+    assert torch.equal(eager.sequences, compiled.sequences)
+    for a, b in zip(eager.logits, compiled.logits):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+
+
 def test_captured_steps_are_the_default_where_checked():
     """cuda_graph=None (default): captured steps for a checked architecture with the Triton backend, eager steps with
     the torch backend (its staging copies cannot be recorded) — where cuda_graph=True is an error naming the fix."""
