@@ -43,7 +43,8 @@ HOST_SYNCS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", 
               "aten.is_nonzero", "aten.equal", "aten.repeat_interleave"}  # repeat_interleave: with tensor repeats
 OUR_KERNELS = (("oasis_cache.kernels.block_scores", "block_scores"), ("oasis_cache.kernels.slot_assign", "slot_assign"),
                ("oasis_cache.memory.transfer", "gather_blocks"), ("oasis_cache.memory.transfer", "store_block"),
-               ("oasis_cache.layer", "decode_attention"))
+               ("oasis_cache.layer", "decode_attention"), ("oasis_cache.kernels.recent_append", "recent_append"),
+               ("oasis_cache.kernels.top_k", "top_k"))
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,13 @@ def count_kernels_as_launches() -> None:
     """Wrap the package's Triton kernel launches in a profiler range each, so that what Triton's interpreter runs
     inside them counts as the one launch it is on a GPU."""
     import oasis_cache.kernels.block_scores as scores
+    import oasis_cache.kernels.recent_append as append
     import oasis_cache.kernels.slot_assign as assign
+    import oasis_cache.kernels.top_k as top_k
     import oasis_cache.memory.transfer as transfer
 
-    for module, name in ((scores, "block_scores"), (assign, "slot_assign"), (transfer, "gather_blocks")):
+    for module, name in ((scores, "block_scores"), (assign, "slot_assign"), (transfer, "gather_blocks"),
+                         (append, "recent_append"), (top_k, "top_k")):
         def launch(*args, _fn=getattr(module, name), _name=name, **kwargs):
             _LAUNCHED[_name] += not _IN_KERNEL[0]
             _IN_KERNEL[0] += 1

@@ -72,7 +72,7 @@ class OasisLayer(CacheLayerMixin):
                                         kept_channels=cfg.kept_channels(D))
         slots = min(cfg.slots, MIN_SLOTS)  # grown with the context (`reserve_slots`): memory follows it, not the budget
         self.working_set = WorkingSet(B, H, slots, T, recent_capacity, D, dtype, self.device)
-        self.recent = RecentTokens(self.working_set.recent_region)
+        self.recent = RecentTokens(self.working_set.recent_region, self.use_kernels)
         self.slot_map = SlotMap(B, H, slots, self.device, use_kernel=self.use_kernels)
         self.predicted = False  # the working set holds a prediction for the next decode step
         self._draft_ranks = None  # (NB, `[B, Hkv, NB]`): the draft row's ranking, scored with the real rows'
@@ -170,7 +170,7 @@ class OasisLayer(CacheLayerMixin):
         recent = self.recent.kv.index_select(1, indices.to(self.device))
         for part in (self.pool, self.summaries, self.working_set, self.slot_map):
             part.index_batch(indices)
-        self.recent = RecentTokens(self.working_set.recent_region)
+        self.recent = RecentTokens(self.working_set.recent_region, self.use_kernels)
         self.recent.prepend(recent)
         self.batch_size = int(indices.numel())
 
@@ -458,7 +458,7 @@ class OasisLayer(CacheLayerMixin):
         recent = self.recent.kv  # (a view of the old region, alive until `prepend` copies it into the new one)
         self.working_set = grown
         self.slot_map.grow_slots(grown.num_slots)
-        self.recent = RecentTokens(grown.recent_region)
+        self.recent = RecentTokens(grown.recent_region, self.use_kernels)
         self.recent.prepend(recent)
 
     def fits_budget(self, new_tokens: int) -> bool:

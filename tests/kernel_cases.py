@@ -94,7 +94,8 @@ def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
 
 
 # (B, Hkv, G, Qn, D, NB, T, dtype, scorer): G query heads per KV head, Qn query tokens, NB blocks of T tokens;
-# scorer "bits-fp8": the bits scorer with fp8 levels
+# scorer "bits-fp8": the bits scorer with fp8 levels; "bits-half": summaries on half the channels (the kernel reads
+# the query's kept channels itself)
 SCORE_CASES = [
     (1, 2, 4, 1, 64, 100, 16, torch.float32, "bound"),
     (2, 3, 1, 1, 128, 257, 16, torch.bfloat16, "bound"),
@@ -105,14 +106,18 @@ SCORE_CASES = [
     (1, 2, 3, 1, 16, 9, 4, torch.float32, "bits"),  # T < 8: one byte, half used
     (2, 3, 2, 1, 128, 70, 16, torch.bfloat16, "bits-fp8"),
     (1, 2, 4, 2, 64, 100, 16, torch.float32, "bits-fp8"),  # Qn = 2: also the split ranking
+    (2, 2, 3, 2, 64, 70, 16, torch.bfloat16, "bits-half"),
 ]
 
 
 def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
     g = torch.Generator().manual_seed(NB)
     keys = torch.randn(B, H, NB, T, D, generator=g).to(dtype)
-    summaries = BlockSummaries(B, H, D, dtype, "cpu", T, key_bits=scorer != "bound", fp8_levels=scorer == "bits-fp8")
+    summaries = BlockSummaries(B, H, D, dtype, "cpu", T, key_bits=scorer != "bound", fp8_levels=scorer == "bits-fp8",
+                               kept_channels=D // 2 if scorer == "bits-half" else None)
     summaries.append(keys)  # capacity beyond NB
+    summaries.fix_channels()  # ("bits-half": the heaviest half of the channels, as at a first decode step)
+    channels = None if summaries.channels is None else summaries.channels.to(device)
     # The forward's queries with one more token: the kernel reads the strided slice of the first Qn in place.
     queries = torch.randn(B, H * G, Qn + 1, D, generator=g).to(dtype)
     forced = torch.rand(B, NB, generator=g) < 0.1
@@ -128,13 +133,15 @@ def check_scores(B, H, G, Qn, D, NB, T, dtype, scorer, device) -> bool:
                                                                                          rtol=1e-4)
 
     for per_program in (64, 16, 32):
-        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, per_program, scales=scales).cpu()
+        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, per_program, scales=scales,
+                           channels=channels).cpu()
         if not same(got, expected):
             return False
     if Qn >= 2:  # the last token ranked apart from the others (a riding draft), from the same pass
         split = torch.stack([rank_blocks(part.float(), summaries, forced, allowed, T)
                              for part in (queries[:, :, : Qn - 1], queries[:, :, Qn - 1 : Qn])], dim=2)
-        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, scales=scales, split_last=True).cpu()
+        got = block_scores(query, levels, NB, forced_d, allowed_d, codes, T, scales=scales, split_last=True,
+                           channels=channels).cpu()
         if got.shape != (B, H, 2, NB) or not same(got, split):
             return False
     return True
@@ -207,7 +214,7 @@ def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
 
 # (B, Hkv, W, k, split): rows of W ranks, the k best; split: one half of a `[B, Hkv, 2, W]` ranking (strided rows)
 TOP_K_CASES = [(1, 8, 2048, 128, False), (2, 2, 37, 5, True), (1, 1, 16, 16, False), (3, 4, 300, 64, True),
-               (1, 2, 1000, 1, False), (1, 2, 8192, 512, True), (1, 1, 600, 40, True)]
+               (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True)]
 TOP_K_INTERPRETED = [c for c in TOP_K_CASES if c[0] * c[1] * c[2] <= 1200]  # (interpreted: ~2.5 s a 2048 row)
 
 
@@ -228,6 +235,34 @@ def check_top_k(B, H, W, k, split, device) -> bool:
     return torch.equal(ids.cpu(), order[..., :k]) and torch.equal(values.cpu(), expected[..., :k])
 
 
+# (B, Hkv, q, D, R, steps, key dtype, region dtype): q new tokens a step into a region of R (a strided view)
+APPEND_CASES = [(1, 8, 1, 128, 40, 5, torch.bfloat16, torch.bfloat16),
+                (3, 8, 3, 64, 20, 4, torch.bfloat16, torch.bfloat16),
+                (2, 2, 2, 80, 9, 3, torch.float32, torch.float32),  # (the second: 72 rows, two programs)
+                (1, 2, 1, 64, 8, 3, torch.float32, torch.bfloat16)]  # (another dtype: torch's cast, not the kernel)
+
+
+def check_append(B, H, q, D, R, steps, key_dtype, dtype, device) -> bool:
+    """A decode step's append in one launch against `RecentTokens.append`'s operators: the same region and count
+    after every step (the kernel's programs advance the count once, after all have read it)."""
+    from oasis_cache.pools.recent import RecentTokens
+
+    g = torch.Generator().manual_seed(B * 100 + q)
+    base = torch.zeros(2, B, H, R + 6, D, dtype=dtype)  # the region is a view, as in the working set
+    ref = RecentTokens(base[:, :, :, 6:].clone())
+    kernel_base = base.to(device)
+    ker = RecentTokens(kernel_base[:, :, :, 6:], use_kernel=True)
+    for _ in range(steps):
+        keys = torch.randn(B, H, q + 1, D, generator=g).to(key_dtype)[:, :, 1:]  # (strided, as a forward's are)
+        values = torch.randn(B, H, q, D, generator=g).to(key_dtype)
+        ref.append(keys, values)
+        ker.append(keys.to(device), values.to(device))
+        if not (torch.equal(ref.region, ker.region.cpu()) and torch.equal(ref.count, ker.count.cpu())
+                and ker.num_tokens == ref.num_tokens and int(ker._tickets.cpu()) == 0):
+            return False
+    return torch.equal(kernel_base[:, :, :, :6].cpu(), base[:, :, :, :6])  # nothing written before the region
+
+
 if __name__ == "__main__":
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     ok = True
@@ -237,6 +272,7 @@ if __name__ == "__main__":
                                ("store", CASES, check_store),
                                ("scores", SCORE_CASES, check_scores),
                                ("assign", ASSIGN_CASES, check_assign),
+                               ("append", APPEND_CASES, check_append),
                                ("top-k", TOP_K_INTERPRETED if device.type == "cpu" else TOP_K_CASES, check_top_k),
                                ("decode", DECODE_CASES, check_decode)):
         for case in cases:

@@ -14,8 +14,9 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import (ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, TOP_K_CASES, TOP_K_INTERPRETED, check_assign,
-                          check_case, check_decode, check_scores, check_store, check_top_k, check_unit_gather)
+from kernel_cases import (APPEND_CASES, ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, TOP_K_CASES, TOP_K_INTERPRETED,
+                          check_append, check_assign, check_case, check_decode, check_scores, check_store, check_top_k,
+                          check_unit_gather)
 
 HERE = Path(__file__).parent
 
@@ -26,7 +27,7 @@ def test_kernels_in_triton_interpreter():
     run = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    checks = (2 * len(CASES) + 1 + len(CASES[1:]) + len(SCORE_CASES) + len(ASSIGN_CASES)
+    checks = (2 * len(CASES) + 1 + len(CASES[1:]) + len(SCORE_CASES) + len(ASSIGN_CASES) + len(APPEND_CASES)
               + len(TOP_K_INTERPRETED) + len(DECODE_CASES))
     assert run.stdout.count("OK") == checks, run.stdout
 
@@ -73,6 +74,13 @@ def test_block_scores_kernel_on_cuda(case):
 @pytest.mark.parametrize("case", ASSIGN_CASES, ids=str)
 def test_slot_assign_kernel_on_cuda(case):
     assert check_assign(*case, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
+def test_recent_append_kernel_on_cuda(case):
+    assert check_append(*case, device=torch.device("cuda"))
 
 
 @pytest.mark.gpu

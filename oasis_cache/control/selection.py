@@ -74,12 +74,12 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         split_last: rank the last query token apart (a riding draft): `[B, Hkv, 2, NB]`, 0 = the first Qn - 1
             tokens, 1 = the last one. The kernel reads the summaries once for both.
     """
-    query = summaries.query_channels(query)  # [B, Hq, Qn, D']: the channels the summaries cover
-    if use_kernel:
+    if use_kernel:  # (the kernel reads the summaries' channels of the query itself)
         from ..kernels.block_scores import block_scores
 
         return block_scores(query, summaries.levels, allowed.shape[-1], forced, allowed, summaries.codes, block_size,
-                            scales=summaries.scales, split_last=split_last)
+                            scales=summaries.scales, split_last=split_last, channels=summaries.channels)
+    query = summaries.query_channels(query)  # [B, Hq, Qn, D']: the channels the summaries cover
     if split_last:
         return torch.stack([_rank_blocks(part, summaries, forced, allowed, block_size)
                             for part in (query[:, :, :-1], query[:, :, -1:])], dim=2)

@@ -11,6 +11,8 @@ Shapes and strides (contiguous unless said; element type E = keys' dtype, scores
     levels       `[2, BH, NBcap, D]`           bound: 0 = kmin, 1 = kmax; bits: the two levels; blocks [0, NB) used
     codes        `[BH, NBcap, ceil(T/8), D]`   uint8, bits scorer only (bit t % 8 of byte t // 8: token t)
     scales       `[BH, NBcap]` fp32            fp8 levels only: level = fp8 value * scale (a power of two)
+    channels     `[BH, D']` int64              summaries on D' of the query's channels only: the query's channels
+                                               read (the gather `BlockSummaries.query_channels` would launch)
     forced       `[B, NB]` int8                allowed `[B, NB]` int8
     scores (out) `[BH, NB]` fp32, or `[BH, 2, NB]` with `split_last`: 0 = the rows of tokens [0, Qn - 1) (the real
                  tokens beside a riding draft), 1 = the rows of token Qn - 1 (the draft) — two rankings from one
@@ -50,6 +52,7 @@ if triton is not None:
         levels,
         codes,
         scales,
+        channels,
         forced,
         allowed,
         scores,
@@ -71,6 +74,7 @@ if triton is not None:
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
         SCALED: tl.constexpr,  # fp8 levels with a scale per block
         SPLIT_LAST: tl.constexpr,  # two outputs: the rows of tokens [0, QN - 1), and those of token QN - 1
+        GATHER: tl.constexpr,  # the query's channels read through `channels` (summaries on D' channels)
     ):
         bh = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
@@ -82,8 +86,12 @@ if triton is not None:
         in_blocks = blocks < NB
         q_mask = (rows[:, None] < R) & (dims[None, :] < D)
         heads = (bh % H) * G + rows // QN
+        if GATHER:
+            read = tl.load(channels + bh * D + dims, mask=dims < D, other=0)
+        else:
+            read = dims
         q = tl.load(query + b * stride_b + heads[:, None] * stride_h + (rows % QN)[:, None] * stride_q
-                    + dims[None, :] * stride_d, mask=q_mask, other=0.0).to(tl.float32)
+                    + read[None, :] * stride_d, mask=q_mask, other=0.0).to(tl.float32)
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
         low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
@@ -124,14 +132,18 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
                  blocks_per_program: int = 64, num_warps: int = 4,
-                 scales: torch.Tensor | None = None, split_last: bool = False) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, split_last: bool = False,
+                 channels: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`,
     `forced`/`allowed` `[B, NB]` bool, `codes` `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound
     scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8 levels, else None -> `[B, Hkv, NB]` fp32 ranked scores (+inf
     forced, -inf not allowed); with `split_last` (Qn >= 2) `[B, Hkv, 2, NB]`: the first Qn - 1 tokens' ranking, then
-    the last token's. `blocks_per_program` (a power of two >= 16) and `num_warps` are tuning knobs
-    (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
+    the last token's. `channels` `[B, Hkv, D']` int64: the summaries cover these channels of the query only (the
+    query passed whole, its channels read in the kernel). `blocks_per_program` (a power of two >= 16) and
+    `num_warps` are tuning knobs (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
     B, Hq, Qn, D = query.shape
+    if channels is not None:
+        D = channels.shape[-1]  # D': the channels the summaries (levels, codes) hold
     H, NBcap = levels.shape[2], levels.shape[3]
     R = Hq // H * Qn
     if split_last and Qn < 2:
@@ -143,12 +155,13 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     rows = triton.next_power_of_2(R)
     _block_scores_kernel[grid](
-        query, levels, codes if bits else levels, scales if scales is not None else scores, _as_int8(forced),
+        query, levels, codes if bits else levels, scales if scales is not None else scores,
+        channels.contiguous() if channels is not None else levels, _as_int8(forced),
         _as_int8(allowed), scores,
         H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
         R_POW2=max(16, rows),  # tensor-core products need 16 rows
         D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
-        SCALED=scales is not None, SPLIT_LAST=split_last, num_warps=num_warps,
+        SCALED=scales is not None, SPLIT_LAST=split_last, GATHER=channels is not None, num_warps=num_warps,
     )
     return scores

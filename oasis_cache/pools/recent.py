@@ -13,10 +13,12 @@ import torch
 
 
 class RecentTokens:
-    def __init__(self, region: torch.Tensor):
+    def __init__(self, region: torch.Tensor, use_kernel: bool = False):
         self.region = region  # [2, B, Hkv, R, D], a view into the working set
         self.num_tokens = 0
         self.count = torch.zeros(1, dtype=torch.long, device=region.device)  # num_tokens, on the device
+        self.use_kernel = use_kernel  # a decode step's append in one launch (`kernels/recent_append.py`)
+        self._tickets = torch.zeros(1, dtype=torch.int32, device=region.device)  # (the kernel's, 0 between launches)
         self._offsets = torch.arange(region.shape[3], device=region.device)  # [R]
         self._overflow: torch.Tensor | None = None  # [2, B, Hkv, n, D] when n > R
 
@@ -37,7 +39,12 @@ class RecentTokens:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """`key_states`, `value_states`: `[B, Hkv, q, D]`."""
         n, q = self.num_tokens, key_states.shape[2]
-        if self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
+        if self._overflow is None and n + q <= self.capacity and self.use_kernel and \
+                key_states.dtype == value_states.dtype == self.region.dtype:
+            from ..kernels.recent_append import recent_append
+
+            recent_append(key_states, value_states, self.region, self.count, self._tickets)
+        elif self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
             where = self._offsets[:q] + self.count  # [q]
             self.region[0].index_copy_(2, where, key_states.to(self.region.dtype))  # (as a slice write would cast)
             self.region[1].index_copy_(2, where, value_states.to(self.region.dtype))
