@@ -291,7 +291,9 @@ class OasisLayer(CacheLayerMixin):
                 self._measure_recall(real, view)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
-        ws.set_recent_visible(cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device))
+        recent_visible = cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
+        if not self.attention_kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
+            ws.set_recent_visible(recent_visible)
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
             batch = torch.arange(B, device=held.device)[:, None, None]
@@ -305,7 +307,8 @@ class OasisLayer(CacheLayerMixin):
                                                 predicted=getattr(self, "last_prediction", None)))
         keys, values, mask = ws.attendable()
         if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
-            out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale)
+            out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
+                                   recent_visible=recent_visible)
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)

@@ -176,6 +176,19 @@ def check_decode(B, H, G, Qn, D, slot_tokens, R, count, dtype, splits, device) -
     if got.shape != expected.shape or not got.transpose(1, 2).is_contiguous() or got.dtype != dtype:
         return False
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    if not torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance):
+        return False
+    # The recent region's mask apart (what a layer passes: one per forward, per sequence, or one for the whole batch
+    # as here with B > 1 and Qn != 2): `visible`'s own recent part is not read (inverted here).
+    recent = visible[:, :1, slot_tokens:].clone()
+    if B > 1 and Qn != 2:
+        recent = recent[:1]
+    apart = visible.clone()
+    apart[:, :, slot_tokens:] = recent
+    expected = sparse_attention(query.float(), kv[0].float(), kv[1].float(), apart, D ** -0.5, bias)
+    apart[:, :, slot_tokens:] = ~recent
+    got = decode_attention(query.to(device), kv[0].to(device), kv[1].to(device), apart.to(device),
+                           counter.to(device), slot_tokens, D ** -0.5, splits, recent_visible=recent.to(device))
     return torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance)
 
 

@@ -10,6 +10,9 @@ Shapes and strides:
                    `[B, Qn, Hq, D]`); query head h*G + g uses KV head h
     keys, values   `[B, Hkv, L, D]`, D contiguous (the working set's two halves)
     visible        `[B, Hkv, L]` bool, L contiguous
+    recent_visible optional `[B or 1, 1, L - slot_tokens]` bool, contiguous: the recent region's mask, the same for
+                   every KV head (and sequence, with a first dim of 1), read in place of `visible`'s recent part (which
+                   is then not read: no per-layer copy of a per-forward mask)
     output         `[B, Qn, Hq, D]` contiguous in the query's dtype, returned as its `[B, Hq, Qn, D]` view (what the
                    attention function transposes back without a copy)
 Program (bh, split) of the first kernel: the G*Qn rows of one KV head over keys [split*P, (split+1)*P), an online
@@ -33,14 +36,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        query, keys, values, visible, count, part_acc, part_stats,
+        query, keys, values, visible, recent_visible, count, part_acc, part_stats,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kl,
         stride_vb, stride_vh, stride_vl,
-        stride_sb, stride_sh,
+        stride_sb, stride_sh, stride_rb,
         H, L, D, slot_tokens, scale, keys_per_split, splits,
         G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr, BLOCK: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, RECENT_APART: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -61,7 +64,13 @@ if triton is not None:
         for first in range(start, stop, BLOCK):
             n = first + tl.arange(0, BLOCK)
             n_ok = n < stop
-            seen_key = (tl.load(visible + b * stride_sb + h * stride_sh + n, mask=n_ok, other=0) != 0) & n_ok
+            if RECENT_APART:  # the slots' mask per KV head, the recent region's per sequence (or batch)
+                in_slots = n < slot_tokens
+                seen_key = ((tl.load(visible + b * stride_sb + h * stride_sh + n, mask=n_ok & in_slots, other=0) != 0)
+                            | (tl.load(recent_visible + b * stride_rb + (n - slot_tokens), mask=n_ok & ~in_slots,
+                                       other=0) != 0)) & n_ok
+            else:
+                seen_key = (tl.load(visible + b * stride_sb + h * stride_sh + n, mask=n_ok, other=0) != 0) & n_ok
             kv_mask = seen_key[:, None] & (dims[None, :] < D)
             k = tl.load(keys + b * stride_kb + h * stride_kh + n[:, None] * stride_kl + dims[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
@@ -119,10 +128,12 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                     count: torch.Tensor, slot_tokens: int, scale: float, splits: int | None = None) -> torch.Tensor:
+                     count: torch.Tensor, slot_tokens: int, scale: float, splits: int | None = None,
+                     recent_visible: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]`, `keys`/`values` `[B, Hkv, L, D]`, `visible` `[B, Hkv, L]` bool, `count` `[1]` int64
     (the recent tokens, the new ones included) -> `[B, Hq, Qn, D]` (a view of a contiguous `[B, Qn, Hq, D]`).
-    `splits`: key ranges per KV head (None: about two programs per SM, at least two tiles of keys each)."""
+    `splits`: key ranges per KV head (None: about two programs per SM, at least two tiles of keys each).
+    `recent_visible` `[B or 1, 1, L - slot_tokens]` bool: the recent region's mask, read instead of `visible`'s."""
     B, Hq, Qn, D = query.shape
     H, L = keys.shape[1], keys.shape[2]
     G = Hq // H
@@ -131,6 +142,11 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
             raise ValueError(f"decode_attention needs the last dimension of {name} contiguous")
     if visible.dtype != torch.bool or visible.stride(-1) != 1 or visible.stride(1) != L:
         raise ValueError("decode_attention needs `visible` as a bool [B, Hkv, L] with L contiguous rows")
+    apart = recent_visible is not None
+    if apart and (recent_visible.dtype != torch.bool or not recent_visible.is_contiguous()
+                  or recent_visible.shape[0] not in (1, B) or recent_visible.shape[-1] != L - slot_tokens):
+        raise ValueError(f"decode_attention needs `recent_visible` as a contiguous bool [B or 1, 1, "
+                         f"{L - slot_tokens}], got {tuple(recent_visible.shape)} {recent_visible.dtype}")
     if splits is None:
         splits = max(1, min(triton.cdiv(L, 2 * BLOCK_N), _programs_wanted(query.device) // (B * H)))
     keys_per_split = BLOCK_N * triton.cdiv(triton.cdiv(L, splits), BLOCK_N)
@@ -141,13 +157,15 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     part_stats = torch.empty((B * H, splits, 2, ROWS), dtype=torch.float32, device=query.device)
     ieee = torch.float32 in (query.dtype, keys.dtype)  # TF32 products are exact for bf16 / fp16 inputs only
     _split_kernel[(B * H, splits)](
-        query, keys, values, visible.view(torch.int8), count, part_acc, part_stats,
+        query, keys, values, visible.view(torch.int8),
+        recent_visible.view(torch.int8) if apart else visible.view(torch.int8), count, part_acc, part_stats,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         visible.stride(0), visible.stride(1),
+        recent_visible.stride(0) if apart and recent_visible.shape[0] > 1 else 0,
         H, L, D, slot_tokens, scale, keys_per_split, splits,
-        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee,
+        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee, RECENT_APART=apart,
     )
     out = torch.empty((B, Qn, Hq, D), dtype=query.dtype, device=query.device)
     _combine_kernel[(B * H,)](part_acc, part_stats, out, H, D, splits, G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2)
