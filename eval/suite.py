@@ -228,6 +228,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prepared = prepare(args.models)
+    prepare_seconds = max(prepared.values(), default=0.0)  # (at once: the longest)
     if prepared:
         print("plain checkpoints made (once per machine): " + ", ".join(f"{m} {s:.1f} s" for m, s in prepared.items()),
               flush=True)
@@ -238,7 +239,7 @@ def main(argv=None):
     meta = dict(command="python " + " ".join(sys.argv if argv is None else ["eval/suite.py", *argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU",
-                seconds=seconds, prepare_seconds=max(prepared.values(), default=0.0), parallel=parallel,
+                seconds=seconds, prepare_seconds=prepare_seconds, parallel=parallel,
                 processes=len(jobs), failed=failed)
     for job in jobs:
         job["command"] = " ".join(job["command"][1:])
@@ -257,7 +258,7 @@ def main(argv=None):
                                         - phases.get("plot", 0.0))
             print(f"{job['name'][:60]:60} {job['seconds']:7.1f}  "
                   + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-    made = f" (and {max(prepared.values()):.1f} s before, making plain checkpoints)" if prepared else ""
+    made = f" (and {prepare_seconds:.1f} s before, making plain checkpoints)" if prepared else ""
     print(f"\nsuite: {len(jobs)} processes, {parallel} at once, {seconds:.1f} s wall{made}; wrote {out / 'suite.json'}")
     if failed:
         raise SystemExit(f"{len(failed)} process(es) failed: {', '.join(failed)} (their logs are in {out})")

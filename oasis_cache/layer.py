@@ -53,9 +53,7 @@ class OasisLayer(CacheLayerMixin):
             raise NotImplementedError("OasisCache needs keys and values of the same head dimension.")
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
-        self.use_kernels = self._cache.backend_for(self.device) == "triton"
-        self.top_k_kernel = self.use_kernels and cfg.top_k_kernel
-        self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
+        self.choose_kernels()
         for name in ("attention_kernel", "top_k_kernel"):
             if getattr(cfg, name) and not self.use_kernels:
                 raise ValueError(f"{name}=True runs a Triton kernel, but this cache runs the torch backend on "
@@ -77,6 +75,17 @@ class OasisLayer(CacheLayerMixin):
         self.predicted = False  # the working set holds a prediction for the next decode step
         self._draft_ranks = None  # (NB, `[B, Hkv, NB]`): the draft row's ranking, scored with the real rows'
         self.is_initialized = True
+
+    def choose_kernels(self) -> None:
+        """Which Triton kernels this layer runs: its cache's backend on its device decides, with the config's
+        toggles; the slot map and recent tokens, when made already (a cache admitted on another device), follow."""
+        cfg = self.config
+        self.use_kernels = self._cache.backend_for(self.device) == "triton"
+        self.top_k_kernel = self.use_kernels and cfg.top_k_kernel
+        self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
+        for part in ("slot_map", "recent"):
+            if part in self.__dict__:
+                self.__dict__[part].use_kernel = self.use_kernels
 
     def reset(self) -> None:
         """Forget everything (memory is released); the layer initializes again on its next update."""

@@ -29,6 +29,12 @@ def file_lock(path: Path):
         os.close(fd)  # (closing releases the lock)
 
 
+def has_plain_copy(saved: Path | None) -> bool:
+    """Whether `saved` holds a plain checkpoint left by an earlier load (which then takes seconds, not the GGUF's
+    dequantization)."""
+    return saved is not None and (saved / "config.json").is_file()
+
+
 def load_plain_or_dequantize(saved: Path | None, gguf_path: Callable[[], Path], device: str, dtype, what: str,
                              install_hint: str):
     """`(model, tokenizer)` in eval mode on `device` in `dtype` (fp32 if None).
@@ -48,7 +54,7 @@ def _load(saved, gguf_path, device, dtype, what, install_hint):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if saved is not None and (saved / "config.json").is_file():
+    if has_plain_copy(saved):
         return (AutoModelForCausalLM.from_pretrained(saved, dtype=dtype).to(device).eval(),
                 AutoTokenizer.from_pretrained(saved))
     if importlib.util.find_spec("gguf") is None:

@@ -87,11 +87,15 @@ def _joined(target: Path) -> Path:
     return target
 
 
+def plain_copy_dir(cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR) -> Path | None:
+    """Where the plain fp32 checkpoint of `cache_dir` lives (None: no cache, nothing kept)."""
+    return Path(cache_dir) / "plain" if cache_dir is not None else None
+
+
 def load_qwen25_coder_05b(device: str = "cpu", dtype=None, cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR):
     """`(model, tokenizer)` of Qwen2.5-Coder-0.5B-Instruct in eval mode on `device` (fp32 unless `dtype` is given).
     The first call dequantizes the GGUF and saves a plain fp32 checkpoint under `cache_dir/plain` (None: always
     dequantize)."""
-    saved = Path(cache_dir) / "plain" if cache_dir is not None else None
-    return load_plain_or_dequantize(saved, lambda: qwen25_coder_gguf_path(cache_dir if cache_dir is not None
+    return load_plain_or_dequantize(plain_copy_dir(cache_dir), lambda: qwen25_coder_gguf_path(cache_dir if cache_dir is not None
                                                                           else DEFAULT_CACHE_DIR),
                                     device, dtype, "Qwen2.5-Coder", INSTALL_HINT)

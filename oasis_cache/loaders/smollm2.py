@@ -36,10 +36,14 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def plain_copy_dir(cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR) -> Path | None:
+    """Where the plain fp32 checkpoint of `cache_dir` lives (None: no cache, nothing kept)."""
+    return Path(cache_dir) if cache_dir is not None else None
+
+
 def load_smollm2(device: str = "cpu", dtype=None, cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR):
     """`(model, tokenizer)` of SmolLM2-135M-Instruct, in eval mode on `device` (fp32 unless `dtype` is given).
 
     `cache_dir=None` skips the fp32 copy (always dequantizes the GGUF).
     """
-    saved = Path(cache_dir) if cache_dir is not None else None
-    return load_plain_or_dequantize(saved, smollm2_gguf_path, device, dtype, "SmolLM2", INSTALL_HINT)
+    return load_plain_or_dequantize(plain_copy_dir(cache_dir), smollm2_gguf_path, device, dtype, "SmolLM2", INSTALL_HINT)

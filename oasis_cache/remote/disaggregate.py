@@ -265,12 +265,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
             raise ValueError(f"layer {idx} of the admission record is a full-attention layer; not in this model.")
         layer.__dict__.update(saved["layer"])
         layer.device = device
-        layer.use_kernels = cache.backend_for(device) == "triton"  # this side's device decides
-        layer.top_k_kernel = layer.use_kernels and cache.config.top_k_kernel
-        layer.recent.use_kernel = layer.use_kernels
-        layer.attention_kernel = layer.use_kernels if cache.config.attention_kernel is None \
-            else cache.config.attention_kernel
-        layer.slot_map.use_kernel = layer.use_kernels
+        layer.choose_kernels()  # this side's device decides
         meta = dict(saved["pool"])
         published = meta.pop("num_blocks")
         meta["chunk_blocks"] = min(meta["chunk_blocks"], DECODE_CHUNK_BLOCKS)
