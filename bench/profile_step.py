@@ -27,7 +27,7 @@ KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
     ("host->device gather", ("_gather_blocks", "memcpy", "Memcpy")),
     ("matmuls (weights)", ("nvjet", "gemm", "Gemm", "cublas", "cutlass", "splitKreduce", "sm90_xmma")),
     ("attention", ("flash", "fmha", "sdpa", "_split_kernel", "_combine_kernel", "attention")),
-    ("block selection", ("_block_scores", "topk", "TopK", "radixSort", "sort", "_slot_assign", "_bits")),
+    ("block selection", ("_block_scores", "topk", "_top_k", "TopK", "radixSort", "sort", "_slot_assign", "_bits")),
 )
 
 

@@ -34,8 +34,10 @@ OPTION_VARIANTS = {
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
     "compiled": dict(compile_decode=True),  # the layers' own work torch.compile'd in decode steps
-    "topk": dict(top_k_kernel=True),  # the k best blocks by the package's sort kernel, not torch.topk
+    "topk": dict(top_k_kernel=True),  # the k best blocks by the package's select kernel (the default on Triton)
+    "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
+    "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
@@ -135,8 +137,12 @@ class OasisConfig:
             are: fewer, fused kernels per layer; compiled at the first decode steps of a process. Same tokens as
             eager within floating-point rounding. Off by default until measured on the GPU.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
-            sort (`kernels/top_k.py`) instead of `torch.topk`: the same blocks and order (ties in block order, where
-            torch leaves them unspecified). Research toggle, off until measured on the GPU.
+            threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
+            blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
+            than best first. None (default): the kernel wherever the Triton backend runs, unless `fetch_ratio` is set
+            (its cap keeps the best first: `torch.topk`). True: the kernel (an error beside `fetch_ratio`). False:
+            `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
+            session).
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -172,7 +178,7 @@ class OasisConfig:
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool = False
-    top_k_kernel: bool = False
+    top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
@@ -266,8 +272,11 @@ class OasisConfig:
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.compile_decode not in (True, False):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}.")
-        if self.top_k_kernel not in (True, False):
-            raise ValueError(f"top_k_kernel must be True or False, got {self.top_k_kernel!r}.")
+        if self.top_k_kernel not in (None, True, False):
+            raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
+        if self.top_k_kernel and self.fetch_ratio is not None:
+            raise ValueError("top_k_kernel=True lists the chosen blocks in block order, but fetch_ratio's cap keeps "
+                             "the best ones first: pass one of top_k_kernel=True and fetch_ratio, not both.")
         if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "

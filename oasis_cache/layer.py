@@ -81,7 +81,8 @@ class OasisLayer(CacheLayerMixin):
         toggles; the slot map and recent tokens, when made already (a cache admitted on another device), follow."""
         cfg = self.config
         self.use_kernels = self._cache.backend_for(self.device) == "triton"
-        self.top_k_kernel = self.use_kernels and cfg.top_k_kernel
+        self.top_k_kernel = self.use_kernels and (cfg.fetch_ratio is None if cfg.top_k_kernel is None else
+                                                  cfg.top_k_kernel)
         self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
         for part in ("slot_map", "recent"):
             if part in self.__dict__:

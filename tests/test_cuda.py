@@ -300,7 +300,7 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     a left-padded batch replays too (its steps are called without their masks and read the padding recorded at the
     prefill), sparse and dense-equal, with the same result. With eagle3 the ride-along is in the graph: the same
     drafts (their count of right guesses) and, without `exact` (the draft's choice is attended), the same tokens.
-    With the sort kernel's top-k (`top_k_kernel`), whose size follows the summaries' capacity: compiled at the
+    With the select kernel's top-k (`top_k_kernel`), whose size follows the summaries' capacity: compiled at the
     capture of a grown capacity too."""
     from conftest import random_head
 

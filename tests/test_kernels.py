@@ -14,7 +14,7 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import (APPEND_CASES, ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, TOP_K_CASES, TOP_K_INTERPRETED,
+from kernel_cases import (APPEND_CASES, ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, TOP_K_CASES,
                           check_append, check_assign, check_case, check_decode, check_scores, check_store, check_top_k,
                           check_unit_gather)
 
@@ -28,7 +28,7 @@ def test_kernels_in_triton_interpreter():
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     checks = (2 * len(CASES) + 1 + len(CASES[1:]) + len(SCORE_CASES) + len(ASSIGN_CASES) + len(APPEND_CASES)
-              + len(TOP_K_INTERPRETED) + len(DECODE_CASES))
+              + len(TOP_K_CASES) + len(DECODE_CASES))
     assert run.stdout.count("OK") == checks, run.stdout
 
 

@@ -103,7 +103,8 @@ def _rank_blocks(query, summaries, forced, allowed, block_size: int) -> torch.Te
 
 def top_blocks(ranks: torch.Tensor, k: int, use_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`(block_ids, ranks)` of the k best blocks per KV head, `[B, Hkv, k]` each, best first (a fetch cap keeps
-    the first ones). `use_kernel`: the package's one-launch sort (`kernels/top_k.py`; ties in block order)."""
+    the first ones). `use_kernel`: the package's one-launch select (`kernels/top_k.py`; ties: the lower block ids),
+    listed in block order instead (`OasisConfig` refuses it beside a fetch cap)."""
     if use_kernel:
         from ..kernels.top_k import top_k
 
