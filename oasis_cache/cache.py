@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import compat
+from .compute import compiled_ops
 from .compute.attention import clear_pending, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
@@ -127,6 +128,7 @@ class OasisCache(Cache):
         self._model = weakref.ref(model)
         self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
         self._first_oasis_layer = oasis_layers[0]
+        self.all_oasis_layers = len(oasis_layers) == len(layers)  # (compiled decode steps: `compute/compiled_ops.py`)
         self.measure = measure
         self._streams: PrefetchStreams | None = None
         self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
@@ -163,8 +165,14 @@ class OasisCache(Cache):
             CompiledDecode.install(model, attention_modules.values())  # decode-sized calls of the layers compiled
 
     # ----------------------------------------------------------------------------------------------- forwarding
-    @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if torch.compiler.is_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
+            return compiled_ops.traced_update(key_states, value_states, layer_idx)
+        return self.eager_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
+    def eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step)."""
         layer = self.layers[layer_idx]
         if layer_idx == 0 or isinstance(layer, OasisLayer):
             self._check_attention(layer_idx)  # before anything of this forward is written

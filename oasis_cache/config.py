@@ -133,9 +133,10 @@ class OasisConfig:
             checks captured (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a model on
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
         compile_decode: run each decoder layer's own work (norms, rotary, activations, residuals) `torch.compile`d
-            in decode steps (`compute/compiled_layers.py`), the cache's update and the oasis attention left as they
-            are: fewer, fused kernels per layer; compiled at the first decode steps of a process. Same tokens as
-            eager within floating-point rounding. Off by default until measured on the GPU.
+            in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
+            ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
+            decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
+            `generate` of a process is 2.7x a later one on the H200 (docs/perf.md, thirty-first session).
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather

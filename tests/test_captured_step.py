@@ -328,22 +328,36 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
 def test_compiled_decode_compiles_once_for_all_layers():
     """The decoder layers share their forward's code: a model deeper than dynamo's recompile limit (8) compiles the
     same graphs as a two-layer one, so no layer past the limit runs eager, unseen (the H200 profile of the thirtieth
-    session: 8 of 36 layers compiled), and the first step compiles once, not once per layer."""
+    session: 8 of 36 layers compiled), and the first step compiles once, not once per layer. Where every layer is
+    an oasis layer, the cache's update and the attention are custom ops (`compute/compiled_ops.py`): a layer is one
+    graph, without a graph break; a model with sliding-window layers keeps the breaks and decodes the same too."""
     from torch._dynamo.utils import counters
 
     from conftest import generate
 
     graphs = []
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
     for layers in (2, 10):
         torch._dynamo.reset()
         model = tiny_model("qwen3", num_hidden_layers=layers)
-        before = counters["stats"]["unique_graphs"]
-        options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+        before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         got = generate(model, OasisCache(model, compile_decode=True, **options), {"input_ids": prompt_ids(300)},
                        max_new_tokens=6, do_sample=False)
         graphs.append(counters["stats"]["unique_graphs"] - before)
+        assert sum(counters["graph_break"].values()) == breaks  # one graph a layer: no break at the cache's calls
         expected = generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
                             do_sample=False)
         assert torch.equal(got.sequences, expected.sequences)
-    assert graphs[0] > 0 and graphs[1] == graphs[0], graphs
+    assert 0 < graphs[0] <= 2 and graphs[1] == graphs[0], graphs  # (2: a torch without `dynamic_sources`)
     assert not torch._dynamo.config.allow_unspec_int_on_nn_module  # patched around the layers' calls only
+    assert torch.compiler.config.dynamic_sources == ""  # (likewise)
+    torch._dynamo.reset()
+    hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
+                        use_sliding_window=True)
+    breaks = sum(counters["graph_break"].values())
+    got = generate(hybrid, OasisCache(hybrid, compile_decode=True, **options), {"input_ids": prompt_ids(300)},
+                   max_new_tokens=6, do_sample=False)
+    assert sum(counters["graph_break"].values()) > breaks  # (the update and the attention run outside the graphs)
+    expected = generate(hybrid, OasisCache(hybrid, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
+                        do_sample=False)
+    assert torch.equal(got.sequences, expected.sequences)

@@ -19,6 +19,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..compat import causal_mask_function, sdpa_mask
+from . import compiled_ops
 from .dense import dense_causal_attention
 
 _handoff = threading.local()
@@ -81,7 +82,6 @@ def _all_true_on_cpu(visible: torch.Tensor) -> bool:
     return visible.device.type == "cpu" and bool(visible.all())
 
 
-@torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
 def oasis_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -94,11 +94,15 @@ def oasis_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention interface "oasis". Shapes: query `[B, Hq, Qn, D]`, key/value `[B, Hkv, Qn(+past), D]`;
     returns `[B, Qn, Hq, D]` like every transformers attention function."""
-    layer = peek_pending()
-    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
-        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    clear_pending()
-    layer.check_module(module)
+    if torch.compiler.is_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
+        _check_call(module, attention_mask, dropout, kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return compiled_ops.traced_attention(module, query, key, value, attention_mask, scale)
+    return oasis_attention_eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _check_call(module, attention_mask, dropout, kwargs) -> None:
+    """What the oasis attention refuses, named (before anything is read)."""
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(
@@ -108,9 +112,22 @@ def oasis_attention_forward(
         raise ValueError("OasisCache is an inference cache: call model.eval() (attention dropout is active).")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(
-            f"OasisCache got a {attention_mask.dim()}D attention mask for full-attention layer {layer.layer_idx}; it "
-            "supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as [batch, tokens]."
+            f"OasisCache got a {attention_mask.dim()}D attention mask for full-attention layer {module.layer_idx}; "
+            "it supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as "
+            "[batch, tokens]."
         )
+
+
+@torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
+def oasis_attention_eager(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """`oasis_attention_forward` run as it is (also inside the `oasis::attend` op of a compiled decode step)."""
+    layer = peek_pending()
+    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
+        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    clear_pending()
+    layer.check_module(module)
+    _check_call(module, attention_mask, dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         out = layer.attend(query, attention_mask, scale)

@@ -7,15 +7,22 @@ A decode step of a 36-layer model launches ~60 small kernels per layer besides i
 its launch tail. Here each decoder layer's `forward` (an instance attribute, like `captured_step.CapturedForward`)
 runs a `torch.compile`d copy of itself for decode-sized calls (one token per sequence, or two with eagle3's riding
 draft) of a cache that asks for it, and its own forward for everything else (prefill, other caches). The cache's
-`update` and the "oasis" attention are not traced (`torch.compiler.disable`: they read host state and launch the
-package's kernels): each layer compiles into the regions around them (norm; projections, norms and rotary; output
-projection, residuals, norm and MLP), whose elementwise work inductor fuses. A captured step records the compiled
-regions' kernels like any others; each region is compiled at the first eager step that meets it, before a capture.
+`update` and the "oasis" attention read host state and launch the package's kernels: dynamo does not trace them.
+Where every layer of the cache is an oasis layer they enter the graph as two custom ops (`compiled_ops.py`), so a
+layer is one graph and every layer runs the same one (one frame traced; before the thirty-first session nine, each
+twice, at two graph breaks); elsewhere (sliding-window layers) they break the graph (`torch.compiler.disable`) and
+each layer compiles into the regions around them. Inductor fuses the elementwise work (norms, rotary, activation,
+residuals). A captured step records the compiled kernels like any others; the graphs are compiled at the first eager
+step that meets them, before a capture.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from . import compiled_ops
 
 # Decode-sized calls that run compiled: one token per sequence, or two (the real one and eagle3's riding draft).
 COMPILED_QUERY_LENGTHS = (1, 2)
@@ -27,6 +34,17 @@ COMPILED_QUERY_LENGTHS = (1, 2)
 # every layer, and the first step compiles once, not once per layer. Patched around each compiled call only (a
 # recompilation, e.g. for a riding draft's two query rows, traces under it too); a user's own compiles are untouched.
 _ONE_GRAPH_FOR_ALL_LAYERS = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+# ... and symbolic from the first compile, else the first layer's graphs hold `layer_idx == 0` and the second layer
+# compiles them again ("automatic dynamic"): the attention module's index as dynamo names it (two spellings across
+# torch versions), added to `torch.compiler.config.dynamic_sources` where this torch has it.
+_LAYER_INDEX_SOURCES = ("L['self']._modules['self_attn'].layer_idx", "self._modules['self_attn'].layer_idx")
+
+
+def _layer_index_symbolic():
+    config = torch.compiler.config
+    if "dynamic_sources" not in getattr(config, "_config", {}):
+        return contextlib.nullcontext()
+    return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, *_LAYER_INDEX_SOURCES))))
 
 
 class CompiledDecode:
@@ -62,5 +80,8 @@ class CompiledDecode:
             return self.eager_forward(*args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.eager_forward)
-        with _ONE_GRAPH_FOR_ALL_LAYERS:
+        if not cache.all_oasis_layers:  # (sliding-window layers too: the update and the attention break the graph)
+            with _ONE_GRAPH_FOR_ALL_LAYERS, _layer_index_symbolic():
+                return self.compiled(*args, **kwargs)
+        with _ONE_GRAPH_FOR_ALL_LAYERS, _layer_index_symbolic(), compiled_ops.tracing_ops(), compiled_ops.active(cache):
             return self.compiled(*args, **kwargs)
