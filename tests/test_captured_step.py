@@ -350,7 +350,7 @@ def test_compiled_decode_compiles_once_for_all_layers():
         assert torch.equal(got.sequences, expected.sequences)
     assert 0 < graphs[0] <= 2 and graphs[1] == graphs[0], graphs  # (2: a torch without `dynamic_sources`)
     assert not torch._dynamo.config.allow_unspec_int_on_nn_module  # patched around the layers' calls only
-    assert torch.compiler.config.dynamic_sources == ""  # (likewise)
+    assert getattr(torch.compiler.config, "dynamic_sources", "") == ""  # (likewise)
     torch._dynamo.reset()
     hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                         use_sliding_window=True)

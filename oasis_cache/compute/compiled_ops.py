@@ -18,11 +18,12 @@ an oasis layer: a model with sliding-window layers keeps the graph breaks (wheth
 depend on its index, a symbolic int in the graph).
 """
 
-from __future__ import annotations
-
 import threading
+from typing import Optional
 
 import torch
+
+# (no `from __future__ import annotations`: torch.library reads the ops' annotations as types)
 
 _state = threading.local()  # .cache: the OasisCache of the compiled call running in this thread
 
@@ -77,7 +78,7 @@ def _(key, value, layer_idx):
 
 
 @torch.library.custom_op("oasis::attend", mutates_args=())
-def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
               token: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     from .attention import oasis_attention_eager
 
