@@ -191,3 +191,27 @@ def test_oasis_mask_stays_none_for_mask_less_oasis_steps():
                                   device=torch.device("cpu"), attention_mask=torch.ones(2, 300, dtype=torch.bool),
                                   allow_is_causal_skip=False)  # (as transformers asks for a static cache's step)
     assert static is not None and static.dim() == 4 and not bool(static[0, 0, 0, 121:].any())
+
+
+def test_compiled_decode_in_every_generate_mode():
+    """`compile_decode=True` (decode-sized calls of the layers compiled, the cache's update and attention as custom
+    ops in the graph) keeps the anchor: at a budget above the context, greedy tokens identical to dense's (logits
+    within tolerance) in greedy, sampling, a left-padded batch, beam search, prompt lookup and assisted decoding —
+    what a user switching it on meets (one-row calls compiled; the verification forwards stay eager)."""
+    model = tiny_model("qwen3")
+    assistant = tiny_model("qwen3", seed=3, num_hidden_layers=1)
+    base = prompt_ids(12)[0]
+    cases = [({"input_ids": prompt_ids(70)}, dict(max_new_tokens=16, do_sample=False), True),
+             ({"input_ids": prompt_ids(53)}, dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20,
+                                                  seed=7), True),
+             (left_padded([61, 37, 50]), dict(max_new_tokens=12, do_sample=False), True),
+             (left_padded([45, 33]), dict(max_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=2),
+              False),
+             ({"input_ids": torch.cat([base, base, base, base[:5]])[None]},
+              dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4), False),
+             ({"input_ids": prompt_ids(60)}, dict(max_new_tokens=12, do_sample=False, assistant_model=assistant),
+              False)]
+    for inputs, kw, check_logits in cases:
+        dense = generate(model, dense_cache(model), inputs, **kw)
+        oasis = generate(model, oasis_cache_for(model, compile_decode=True, **SMALL_CHUNKS), inputs, **kw)
+        assert_same_generation(dense, oasis, check_logits=check_logits)
