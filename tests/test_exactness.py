@@ -215,3 +215,4 @@ def test_compiled_decode_in_every_generate_mode():
         dense = generate(model, dense_cache(model), inputs, **kw)
         oasis = generate(model, oasis_cache_for(model, compile_decode=True, **SMALL_CHUNKS), inputs, **kw)
         assert_same_generation(dense, oasis, check_logits=check_logits)
+        assert all(layer.forward.compiled is not None for layer in model.model.layers)  # (the compiled path ran)
