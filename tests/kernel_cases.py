@@ -4,6 +4,7 @@ interpreter) and GPU tests. Run as a script, it checks every case on the given d
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 
@@ -277,18 +278,21 @@ def check_append(B, H, q, D, R, steps, key_dtype, dtype, device) -> bool:
     return torch.equal(kernel_base[:, :, :, :6].cpu(), base[:, :, :, :6])  # nothing written before the region
 
 
+# Every kernel check with its cases: (name, cases, check); run here in the interpreter, by test_kernels.py on CUDA.
+CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], partial(check_case, max_programs=3)),
+          ("gather-units", CASES[1:], check_unit_gather),
+          ("store", CASES, check_store),
+          ("scores", SCORE_CASES, check_scores),
+          ("assign", ASSIGN_CASES, check_assign),
+          ("append", APPEND_CASES, check_append),
+          ("top-k", TOP_K_CASES, check_top_k),
+          ("decode", DECODE_CASES, check_decode)]
+
+
 if __name__ == "__main__":
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     ok = True
-    few = [lambda *c, device: check_case(*c, device=device, max_programs=3)]
-    for name, cases, check in (("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], few[0]),
-                               ("gather-units", CASES[1:], check_unit_gather),
-                               ("store", CASES, check_store),
-                               ("scores", SCORE_CASES, check_scores),
-                               ("assign", ASSIGN_CASES, check_assign),
-                               ("append", APPEND_CASES, check_append),
-                               ("top-k", TOP_K_CASES, check_top_k),
-                               ("decode", DECODE_CASES, check_decode)):
+    for name, cases, check in CHECKS:
         for case in cases:
             result = check(*case, device=device)
             ok &= result

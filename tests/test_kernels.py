@@ -14,9 +14,7 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import (APPEND_CASES, ASSIGN_CASES, CASES, DECODE_CASES, SCORE_CASES, TOP_K_CASES,
-                          check_append, check_assign, check_case, check_decode, check_scores, check_store, check_top_k,
-                          check_unit_gather)
+from kernel_cases import CHECKS
 
 HERE = Path(__file__).parent
 
@@ -27,9 +25,7 @@ def test_kernels_in_triton_interpreter():
     run = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
-    checks = (2 * len(CASES) + 1 + len(CASES[1:]) + len(SCORE_CASES) + len(ASSIGN_CASES) + len(APPEND_CASES)
-              + len(TOP_K_CASES) + len(DECODE_CASES))
-    assert run.stdout.count("OK") == checks, run.stdout
+    assert run.stdout.count("OK") == sum(len(cases) for _, cases, _ in CHECKS), run.stdout
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -43,58 +39,12 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
-def test_gather_kernel_on_cuda(case):
-    assert check_case(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
-def test_unit_gather_kernel_on_cuda(case):
-    assert check_unit_gather(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + str(c[7]).split(".")[-1])
-def test_store_kernel_on_cuda(case):
-    assert check_store(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
-def test_block_scores_kernel_on_cuda(case):
-    assert check_scores(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", ASSIGN_CASES, ids=str)
-def test_slot_assign_kernel_on_cuda(case):
-    assert check_assign(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
-def test_recent_append_kernel_on_cuda(case):
-    assert check_append(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", TOP_K_CASES, ids=str)
-def test_top_k_kernel_on_cuda(case):
-    assert check_top_k(*case, device=torch.device("cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
-def test_decode_attention_kernel_on_cuda(case):
-    assert check_decode(*case, device=torch.device("cuda"))
+@pytest.mark.parametrize("check, case", [(check, case) for _, cases, check in CHECKS for case in cases],
+                         ids=[f"{name}-{'x'.join(map(str, case))}" for name, cases, _ in CHECKS for case in cases])
+def test_kernel_on_cuda(check, case):
+    """Each kernel check of `kernel_cases.CHECKS` (the gather, unit gather and store, block scores, slot assignment,
+    recent append, top-k, decode attention) on CUDA."""
+    assert check(*case, device=torch.device("cuda"))
 
 
 # What still changes between two decode steps on the CUDA path (`bench/capture_audit.py`), by (file, function): the

@@ -80,8 +80,10 @@ class CompiledDecode:
             return self.eager_forward(*args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.eager_forward)
-        if not cache.all_oasis_layers:  # (sliding-window layers too: the update and the attention break the graph)
-            with _ONE_GRAPH_FOR_ALL_LAYERS, _layer_index_symbolic():
-                return self.compiled(*args, **kwargs)
-        with _ONE_GRAPH_FOR_ALL_LAYERS, _layer_index_symbolic(), compiled_ops.tracing_ops(), compiled_ops.active(cache):
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(_ONE_GRAPH_FOR_ALL_LAYERS)
+            scope.enter_context(_layer_index_symbolic())
+            if cache.all_oasis_layers:  # (else sliding-window layers too: the update and the attention break the graph)
+                scope.enter_context(compiled_ops.tracing_ops())
+                scope.enter_context(compiled_ops.active(cache))
             return self.compiled(*args, **kwargs)

@@ -39,16 +39,16 @@ class RecentTokens:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """`key_states`, `value_states`: `[B, Hkv, q, D]`."""
         n, q = self.num_tokens, key_states.shape[2]
-        if self._overflow is None and n + q <= self.capacity and self.use_kernel and \
-                key_states.dtype == value_states.dtype == self.region.dtype:
-            from ..kernels.recent_append import recent_append
+        if self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
+            if self.use_kernel and key_states.dtype == value_states.dtype == self.region.dtype:
+                from ..kernels.recent_append import recent_append
 
-            recent_append(key_states, value_states, self.region, self.count, self._tickets)
-        elif self._overflow is None and n + q <= self.capacity:  # at the device count: the same operators every step
-            where = self._offsets[:q] + self.count  # [q]
-            self.region[0].index_copy_(2, where, key_states.to(self.region.dtype))  # (as a slice write would cast)
-            self.region[1].index_copy_(2, where, value_states.to(self.region.dtype))
-            self.count.add_(q)
+                recent_append(key_states, value_states, self.region, self.count, self._tickets)
+            else:
+                where = self._offsets[:q] + self.count  # [q]
+                self.region[0].index_copy_(2, where, key_states.to(self.region.dtype))  # (as a slice write casts)
+                self.region[1].index_copy_(2, where, value_states.to(self.region.dtype))
+                self.count.add_(q)
         else:
             self._overflow = torch.cat((self.kv, torch.stack((key_states, value_states))), dim=3)
             self.count.fill_(n + q)
