@@ -8,6 +8,7 @@ totals per step: a wall time far above the device time means the step is bound b
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -96,8 +97,8 @@ def main():
         print(cpu_table)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            name = method.replace("@", "+")  # (a file name the device tool brings back)
-            (Path(args.out) / f"profile-{name}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
+            name = re.sub(r"[^A-Za-z0-9._-]", "-", method)  # (the device tool brings back plain names only)
+            (Path(args.out) / f"profile-{name}-{args.context}x{args.batch}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
         del cache, out
 
 

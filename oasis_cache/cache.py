@@ -767,15 +767,18 @@ class OasisCache(Cache):
         its local pool holds blocks yet and its deferred records' tensors. Equal signatures: the graph captured under
         one is valid under the other — past `slots` blocks a completed block does not invalidate it (selection
         reads the block count on the device)."""
-        cfg = self.config
+        cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
 
         def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)
-            NB, pool = layer.pool.num_blocks, layer.pool
+            NB, pool, length = layer.pool.num_blocks, layer.pool, layer.get_seq_length()
+            counted = of_length.get((NB, length))
+            if counted is None:  # the step's and its prediction's blocks to attend: all of them or not
+                budget, slots = cfg.token_budget, cfg.slots
+                counted = of_length[NB, length] = (NB if NB <= slots else None, cfg.max_fetch(NB),
+                                                   cfg.max_fetch(NB + 1), length + 1 <= budget, length + 2 <= budget)
             remote = () if pool.remote is None else (  # an admitted layer: its local pool read or not, its records
                 NB > pool.first_block, tuple(t.data_ptr() for t in pool.remote.pending_tensors()))
-            return (NB if NB <= cfg.slots else None, cfg.max_fetch(NB), cfg.max_fetch(NB + 1), layer.predicted,
-                    layer.fits_budget(1), layer.fits_budget(2),  # the step's and its prediction's blocks to attend
-                    tuple(t.data_ptr() for t in layer.state_tensors()), remote)
+            return counted, layer.predicted, tuple(t.data_ptr() for t in layer.state_tensors()), remote
         layers = tuple(of(layer) for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()

@@ -231,9 +231,10 @@ TOP_K_CASES = [(1, 8, 2048, 128, False), (2, 2, 37, 5, True), (1, 1, 16, 16, Fal
                (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True), (1, 8, 8192, 128, True)]
 
 
-def check_top_k(B, H, W, k, split, device) -> bool:
+def check_top_k(B, H, W, k, split, device, four_bits=False) -> bool:
     """The top-k kernel's k best per row against a stable descending sort's first k: the same ids (ties, +inf forced
-    and -inf excluded blocks among them: the lower block ids) with their values, listed in block order."""
+    and -inf excluded blocks among them: the lower block ids) with their values, listed in block order (`four_bits`:
+    its variant of four bits a round, `bench/top_k.py`)."""
     from oasis_cache.kernels.top_k import kernel_fits, top_k
 
     g = torch.Generator().manual_seed(W + k)
@@ -244,7 +245,7 @@ def check_top_k(B, H, W, k, split, device) -> bool:
     rows = ranks.unbind(2)[1] if split else ranks[:, :, 0].contiguous()
     if not kernel_fits(rows, k):
         return False
-    ids, values = top_k(rows, k)
+    ids, values = top_k(rows, k, four_bits=four_bits)
     expected, order = torch.sort(rows.cpu(), dim=-1, descending=True, stable=True)
     chosen, by_id = order[..., :k].sort(dim=-1)
     return torch.equal(ids.cpu(), chosen) and torch.equal(values.cpu(), expected[..., :k].gather(-1, by_id))
@@ -286,6 +287,7 @@ CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], parti
           ("assign", ASSIGN_CASES, check_assign),
           ("append", APPEND_CASES, check_append),
           ("top-k", TOP_K_CASES, check_top_k),
+          ("top-k-4-bits", [TOP_K_CASES[1], TOP_K_CASES[6]], partial(check_top_k, four_bits=True)),
           ("decode", DECODE_CASES, check_decode)]
 
 

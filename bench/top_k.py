@@ -1,0 +1,82 @@
+"""The selection's top-k at a decode step's shape: the package's select kernel (two bits a round, and the four-bits
+variant), against `torch.topk` + the sort into block order it replaces. Each is captured as a CUDA graph of
+`--calls` calls (no launch overhead: a replayed decode step's conditions), replayed `--repeats` times; medians.
+
+    python bench/top_k.py                            # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
+    TRITON_INTERPRET=1 python bench/top_k.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
+
+Prints one line per (row length, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from oasis_cache.kernels.top_k import top_k  # noqa: E402
+
+
+def torch_top_k(ranks: torch.Tensor, k: int):
+    top = torch.topk(ranks, k, dim=-1, sorted=False)
+    ids, order = top.indices.sort(dim=-1)
+    return ids, top.values.gather(-1, order)
+
+
+METHODS = {"select-2bit": lambda r, k: top_k(r, k), "select-4bit": lambda r, k: top_k(r, k, four_bits=True),
+           "torch.topk+sort": torch_top_k}
+
+
+def time_us(fn, calls: int, repeats: int) -> float:
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) * 1e6 / calls
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--rows", type=int, nargs="+", default=[2048, 3072, 8192], help="blocks per row")
+    parser.add_argument("--k", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for W in args.rows:
+        ranks = torch.randn(args.batch, args.kv_heads, W, device=device)
+        reference = torch_top_k(ranks, args.k)
+        for name, method in METHODS.items():
+            ids, values = method(ranks, args.k)
+            same = torch.equal(ids, reference[0]) and torch.equal(values, reference[1])
+            us = time_us(lambda: method(ranks, args.k), args.calls, args.repeats)
+            print(f"rows {W:5d} x {args.batch * args.kv_heads:3d}, k {args.k}: {name:16s} {us:7.2f} us/call"
+                  f"{'' if same else '  (differs from torch.topk)'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
