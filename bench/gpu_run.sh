@@ -82,7 +82,9 @@
 #   scorekernel  bench/score_kernel.py: the scoring kernel's variants timed at 32K x 4 and 128K x 1
 #   firstcallcompiled  `firstcall` with compile_decode=True (its compilation in the first generate)
 #   profilecompiled  kernel groups of the captured `previous` step with and without compile_decode, 32K x 1
-#   topk      bench/top_k.py: the select kernel (2 and 4 bits a round) against torch.topk + sort, graph-replayed calls
+#   matmul    bench/matmul.py: a layer's weight matmuls alone (cuBLAS), separate and with q/k/v, gate/up fused, M = 1, 4
+#   selectkernels  bench/select_kernels.py: top-k (select kernel 2 or 4 bits a round, torch.topk + sort), slot assignment
+#             (tl.sort or pairwise eviction order), graph-replayed calls
 #   profiletopk  the same with compile_decode, torch.topk (`@compiledtorchtopk`) against the package's select kernel
 #             (top_k_kernel, the default), 32K x 1 and 48K x 1 (thirty-first session: 8.4 -> 8.1 ms, 8.8 -> 8.5 ms)
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)
@@ -211,7 +213,8 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     scorers) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     profilecompiled) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous-captured oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "==" ;;  # issue 21: what compile_decode leaves of a replayed step, by kernel group
-    topk) python3 bench/top_k.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k.log" ;;  # issue 21: the select's rounds
+    matmul) for m in 1 4; do python3 bench/matmul.py --rows $m 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/matmul.log"; done ;;  # issue 21: the matmuls' floor
+    selectkernels) python3 bench/select_kernels.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k.log" ;;  # issue 21: the select's rounds
     profiletopk) for n in 32768 49152; do python3 bench/profile_step.py --model qwen3-8b --context $n --batch 1 --steps 8 --methods oasis-previous-captured@compiledtorchtopk oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "=="; done ;;  # issue 21: the selection's top-k
     profile3) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous oasis-eagle3 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep --line-buffered "==" ;;
     eagle3) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 4 --methods dense oasis-previous oasis-eagle3-plain oasis-eagle3 --out "$OUT/decode-qwen3-8b-32k-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-eagle3.log" | tail -10 ;;

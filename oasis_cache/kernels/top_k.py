@@ -10,7 +10,7 @@ keeps the highest candidate that still leaves k keys at or above it; 16 rounds f
 is chosen, and the first (in block order) of the keys equal to T until k are; a prefix sum gives each its place in
 the output.
 
-`four_bits=True` (a variant, `bench/top_k.py` times both): four bits a round, 8 rounds, the 15 candidates' counts as
+`four_bits=True` (a variant, `bench/select_kernels.py` times both): four bits a round, 8 rounds, the 15 candidates' counts as
 four int64 sums of 16-bit fields in one reduction — half the dependent rounds, each wider.
 
 The thirtieth session's kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,

@@ -1,11 +1,13 @@
-"""The selection's top-k at a decode step's shape: the package's select kernel (two bits a round, and the four-bits
-variant), against `torch.topk` + the sort into block order it replaces. Each is captured as a CUDA graph of
-`--calls` calls (no launch overhead: a replayed decode step's conditions), replayed `--repeats` times; medians.
+"""The selection's kernels after the block scores, at a decode step's shape: the top-k (the package's select kernel,
+two bits a round, its four-bits variant, and `torch.topk` + the sort into block order it replaced), then the slot
+assignment (its eviction order by `tl.sort`, or by pairwise comparisons) on a steady stream of selections. Each is
+captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed decode step's conditions), replayed
+`--repeats` times; medians.
 
-    python bench/top_k.py                            # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
-    TRITON_INTERPRET=1 python bench/top_k.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
+    python bench/select_kernels.py                   # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
+    TRITON_INTERPRET=1 python bench/select_kernels.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
 
-Prints one line per (row length, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
+Prints one line per (shape, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from oasis_cache.kernels.slot_assign import slot_assign  # noqa: E402
 from oasis_cache.kernels.top_k import top_k  # noqa: E402
+from oasis_cache.pools import SlotMap  # noqa: E402
 
 
 def torch_top_k(ranks: torch.Tensor, k: int):
@@ -65,6 +69,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=128)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--slots", type=int, nargs="+", default=[128, 256], help="slot assignment: slots (K = 128)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for W in args.rows:
@@ -76,6 +81,26 @@ def main() -> None:
             us = time_us(lambda: method(ranks, args.k), args.calls, args.repeats)
             print(f"rows {W:5d} x {args.batch * args.kv_heads:3d}, k {args.k}: {name:16s} {us:7.2f} us/call"
                   f"{'' if same else '  (differs from torch.topk)'}", flush=True)
+    for S in args.slots:  # a steady state: every call a new selection of k of 2048 blocks, half of them resident
+        B, H, NB, k = args.batch, args.kv_heads, 2048, args.k
+        for pairwise in (False, True):
+            slot_map = SlotMap(B, H, S, device, use_kernel=True)
+            slot_map.reserve(NB)
+            draws = [torch.stack([torch.randperm(NB, device=device)[:k] for _ in range(B * H)]).view(B, H, k)
+                     for _ in range(8)]  # (a graph's calls cycle through them: ~k/16 blocks stay resident a call)
+            ranks = torch.rand(B, H, k, device=device)
+            visible = torch.zeros(B, H, S * 16, dtype=torch.bool, device=device)
+            counters = torch.zeros(4, dtype=torch.int64, device=device)
+            step = torch.ones(1, dtype=torch.int64, device=device)
+            calls = iter(range(10**9))
+
+            def assign():
+                slot_assign(draws[next(calls) % len(draws)], ranks, slot_map.block_slot, slot_map.slot_block,
+                            slot_map.last_used, step, visible, counters, 16, k, pairwise=pairwise)
+
+            us = time_us(assign, args.calls, args.repeats)
+            print(f"assign {B * H:3d} rows, k {k}, slots {S}: {'pairwise' if pairwise else 'tl.sort':16s} "
+                  f"{us:7.2f} us/call", flush=True)
 
 
 if __name__ == "__main__":
