@@ -83,8 +83,8 @@
 #   firstcallcompiled  `firstcall` with compile_decode=True (its compilation in the first generate)
 #   profilecompiled  kernel groups of the captured `previous` step with and without compile_decode, 32K x 1
 #   matmul    bench/matmul.py: a layer's weight matmuls alone (cuBLAS), separate and with q/k/v, gate/up fused, M = 1, 4
-#   selectkernels  bench/select_kernels.py: top-k (select kernel 2 or 4 bits a round, torch.topk + sort), slot assignment
-#             (tl.sort or pairwise eviction order), graph-replayed calls
+#   selectkernels  bench/select_kernels.py: top-k (the select kernel against torch.topk + sort), slot assignment,
+#             graph-replayed calls
 #   profiletopk  the same with compile_decode, torch.topk (`@compiledtorchtopk`) against the package's select kernel
 #             (top_k_kernel, the default), 32K x 1 and 48K x 1 (thirty-first session: 8.4 -> 8.1 ms, 8.8 -> 8.5 ms)
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)

@@ -1,6 +1,7 @@
 """The selection's kernels after the block scores, at a decode step's shape: the top-k (the package's select kernel,
-two bits a round, its four-bits variant, and `torch.topk` + the sort into block order it replaced), then the slot
-assignment (its eviction order by `tl.sort`, or by pairwise comparisons) on a steady stream of selections. Each is
+and `torch.topk` + the sort into block order it replaced), then the slot assignment on a stream of selections.
+(The thirty-second session's variants lost and were dropped: four bits a round in the select, an eviction order
+by pairwise comparisons in the assignment; `bench/results/select-kernels-h200-2026-12-03-session32.txt`.) Each is
 captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed decode step's conditions), replayed
 `--repeats` times; medians.
 
@@ -33,8 +34,7 @@ def torch_top_k(ranks: torch.Tensor, k: int):
     return ids, top.values.gather(-1, order)
 
 
-METHODS = {"select-2bit": lambda r, k: top_k(r, k), "select-4bit": lambda r, k: top_k(r, k, four_bits=True),
-           "torch.topk+sort": torch_top_k}
+METHODS = {"select": top_k, "torch.topk+sort": torch_top_k}
 
 
 def time_us(fn, calls: int, repeats: int) -> float:
@@ -81,26 +81,24 @@ def main() -> None:
             us = time_us(lambda: method(ranks, args.k), args.calls, args.repeats)
             print(f"rows {W:5d} x {args.batch * args.kv_heads:3d}, k {args.k}: {name:16s} {us:7.2f} us/call"
                   f"{'' if same else '  (differs from torch.topk)'}", flush=True)
-    for S in args.slots:  # a steady state: every call a new selection of k of 2048 blocks, half of them resident
+    for S in args.slots:  # a steady state: every call a new selection of k of 2048 blocks, ~k/16 of them resident
         B, H, NB, k = args.batch, args.kv_heads, 2048, args.k
-        for pairwise in (False, True):
-            slot_map = SlotMap(B, H, S, device, use_kernel=True)
-            slot_map.reserve(NB)
-            draws = [torch.stack([torch.randperm(NB, device=device)[:k] for _ in range(B * H)]).view(B, H, k)
-                     for _ in range(8)]  # (a graph's calls cycle through them: ~k/16 blocks stay resident a call)
-            ranks = torch.rand(B, H, k, device=device)
-            visible = torch.zeros(B, H, S * 16, dtype=torch.bool, device=device)
-            counters = torch.zeros(4, dtype=torch.int64, device=device)
-            step = torch.ones(1, dtype=torch.int64, device=device)
-            calls = iter(range(10**9))
+        slot_map = SlotMap(B, H, S, device, use_kernel=True)
+        slot_map.reserve(NB)
+        draws = [torch.stack([torch.randperm(NB, device=device)[:k] for _ in range(B * H)]).view(B, H, k)
+                 for _ in range(8)]  # (a graph's calls cycle through them: ~k/16 blocks stay resident a call)
+        ranks = torch.rand(B, H, k, device=device)
+        visible = torch.zeros(B, H, S * 16, dtype=torch.bool, device=device)
+        counters = torch.zeros(4, dtype=torch.int64, device=device)
+        step = torch.ones(1, dtype=torch.int64, device=device)
+        calls = iter(range(10**9))
 
-            def assign():
-                slot_assign(draws[next(calls) % len(draws)], ranks, slot_map.block_slot, slot_map.slot_block,
-                            slot_map.last_used, step, visible, counters, 16, k, pairwise=pairwise)
+        def assign():
+            slot_assign(draws[next(calls) % len(draws)], ranks, slot_map.block_slot, slot_map.slot_block,
+                        slot_map.last_used, step, visible, counters, 16, k)
 
-            us = time_us(assign, args.calls, args.repeats)
-            print(f"assign {B * H:3d} rows, k {k}, slots {S}: {'pairwise' if pairwise else 'tl.sort':16s} "
-                  f"{us:7.2f} us/call", flush=True)
+        us = time_us(assign, args.calls, args.repeats)
+        print(f"assign {B * H:3d} rows, k {k}, slots {S}: {us:7.2f} us/call", flush=True)
 
 
 if __name__ == "__main__":

@@ -345,7 +345,7 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
 
 def test_compiled_decode_captured_decodes_what_eager_decodes():
     """`compile_decode=True` on CUDA, steps captured (the default here): every layer of a model deeper than dynamo's
-    recompile limit runs compiled (one set of graphs for all; thirtieth session: only 8 of 36 did) and the greedy
+    recompile limit runs compiled (one graph for all; thirtieth session: only 8 of 36 did) and the greedy
     tokens equal the eager cache's, with logits within rounding, across block completions."""
     from torch._dynamo.utils import counters
 
@@ -355,10 +355,13 @@ def test_compiled_decode_captured_decodes_what_eager_decodes():
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
     eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, **kw)
-    before = counters["stats"]["unique_graphs"]
+    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     cache = OasisCache(model, compile_decode=True, **options)
     compiled = generate(model, cache, inputs, **kw)
-    assert 0 < counters["stats"]["unique_graphs"] - before <= 9  # (a few regions for all 10 layers, not per layer)
+    # one graph for all 10 layers (2: a torch without `dynamic_sources`), no break at the cache's calls (torch 2.11
+    # broke at the token's attribute write: then 10 graphs, thirty-second session)
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 2
+    assert sum(counters["graph_break"].values()) == breaks
     assert cache.captured_steps.replays >= 30
     assert torch.equal(eager.sequences, compiled.sequences)
     for a, b in zip(eager.logits, compiled.logits):

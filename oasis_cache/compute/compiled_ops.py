@@ -94,18 +94,17 @@ def _(query, key, value, mask, token, layer_idx, scale):
     return query.new_empty((B, Qn, Hq, value.shape[-1]))
 
 
-class _Token:
-    """The update's token between the two calls of one layer while dynamo traces them (a traced attribute write:
-    the attention's read gets the same graph value)."""
-
-    value = None
+# The update's token between the two calls of one layer while dynamo traces them: an item of a list (dynamo traces
+# the write and the attention's read as one graph value; an attribute written on a class breaks the graph on torch
+# 2.11, which cannot trace `setattr` on a type).
+_TOKEN = [None]
 
 
 def traced_update(key: torch.Tensor, value: torch.Tensor, layer_idx: int):
-    _Token.value = torch.ops.oasis.update(key, value, layer_idx)
+    _TOKEN[0] = torch.ops.oasis.update(key, value, layer_idx)
     return key, value
 
 
 def traced_attention(module, query, key, value, attention_mask, scale: float):
-    out = torch.ops.oasis.attend(query, key, value, attention_mask, _Token.value, module.layer_idx, scale)
+    out = torch.ops.oasis.attend(query, key, value, attention_mask, _TOKEN[0], module.layer_idx, scale)
     return out, None

@@ -10,8 +10,8 @@ keeps the highest candidate that still leaves k keys at or above it; 16 rounds f
 is chosen, and the first (in block order) of the keys equal to T until k are; a prefix sum gives each its place in
 the output.
 
-`four_bits=True` (a variant, `bench/select_kernels.py` times both): four bits a round, 8 rounds, the 15 candidates' counts as
-four int64 sums of 16-bit fields in one reduction — half the dependent rounds, each wider.
+Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one reduction) was slower on the H200:
+24.8 against 8.4 us for 8 rows of 2048 (`bench/results/select-kernels-h200-2026-12-03-session32.txt`).
 
 The thirtieth session's kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,
 130 at 48K on the H200 — ~66 dependent exchange stages of the whole row for one program; here 16 sums.
@@ -34,22 +34,7 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-        return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-    @triton.jit
-    def _packed(key, threshold, step, first: tl.constexpr):
-        """Keys at or above candidates first .. first + 3 (times `step` above `threshold`; candidate 16 is none),
-        one 16-bit count each, packed in an int64 `[BLOCK_W]` (a row's counts are < 2^14)."""
-        packed = tl.zeros_like(key)
-        for j in tl.static_range(4):
-            if first + j < 16:
-                packed += (key >= threshold + (first + j) * step).to(tl.int64) << (16 * j)
-        return packed
-
-    @triton.jit
-    def _top_k_kernel(ranks, ids, values, W, k, H, stride_b, stride_h, BLOCK_W: tl.constexpr,
-                      FOUR_BITS: tl.constexpr):
+    def _top_k_kernel(ranks, ids, values, W, k, H, stride_b, stride_h, BLOCK_W: tl.constexpr):
         row = tl.program_id(0)
         b = row // H
         h = row % H
@@ -60,33 +45,18 @@ if triton is not None:
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # fp32 order as 0 .. 2^32 - 1
         key = tl.where(inside, key, -1)  # (past the row: below every rank)
         threshold = tl.full((), 0, tl.int64)  # count(key >= threshold) >= k throughout
-        if FOUR_BITS:  # four bits a round: 15 candidates, their counts in one reduction of four int64 sums
-            for r in tl.static_range(8):
-                step = tl.full((), 1 << (28 - 4 * r), tl.int64)
-                c0, c1, c2, c3 = tl.reduce((_packed(key, threshold, step, 1), _packed(key, threshold, step, 5),
-                                            _packed(key, threshold, step, 9), _packed(key, threshold, step, 13)),
-                                           0, _add4)
-                above = tl.zeros((), tl.int64)  # candidates still leaving k keys at or above them (counts fall)
-                for j in tl.static_range(4):
-                    above += (((c0 >> (16 * j)) & 0xFFFF) >= k).to(tl.int64)
-                    above += (((c1 >> (16 * j)) & 0xFFFF) >= k).to(tl.int64)
-                    above += (((c2 >> (16 * j)) & 0xFFFF) >= k).to(tl.int64)
-                    if j < 3:
-                        above += (((c3 >> (16 * j)) & 0xFFFF) >= k).to(tl.int64)
-                threshold = threshold + above * step
-        else:
-            for r in tl.static_range(16):  # two bits a round, the highest first
-                step = 1 << (30 - 2 * r)  # (an int32 constant: the candidates are made by int64 additions)
-                t1 = threshold + step
-                t2 = t1 + step
-                t3 = t2 + step
-                packed = ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
-                          + ((key >= t3).to(tl.int64) << 42))
-                counts = tl.sum(packed, axis=0)  # three counts < 2^21 in one reduction
-                n1 = counts & 0x1FFFFF
-                n2 = (counts >> 21) & 0x1FFFFF
-                n3 = counts >> 42
-                threshold = tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, threshold)))
+        for r in tl.static_range(16):  # two bits a round, the highest first
+            step = 1 << (30 - 2 * r)  # (an int32 constant: the candidates are made by int64 additions)
+            t1 = threshold + step
+            t2 = t1 + step
+            t3 = t2 + step
+            packed = ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
+                      + ((key >= t3).to(tl.int64) << 42))
+            counts = tl.sum(packed, axis=0)  # three counts < 2^21 in one reduction
+            n1 = counts & 0x1FFFFF
+            n2 = (counts >> 21) & 0x1FFFFF
+            n3 = counts >> 42
+            threshold = tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, threshold)))
         above = key > threshold
         equal = key == threshold
         room = k - tl.sum(above.to(tl.int32), axis=0)  # the equal keys taken, lowest block ids first
@@ -103,7 +73,7 @@ def kernel_fits(ranks: torch.Tensor, k: int) -> bool:
             and 0 < k <= ranks.shape[-1] <= MAX_ROW)
 
 
-def top_k(ranks: torch.Tensor, k: int, four_bits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, values)` `[B, H, k]`: the k largest of `ranks` `[B, H, W]` per row (equal values: the lower indices),
     in index order. Rows the kernel does not take (`kernel_fits`) go through `torch.topk` and are put in index
     order too (which of equal values it keeps is its own choice)."""
@@ -117,5 +87,5 @@ def top_k(ranks: torch.Tensor, k: int, four_bits: bool = False) -> tuple[torch.T
     BLOCK_W = max(16, triton.next_power_of_2(W))
     warps = 4 if BLOCK_W <= 2048 else 8
     _top_k_kernel[(B * H,)](ranks, ids, values, W, k, H, ranks.stride(0), ranks.stride(1), BLOCK_W=BLOCK_W,
-                            FOUR_BITS=four_bits, num_warps=warps)
+                            num_warps=warps)
     return ids, values
