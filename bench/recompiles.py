@@ -25,8 +25,8 @@ def main() -> None:
 
     torch._logging.set_logs(recompiles=True, graph_breaks=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print("torch", torch.__version__, "dynamic_sources:", "dynamic_sources" in getattr(torch.compiler.config, "_config", {}),
-          flush=True)
+    has_sources = "dynamic_sources" in getattr(torch.compiler.config, "_config", {})
+    print("torch", torch.__version__, "dynamic_sources:", has_sources, flush=True)
     model = tiny_model("qwen3", num_hidden_layers=10).to(device)
     inputs = {"input_ids": prompt_ids(300, batch=2).to(device)}
     cache = OasisCache(model, compile_decode=True, token_budget=128, recent_tokens=32, lookahead="previous")

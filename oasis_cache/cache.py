@@ -159,10 +159,15 @@ class OasisCache(Cache):
         from .compute.captured_step import CapturedForward
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
+        self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections)
         if self.config.compile_decode:
             from .compute.compiled_layers import CompiledDecode
 
-            CompiledDecode.install(model, attention_modules.values())  # decode-sized calls of the layers compiled
+            decoder_layers = CompiledDecode.install(model, attention_modules.values())  # decode-sized calls compiled
+            if self.config.fuse_projections:
+                from .compute.fused_projections import fuse
+
+                self.fused_groups = fuse(model, decoder_layers)
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

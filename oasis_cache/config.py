@@ -37,6 +37,7 @@ OPTION_VARIANTS = {
     "topk": dict(top_k_kernel=True),  # the k best blocks by the package's select kernel (the default on Triton)
     "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
+    "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
@@ -137,6 +138,11 @@ class OasisConfig:
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
             decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
             `generate` of a process is 2.7x a later one on the H200 (docs/perf.md, thirty-first session).
+        fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
+            product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
+            weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
+            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a layer's matmuls alone: 128 -> 109 us
+            (thirty-second session); the decode step with it not yet measured. Off by default.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -179,6 +185,7 @@ class OasisConfig:
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool = False
+    fuse_projections: bool = False
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
@@ -273,6 +280,11 @@ class OasisConfig:
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
         if self.compile_decode not in (True, False):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}.")
+        if self.fuse_projections not in (True, False):
+            raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
+        if self.fuse_projections and not self.compile_decode:
+            raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
+                             "compile_decode=True with it.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:

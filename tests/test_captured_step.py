@@ -361,3 +361,55 @@ def test_compiled_decode_compiles_once_for_all_layers():
     expected = generate(hybrid, OasisCache(hybrid, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
                         do_sample=False)
     assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_fused_projections_compute_one_product_per_group(tmp_path):
+    """`fuse_projections=True` (with `compile_decode`): each layer's q/k/v (with qwen2's biases) and gate/up become one
+    product each inside the compiled step — 4 matmuls a layer in the generated code instead of 7 — and decode the
+    unfused compiled cache's tokens with its logits; the parameters are rows of one buffer per group, saved and
+    reloaded unchanged by `save_pretrained`; a group whose parameters moved (`model.to(dtype)`) computes unfused, and
+    `unfuse` gives each projection its own storage back."""
+    from torch._inductor.utils import run_and_get_code
+
+    from conftest import generate
+    from oasis_cache.compute.fused_projections import unfuse
+
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous", compile_decode=True)
+    inputs, kw = {"input_ids": prompt_ids(300)}, dict(max_new_tokens=6, do_sample=False)
+    products = []
+    outs = []
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        cache = OasisCache(model, fuse_projections=fuse, **options)
+        out, code = run_and_get_code(lambda: generate(model, cache, inputs, **kw))
+        products.append(sum("\n".join(code).count(f"extern_kernels.{op}(") for op in ("mm", "addmm")))
+        outs.append(out)
+    assert products == [7, 4], products  # (one compiled graph serves every layer)
+    assert len(cache.fused_groups) == 6 and all(group.on for group in cache.fused_groups)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    attn = model.model.layers[0].self_attn
+    group = cache.fused_groups[0]
+    assert attn.k_proj.weight.data_ptr() == group.weight[attn.q_proj.out_features:].data_ptr()
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    model.save_pretrained(tmp_path)  # (transformers clones the disjoint views of one storage)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(state[name], t) for name, t in reloaded.state_dict().items())
+
+    model.to(torch.float64)  # the parameters get new storage: the groups end; a fused cache fuses them anew
+    torch._dynamo.reset()
+    alone = generate(model, OasisCache(model, **options), inputs, **kw)  # (a cache without the option: unfused)
+    old_groups = cache.fused_groups
+    cache = OasisCache(model, fuse_projections=True, **options)
+    assert not any(group.on for group in old_groups) and all(group.on for group in cache.fused_groups)
+    assert cache.fused_groups[0].weight.dtype == torch.float64
+    assert torch.equal(generate(model, cache, inputs, **kw).sequences, alone.sequences)
+    unfuse(model)
+    pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(pointers) == len(list(model.parameters()))  # every parameter its own storage
+    assert "forward" not in attn.q_proj.__dict__
+    assert torch.equal(generate(model, OasisCache(model, **options), inputs, **kw).sequences, alone.sequences)
+    with pytest.raises(ValueError, match="pass compile_decode=True with it"):
+        OasisCache(model, token_budget=128, fuse_projections=True)

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from . import compiled_ops
+from . import compiled_ops, fused_projections
 
 # Decode-sized calls that run compiled: one token per sequence, or two (the real one and eagle3's riding draft).
 COMPILED_QUERY_LENGTHS = (1, 2)
@@ -56,20 +56,20 @@ class CompiledDecode:
         self.__signature__ = getattr(self.eager_forward, "__signature__", None)
         self.__doc__ = self.eager_forward.__doc__
         self.compiled = None  # made at the first call that needs it (torch.compile is lazy anyway)
+        self.fused_groups = []  # this layer's fused projections (`fused_projections.fuse`), if a cache asked for them
 
     @classmethod
-    def install(cls, model, attention_modules) -> list["CompiledDecode"]:
+    def install(cls, model, attention_modules) -> list[torch.nn.Module]:
         """Wrap the forward of each module that holds one of `attention_modules` as a direct child (the decoder
-        layers), once per model."""
+        layers), once per model; returns those layers."""
         wanted = {id(module) for module in attention_modules}
-        installed = []
+        layers = []
         for module in model.modules():
             if any(id(child) in wanted for child in module.children()):
-                current = module.__dict__.get("forward")
-                if not isinstance(current, cls):
-                    current = module.forward = cls(module)
-                installed.append(current)
-        return installed
+                if not isinstance(module.__dict__.get("forward"), cls):
+                    module.forward = cls(module)
+                layers.append(module)
+        return layers
 
     def __call__(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
@@ -83,6 +83,8 @@ class CompiledDecode:
         with contextlib.ExitStack() as scope:
             scope.enter_context(_ONE_GRAPH_FOR_ALL_LAYERS)
             scope.enter_context(_layer_index_symbolic())
+            if config.fuse_projections:  # (a group whose parameters moved computes unfused from now: checked here)
+                scope.enter_context(fused_projections.fusing(self.fused_groups))
             if cache.all_oasis_layers:  # (else sliding-window layers too: the update and the attention break the graph)
                 scope.enter_context(compiled_ops.tracing_ops())
                 scope.enter_context(compiled_ops.active(cache))
