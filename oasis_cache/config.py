@@ -137,7 +137,8 @@ class OasisConfig:
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
             decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
-            `generate` of a process is 2.7x a later one on the H200 (docs/perf.md, thirty-first session).
+            `generate` of a process is 2.2x a later one on the H200 with the kernels on disk, 4.4x on a fresh machine
+            (docs/perf.md, thirty-second session, before a torch 2.11 graph-break fix).
         fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
