@@ -61,7 +61,6 @@ class FusedGroup:
     each member."""
 
     def __init__(self, linears: list[nn.Linear]):
-        first = linears[0].weight
         self.weight = torch.cat([lin.weight.detach() for lin in linears])
         with_bias = linears[0].bias is not None
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if with_bias else None
@@ -70,7 +69,7 @@ class FusedGroup:
         for lin in linears:
             end = start + lin.out_features
             self.rows.append((start, end))
-            lin.weight = nn.Parameter(self.weight[start:end], requires_grad=first.requires_grad)
+            lin.weight = nn.Parameter(self.weight[start:end], requires_grad=lin.weight.requires_grad)
             if with_bias:
                 lin.bias = nn.Parameter(self.bias[start:end], requires_grad=lin.bias.requires_grad)
             start = end
