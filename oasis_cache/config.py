@@ -142,8 +142,8 @@ class OasisConfig:
         fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
-            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a layer's matmuls alone: 128 -> 109 us
-            (thirty-second session); the decode step with it not yet measured. Off by default.
+            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a layer's matmuls alone: 128 -> 109 us,
+            but a 32K x 1 decode step 10.9 -> 11.5 ms (thirty-second session, why open: docs/perf.md). Off.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
