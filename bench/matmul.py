@@ -13,37 +13,16 @@ Prints one line per matmul: microseconds, GB/s of weights read, and the layer's 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def time_us(fn, calls: int, repeats: int, cuda: bool) -> float:
-    """Microseconds per call of `fn(i)` over i in range(calls), replayed as one CUDA graph on CUDA."""
-    def all_calls():
-        for i in range(calls):
-            fn(i)
-
-    if not cuda:
-        start = time.perf_counter()
-        all_calls()
-        return (time.perf_counter() - start) * 1e6 / calls
-    all_calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        all_calls()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+from attention_kernel import graphed  # noqa: E402
+from score_kernel import time_us  # noqa: E402
 
 
 def main() -> None:
@@ -69,7 +48,9 @@ def main() -> None:
         weights = [torch.randn(out_features, in_features, device=args.device, dtype=dtype) * 0.02
                    for _ in range(args.calls)]
         x = torch.randn(args.rows, in_features, device=args.device, dtype=dtype)
-        us = time_us(lambda n: F.linear(x, weights[n]), args.calls, args.repeats, cuda)
+        turn = iter(range(10**9))  # (the graph's calls cycle through the distinct weights)
+        calls = graphed(lambda: F.linear(x, weights[next(turn) % args.calls]), args.calls)
+        us = time_us(calls, args.repeats) / args.calls
         nbytes = out_features * in_features * weights[0].element_size()
         results[name] = (us, nbytes)
         print(f"{name:16s} [{args.rows} x {in_features}] x [{in_features} x {out_features}]: {us:8.2f} us, "

@@ -14,14 +14,17 @@ Prints one line per (shape, method): microseconds per call (per decode step mult
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_kernel import graphed  # noqa: E402
+from score_kernel import time_us  # noqa: E402
 
 from oasis_cache.kernels.slot_assign import slot_assign  # noqa: E402
 from oasis_cache.kernels.top_k import top_k  # noqa: E402
@@ -35,30 +38,6 @@ def torch_top_k(ranks: torch.Tensor, k: int):
 
 
 METHODS = {"select": top_k, "torch.topk+sort": torch_top_k}
-
-
-def time_us(fn, calls: int, repeats: int) -> float:
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) * 1e6 / calls
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -78,7 +57,7 @@ def main() -> None:
         for name, method in METHODS.items():
             ids, values = method(ranks, args.k)
             same = torch.equal(ids, reference[0]) and torch.equal(values, reference[1])
-            us = time_us(lambda: method(ranks, args.k), args.calls, args.repeats)
+            us = time_us(graphed(lambda: method(ranks, args.k), args.calls), args.repeats) / args.calls
             print(f"rows {W:5d} x {args.batch * args.kv_heads:3d}, k {args.k}: {name:16s} {us:7.2f} us/call"
                   f"{'' if same else '  (differs from torch.topk)'}", flush=True)
     for S in args.slots:  # a steady state: every call a new selection of k of 2048 blocks, ~k/16 of them resident
@@ -97,7 +76,7 @@ def main() -> None:
             slot_assign(draws[next(calls) % len(draws)], ranks, slot_map.block_slot, slot_map.slot_block,
                         slot_map.last_used, step, visible, counters, 16, k)
 
-        us = time_us(assign, args.calls, args.repeats)
+        us = time_us(graphed(assign, args.calls), args.repeats) / args.calls
         print(f"assign {B * H:3d} rows, k {k}, slots {S}: {us:7.2f} us/call", flush=True)
 
 
