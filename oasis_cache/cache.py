@@ -766,7 +766,7 @@ class OasisCache(Cache):
 
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
-        tensors' addresses (which change when a capacity grows), its block count while it is small enough to decide
+        tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while it is small enough to decide
         the selection's shapes (NB <= slots: every block selected), the cache's device counters and address
         tables, the padding record's tensors (addresses and shape), and for a layer admitted from a store whether
         its local pool holds blocks yet and its deferred records' tensors. Equal signatures: the graph captured under
@@ -783,7 +783,7 @@ class OasisCache(Cache):
                                                    cfg.max_fetch(NB + 1), length + 1 <= budget, length + 2 <= budget)
             remote = () if pool.remote is None else (  # an admitted layer: its local pool read or not, its records
                 NB > pool.first_block, tuple(t.data_ptr() for t in pool.remote.pending_tensors()))
-            return counted, layer.predicted, tuple(t.data_ptr() for t in layer.state_tensors()), remote
+            return counted, layer.predicted, layer.state_stamps(), remote
         layers = tuple(of(layer) for layer in self.layers if isinstance(layer, OasisLayer) and layer.is_initialized)
         clocks = tuple(clock.data_ptr() for clock, _ in self._device_clocks.values())
         counts = self.counters.device_counts(self.layers[self._first_oasis_layer].device).data_ptr()

@@ -137,13 +137,13 @@ class OasisConfig:
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
             decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
-            `generate` of a process is 2.2x a later one on the H200 with the kernels on disk, 4.4x on a fresh machine
-            (docs/perf.md, thirty-second session, before a torch 2.11 graph-break fix).
+            `generate` of a process is 2.7x a later one on the H200 with the kernels on disk, 6.1x on a fresh machine
+            (docs/perf.md, thirty-third session).
         fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
-            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a layer's matmuls alone: 128 -> 109 us,
-            but a 32K x 1 decode step 10.9 -> 11.5 ms (thirty-second session, why open: docs/perf.md). Off.
+            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
+            with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather

@@ -523,6 +523,10 @@ class OasisLayer(CacheLayerMixin):
             "recent_overflow": overflow,
         }
 
+    def state_stamps(self) -> tuple:
+        """The stamps of the pools `state_tensors` reads (`pools/stamped.py`): equal stamps, same tensors."""
+        return self.summaries.stamp, self.working_set.stamp, self.slot_map.stamp, self.recent.stamp
+
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors this layer keeps between forwards (summaries, working set, slot map, recent tokens).
         A decode step that completes no block updates them in place — never rebinds one — which a captured step

@@ -12,7 +12,8 @@ matmuls), so the fusion is explicit:
               that share a storage at disjoint ranges (transformers' `_find_disjoint`; tested), so checkpoints are
               unchanged. A bare `safetensors.save_file(model.state_dict())` refuses shared storage: `unfuse(model)`
               gives every projection its own storage back.
-    compute   inside a compiled decode step (`compiled_layers.py`) the group's first projection (q, gate) computes
+    compute   the projections become `FusedLinear`s (an `nn.Linear` subclass; `unfuse` turns them back); inside a
+              compiled decode step (`compiled_layers.py`) the group's first projection (q, gate) computes
               the whole product and keeps it; the others (k, v; up) return their columns of it when called on the
               same input, else their own product. Outside a compiled step every projection computes its own product.
 
@@ -73,50 +74,53 @@ class FusedGroup:
             if with_bias:
                 lin.bias = nn.Parameter(self.bias[start:end], requires_grad=lin.bias.requires_grad)
             start = end
+        self.rows = tuple(self.rows)
         self.linears = linears
         self.on = True
 
     def valid(self) -> bool:
-        """Whether every member's parameters are still its rows of the buffer (else the group is off for good)."""
+        """Whether every member's parameters are still its rows of the buffer (else the group is off for good and
+        lets its buffer go: members still viewing it keep their own rows alive)."""
         if self.on:
             size = self.weight.element_size() * self.weight.shape[1]
             for lin, (start, _) in zip(self.linears, self.rows):
                 w = lin.weight
                 if (w.dtype != self.weight.dtype or w.device != self.weight.device
-                        or w.data_ptr() != self.weight.data_ptr() + start * size):
+                        or w.data_ptr() != self.weight.data_ptr() + start * size
+                        or self.bias is not None and (lin.bias is None or lin.bias.data_ptr() != self.bias.data_ptr()
+                                                      + start * self.bias.element_size())):
                     self.on = False
-                    break
-                if self.bias is not None and (lin.bias is None or lin.bias.data_ptr() != self.bias.data_ptr()
-                                              + start * self.bias.element_size()):
-                    self.on = False
+                    self.weight = self.bias = None
                     break
         return self.on
 
 
-class FusedMember:
-    """Installed as a fused projection's `forward` (an instance attribute)."""
+class FusedLinear(nn.Linear):
+    """A fused projection: the class a group's `nn.Linear` members take (`fuse`; `unfuse` gives `nn.Linear` back),
+    with `fused_group` and `fused_index` set. A class, not a per-module `forward`: dynamo guards on the identity of
+    a called object, so per-module forwards made every layer its own graph (recompiles up to the limit, the rest
+    eager; thirty-third session), while one class's `forward` traces once for all layers."""
 
-    def __init__(self, linear: nn.Linear, group: FusedGroup, index: int):
-        self.eager_forward = linear.forward
-        self.group, self.index = group, index
+    fused_group: FusedGroup
+    fused_index: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.group
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.fused_group
         if not (torch.compiler.is_compiling() and FUSING and group.on):
-            return self.eager_forward(x)
-        start, end = group.rows[self.index]
-        if self.index == 0:
+            return F.linear(x, self.weight, self.bias)
+        start, end = group.rows[self.fused_index]
+        if self.fused_index == 0:
             _PRODUCT[0] = (x, F.linear(x, group.weight, group.bias))
         kept = _PRODUCT[0]
         if kept is None or kept[0] is not x:  # (called on another input than the group's first projection)
-            return self.eager_forward(x)
-        if self.index == len(group.rows) - 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.fused_index == len(group.rows) - 1:
             _PRODUCT[0] = None  # (the last projection: nothing kept past the group)
         return kept[1][..., start:end]
 
 
 def _fusable(linears) -> bool:
-    if not all(type(lin) is nn.Linear for lin in linears):
+    if not all(type(lin) is nn.Linear for lin in linears):  # (subclasses may compute otherwise)
         return False
     first = linears[0].weight
     return (all(lin.weight.dtype == first.dtype and lin.weight.device == first.device
@@ -142,18 +146,18 @@ def fuse(model: nn.Module, layers: list[nn.Module]) -> list[FusedGroup]:
             linears = [getattr(holder, name, None) for name in names] if holder is not None else []
             if not linears or any(lin is None for lin in linears):
                 continue
-            current = [lin.__dict__.get("forward") for lin in linears]
-            if all(isinstance(member, FusedMember) and member.group.valid() for member in current):
-                own.append(current[0].group)
+            if (all(isinstance(lin, FusedLinear) for lin in linears) and linears[0].fused_group.valid()
+                    and all(lin.fused_group is linears[0].fused_group for lin in linears)):
+                own.append(linears[0].fused_group)
                 continue
-            if any(isinstance(member, FusedMember) for member in current):
-                _restore(linears)
+            _restore(linears)
             params = [p for lin in linears for p in lin.parameters()]
             if not _fusable(linears) or any(counts.get(id(p), 0) > 1 for p in params):
                 continue
             group = FusedGroup(linears)
             for index, lin in enumerate(linears):
-                lin.forward = FusedMember(lin, group, index)
+                lin.__class__ = FusedLinear
+                lin.fused_group, lin.fused_index = group, index
             own.append(group)
         compiled = layer.__dict__.get("forward")
         if compiled is not None and hasattr(compiled, "fused_groups"):
@@ -165,9 +169,11 @@ def fuse(model: nn.Module, layers: list[nn.Module]) -> list[FusedGroup]:
 def _restore(linears) -> None:
     """Each projection back to its own storage and forward."""
     for lin in linears:
-        member = lin.__dict__.pop("forward", None)
-        if isinstance(member, FusedMember):
-            member.group.on = False
+        if isinstance(lin, FusedLinear):
+            group = lin.fused_group
+            group.on, group.weight, group.bias = False, None, None
+            lin.__class__ = nn.Linear
+            del lin.fused_group, lin.fused_index
             lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
             if lin.bias is not None:
                 lin.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
@@ -176,5 +182,5 @@ def _restore(linears) -> None:
 def unfuse(model: nn.Module) -> None:
     """Give every fused projection of `model` its own storage back (e.g. before a bare `safetensors.save_file`)."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), FusedMember):
+        if isinstance(module, FusedLinear):
             _restore([module])

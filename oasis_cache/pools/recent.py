@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .stamped import Stamped
 
-class RecentTokens:
+
+class RecentTokens(Stamped):
     def __init__(self, region: torch.Tensor, use_kernel: bool = False):
         self.region = region  # [2, B, Hkv, R, D], a view into the working set
         self.num_tokens = 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .stamped import Stamped
+
 
 @dataclass
 class Assignment:
@@ -28,7 +30,7 @@ class Assignment:
     fetch: torch.Tensor
 
 
-class SlotMap:
+class SlotMap(Stamped):
     def __init__(self, batch_size, num_kv_heads, num_slots, device, use_kernel: bool = False):
         self.num_slots = num_slots
         self.use_kernel = use_kernel

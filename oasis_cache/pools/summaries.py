@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from .stamped import Stamped
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -138,7 +140,7 @@ def fp8_levels_for(requested: bool | None, scorer: str, device: torch.device, us
     return requested
 
 
-class BlockSummaries:
+class BlockSummaries(Stamped):
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
                  fp8_levels: bool = False, kept_channels: int | None = None):
         self.head_dim = head_dim

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .stamped import Stamped
 
-class WorkingSet:
+
+class WorkingSet(Stamped):
     def __init__(self, batch_size, num_kv_heads, num_slots, block_size, recent_capacity, head_dim, dtype, device):
         self.num_slots = num_slots
         self.block_size = block_size
