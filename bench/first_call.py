@@ -9,6 +9,11 @@ kernel caches when `--fresh-kernel-cache` is given: what a new machine pays; the
 as every later process on that machine does). Each child loads the model, then calls `model.generate` `--calls`
 times, each with a fresh `OasisCache(model, token_budget=--budget)` on the same random prompt, and reports each call's
 wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
+
+Where a first call's extra time goes: each call's time to its first new token (the prefill) and the decode after it;
+with `--compile-decode`, dynamo's and inductor's own phases of the child's first call (`torch._dynamo.utils.
+compile_times`, the largest); with `--fresh-kernel-cache`, the Triton kernels the first child compiled, by name and
+count of specializations (from the cache's metadata), and the span of their files' times.
 """
 
 from __future__ import annotations
@@ -40,19 +45,55 @@ def child(args) -> dict:
     t0 = time.perf_counter()
     model, vocab = load_model(args.model, args.device, getattr(torch, args.dtype))
     load_s = time.perf_counter() - t0
+    from transformers import StoppingCriteria
+
+    class Stamps(StoppingCriteria):  # the host clock at each new token (`generate` syncs at each one anyway)
+        def __init__(self):
+            self.stamps = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
-    times = []
-    for _ in range(args.calls):
-        cache = OasisCache(model, token_budget=args.budget, **({"compile_decode": True} if args.compile_decode else {}))
+    options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
+    times, first_token = [], []
+    compile_phases = {}
+    for call in range(args.calls):
+        cache = OasisCache(model, token_budget=args.budget, **options)
+        clock = Stamps()
         t0 = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                       min_new_tokens=args.new_tokens, do_sample=False, **cache.generate_kwargs())
+                       min_new_tokens=args.new_tokens, do_sample=False, stopping_criteria=[clock],
+                       **cache.generate_kwargs())
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        first_token.append(clock.stamps[0] - t0)
+        if call == 0 and args.compile_decode:
+            from torch._dynamo.utils import compile_times
+            names, values = compile_times(repr="csv", aggregate=True)
+            compile_phases = {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
         del cache
-    return {"load_s": load_s, "generate_s": times}
+    return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases}
+
+
+def triton_kernels(cache_dir: str) -> dict:
+    """`{kernel name: specializations}` compiled into a Triton cache folder, and the span of their files' times."""
+    names, stamps = {}, []
+    for meta in Path(cache_dir).glob("*/*.json"):
+        if meta.name.startswith("__grp__"):
+            continue
+        try:
+            name = json.loads(meta.read_text()).get("name")
+        except (OSError, ValueError):
+            continue
+        if name:
+            names[name] = names.get(name, 0) + 1
+            stamps.append(meta.stat().st_mtime)
+    span = max(stamps) - min(stamps) if stamps else 0.0
+    return {"kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])), "files_span_s": round(span, 2)}
 
 
 def main(argv=None):
@@ -69,6 +110,7 @@ def main(argv=None):
                         help="the first child starts with an empty Triton cache (TRITON_CACHE_DIR in a new folder)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
+    parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -82,7 +124,8 @@ def main(argv=None):
     header = (f"{args.model} {args.dtype} on {device}, torch {torch.__version__}, transformers "
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; context "
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
-              + (", compile_decode" if args.compile_decode else ""))
+              + (", compile_decode" if args.compile_decode else "")
+              + (", fuse_projections" if args.compile_decode and args.fuse_projections else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
     rows = []
@@ -95,6 +138,7 @@ def main(argv=None):
                    args.dtype, "--context", str(args.context), "--budget", str(args.budget), "--new-tokens",
                    str(args.new_tokens), "--calls", str(args.calls)]
         command += ["--compile-decode"] if args.compile_decode else []
+        command += ["--fuse-projections"] if args.fuse_projections else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
@@ -102,11 +146,21 @@ def main(argv=None):
         result = json.loads(lines[-1])
         times = result["generate_s"]
         row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0, load_s=result["load_s"],
-                   generate_s=times, first_over_last=times[0] / times[-1])
+                   generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
+                   compile_phases=result["compile_phases"])
+        if row["fresh_kernel_cache"]:
+            row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
         print(f"process {index}{' (empty kernel cache)' if row['fresh_kernel_cache'] else ''}: load "
               f"{row['load_s']:.1f} s; generate " + " / ".join(f"{t:.2f}" for t in times)
-              + f" s; first / last {row['first_over_last']:.2f}x", flush=True)
+              + f" s; first / last {row['first_over_last']:.2f}x; to the first token "
+              + " / ".join(f"{t:.2f}" for t in row["first_token_s"]) + " s", flush=True)
+        phases = sorted(row["compile_phases"].items(), key=lambda kv: -kv[1])[:8]
+        if phases:
+            print("   compile phases (s): " + ", ".join(f"{n} {v:.2f}" for n, v in phases), flush=True)
+        if "triton" in row:
+            print(f"   Triton kernels compiled ({row['triton']['files_span_s']:.1f} s from first to last): "
+                  + ", ".join(f"{n} x{c}" for n, c in row["triton"]["kernels"].items()), flush=True)
     if kernel_cache:
         shutil.rmtree(kernel_cache, ignore_errors=True)
     if args.out:
