@@ -180,7 +180,13 @@ class MethodRun:
             self.model.set_attn_implementation(self.attention)
 
     def step(self) -> None:
-        """One decode step, timed after `--warmup` steps (the device synchronized before and after)."""
+        """One decode step, timed after `--warmup` steps (the device synchronized before and after); the first timed
+        one waits for a compilation in a thread (`compile_in_background`) to end first."""
+        if self.steps_done == self.args.warmup and getattr(getattr(self.cache, "config", None),
+                                                           "compile_in_background", False):
+            from oasis_cache.compute.compiled_layers import wait_for_compilations
+
+            wait_for_compilations()
         self._use_own_attention()
         sync(self.args.device)
         before = self._allocated()

@@ -57,7 +57,8 @@ def child(args) -> dict:
 
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
-    options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
+    options = dict(compile_decode=True, fuse_projections=args.fuse_projections,
+                   compile_in_background=args.compile_in_background) if args.compile_decode else {}
     times, first_token = [], []
     compile_phases = {}
     for call in range(args.calls):
@@ -111,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
+    parser.add_argument("--compile-in-background", action="store_true",
+                        help="with --compile-decode: compile_in_background (the steps compiled in a thread)")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -125,7 +128,8 @@ def main(argv=None):
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; context "
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
               + (", compile_decode" if args.compile_decode else "")
-              + (", fuse_projections" if args.compile_decode and args.fuse_projections else ""))
+              + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
+              + (", compile_in_background" if args.compile_decode and args.compile_in_background else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
     rows = []
@@ -139,6 +143,7 @@ def main(argv=None):
                    str(args.new_tokens), "--calls", str(args.calls)]
         command += ["--compile-decode"] if args.compile_decode else []
         command += ["--fuse-projections"] if args.fuse_projections else []
+        command += ["--compile-in-background"] if args.compile_in_background else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:

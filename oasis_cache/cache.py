@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import compat
-from .compute import compiled_ops
+from .compute import compiled_layers, compiled_ops
 from .compute.attention import clear_pending, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
@@ -171,13 +171,16 @@ class OasisCache(Cache):
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if torch.compiler.is_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
+        if torch.compiler.is_dynamo_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
             return compiled_ops.traced_update(key_states, value_states, layer_idx)
         return self.eager_update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
     def eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step)."""
+        if compiled_ops.is_dry():  # (a compilation in a thread whose graph broke at the update: never write from it)
+            raise RuntimeError("OasisCache.update called from a compilation in a thread (compile_in_background); "
+                               "its graph must hold the update as the oasis::update op.")
         layer = self.layers[layer_idx]
         if layer_idx == 0 or isinstance(layer, OasisLayer):
             self._check_attention(layer_idx)  # before anything of this forward is written
@@ -791,7 +794,9 @@ class OasisCache(Cache):
         padding = self.padding  # a step without a mask reads the record's tensors (a new prefill makes new ones)
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
-        return layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded
+        compiled = compiled_layers.READY[0] if self.config.compile_in_background else 0  # (steps captured anew)
+        return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
+                compiled)
 
     def prepare_capture(self) -> None:
         """Before a step is captured: compute joins the side stream, so that the graph need not wait on events

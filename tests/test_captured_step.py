@@ -141,7 +141,8 @@ def test_equal_pool_stamps_mean_the_same_state_tensors(monkeypatch):
     cache = OasisCache(model, lookahead="previous", token_budget=512, recent_tokens=32, host_chunk_blocks=2)
     generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=60, do_sample=False)
     slots = cache.layers[0].working_set.num_slots
-    generate(model, cache, {"input_ids": prompt_ids(600)}, max_new_tokens=8, do_sample=False)  # (reset, prefilled)
+    cache.reset()
+    generate(model, cache, {"input_ids": prompt_ids(600)}, max_new_tokens=8, do_sample=False)
     assert cache.layers[0].working_set.num_slots > slots
     grown = len(seen)
     twin = copy.deepcopy(cache)
@@ -401,6 +402,58 @@ def test_compiled_decode_compiles_once_for_all_layers():
     expected = generate(hybrid, OasisCache(hybrid, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
                         do_sample=False)
     assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_compile_in_background_decodes_uncompiled_until_its_thread_is_done(monkeypatch):
+    """`compile_in_background`: the first decode step starts the compilation in a thread (dry ops: no cache
+    written) and the steps run the layers' own forward meanwhile; once it is done the main thread's steps run the
+    compiled graph it left — one graph for every layer, not compiled again, no graph break — and every token equals
+    an uncompiled cache's. A compilation that fails raises at the next step that needs it, naming the way out."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    from conftest import generate
+    from oasis_cache.compute import compiled_layers
+
+    calls = []
+    run_compiled = compiled_layers.CompiledDecode.run_compiled
+
+    def recorded(self, *args, **kwargs):
+        calls.append(threading.current_thread() is threading.main_thread())
+        return run_compiled(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_layers.CompiledDecode, "run_compiled", recorded)
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=10)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    kw = dict(max_new_tokens=6, do_sample=False)
+    expected = [generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300, seed=s)}, **kw)
+                for s in (1, 2)]
+    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    cache = OasisCache(model, compile_decode=True, fuse_projections=True, compile_in_background=True, **options)
+    first = generate(model, cache, {"input_ids": prompt_ids(300, seed=1)}, **kw)
+    assert calls[:1] == [False]  # (the thread's one call; the main thread's steps ran uncompiled meanwhile)
+    compiled_layers.wait_for_compilations()
+    assert list(model.model.layers[0].forward.background.state.values()) == ["ready"]
+    lengths = {layer.get_seq_length() for layer in cache.layers}
+    assert lengths == {300 + 6 - 1} and cache.counters.decode_steps == 6 - 1  # (the thread wrote nothing)
+    cache.reset()
+    second = generate(model, cache, {"input_ids": prompt_ids(300, seed=2)}, **kw)
+    assert calls.count(True) >= 10 * 5  # every layer of the later steps, compiled, in the main thread
+    assert counters["stats"]["unique_graphs"] - before <= 2  # (2: a torch without `dynamic_sources`)
+    assert sum(counters["graph_break"].values()) == breaks
+    for got, want in zip((first, second), expected):
+        assert torch.equal(got.sequences, want.sequences)
+
+    other = tiny_model("qwen3", num_hidden_layers=2)
+    def failing(*args, **kwargs):
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing)
+    cache = OasisCache(other, compile_decode=True, compile_in_background=True, **options)
+    with pytest.raises(RuntimeError, match="compile_in_background=False"):
+        generate(other, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=40, do_sample=False)
 
 
 def test_fused_projections_compute_one_product_per_group(tmp_path):

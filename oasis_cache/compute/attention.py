@@ -94,7 +94,7 @@ def oasis_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention interface "oasis". Shapes: query `[B, Hq, Qn, D]`, key/value `[B, Hkv, Qn(+past), D]`;
     returns `[B, Qn, Hq, D]` like every transformers attention function."""
-    if torch.compiler.is_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
+    if torch.compiler.is_dynamo_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
         _check_call(module, attention_mask, dropout, kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return compiled_ops.traced_attention(module, query, key, value, attention_mask, scale)

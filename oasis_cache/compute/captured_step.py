@@ -44,6 +44,7 @@ import inspect
 import torch
 
 from ..compat import generate_cache_argument
+from . import compiled_layers
 
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
 # except the token and its positions: the step reads the cache's recorded padding, not the caller's mask.
@@ -132,6 +133,8 @@ class CapturedSteps:
         cache.prepare_step(kind)
         slot = self.graphs.setdefault(kind, _Graph())
         if cache.replay_signature() != slot.signature:
+            if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
+                return runner.eager_forward(**kwargs)
             return self._capture(runner, cache, input_ids, slot, kwargs)
         return self._replay(cache, input_ids, kind, slot, kwargs)
 

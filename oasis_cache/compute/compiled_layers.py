@@ -14,11 +14,20 @@ twice, at two graph breaks); elsewhere (sliding-window layers) they break the gr
 each layer compiles into the regions around them. Inductor fuses the elementwise work (norms, rotary, activation,
 residuals). A captured step records the compiled kernels like any others; the graphs are compiled at the first eager
 step that meets them, before a capture.
+
+With `compile_in_background` (research) the compilation does not hold up the steps: the first decode-sized call of a
+shape (once the cache's steps are captured, where they are) starts a thread that calls the compiled forward once on
+copies of that call's arguments with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros attended), which
+compiles the graph every layer shares; until it ends, the layers run their own forward (replayed as before, no new
+capture: the thread may synchronize the device). Its end bumps `READY`, part of the replay signature, so the steps
+are captured anew with the compiled kernels. A failed compilation raises at the next call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 
 import torch
 
@@ -47,6 +56,89 @@ def _layer_index_symbolic():
     return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, *_LAYER_INDEX_SOURCES))))
 
 
+# Bumped when a compilation in a thread ends (`OasisCache.replay_signature` reads it: steps are captured anew).
+READY = [0]
+_THREADS: list = []  # compilations in flight (threads)
+_ONE_THREAD = threading.Lock()  # held around a compiled call (`CompiledDecode.run_compiled`)
+
+
+def compiling() -> bool:
+    """Whether a compilation runs in a thread now (then no step is captured: it may synchronize the device)."""
+    return any(thread.is_alive() for thread in _THREADS)
+
+
+def wait_for_compilations(timeout: float | None = None) -> None:
+    """Wait for the compilations running in threads (benchmarks, tests)."""
+    for thread in list(_THREADS):
+        thread.join(timeout)
+
+
+def _copied(value):
+    """`value` with its tensors copied (same shape, strides, dtype, device: the same guards), containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+class BackgroundCompile:
+    """One model's compilations in threads (`compile_in_background`), by the shape of the calls they serve:
+    `state[key]` is "compiling", "ready" or the exception that ended it."""
+
+    def __init__(self):
+        self.state: dict = {}
+
+    def start(self, layer: "CompiledDecode", cache, key, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        device = hidden.device
+        args, kwargs = _copied(args), _copied(kwargs)  # (the caller's buffers change under the thread)
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        stream = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the copies are made
+        self.state[key] = "compiling"
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.0005))  # the caller's steps wait on the device, then on the GIL
+
+        def run():
+            try:
+                with contextlib.ExitStack() as scope:
+                    scope.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+                    if stream is not None:
+                        scope.enter_context(torch.cuda.device(device))
+                        scope.enter_context(torch.cuda.stream(stream))
+                    scope.enter_context(compiled_ops.dry())
+                    layer.run_compiled(cache, args, kwargs, wait=True)
+                if stream is not None:
+                    stream.synchronize()
+                self.state[key] = "ready"
+            except BaseException as error:  # (raised at the next call that needs it)
+                self.state[key] = error
+            finally:
+                if sys.getswitchinterval() == min(switch, 0.0005):
+                    sys.setswitchinterval(switch)
+                READY[0] += 1
+
+        thread = threading.Thread(target=run, name="oasis-compile", daemon=True)
+        _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
+        thread.start()
+
+
+def _may_start(cache, hidden) -> bool:
+    """Whether a compilation may start in a thread now: not inside a capture, and once the cache's steps are
+    captured (both kinds) or enough steps went by without (steps that are never replayed)."""
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    steps = cache.captured_steps
+    if steps is None or {"steady", "completing"} <= {k for k, g in steps.graphs.items() if g.graph is not None}:
+        return True
+    return cache.decode_clock >= 2 * cache.config.block_size + 4
+
+
 class CompiledDecode:
     """Installed once per decoder layer as its `forward` (same signature): a decode-sized call with an OasisCache
     whose config asks for it runs the layer's forward compiled; any other call runs it as it is."""
@@ -57,6 +149,7 @@ class CompiledDecode:
         self.__doc__ = self.eager_forward.__doc__
         self.compiled = None  # made at the first call that needs it (torch.compile is lazy anyway)
         self.fused_groups = []  # this layer's fused projections (`fused_projections.fuse`), if a cache asked for them
+        self.background = None  # the model's `BackgroundCompile`, shared by its layers (`install`)
 
     @classmethod
     def install(cls, model, attention_modules) -> list[torch.nn.Module]:
@@ -69,6 +162,9 @@ class CompiledDecode:
                 if not isinstance(module.__dict__.get("forward"), cls):
                     module.forward = cls(module)
                 layers.append(module)
+        background = next((layer.forward.background for layer in layers if layer.forward.background), None)
+        for layer in layers:
+            layer.forward.background = background = background or BackgroundCompile()
         return layers
 
     def __call__(self, *args, **kwargs):
@@ -80,7 +176,28 @@ class CompiledDecode:
             return self.eager_forward(*args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.eager_forward)
+        if config.compile_in_background:
+            key = (tuple(hidden.shape), hidden.dtype, str(hidden.device), config.fuse_projections,
+                   cache.all_oasis_layers)
+            state = self.background.state.get(key)
+            if isinstance(state, BaseException):
+                raise RuntimeError(f"The decode step's compilation in a thread failed ({state!r}). Decode without it: "
+                                   "OasisCache(..., compile_in_background=False), or compile_decode=False.") from state
+            if state != "ready":
+                if state is None and _may_start(cache, hidden):
+                    self.background.start(self, cache, key, args, kwargs)
+                return self.eager_forward(*args, **kwargs)
+        return self.run_compiled(cache, args, kwargs)
+
+    def run_compiled(self, cache, args, kwargs, wait: bool = False):
+        """The layer's forward compiled, under what its graphs assume (its contexts). The contexts set flags that
+        dynamo reads as globals while tracing: one thread at a time (`_ONE_THREAD`); a caller that would wait for a
+        compilation in a thread runs the layer's own forward instead, unless `wait`."""
+        if not _ONE_THREAD.acquire(blocking=wait):
+            return self.eager_forward(*args, **kwargs)
+        config = cache.config
         with contextlib.ExitStack() as scope:
+            scope.callback(_ONE_THREAD.release)
             scope.enter_context(_ONE_GRAPH_FOR_ALL_LAYERS)
             scope.enter_context(_layer_index_symbolic())
             if config.fuse_projections:  # (a group whose parameters moved computes unfused from now: checked here)

@@ -106,7 +106,7 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.fused_group
-        if not (torch.compiler.is_compiling() and FUSING and group.on):
+        if not (torch.compiler.is_dynamo_compiling() and FUSING and group.on):
             return F.linear(x, self.weight, self.bias)
         start, end = group.rows[self.fused_index]
         if self.fused_index == 0:
