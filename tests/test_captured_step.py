@@ -408,7 +408,9 @@ def test_compile_in_background_decodes_uncompiled_until_its_thread_is_done(monke
     """`compile_in_background`: the first decode step starts the compilation in a thread (dry ops: no cache
     written) and the steps run the layers' own forward meanwhile; once it is done the main thread's steps run the
     compiled graph it left — one graph for every layer, not compiled again, no graph break — and every token equals
-    an uncompiled cache's. A compilation that fails raises at the next step that needs it, naming the way out."""
+    an uncompiled cache's. A model with sliding-window layers compiles in its steps (its update and attention run
+    between graphs: they cannot run dry). A compilation that fails raises at the next step that needs it, naming the
+    way out."""
     import threading
 
     from torch._dynamo.utils import counters
@@ -446,7 +448,15 @@ def test_compile_in_background_decodes_uncompiled_until_its_thread_is_done(monke
     for got, want in zip((first, second), expected):
         assert torch.equal(got.sequences, want.sequences)
 
+    hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
+                        use_sliding_window=True)  # (its update and attention break the graph: compiled in the step)
+    want = generate(hybrid, OasisCache(hybrid, **options), {"input_ids": prompt_ids(300)}, **kw)
+    cache = OasisCache(hybrid, compile_decode=True, compile_in_background=True, **options)
+    assert torch.equal(generate(hybrid, cache, {"input_ids": prompt_ids(300)}, **kw).sequences, want.sequences)
+    assert hybrid.model.layers[1].forward.background.state == {}
+
     other = tiny_model("qwen3", num_hidden_layers=2)
+
     def failing(*args, **kwargs):
         raise OSError("no compiler here")
 

@@ -176,9 +176,10 @@ class CompiledDecode:
             return self.eager_forward(*args, **kwargs)
         if self.compiled is None:
             self.compiled = torch.compile(self.eager_forward)
-        if config.compile_in_background:
-            key = (tuple(hidden.shape), hidden.dtype, str(hidden.device), config.fuse_projections,
-                   cache.all_oasis_layers)
+        # (with sliding-window layers the update and the attention run between graphs, not as ops: they cannot run
+        # dry in a thread, so those caches compile here)
+        if config.compile_in_background and cache.all_oasis_layers:
+            key = (tuple(hidden.shape), hidden.dtype, str(hidden.device), config.fuse_projections)
             state = self.background.state.get(key)
             if isinstance(state, BaseException):
                 raise RuntimeError(f"The decode step's compilation in a thread failed ({state!r}). Decode without it: "
