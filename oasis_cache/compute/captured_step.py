@@ -136,7 +136,10 @@ class CapturedSteps:
             if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
                 return runner.eager_forward(**kwargs)
             return self._capture(runner, cache, input_ids, slot, kwargs)
-        return self._replay(cache, input_ids, kind, slot, kwargs)
+        out = self._replay(cache, input_ids, kind, slot, kwargs)
+        if cache.config.compile_in_background:  # (replays call no layer: a compilation waiting for them starts here)
+            compiled_layers.poll(cache)
+        return out
 
     def _replayable(self, cache, input_ids, kwargs) -> str | None:
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:

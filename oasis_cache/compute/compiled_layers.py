@@ -16,8 +16,8 @@ residuals). A captured step records the compiled kernels like any others; the gr
 step that meets them, before a capture.
 
 With `compile_in_background` (research) the compilation does not hold up the steps: the first decode-sized call of a
-shape (once the cache's steps are captured, where they are) starts a thread that calls the compiled forward once on
-copies of that call's arguments with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros attended), which
+shape copies its arguments, and once the cache's steps are captured (where they are; `BackgroundCompile.poll`) a
+thread calls the compiled forward once on them with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros attended), which
 compiles the graph every layer shares; until it ends, the layers run their own forward (replayed as before, no new
 capture: the thread may synchronize the device). Its end bumps `READY`, part of the replay signature, so the steps
 are captured anew with the compiled kernels. A failed compilation raises at the next call.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -86,20 +87,49 @@ def _copied(value):
 
 class BackgroundCompile:
     """One model's compilations in threads (`compile_in_background`), by the shape of the calls they serve:
-    `state[key]` is "compiling", "ready" or the exception that ended it."""
+    `state[key]` is "pending" (the call's arguments copied, `pending[key]`), "compiling", "ready" or the exception
+    that ended it. A pending compilation starts (`poll`) once no capture can meet it: at once without captured
+    steps, else once the cache's two kinds of step are captured (then steps are replays, which call no layer: the
+    captured path polls after each)."""
 
     def __init__(self):
         self.state: dict = {}
+        self.pending: dict = {}
 
-    def start(self, layer: "CompiledDecode", cache, key, args, kwargs) -> None:
+    def request(self, layer: "CompiledDecode", cache, key, args, kwargs) -> None:
+        """Copy the call's arguments (its buffers change before the thread runs; the cache itself is held weakly:
+        a pending compilation must not keep a deleted cache's memory) and start when allowed."""
         hidden = args[0] if args else kwargs["hidden_states"]
-        device = hidden.device
-        args, kwargs = _copied(args), _copied(kwargs)  # (the caller's buffers change under the thread)
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # (copies made inside a capture would be the graph's: asked again at an eager call)
+        name = "cache" if kwargs.get("cache") is cache else "past_key_values"
+        copies = _copied({k: v for k, v in kwargs.items() if k != name})
+        made = None
+        if hidden.is_cuda:
+            made = torch.cuda.Event()
+            made.record()
+        self.pending[key] = (layer, weakref.ref(cache), _copied(args), copies, name, made, hidden.device,
+                             torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self.state[key] = "pending"
+        self.poll(cache)
+
+    def poll(self, cache) -> None:
+        """Start the pending compilations of `cache` that may start now (`_may_start`); forget those whose cache
+        was deleted."""
+        for key, (layer, owner, args, kwargs, name, made, device, grad, inference) in list(self.pending.items()):
+            owner = owner()
+            if owner is None:
+                del self.pending[key], self.state[key]
+            elif owner is cache and _may_start(cache, device):
+                del self.pending[key]
+                self._start(key, layer, cache, args, kwargs, name, made, device, grad, inference)
+
+    def _start(self, key, layer, cache, args, kwargs, name, made, device, grad, inference) -> None:
+        kwargs = {**kwargs, name: cache}
         stream = None
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # the copies are made
+            stream.wait_event(made)  # the copies are made
         self.state[key] = "compiling"
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.0005))  # the caller's steps wait on the device, then on the GIL
@@ -128,10 +158,20 @@ class BackgroundCompile:
         thread.start()
 
 
-def _may_start(cache, hidden) -> bool:
+_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its BackgroundCompile
+
+
+def poll(cache) -> None:
+    """After a replayed step (`captured_step.CapturedSteps`): start what waited for the steps to be captured."""
+    background = _BY_MODEL.get(cache._model())
+    if background is not None and background.pending:
+        background.poll(cache)
+
+
+def _may_start(cache, device) -> bool:
     """Whether a compilation may start in a thread now: not inside a capture, and once the cache's steps are
     captured (both kinds) or enough steps went by without (steps that are never replayed)."""
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     steps = cache.captured_steps
     if steps is None or {"steady", "completing"} <= {k for k, g in steps.graphs.items() if g.graph is not None}:
@@ -162,9 +202,10 @@ class CompiledDecode:
                 if not isinstance(module.__dict__.get("forward"), cls):
                     module.forward = cls(module)
                 layers.append(module)
-        background = next((layer.forward.background for layer in layers if layer.forward.background), None)
+        background = _BY_MODEL.get(model) or BackgroundCompile()
+        _BY_MODEL[model] = background
         for layer in layers:
-            layer.forward.background = background = background or BackgroundCompile()
+            layer.forward.background = background
         return layers
 
     def __call__(self, *args, **kwargs):
@@ -185,8 +226,10 @@ class CompiledDecode:
                 raise RuntimeError(f"The decode step's compilation in a thread failed ({state!r}). Decode without it: "
                                    "OasisCache(..., compile_in_background=False), or compile_decode=False.") from state
             if state != "ready":
-                if state is None and _may_start(cache, hidden):
-                    self.background.start(self, cache, key, args, kwargs)
+                if state is None:
+                    self.background.request(self, cache, key, args, kwargs)
+                elif state == "pending":
+                    self.background.poll(cache)
                 return self.eager_forward(*args, **kwargs)
         return self.run_compiled(cache, args, kwargs)
 
