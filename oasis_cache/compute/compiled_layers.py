@@ -153,7 +153,8 @@ class BackgroundCompile:
                     sys.setswitchinterval(switch)
                 READY[0] += 1
 
-        thread = threading.Thread(target=run, name="oasis-compile", daemon=True)
+        # (not a daemon: a script that ends while it compiles waits for it instead of tearing the compiler down)
+        thread = threading.Thread(target=run, name="oasis-compile", daemon=False)
         _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
         thread.start()
 
