@@ -109,6 +109,7 @@ class CapturedSteps:
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
+        self.compiled_seen = 0  # `compiled_layers.READY` when a step last ran eagerly before a capture
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
         self.replays = 0
@@ -125,20 +126,29 @@ class CapturedSteps:
             return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
-            with self._on_capture_stream(input_ids.device):  # called as a capture calls it (compiled layers meet
-                out = runner.eager_forward(**self._static_call(runner, cache, input_ids, kwargs))  # it here first)
-                logits = out.logits.clone()
-            out["logits"] = logits
-            return out
+            self.compiled_seen = compiled_layers.READY[0]
+            return self._static_eager_step(runner, cache, input_ids, kwargs)
         cache.prepare_step(kind)
         slot = self.graphs.setdefault(kind, _Graph())
         if cache.replay_signature() != slot.signature:
             if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
                 return runner.eager_forward(**kwargs)
+            if cache.config.compile_in_background and self.compiled_seen != compiled_layers.READY[0]:
+                self.compiled_seen = compiled_layers.READY[0]  # (a thread's compilation ended: its graphs are met
+                return self._static_eager_step(runner, cache, input_ids, kwargs)  # once before any capture)
             return self._capture(runner, cache, input_ids, slot, kwargs)
         out = self._replay(cache, input_ids, kind, slot, kwargs)
         if cache.config.compile_in_background:  # (replays call no layer: a compilation waiting for them starts here)
             compiled_layers.poll(cache)
+        return out
+
+    def _static_eager_step(self, runner, cache, input_ids, kwargs):
+        """An eager step on the capture stream, called as a capture calls it: compiled layers meet their graphs
+        here (a compilation is never first met inside a capture)."""
+        with self._on_capture_stream(input_ids.device):
+            out = runner.eager_forward(**self._static_call(runner, cache, input_ids, kwargs))
+            logits = out.logits.clone()
+        out["logits"] = logits
         return out
 
     def _replayable(self, cache, input_ids, kwargs) -> str | None:
