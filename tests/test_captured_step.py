@@ -466,6 +466,43 @@ def test_compile_in_background_decodes_uncompiled_until_its_thread_is_done(monke
         generate(other, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=40, do_sample=False)
 
 
+def test_a_pending_compilation_waits_on_the_cache_that_asked_last(monkeypatch):
+    """`compile_in_background` before the thread may start (on CUDA: until the steps are captured): the compilation
+    waits with the copied arguments of one cache's call, holding that cache weakly; a second cache's call takes the
+    wait over (the first may never decode again), a deleted cache's wait is forgotten, and once allowed the thread
+    compiles and the tokens still equal an uncompiled cache's."""
+    import gc
+
+    from conftest import generate
+    from oasis_cache.compute import compiled_layers
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    kw = dict(max_new_tokens=4, do_sample=False)
+    want = generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300)}, **kw)
+    background = lambda: model.model.layers[0].forward.background  # noqa: E731
+    allowed = [False]
+    monkeypatch.setattr(compiled_layers, "_may_start", lambda cache, device: allowed[0])
+    first = OasisCache(model, compile_decode=True, compile_in_background=True, **options)
+    generate(model, first, {"input_ids": prompt_ids(300)}, **kw)
+    (key,) = background().pending
+    assert background().state[key] == "pending" and background().owned_by(key, first)
+    second = OasisCache(model, compile_decode=True, compile_in_background=True, **options)
+    generate(model, second, {"input_ids": prompt_ids(300)}, **kw)
+    assert background().owned_by(key, second)
+    del second
+    gc.collect()
+    background().poll(first)
+    assert background().state == {} and background().pending == {}  # (the deleted cache's wait forgotten)
+    allowed[0] = True
+    first.reset()
+    got = generate(model, first, {"input_ids": prompt_ids(300)}, **kw)
+    compiled_layers.wait_for_compilations()
+    assert background().state == {key: "ready"}
+    assert torch.equal(got.sequences, want.sequences)
+
+
 def test_fused_projections_compute_one_product_per_group(tmp_path):
     """`fuse_projections=True` (with `compile_decode`): each layer's q/k/v (with qwen2's biases) and gate/up become one
     product each inside the compiled step — 4 matmuls a layer in the generated code instead of 7 — and decode the

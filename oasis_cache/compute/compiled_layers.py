@@ -113,6 +113,11 @@ class BackgroundCompile:
         self.state[key] = "pending"
         self.poll(cache)
 
+    def owned_by(self, key, cache) -> bool:
+        """Whether the pending compilation of `key` waits on `cache` (its steps to be captured)."""
+        entry = self.pending.get(key)
+        return entry is not None and entry[1]() is cache
+
     def poll(self, cache) -> None:
         """Start the pending compilations of `cache` that may start now (`_may_start`); forget those whose cache
         was deleted."""
@@ -227,8 +232,8 @@ class CompiledDecode:
                 raise RuntimeError(f"The decode step's compilation in a thread failed ({state!r}). Decode without it: "
                                    "OasisCache(..., compile_in_background=False), or compile_decode=False.") from state
             if state != "ready":
-                if state is None:
-                    self.background.request(self, cache, key, args, kwargs)
+                if state is None or state == "pending" and not self.background.owned_by(key, cache):
+                    self.background.request(self, cache, key, args, kwargs)  # (another cache's wait: this one's now)
                 elif state == "pending":
                     self.background.poll(cache)
                 return self.eager_forward(*args, **kwargs)
