@@ -130,7 +130,8 @@ def main():
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             name = re.sub(r"[^A-Za-z0-9._-]", "-", method)  # (the device tool brings back plain names only)
-            (Path(args.out) / f"profile-{name}-{args.context}x{args.batch}.txt").write_text(summary + "\n" + table + "\n" + cpu_table)
+            text = summary + "\n" + table + "\n" + cpu_table
+            (Path(args.out) / f"profile-{name}-{args.context}x{args.batch}.txt").write_text(text)
         del cache, out
 
 

@@ -769,11 +769,12 @@ class OasisCache(Cache):
 
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
-        tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while it is small enough to decide
-        the selection's shapes (NB <= slots: every block selected), the cache's device counters and address
-        tables, the padding record's tensors (addresses and shape), and for a layer admitted from a store whether
-        its local pool holds blocks yet and its deferred records' tensors. Equal signatures: the graph captured under
-        one is valid under the other — past `slots` blocks a completed block does not invalidate it (selection
+        tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while
+        it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
+        counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
+        store whether its local pool holds blocks yet and its deferred records' tensors, and with
+        `compile_in_background` how many compilations in threads have ended. Equal signatures: the graph captured
+        under one is valid under the other — past `slots` blocks a completed block does not invalidate it (selection
         reads the block count on the device)."""
         cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
 
@@ -781,9 +782,8 @@ class OasisCache(Cache):
             NB, pool, length = layer.pool.num_blocks, layer.pool, layer.get_seq_length()
             counted = of_length.get((NB, length))
             if counted is None:  # the step's and its prediction's blocks to attend: all of them or not
-                budget, slots = cfg.token_budget, cfg.slots
-                counted = of_length[NB, length] = (NB if NB <= slots else None, cfg.max_fetch(NB),
-                                                   cfg.max_fetch(NB + 1), length + 1 <= budget, length + 2 <= budget)
+                counted = of_length[NB, length] = (NB if NB <= cfg.slots else None, cfg.max_fetch(NB),
+                                                   cfg.max_fetch(NB + 1), layer.fits_budget(1), layer.fits_budget(2))
             remote = () if pool.remote is None else (  # an admitted layer: its local pool read or not, its records
                 NB > pool.first_block, tuple(t.data_ptr() for t in pool.remote.pending_tensors()))
             return counted, layer.predicted, layer.state_stamps(), remote

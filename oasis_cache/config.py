@@ -38,7 +38,8 @@ OPTION_VARIANTS = {
     "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
-    "background": dict(compile_decode=True, fuse_projections=True, compile_in_background=True),  # ... compiled in a thread
+    # ... compiled in a thread while the steps run uncompiled
+    "background": dict(compile_decode=True, fuse_projections=True, compile_in_background=True),
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session

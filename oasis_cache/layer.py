@@ -531,9 +531,8 @@ class OasisLayer(CacheLayerMixin):
         """The device tensors this layer keeps between forwards (summaries, working set, slot map, recent tokens).
         A decode step that completes no block updates them in place — never rebinds one — which a captured step
         relies on (`tests/test_captured_step.py`)."""
-        Tensor = torch.Tensor
         return [value for part in (self.summaries, self.working_set, self.slot_map, self.recent)
-                for value in part.__dict__.values() if type(value) is Tensor or isinstance(value, Tensor)]
+                for value in vars(part).values() if isinstance(value, torch.Tensor)]
 
     def __repr__(self):
         return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"

@@ -17,10 +17,11 @@ step that meets them, before a capture.
 
 With `compile_in_background` (research) the compilation does not hold up the steps: the first decode-sized call of a
 shape copies its arguments, and once the cache's steps are captured (where they are; `BackgroundCompile.poll`) a
-thread calls the compiled forward once on them with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros attended), which
-compiles the graph every layer shares; until it ends, the layers run their own forward (replayed as before, no new
-capture: the thread may synchronize the device). Its end bumps `READY`, part of the replay signature, so the steps
-are captured anew with the compiled kernels. A failed compilation raises at the next call.
+thread calls the compiled forward once on them with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros
+attended), which compiles the graph every layer shares; until it ends, the layers run their own forward (replayed as
+before, no new capture: the thread may synchronize the device). Its end bumps `READY`, part of the replay signature,
+so the steps are captured anew with the compiled kernels (after one eager step that meets them outside a capture). A
+failed compilation raises at the next call.
 """
 
 from __future__ import annotations

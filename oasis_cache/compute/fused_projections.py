@@ -167,7 +167,7 @@ def fuse(model: nn.Module, layers: list[nn.Module]) -> list[FusedGroup]:
 
 
 def _restore(linears) -> None:
-    """Each projection back to its own storage and forward."""
+    """Each projection back to its own storage and to `nn.Linear`."""
     for lin in linears:
         if isinstance(lin, FusedLinear):
             group = lin.fused_group

@@ -7,7 +7,7 @@ which `generate`'s per-token sync leaves exposed. Instead each pool carries a `s
 assignment ever had: taken when the pool is made and again whenever one of its attributes is bound to a tensor, or
 from a tensor to something else (`__setattr__`, `__delattr__`). A layer's stamps equal to those at capture mean the same
 pool objects with the same tensors. Tensors change address only by rebinding here: no pool calls `resize_`, `set_` or
-assigns `.data`; a test compares stamps with addresses through growth, copies and every generate mode).
+assigns `.data` (a test compares stamps with addresses through growth, copies and every generate mode).
 """
 
 from __future__ import annotations
