@@ -466,6 +466,58 @@ def test_compile_in_background_decodes_uncompiled_until_its_thread_is_done(monke
         generate(other, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=40, do_sample=False)
 
 
+def test_a_compilation_in_a_thread_leaves_the_decoding_thread_its_modules_and_its_random_numbers(monkeypatch,
+                                                                                               tmp_path):
+    """`compile_in_background` (`compile_gate`): while the thread compiles, the decoding thread never sees the
+    process-wide patches of an fx trace (`nn.Module.__call__` / `__getattr__` replaced: on the H200 its next prefill
+    raised inside the tracer) and the random numbers it draws meanwhile are not drawn again once dynamo sets back the
+    RNG states it found (sampling). The decoding thread opens the gate only where it calls no module; a compilation
+    started by a thread that then ends goes on without it. Fails without the gate (either check)."""
+    import threading
+
+    from conftest import generate
+    from oasis_cache.compute import compiled_layers
+    from oasis_cache.compute.compile_gate import GATE
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # (empty kernel caches: fx traces made, as on a
+    # fresh machine; cached graphs are loaded without)
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous", compile_decode=True,
+                   compile_in_background=True)
+    call, getattr_ = torch.nn.Module.__call__, torch.nn.Module.__getattr__
+    torch.manual_seed(0)
+    generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=2, do_sample=False)
+    assert compiled_layers.compiling()
+    draws, looks, passes = [], 0, GATE.passes
+    while compiled_layers.compiling():
+        assert torch.nn.Module.__call__ is call and torch.nn.Module.__getattr__ is getattr_
+        draws.append(torch.randint(2**62, ()).item())
+        looks += 1
+        GATE.let_through()  # (as an eager layer call of a decode step does)
+    compiled_layers.wait_for_compilations()
+    draws += torch.randint(2**62, (200,)).tolist()
+    assert looks > 10 and GATE.passes > passes  # (the thread's traces went through while this thread looked)
+    assert len(set(draws)) == len(draws)  # (no number drawn twice)
+    assert list(model.model.layers[0].forward.background.state.values()) == ["ready"]
+    assert GATE.owner is None and GATE.caller is None  # (the last compilation ended: nothing held)
+
+    torch._dynamo.reset()  # a thread that starts a compilation and ends: the compiler goes on without it
+    other = tiny_model("qwen3", num_hidden_layers=2)
+    want = generate(other, OasisCache(other, **{**options, "compile_decode": False, "compile_in_background": False}),
+                    {"input_ids": prompt_ids(300)}, max_new_tokens=4, do_sample=False)
+    cache = OasisCache(other, **options)
+    worker = threading.Thread(target=generate, args=(other, cache, {"input_ids": prompt_ids(300)}),
+                              kwargs=dict(max_new_tokens=2, do_sample=False))
+    worker.start()
+    worker.join()
+    compiled_layers.wait_for_compilations(timeout=120)
+    assert list(other.model.layers[0].forward.background.state.values()) == ["ready"]
+    cache.reset()
+    assert torch.equal(generate(other, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=4,
+                                do_sample=False).sequences, want.sequences)
+
+
 def test_a_pending_compilation_waits_on_the_cache_that_asked_last(monkeypatch):
     """`compile_in_background` before the thread may start (on CUDA: until the steps are captured): the compilation
     waits with the copied arguments of one cache's call, holding that cache weakly; a second cache's call takes the

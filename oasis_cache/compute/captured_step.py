@@ -45,6 +45,7 @@ import torch
 
 from ..compat import generate_cache_argument
 from . import compiled_layers
+from .compile_gate import GATE
 
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
 # except the token and its positions: the step reads the cache's recorded padding, not the caller's mask.
@@ -235,6 +236,8 @@ class CapturedSteps:
         cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
         self._set_inputs(cache, input_ids, kwargs)
         slot.graph.replay()
+        if GATE.waiting:  # (a compiling thread waits to trace: it goes while this one waits on the device)
+            GATE.let_through(torch.cuda.current_stream(input_ids.device).synchronize)
         cache.advance_replayed_step(kind)
         self.replays += 1
         self.completing_replays += kind == "completing"

@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from . import compiled_ops, fused_projections
+from .compile_gate import GATE
 
 # Decode-sized calls that run compiled: one token per sequence, or two (the real one and eagle3's riding draft).
 COMPILED_QUERY_LENGTHS = (1, 2)
@@ -70,9 +71,13 @@ def compiling() -> bool:
 
 
 def wait_for_compilations(timeout: float | None = None) -> None:
-    """Wait for the compilations running in threads (benchmarks, tests)."""
-    for thread in list(_THREADS):
-        thread.join(timeout)
+    """Wait for the compilations running in threads (benchmarks, tests), with the gate open (`compile_gate`)."""
+
+    def join():
+        for thread in list(_THREADS):
+            thread.join(timeout)
+
+    GATE.open_while(join)
 
 
 def _copied(value):
@@ -126,7 +131,7 @@ class BackgroundCompile:
             owner = owner()
             if owner is None:
                 del self.pending[key], self.state[key]
-            elif owner is cache and _may_start(cache, device):
+            elif owner is cache and _may_start(cache, device) and GATE.may_hold():
                 del self.pending[key]
                 self._start(key, layer, cache, args, kwargs, name, made, device, grad, inference)
 
@@ -137,6 +142,8 @@ class BackgroundCompile:
             stream = torch.cuda.Stream(device)
             stream.wait_event(made)  # the copies are made
         self.state[key] = "compiling"
+        GATE.hold()  # (from now on this thread opens it only where it calls no module: `compile_gate`)
+        GATE.started()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.0005))  # the caller's steps wait on the device, then on the GIL
 
@@ -148,6 +155,7 @@ class BackgroundCompile:
                         scope.enter_context(torch.cuda.device(device))
                         scope.enter_context(torch.cuda.stream(stream))
                     scope.enter_context(compiled_ops.dry())
+                    scope.enter_context(GATE.compiling())
                     layer.run_compiled(cache, args, kwargs, wait=True)
                 if stream is not None:
                     stream.synchronize()
@@ -158,6 +166,7 @@ class BackgroundCompile:
                 if sys.getswitchinterval() == min(switch, 0.0005):
                     sys.setswitchinterval(switch)
                 READY[0] += 1
+                GATE.ended()
 
         # (not a daemon: a script that ends while it compiles waits for it instead of tearing the compiler down)
         thread = threading.Thread(target=run, name="oasis-compile", daemon=False)
@@ -237,7 +246,9 @@ class CompiledDecode:
                     self.background.request(self, cache, key, args, kwargs)  # (another cache's wait: this one's now)
                 elif state == "pending":
                     self.background.poll(cache)
-                return self.eager_forward(*args, **kwargs)
+                out = self.eager_forward(*args, **kwargs)
+                GATE.let_through()  # (a compiling thread waiting to trace goes first: this thread calls no module now)
+                return out
         return self.run_compiled(cache, args, kwargs)
 
     def run_compiled(self, cache, args, kwargs, wait: bool = False):
