@@ -59,12 +59,13 @@ def child(args) -> dict:
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections,
                    compile_in_background=args.compile_in_background) if args.compile_decode else {}
-    times, first_token = [], []
+    times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     for call in range(args.calls):
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
         t0 = time.perf_counter()
+        starts.append(t0)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False, stopping_criteria=[clock],
                        **cache.generate_kwargs())
@@ -72,12 +73,22 @@ def child(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         first_token.append(clock.stamps[0] - t0)
-        if call == 0 and args.compile_decode:
-            from torch._dynamo.utils import compile_times
-            names, values = compile_times(repr="csv", aggregate=True)
-            compile_phases = {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
+        steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
         del cache
-    return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases}
+    if args.compile_decode:  # (the compilation's phases once it is done, with compile_in_background too)
+        from torch._dynamo.utils import compile_times
+
+        from oasis_cache.compute import compiled_layers
+        from oasis_cache.compute.compile_gate import GATE
+        compiled_layers.wait_for_compilations()
+        names, values = compile_times(repr="csv", aggregate=True)
+        compile_phases = {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
+        background = compiled_layers._BY_MODEL.get(model)
+        timeline = [(event, round(t - starts[0], 3)) for event, t in (background.timeline if background else [])]
+    return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
+            "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
+            "compile_timeline_s": timeline if args.compile_decode else [],
+            "gate_blocked_s": round(GATE.blocked_s, 3) if args.compile_decode else 0.0}
 
 
 def triton_kernels(cache_dir: str) -> dict:
@@ -152,7 +163,9 @@ def main(argv=None):
         times = result["generate_s"]
         row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0, load_s=result["load_s"],
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
-                   compile_phases=result["compile_phases"])
+                   compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
+                   call_starts_s=result["call_starts_s"], compile_timeline_s=result["compile_timeline_s"],
+                   gate_blocked_s=result["gate_blocked_s"])
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
@@ -160,6 +173,15 @@ def main(argv=None):
               f"{row['load_s']:.1f} s; generate " + " / ".join(f"{t:.2f}" for t in times)
               + f" s; first / last {row['first_over_last']:.2f}x; to the first token "
               + " / ".join(f"{t:.2f}" for t in row["first_token_s"]) + " s", flush=True)
+        for call, intervals in enumerate(row["steps_ms"][:2]):
+            slow = sorted(range(len(intervals)), key=lambda i: -intervals[i])[:6]
+            print(f"   call {call} decode {sum(intervals) / 1e3:.2f} s; slowest steps (index: ms) "
+                  + ", ".join(f"{i + 1}: {intervals[i]:.0f}" for i in sorted(slow)), flush=True)
+        if row["compile_timeline_s"]:
+            print("   compilation in a thread (s from the first call's start): " + ", ".join(
+                f"{e} {t:.2f}" for e, t in row["compile_timeline_s"]) + f"; calls start at "
+                + " / ".join(f"{t:.2f}" for t in row["call_starts_s"])
+                + f"; the decoding thread waited {row['gate_blocked_s']:.2f} s at the gate", flush=True)
         phases = sorted(row["compile_phases"].items(), key=lambda kv: -kv[1])[:8]
         if phases:
             print("   compile phases (s): " + ", ".join(f"{n} {v:.2f}" for n, v in phases), flush=True)

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import random
 import threading
+import time
 
 import torch
 
@@ -45,6 +46,7 @@ class Gate:
         self.waiting = 0  # compiling threads waiting for it
         self.passes = 0  # gated sections ended (a caller that opened waits for one)
         self.compilers = 0  # compiling threads alive
+        self.blocked_s = 0.0  # how long callers waited at `let_through` for a section to end (benchmarks)
 
     # ---------------------------------------------------------------------------------------------------- caller
     def holds(self) -> bool:
@@ -76,7 +78,9 @@ class Gate:
                 wait()
         finally:
             with self._cv:
+                start = time.perf_counter()
                 self._cv.wait_for(lambda: self.owner is None and (self.passes != before or not self.waiting))
+                self.blocked_s += time.perf_counter() - start
                 if self.compilers:  # (else the last one ended meanwhile: nothing left to guard)
                     self.owner, self.caller = "caller", threading.current_thread()
 

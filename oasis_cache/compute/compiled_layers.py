@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -101,6 +102,7 @@ class BackgroundCompile:
     def __init__(self):
         self.state: dict = {}
         self.pending: dict = {}
+        self.timeline: list = []  # (event, `time.perf_counter()`): "start" and "end" of each thread (benchmarks)
 
     def request(self, layer: "CompiledDecode", cache, key, args, kwargs) -> None:
         """Copy the call's arguments (its buffers change before the thread runs; the cache itself is held weakly:
@@ -142,6 +144,7 @@ class BackgroundCompile:
             stream = torch.cuda.Stream(device)
             stream.wait_event(made)  # the copies are made
         self.state[key] = "compiling"
+        self.timeline.append(("start", time.perf_counter()))
         GATE.hold()  # (from now on this thread opens it only where it calls no module: `compile_gate`)
         GATE.started()
         switch = sys.getswitchinterval()
@@ -167,6 +170,7 @@ class BackgroundCompile:
                     sys.setswitchinterval(switch)
                 READY[0] += 1
                 GATE.ended()
+                self.timeline.append(("end", time.perf_counter()))
 
         # (not a daemon: a script that ends while it compiles waits for it instead of tearing the compiler down)
         thread = threading.Thread(target=run, name="oasis-compile", daemon=False)
@@ -231,8 +235,6 @@ class CompiledDecode:
         if (not getattr(config, "compile_decode", False) or not isinstance(hidden, torch.Tensor)
                 or hidden.dim() != 3 or hidden.shape[1] not in COMPILED_QUERY_LENGTHS):
             return self.eager_forward(*args, **kwargs)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.eager_forward)
         # (with sliding-window layers the update and the attention run between graphs, not as ops: they cannot run
         # dry in a thread, so those caches compile here)
         if config.compile_in_background and cache.all_oasis_layers:
@@ -257,6 +259,8 @@ class CompiledDecode:
         compilation in a thread runs the layer's own forward instead, unless `wait`."""
         if not _ONE_THREAD.acquire(blocking=wait):
             return self.eager_forward(*args, **kwargs)
+        if self.compiled is None:  # (here, not before: `torch.compile` imports inductor, ~1 s, in a thread too)
+            self.compiled = torch.compile(self.eager_forward)
         config = cache.config
         with contextlib.ExitStack() as scope:
             scope.callback(_ONE_THREAD.release)
