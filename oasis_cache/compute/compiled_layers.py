@@ -21,7 +21,8 @@ thread calls the compiled forward once on them with the cache's ops dry (`compil
 attended), which compiles the graph every layer shares; until it ends, the layers run their own forward (replayed as
 before, no new capture: the thread may synchronize the device). Its end bumps `READY`, part of the replay signature,
 so the steps are captured anew with the compiled kernels (after one eager step that meets them outside a capture). A
-failed compilation raises at the next call.
+failed compilation raises at the next call. What compiling does to the whole process (an fx trace patches
+`nn.Module.__call__`; RNG states set back) is kept from the decoding thread by `compile_gate.GATE`.
 """
 
 from __future__ import annotations
@@ -175,7 +176,12 @@ class BackgroundCompile:
         # (not a daemon: a script that ends while it compiles waits for it instead of tearing the compiler down)
         thread = threading.Thread(target=run, name="oasis-compile", daemon=False)
         _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as error:  # (no thread: nothing to guard; the next call raises, naming the option)
+            sys.setswitchinterval(switch)
+            GATE.ended()
+            self.state[key] = error
 
 
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its BackgroundCompile
@@ -259,11 +265,11 @@ class CompiledDecode:
         compilation in a thread runs the layer's own forward instead, unless `wait`."""
         if not _ONE_THREAD.acquire(blocking=wait):
             return self.eager_forward(*args, **kwargs)
-        if self.compiled is None:  # (here, not before: `torch.compile` imports inductor, ~1 s, in a thread too)
-            self.compiled = torch.compile(self.eager_forward)
         config = cache.config
         with contextlib.ExitStack() as scope:
             scope.callback(_ONE_THREAD.release)
+            if self.compiled is None:  # (here, not before: `torch.compile` imports inductor, ~1 s, in a thread too)
+                self.compiled = torch.compile(self.eager_forward)
             scope.enter_context(_ONE_GRAPH_FOR_ALL_LAYERS)
             scope.enter_context(_layer_index_symbolic())
             if config.fuse_projections:  # (a group whose parameters moved computes unfused from now: checked here)
