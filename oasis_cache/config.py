@@ -139,8 +139,8 @@ class OasisConfig:
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
             decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
-            `generate` of a process is 2.7x a later one on the H200 with the kernels on disk, 6.1x on a fresh machine
-            (docs/perf.md, thirty-third session).
+            `generate` of a process is 2.7-3.2x a later one on the H200 with the kernels on disk, 5.5-6.1x on a fresh
+            machine (docs/perf.md, thirty-third and thirty-fourth sessions).
         fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
