@@ -8,16 +8,22 @@ Compiling does not stay inside the compiling thread:
   installed as a submodule" in the next prompt's prefill);
 - dynamo, when a frame's compilation ends, and AOTAutograd and inductor around parts of theirs, set back the RNG
   states (Python's, torch's, CUDA's) they found: numbers the decoding thread drew meanwhile (sampling) would be drawn
-  again (the CPU test saw thousands).
+  again (the CPU test saw thousands);
+- from torch 2.13 dynamo holds `torch.compiler.is_compiling()` True for the whole process during a compile session:
+  the decoding thread's eager code takes its compiled-only paths meanwhile (the `kernels` package's context variable
+  then changed under the compiler's guards: "Guard failed on the same frame it was created", CI of the
+  thirty-fourth session).
 
 So the thread that starts a compilation (the caller's, `BackgroundCompile._start`) holds the gate from then on, and
 opens it only at points of its own where it calls no module (`Gate.let_through`: while it waits on a replayed step's
 device work; after an eager layer call); the compiling thread takes it around each fx trace (`install` wraps
-`torch.fx.Tracer.trace`). The caller may thus wait at such a point for a trace to end (AOTAutograd's: once a
-compilation, none when its graph is on disk); the rest of a compilation (dynamo's bytecode tracing, inductor's lowering
-and code generation, Triton's compiles in worker processes) runs beside it. And in a compiling thread of ours the RNG
-setters (`torch.set_rng_state`, `torch.cuda.set_rng_state`, `random.setstate`) do nothing: a number the compiler drew
-(none in a decode step's graph) is then skipped by the caller's stream, never drawn twice.
+`torch.fx.Tracer.trace`), and, where torch has the process-wide compile session (2.13 on), around the whole session
+(`torch.compiler._compile_session_context`). The caller may thus wait at such a point for a trace to end (AOTAutograd's:
+once a compilation, none when its graph is on disk; with the session gated, for the whole compilation: there the
+thread keeps it safe but saves no time); elsewhere the rest of a compilation (dynamo's bytecode tracing, inductor's
+lowering and code generation, Triton's compiles in worker processes) runs beside it. And in a compiling thread of ours
+the RNG setters (`torch.set_rng_state`, `torch.cuda.set_rng_state`, `random.setstate`) do nothing: a number the
+compiler drew (none in a decode step's graph) is then skipped by the caller's stream, never drawn twice.
 
 One gate for the process: what it guards is process-wide. Other threads of a user's program that call modules while a
 compilation runs are not covered (the option is for the thread that decodes).
@@ -180,10 +186,33 @@ def install() -> None:
             gate.leave()
 
     torch.fx.Tracer.trace = trace
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        torch.compiler._compile_session_context = _gated(session)
     for owner, name in ((torch, "set_rng_state"), (torch.random, "set_rng_state"), (torch.cuda, "set_rng_state"),
                         (torch.cuda.random, "set_rng_state"), (random, "setstate")):
         setattr(owner, name, _outside_compilers(getattr(owner, name)))
     _INSTALLED.append(original)
+
+
+def _gated(session):
+    """dynamo's compile session (torch 2.13 on) holds `torch.compiler.is_compiling()` True for the whole process
+    while it runs: in a compiling thread of ours the whole session is one gated section."""
+
+    @contextlib.contextmanager
+    @functools.wraps(session)
+    def gated_session(*args, **kwargs):
+        gate = getattr(_local, "gate", None)
+        if gate is not None:
+            gate.enter()
+        try:
+            with session(*args, **kwargs):
+                yield
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    return gated_session
 
 
 def _outside_compilers(setter):

@@ -146,6 +146,7 @@ class BackgroundCompile:
             stream.wait_event(made)  # the copies are made
         self.state[key] = "compiling"
         self.timeline.append(("start", time.perf_counter()))
+        _first_fake_mode_here()
         GATE.hold()  # (from now on this thread opens it only where it calls no module: `compile_gate`)
         GATE.started()
         switch = sys.getswitchinterval()
@@ -182,6 +183,16 @@ class BackgroundCompile:
             sys.setswitchinterval(switch)
             GATE.ended()
             self.state[key] = error
+
+
+def _first_fake_mode_here() -> None:
+    """Without a CUDA device, a fake tensor mode's first entry registers a no-op CUDA device guard for the process
+    (`torch._C._ensureCUDADeviceGuardSet`); on torch 2.11, made first in a thread, the next compilation in the main
+    thread then crashes there (segmentation fault; CPU, torch 2.11; fixed by 2.13). Done here first, in the thread
+    that starts the compilation."""
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
 
 
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its BackgroundCompile
