@@ -151,7 +151,8 @@ class OasisConfig:
             they are captured); the compiled steps take over once it is done (captured anew). The first `generate`
             of a process then does not wait for the compilation. What compiling does to the whole process (an fx
             trace patches `nn.Module.__call__`; RNG states set back) is gated (`compute/compile_gate.py`): the
-            decoding thread lets a trace run only where it calls no module. Off.
+            decoding thread lets a trace run only where it calls no module; from torch 2.13 (whose compile session
+            sets `is_compiling()` for the whole process) the whole compilation: safe, but no overlap there. Off.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
