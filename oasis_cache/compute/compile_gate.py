@@ -89,6 +89,8 @@ class Gate:
                 self.blocked_s += time.perf_counter() - start
                 if self.compilers:  # (else the last one ended meanwhile: nothing left to guard)
                     self.owner, self.caller = "caller", threading.current_thread()
+                else:
+                    self.caller = None
 
     def open_while(self, wait) -> None:
         """Call `wait` (joining the compiling threads) with the gate open; the current thread holds it again after
