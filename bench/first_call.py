@@ -60,7 +60,7 @@ def child(args) -> dict:
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections,
                    compile_in_background=args.compile_in_background) if args.compile_decode else {}
     times, first_token, steps, starts = [], [], [], []
-    compile_phases = {}
+    compile_phases, timeline, gate_blocked = {}, [], 0.0
     for call in range(args.calls):
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
@@ -85,10 +85,10 @@ def child(args) -> dict:
         compile_phases = {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
         background = compiled_layers._BY_MODEL.get(model)
         timeline = [(event, round(t - starts[0], 3)) for event, t in (background.timeline if background else [])]
+        gate_blocked = round(GATE.blocked_s, 3)
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
-            "compile_timeline_s": timeline if args.compile_decode else [],
-            "gate_blocked_s": round(GATE.blocked_s, 3) if args.compile_decode else 0.0}
+            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked}
 
 
 def triton_kernels(cache_dir: str) -> dict:

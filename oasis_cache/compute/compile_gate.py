@@ -117,11 +117,10 @@ class Gate:
 
     def ended(self) -> None:
         """A compiling thread ends: the last one frees the caller's side (nothing left to guard)."""
-        with self._cv:
+        with self._cv:  # (re-entrant: `_release` takes it again)
             self.compilers -= 1
             if not self.compilers and self.owner == "caller":
-                self.owner = self.caller = None
-                self._cv.notify_all()
+                self._release()
 
     def enter(self) -> None:
         """The compiling thread takes the gate (nested sections count). A caller's side held by a thread that has
