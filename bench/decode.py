@@ -23,7 +23,10 @@ forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-
 cost sits in the steps that capture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`; `@full` keeps the bits summaries on every key channel
 (`summary_channels=1.0`; the default keeps half), e.g. `oasis-previous-captured@full` (`OPTION_VARIANTS` in
-oasis_cache/config.py). dense-compiled: HF's fastest dense decode, a
+oasis_cache/config.py). The oasis methods run uncompiled decode steps (`compile_decode=False`) unless a variant
+compiles them (`@compiled`, `@compiledfused`, `@background`): the package's default compiles a model's steps only
+after its 2,048th decode step in a process, which a run of many methods and repeats could cross midway — each row
+measures one kind of step. dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
 is replayed as CUDA graphs): what a captured decode step gives without any offload, the ceiling for a captured oasis
 step. Its first steps compile (`--warmup` ≥ 3 for it); it cannot share a process with oasis methods (switching the
@@ -73,7 +76,8 @@ def make_cache(method: str, model, args, capacity: int = 0):
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config, offloading=True)
     method, _, variant = method.partition("@")
-    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None)
+    # (uncompiled unless the variant compiles: the default would compile after 2,048 steps of the model, midway)
+    options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None, compile_decode=False)
     options.update(OasisConfig.variant_options(variant))  # a variant overrides the command line
     # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
     options["cuda_graph"] = method.endswith("-captured")

@@ -13,7 +13,10 @@ wall time. Prints a table (ratio = a call's time / the child's last call) and wr
 Where a first call's extra time goes: each call's time to its first new token (the prefill) and the decode after it;
 with `--compile-decode`, dynamo's and inductor's own phases of the child's first call (`torch._dynamo.utils.
 compile_times`, the largest); with `--fresh-kernel-cache`, the Triton kernels the first child compiled, by name and
-count of specializations (from the cache's metadata), and the span of their files' times.
+count of specializations (from the cache's metadata), and the span of their files' times. With `--stall-monitor`,
+where the process's threads stood when a watcher thread (waking every 2 ms) woke late by 20 ms or more: the GIL was
+held that long by one thread (a long call into C that does not let it go) — the frames of each thread at that moment,
+the longest stalls and the sum by the compiling thread's innermost frame.
 """
 
 from __future__ import annotations
@@ -26,10 +29,54 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+class StallMonitor:
+    """A daemon thread that sleeps 2 ms at a time; when it wakes `threshold_s` late, the GIL was held that long by
+    another thread: records the delay and every other thread's innermost frames (a thread's name, then `file:line
+    function` from the outermost shown to the innermost)."""
+
+    def __init__(self, threshold_s: float = 0.02, frames: int = 5):
+        self.threshold_s, self.frames, self.events, self.t0 = threshold_s, frames, [], time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-monitor", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(0.002)
+            late = time.perf_counter() - start - 0.002
+            if late < self.threshold_s:
+                continue
+            names = {t.ident: t.name for t in threading.enumerate()}
+            stacks = {}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    stack = traceback.extract_stack(frame)[-self.frames:]
+                    where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack]
+                    stacks[names.get(ident, str(ident))] = where
+            self.events.append({"at_s": round(start - self.t0, 3), "late_ms": round(late * 1e3, 1), "stacks": stacks})
+
+    def summary(self, top: int = 12) -> dict:
+        self._stop.set()
+        self._thread.join()
+        by_frame: dict = {}
+        for event in self.events:
+            stack = event["stacks"].get("oasis-compile")
+            if stack:
+                by_frame[stack[-1]] = by_frame.get(stack[-1], 0.0) + event["late_ms"]
+        longest = sorted(self.events, key=lambda e: -e["late_ms"])[:top]
+        return {"stalls": len(self.events), "stalled_s": round(sum(e["late_ms"] for e in self.events) / 1e3, 3),
+                "compiler_frames_ms": dict(sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]),
+                "longest": longest}
 
 
 def child(args) -> dict:
@@ -61,9 +108,15 @@ def child(args) -> dict:
                    compile_in_background=args.compile_in_background) if args.compile_decode else {}
     times, first_token, steps, starts = [], [], [], []
     compile_phases, timeline, gate_blocked = {}, [], 0.0
+    monitor = StallMonitor() if args.stall_monitor else None
+    profile = None
     for call in range(args.calls):
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
+        if args.profile and call == 0:
+            import cProfile
+            profile = cProfile.Profile()
+            profile.enable()
         t0 = time.perf_counter()
         starts.append(t0)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
@@ -72,6 +125,9 @@ def child(args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if profile is not None and call == 0:
+            profile.disable()
+            profile.dump_stats(args.profile)
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
         del cache
@@ -86,9 +142,13 @@ def child(args) -> dict:
         background = compiled_layers._BY_MODEL.get(model)
         timeline = [(event, round(t - starts[0], 3)) for event, t in (background.timeline if background else [])]
         gate_blocked = round(GATE.blocked_s, 3)
+    stalls = monitor.summary() if monitor else None
+    if stalls:
+        for event in stalls["longest"]:
+            event["at_s"] = round(event["at_s"] - (starts[0] - monitor.t0), 3)  # (from the first call's start)
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
-            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked}
+            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked, "stalls": stalls}
 
 
 def triton_kernels(cache_dir: str) -> dict:
@@ -108,6 +168,21 @@ def triton_kernels(cache_dir: str) -> dict:
     return {"kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])), "files_span_s": round(span, 2)}
 
 
+def print_profile(path: str, top: int = 25) -> None:
+    """The profiled call's functions with the most cumulative time (where it went) and own time (what ran)."""
+    import io
+    import pstats
+
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(path, stream=out).sort_stats(order).print_stats(top)
+        lines = [line for line in out.getvalue().splitlines() if line.strip()]
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+        print(f"   profile by {order}:", flush=True)
+        for line in lines[start:start + top + 1]:
+            print("     " + line.strip()[:200], flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b")
@@ -125,6 +200,10 @@ def main(argv=None):
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
     parser.add_argument("--compile-in-background", action="store_true",
                         help="with --compile-decode: compile_in_background (the steps compiled in a thread)")
+    parser.add_argument("--stall-monitor", action="store_true",
+                        help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
+    parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
+                        "PATH.<process> (pstats; the parent prints the top functions by cumulative and own time)")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -155,6 +234,8 @@ def main(argv=None):
         command += ["--compile-decode"] if args.compile_decode else []
         command += ["--fuse-projections"] if args.fuse_projections else []
         command += ["--compile-in-background"] if args.compile_in_background else []
+        command += ["--stall-monitor"] if args.stall_monitor else []
+        command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
@@ -165,7 +246,7 @@ def main(argv=None):
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
                    call_starts_s=result["call_starts_s"], compile_timeline_s=result["compile_timeline_s"],
-                   gate_blocked_s=result["gate_blocked_s"])
+                   gate_blocked_s=result["gate_blocked_s"], stalls=result["stalls"])
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
@@ -173,7 +254,9 @@ def main(argv=None):
               f"{row['load_s']:.1f} s; generate " + " / ".join(f"{t:.2f}" for t in times)
               + f" s; first / last {row['first_over_last']:.2f}x; to the first token "
               + " / ".join(f"{t:.2f}" for t in row["first_token_s"]) + " s", flush=True)
-        for call, intervals in enumerate(row["steps_ms"][:2]):
+        medians = [sorted(steps)[len(steps) // 2] for steps in row["steps_ms"] if steps]
+        print("   median decode step (ms) per call: " + " / ".join(f"{m:.1f}" for m in medians), flush=True)
+        for call, intervals in enumerate(row["steps_ms"]):
             slow = sorted(range(len(intervals)), key=lambda i: -intervals[i])[:6]
             print(f"   call {call} decode {sum(intervals) / 1e3:.2f} s; slowest steps (index: ms) "
                   + ", ".join(f"{i + 1}: {intervals[i]:.0f}" for i in sorted(slow)), flush=True)
@@ -185,6 +268,17 @@ def main(argv=None):
         phases = sorted(row["compile_phases"].items(), key=lambda kv: -kv[1])[:8]
         if phases:
             print("   compile phases (s): " + ", ".join(f"{n} {v:.2f}" for n, v in phases), flush=True)
+        if row["stalls"]:
+            st = row["stalls"]
+            print(f"   GIL stalls >= 20 ms: {st['stalls']}, {st['stalled_s']:.2f} s in all; by the compiling thread's "
+                  "innermost frame (ms): " + "; ".join(f"{k} {v:.0f}" for k, v in st["compiler_frames_ms"].items()),
+                  flush=True)
+            for event in st["longest"][:6]:
+                print(f"     {event['late_ms']:.0f} ms at {event['at_s']:.2f} s: " + " | ".join(
+                    f"{name}: {' < '.join(reversed(stack[-3:]))}" for name, stack in event["stacks"].items()),
+                    flush=True)
+        if args.profile:
+            print_profile(f"{args.profile}.{index}")
         if "triton" in row:
             print(f"   Triton kernels compiled ({row['triton']['files_span_s']:.1f} s from first to last): "
                   + ", ".join(f"{n} x{c}" for n, c in row["triton"]["kernels"].items()), flush=True)

@@ -160,7 +160,9 @@ class OasisCache(Cache):
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
         self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections)
-        if self.config.compile_decode:
+        # compile_decode=None: compiled once the model has decoded `compile_after_steps` steps (`compiles_decode`)
+        self._compile_later = self.config.compile_decode is None and compiled_layers.may_compile_automatically(self)
+        if self.config.compile_decode or self._compile_later:
             from .compute.compiled_layers import CompiledDecode
 
             decoder_layers = CompiledDecode.install(model, attention_modules.values())  # decode-sized calls compiled
@@ -705,6 +707,12 @@ class OasisCache(Cache):
             ) from error
 
     def _forward_one(self, runner, kwargs: dict):
+        if self._compile_later:  # (counted before the step: its layers all run compiled or all not)
+            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            if (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+                    and tokens.shape[1] in compiled_layers.COMPILED_QUERY_LENGTHS
+                    and self.get_seq_length(self._first_oasis_layer) > 0):
+                compiled_layers.count_decoded_step(self._model())
         if self.captured_steps is not None:
             out = self.captured_steps.forward(runner, self, kwargs)
         else:
@@ -772,10 +780,10 @@ class OasisCache(Cache):
         tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while
         it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
         counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
-        store whether its local pool holds blocks yet and its deferred records' tensors, and with
-        `compile_in_background` how many compilations in threads have ended. Equal signatures: the graph captured
-        under one is valid under the other — past `slots` blocks a completed block does not invalidate it (selection
-        reads the block count on the device)."""
+        store whether its local pool holds blocks yet and its deferred records' tensors, and the compilation's
+        generation (`compile_generation`). Equal signatures: the graph captured under one is valid under the other —
+        past `slots` blocks a completed block does not invalidate it (selection reads the block count on the
+        device)."""
         cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
 
         def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)
@@ -794,9 +802,21 @@ class OasisCache(Cache):
         padding = self.padding  # a step without a mask reads the record's tensors (a new prefill makes new ones)
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
-        compiled = compiled_layers.READY[0] if self.config.compile_in_background else 0  # (steps captured anew)
         return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
-                compiled)
+                self.compile_generation())
+
+    def compiles_decode(self) -> bool:
+        """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):
+        `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process."""
+        if self._compile_later:
+            return compiled_layers.decoded_steps(self._model()) >= self.config.compile_after_steps
+        return self.config.compile_decode is True
+
+    def compile_generation(self) -> tuple:
+        """What a captured step's kernels depend on in the compilation: whether the layers run compiled, and with
+        `compile_in_background` how many compilations in threads have ended. A change: the steps are captured anew,
+        after one eager step where the compiled layers meet their graphs (`captured_step.CapturedSteps`)."""
+        return self.compiles_decode(), compiled_layers.READY[0] if self.config.compile_in_background else 0
 
     def prepare_capture(self) -> None:
         """Before a step is captured: compute joins the side stream, so that the graph need not wait on events

@@ -137,16 +137,24 @@ class OasisConfig:
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
         compile_decode: run each decoder layer's own work (norms, rotary, activations, residuals) `torch.compile`d
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
-            ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer; compiled at the first
-            decode steps of a process. Same tokens as eager within floating-point rounding. Off by default: the first
-            `generate` of a process is 2.7-3.2x a later one on the H200 with the kernels on disk, 5.5-6.1x on a fresh
-            machine (docs/perf.md, thirty-third and thirty-fourth sessions).
-        fuse_projections: research, with `compile_decode`: each decoder layer's q/k/v projections computed as one
+            ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer (H200, a 32K x 1 step of an
+            8B model: 11.2 -> 8.5 ms). Same tokens as eager within floating-point rounding. Compiling costs seconds
+            once per process (~2-7 s with the kernels on disk, ~20 s on a new machine), so None (default):
+            automatic, where steps are captured (`cuda_graph`) and every attention layer is an oasis layer — the
+            steps run uncompiled until the model has decoded `compile_after_steps` steps in this process (over all
+            its caches and calls), then the next step compiles (a pause of those seconds, once) and the steps are
+            captured anew with the compiled kernels: short runs never pay for it, long ones get the faster step for
+            all but their first steps. True: compiled from the first decode step (the first `generate` of a process
+            2.7-3.2x a later one with the kernels on disk, docs/perf.md). False: never.
+        compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
+            steps are compiled (2048: at ~3 ms saved a step the compilation's seconds are repaid within about as many
+            steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.
+        fuse_projections: research, with `compile_decode=True`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
             unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
             with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
-        compile_in_background: research, with `compile_decode`: the decode steps' compilation runs in a thread
+        compile_in_background: research, with `compile_decode=True`: the decode steps' compilation runs in a thread
             (`compute/compiled_layers.py`, `BackgroundCompile`) while the steps run uncompiled (replayed where
             they are captured); the compiled steps take over once it is done (captured anew). The first `generate`
             of a process then does not wait for the compilation. What compiling does to the whole process (an fx
@@ -194,7 +202,8 @@ class OasisConfig:
     draft_sees_its_blocks: bool | str = False
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
-    compile_decode: bool = False
+    compile_decode: bool | None = None
+    compile_after_steps: int = 2048
     fuse_projections: bool = False
     compile_in_background: bool = False
     top_k_kernel: bool | None = None
@@ -289,16 +298,20 @@ class OasisConfig:
             raise ValueError(f"progress must be True or False, got {self.progress!r}.")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
-        if self.compile_decode not in (True, False):
-            raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}.")
+        if self.compile_decode not in (None, True, False):
+            raise ValueError(f"compile_decode must be None (automatic), True or False, got {self.compile_decode!r}.")
+        if not isinstance(self.compile_after_steps, int) or isinstance(self.compile_after_steps, bool) or \
+                self.compile_after_steps < 0:
+            raise ValueError(f"compile_after_steps must be an int >= 0 (decode steps of a model in a process before "
+                             f"compile_decode=None compiles them), got {self.compile_after_steps!r}.")
         if self.fuse_projections not in (True, False):
             raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
-        if self.fuse_projections and not self.compile_decode:
+        if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
                              "compile_decode=True with it.")
         if self.compile_in_background not in (True, False):
             raise ValueError(f"compile_in_background must be True or False, got {self.compile_in_background!r}.")
-        if self.compile_in_background and not self.compile_decode:
+        if self.compile_in_background and self.compile_decode is not True:
             raise ValueError("compile_in_background=True compiles the decode steps of compile_decode in a thread: pass "
                              "compile_decode=True with it.")
         if self.top_k_kernel not in (None, True, False):

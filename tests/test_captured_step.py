@@ -362,8 +362,53 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
             if position == 300:
                 graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs and cache.layers[0].pool.num_blocks >= 21
-    with pytest.raises(ValueError, match="compile_decode must be True or False"):
+    with pytest.raises(ValueError, match=r"compile_decode must be None \(automatic\), True or False"):
         OasisCache(model, token_budget=128, compile_decode="yes")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="compile_after_steps must be an int >= 0"):
+            OasisCache(model, token_budget=128, compile_after_steps=bad)
+
+
+def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(monkeypatch):
+    """`compile_decode=None` (the default): where a cache may compile its steps (captured steps on CUDA; here the same
+    policy forced on the CPU's eager steps) the layers run their own forward until the model has decoded
+    `compile_after_steps` steps in the process — counted over its caches and calls — and compiled from the step that
+    reaches it on, all layers of a step alike; the tokens equal an uncompiled cache's throughout. Where it may not
+    (the CPU without the patch), nothing is counted or compiled."""
+    from torch._dynamo.utils import counters
+
+    from conftest import generate
+    from oasis_cache.compute import compiled_layers
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    inputs = {"input_ids": prompt_ids(300, batch=2)}
+    expected = generate(model, OasisCache(model, compile_decode=False, **options), inputs, **kw)
+    plain = OasisCache(model, **options)
+    generate(model, plain, inputs, **kw)
+    assert not plain.compiles_decode() and compiled_layers.decoded_steps(model) == 0
+    assert "forward" not in model.model.layers[0].__dict__  # (no layer wrapped)
+
+    monkeypatch.setattr(compiled_layers, "may_compile_automatically", lambda cache: True)
+    compiled_calls = []
+    run_compiled = compiled_layers.CompiledDecode.run_compiled
+    monkeypatch.setattr(compiled_layers.CompiledDecode, "run_compiled", lambda self, cache, *a, **k: (
+        compiled_calls.append(compiled_layers.decoded_steps(model)), run_compiled(self, cache, *a, **k))[1])
+    before = counters["stats"]["unique_graphs"]
+    first = OasisCache(model, compile_after_steps=16, **options)
+    got = generate(model, first, inputs, **kw)  # 11 decode steps (the prefill gives the first token)
+    assert compiled_layers.decoded_steps(model) == 11 and not first.compiles_decode()
+    assert not compiled_calls and counters["stats"]["unique_graphs"] == before
+    assert torch.equal(got.sequences, expected.sequences)
+    second = OasisCache(model, compile_after_steps=16, **options)
+    got = generate(model, second, inputs, **kw)  # steps 12..22 of the model: compiled from its 16th on
+    assert second.compiles_decode() and counters["stats"]["unique_graphs"] > before
+    assert compiled_calls == [step for step in range(16, 23) for _ in range(3)]  # every layer of those steps
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_decode_compiles_once_for_all_layers():

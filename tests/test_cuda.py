@@ -368,6 +368,36 @@ def test_compiled_decode_captured_decodes_what_eager_decodes():
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
 
 
+def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_enough():
+    """`compile_decode=None` (the default) with captured steps: uncompiled steps captured and replayed until the model
+    has decoded `compile_after_steps` steps in the process, then one eager step that compiles and a new capture with
+    the compiled kernels (one graph for all layers); every greedy token equals the eager uncompiled cache's, logits
+    within rounding. Under the default count (2048) a short run compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from oasis_cache.compute import compiled_layers
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=10).cuda()
+    inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
+    kw = dict(max_new_tokens=40, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    eager = generate(model, OasisCache(model, cuda_graph=False, compile_decode=False, **options), inputs, **kw)
+    before = counters["stats"]["unique_graphs"]
+    short = OasisCache(model, **options)
+    assert short.captured_steps is not None and not short.compiles_decode()
+    assert torch.equal(generate(model, short, inputs, **kw).sequences, eager.sequences)
+    assert counters["stats"]["unique_graphs"] == before and compiled_layers.decoded_steps(model) == 39
+    cache = OasisCache(model, compile_after_steps=39 + 20, **options)
+    got = generate(model, cache, inputs, **kw)
+    steps = cache.captured_steps
+    assert cache.compiles_decode() and 0 < counters["stats"]["unique_graphs"] - before <= 2
+    assert steps.captures >= 4 and steps.replays >= 25, (steps.captures, steps.replays)  # before and after
+    assert torch.equal(got.sequences, eager.sequences)
+    for a, b in zip(eager.logits, got.logits):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+
+
 def test_compile_in_background_replays_then_recaptures_compiled_steps():
     """`compile_in_background` with captured steps: the steps are captured and replayed uncompiled, the compilation
     starts in a thread once both kinds of step are captured (no capture while it runs: it may synchronize the

@@ -110,7 +110,7 @@ class CapturedSteps:
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
-        self.compiled_seen = 0  # `compiled_layers.READY` when a step last ran eagerly before a capture
+        self.compiled_seen = None  # `OasisCache.compile_generation()` when a step last ran eagerly before a capture
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
         self.replays = 0
@@ -127,16 +127,16 @@ class CapturedSteps:
             return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
-            self.compiled_seen = compiled_layers.READY[0]
+            self.compiled_seen = cache.compile_generation()
             return self._static_eager_step(runner, cache, input_ids, kwargs)
         cache.prepare_step(kind)
         slot = self.graphs.setdefault(kind, _Graph())
         if cache.replay_signature() != slot.signature:
             if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
                 return runner.eager_forward(**kwargs)
-            if cache.config.compile_in_background and self.compiled_seen != compiled_layers.READY[0]:
-                self.compiled_seen = compiled_layers.READY[0]  # (a thread's compilation ended: its graphs are met
-                return self._static_eager_step(runner, cache, input_ids, kwargs)  # once before any capture)
+            if self.compiled_seen != cache.compile_generation():  # (the layers compile now, or a thread's
+                self.compiled_seen = cache.compile_generation()  # compilation ended: its graphs are met once
+                return self._static_eager_step(runner, cache, input_ids, kwargs)  # before any capture)
             return self._capture(runner, cache, input_ids, slot, kwargs)
         out = self._replay(cache, input_ids, kind, slot, kwargs)
         if cache.config.compile_in_background:  # (replays call no layer: a compilation waiting for them starts here)

@@ -15,6 +15,12 @@ each layer compiles into the regions around them. Inductor fuses the elementwise
 residuals). A captured step records the compiled kernels like any others; the graphs are compiled at the first eager
 step that meets them, before a capture.
 
+By default (`compile_decode=None`) a cache whose steps are captured compiles them only once its model has decoded
+`compile_after_steps` steps in the process (`decoded_steps`, counted over every cache and call of the model): until
+then `CompiledDecode` runs the layers' own forward; the replay signature holds whether the steps compile
+(`OasisCache.compile_generation`), so at the switch the steps run once eagerly on the capture stream (where the graph
+compiles, outside any capture) and are captured anew.
+
 With `compile_in_background` (research) the compilation does not hold up the steps: the first decode-sized call of a
 shape copies its arguments, and once the cache's steps are captured (where they are; `BackgroundCompile.poll`) a
 thread calls the compiled forward once on them with the cache's ops dry (`compiled_ops.dry`: nothing written, zeros
@@ -59,6 +65,27 @@ def _layer_index_symbolic():
     if "dynamic_sources" not in getattr(config, "_config", {}):
         return contextlib.nullcontext()
     return config.patch(dynamic_sources=",".join(filter(None, (config.dynamic_sources, *_LAYER_INDEX_SOURCES))))
+
+
+# Decode steps each model has run in this process (counted where `compile_decode=None` may compile them).
+_DECODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def count_decoded_step(model) -> None:
+    """One more decode step of `model` (host arithmetic: no device work)."""
+    _DECODED[model] = _DECODED.get(model, 0) + 1
+
+
+def decoded_steps(model) -> int:
+    """Decode steps `model` has run in this process (where counted: caches with `compile_decode=None`)."""
+    return _DECODED.get(model, 0)
+
+
+def may_compile_automatically(cache) -> bool:
+    """Whether `compile_decode=None` compiles this cache's steps once its model has decoded enough: where its steps
+    are captured (CUDA, the Triton backend, a checked architecture) and every attention layer is an oasis layer (one
+    graph for all layers, the path the CUDA suite checks)."""
+    return cache.captured_steps is not None and cache.all_oasis_layers
 
 
 # Bumped when a compilation in a thread ends (`OasisCache.replay_signature` reads it: steps are captured anew).
@@ -249,8 +276,9 @@ class CompiledDecode:
         hidden = args[0] if args else kwargs.get("hidden_states")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         config = getattr(cache, "config", None)
-        if (not getattr(config, "compile_decode", False) or not isinstance(hidden, torch.Tensor)
-                or hidden.dim() != 3 or hidden.shape[1] not in COMPILED_QUERY_LENGTHS):
+        compiles = getattr(cache, "compiles_decode", None)
+        if (compiles is None or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3
+                or hidden.shape[1] not in COMPILED_QUERY_LENGTHS or not compiles()):
             return self.eager_forward(*args, **kwargs)
         # (with sliding-window layers the update and the attention run between graphs, not as ops: they cannot run
         # dry in a thread, so those caches compile here)
