@@ -708,7 +708,8 @@ class OasisCache(Cache):
 
     def _forward_one(self, runner, kwargs: dict):
         if self._compile_later:  # (counted before the step: its layers all run compiled or all not)
-            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            tokens = kwargs.get("input_ids")
+            tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
             if (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
                     and tokens.shape[1] in compiled_layers.COMPILED_QUERY_LENGTHS
                     and self.get_seq_length(self._first_oasis_layer) > 0):
@@ -809,7 +810,8 @@ class OasisCache(Cache):
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):
         `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process."""
         if self._compile_later:
-            return compiled_layers.decoded_steps(self._model()) >= self.config.compile_after_steps
+            model = self._model()
+            return model is not None and compiled_layers.decoded_steps(model) >= self.config.compile_after_steps
         return self.config.compile_decode is True
 
     def compile_generation(self) -> tuple:
