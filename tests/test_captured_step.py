@@ -409,6 +409,19 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # a riding draft (two query rows a step) and a left-padded batch, switched midway: the same tokens as eager
+    from conftest import left_padded
+
+    riding = dict(token_budget=96, recent_tokens=32, lookahead="eagle3", exact=True, draft=random_head(model))
+    padded = left_padded([250, 190])
+    expected = generate(model, OasisCache(model, compile_decode=False, **riding), padded, **kw)
+    compiled_calls.clear()
+    steps = compiled_layers.decoded_steps(model)
+    got = generate(model, OasisCache(model, compile_after_steps=steps + 6, **riding), padded, **kw)
+    assert compiled_calls == [step for step in range(steps + 6, steps + 12) for _ in range(3)]
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_decode_compiles_once_for_all_layers():
