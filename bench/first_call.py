@@ -110,9 +110,14 @@ def child(args) -> dict:
     compile_phases, timeline, gate_blocked = {}, [], 0.0
     monitor = StallMonitor() if args.stall_monitor else None
     profile = None
+    from torch._dynamo.utils import counters
+
+    kernel_dir = triton_cache_dir()
+    compiled_per_call = []  # per call: dynamo graphs and recompilations, Triton kernels written to the cache
     for call in range(args.calls):
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
+        graphs, recompiles, wall = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values()), time.time()
         if args.profile and call == 0:
             import cProfile
             profile = cProfile.Profile()
@@ -130,8 +135,11 @@ def child(args) -> dict:
             profile.dump_stats(args.profile)
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
+        compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
+                                  "recompiles": sum(counters["recompiles"].values()) - recompiles,
+                                  "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
         del cache
-    if args.compile_decode:  # (the compilation's phases once it is done, with compile_in_background too)
+    if any(c["graphs"] for c in compiled_per_call):  # (the compilation's phases once it is done)
         from torch._dynamo.utils import compile_times
 
         from oasis_cache.compute import compiled_layers
@@ -148,14 +156,26 @@ def child(args) -> dict:
             event["at_s"] = round(event["at_s"] - (starts[0] - monitor.t0), 3)  # (from the first call's start)
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
-            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked, "stalls": stalls}
+            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked, "stalls": stalls,
+            "compiled_per_call": compiled_per_call}
 
 
-def triton_kernels(cache_dir: str) -> dict:
-    """`{kernel name: specializations}` compiled into a Triton cache folder, and the span of their files' times."""
+def triton_cache_dir() -> str:
+    """The folder Triton writes compiled kernels to (TRITON_CACHE_DIR, else its default)."""
+    try:
+        import triton
+
+        return str(triton.knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return os.environ.get("TRITON_CACHE_DIR", "")
+
+
+def triton_kernels(cache_dir: str, since: float = 0.0) -> dict:
+    """`{kernel name: specializations}` compiled into a Triton cache folder (those written at or after `since`, a
+    `time.time()`), and the span of their files' times."""
     names, stamps = {}, []
     for meta in Path(cache_dir).glob("*/*.json"):
-        if meta.name.startswith("__grp__"):
+        if meta.name.startswith("__grp__") or meta.stat().st_mtime < since:
             continue
         try:
             name = json.loads(meta.read_text()).get("name")
@@ -246,7 +266,8 @@ def main(argv=None):
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
                    call_starts_s=result["call_starts_s"], compile_timeline_s=result["compile_timeline_s"],
-                   gate_blocked_s=result["gate_blocked_s"], stalls=result["stalls"])
+                   gate_blocked_s=result["gate_blocked_s"], stalls=result["stalls"],
+                   compiled_per_call=result["compiled_per_call"])
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
@@ -260,6 +281,11 @@ def main(argv=None):
             slow = sorted(range(len(intervals)), key=lambda i: -intervals[i])[:6]
             print(f"   call {call} decode {sum(intervals) / 1e3:.2f} s; slowest steps (index: ms) "
                   + ", ".join(f"{i + 1}: {intervals[i]:.0f}" for i in sorted(slow)), flush=True)
+        for call, done in enumerate(row["compiled_per_call"]):
+            if done["graphs"] or done["recompiles"] or done["triton"]:
+                print(f"   call {call} compiled: {done['graphs']} dynamo graphs, {done['recompiles']} recompilations, "
+                      "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
+                      flush=True)
         if row["compile_timeline_s"]:
             print("   compilation in a thread (s from the first call's start): " + ", ".join(
                 f"{e} {t:.2f}" for e, t in row["compile_timeline_s"]) + f"; calls start at "
