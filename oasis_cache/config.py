@@ -139,7 +139,7 @@ class OasisConfig:
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer (H200, a 32K x 1 step of an
             8B model: 11.2 -> 8.5 ms). Same tokens as eager within floating-point rounding. Compiling costs seconds
-            once per process (~2-7 s with the kernels on disk, ~20 s on a new machine), so None (default):
+            once per process (~2-7 s with the kernels on disk, ~10-20 s on a new machine), so None (default):
             automatic, where steps are captured (`cuda_graph`) and every attention layer is an oasis layer — the
             steps run uncompiled until the model has decoded `compile_after_steps` steps in this process (over all
             its caches and calls), then the next step compiles (a pause of those seconds, once) and the steps are
@@ -147,7 +147,7 @@ class OasisConfig:
             all but their first steps. True: compiled from the first decode step (the first `generate` of a process
             2.7-3.2x a later one with the kernels on disk, docs/perf.md). False: never.
         compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
-            steps are compiled (2048: at ~3 ms saved a step the compilation's seconds are repaid within about as many
+            steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
             steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.
         fuse_projections: research, with `compile_decode=True`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
