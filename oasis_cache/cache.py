@@ -808,10 +808,12 @@ class OasisCache(Cache):
 
     def compiles_decode(self) -> bool:
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):
-        `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process."""
+        `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process (unless
+        that compilation failed: then, with a warning, never)."""
         if self._compile_later:
             model = self._model()
-            return model is not None and compiled_layers.decoded_steps(model) >= self.config.compile_after_steps
+            return (model is not None and compiled_layers.decoded_steps(model) >= self.config.compile_after_steps
+                    and not compiled_layers.compile_failed(model))
         return self.config.compile_decode is True
 
     def compile_generation(self) -> tuple:

@@ -144,8 +144,9 @@ class OasisConfig:
             steps run uncompiled until the model has decoded `compile_after_steps` steps in this process (over all
             its caches and calls), then the next step compiles (a pause of those seconds, once) and the steps are
             captured anew with the compiled kernels: short runs never pay for it, long ones get the faster step for
-            all but their first steps. True: compiled from the first decode step (the first `generate` of a process
-            2.7-3.2x a later one with the kernels on disk, docs/perf.md). False: never.
+            all but their first steps (a compilation that fails warns once; the steps go on uncompiled). True:
+            compiled from the first decode step (the first `generate` of a process 2.7-3.2x a later one with the
+            kernels on disk, docs/perf.md). False: never.
         compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
             steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
             steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.

@@ -369,6 +369,18 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
             OasisCache(model, token_budget=128, compile_after_steps=bad)
 
 
+def _fresh_uncompiled_run(layers: int, new_tokens: int):
+    """A new tiny Qwen3 (dynamo's caches reset), its generate options and prompt, and an uncompiled cache's output."""
+    from conftest import generate
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", num_hidden_layers=layers)
+    kw = dict(max_new_tokens=new_tokens, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    inputs = {"input_ids": prompt_ids(300, batch=2)}
+    return model, kw, options, inputs, generate(model, OasisCache(model, compile_decode=False, **options), inputs, **kw)
+
+
 def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(monkeypatch):
     """`compile_decode=None` (the default): where a cache may compile its steps (captured steps on CUDA; here the same
     policy forced on the CPU's eager steps) the layers run their own forward until the model has decoded
@@ -380,12 +392,7 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     from conftest import generate
     from oasis_cache.compute import compiled_layers
 
-    torch._dynamo.reset()
-    model = tiny_model("qwen3", num_hidden_layers=3)
-    kw = dict(max_new_tokens=12, do_sample=False)
-    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    inputs = {"input_ids": prompt_ids(300, batch=2)}
-    expected = generate(model, OasisCache(model, compile_decode=False, **options), inputs, **kw)
+    model, kw, options, inputs, expected = _fresh_uncompiled_run(layers=3, new_tokens=12)
     plain = OasisCache(model, **options)
     generate(model, plain, inputs, **kw)
     assert not plain.compiles_decode() and compiled_layers.decoded_steps(model) == 0
@@ -422,6 +429,35 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compile_decode_none_goes_on_uncompiled_when_the_compilation_fails(monkeypatch):
+    """The automatic compilation comes late in a run: if it fails (here a backend that raises), the step goes on with
+    the layers' own forward — the same tokens, one warning naming the options — and the model is not compiled again;
+    `compile_decode=True` still raises."""
+    import warnings
+
+    from conftest import generate
+    from oasis_cache.compute import compiled_layers
+
+    def failing(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    real_compile = torch.compile
+    model, kw, options, inputs, expected = _fresh_uncompiled_run(layers=2, new_tokens=10)
+    monkeypatch.setattr(compiled_layers, "may_compile_automatically", lambda cache: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **k: real_compile(fn, backend=failing))
+    cache = OasisCache(model, compile_after_steps=4, **options)
+    with pytest.warns(RuntimeWarning, match="decode steps failed .*no compiler here.*compile_decode=False"):
+        got = generate(model, cache, inputs, **kw)
+    assert torch.equal(got.sequences, expected.sequences) and compiled_layers.compile_failed(model)
+    assert not cache.compiles_decode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no second attempt, no second warning)
+        again = generate(model, OasisCache(model, compile_after_steps=4, **options), inputs, **kw)
+    assert torch.equal(again.sequences, expected.sequences)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        generate(model, OasisCache(model, compile_decode=True, **options), inputs, **kw)
 
 
 def test_compiled_decode_compiles_once_for_all_layers():

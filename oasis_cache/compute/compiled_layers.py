@@ -37,6 +37,7 @@ import contextlib
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -79,6 +80,26 @@ def count_decoded_step(model) -> None:
 def decoded_steps(model) -> int:
     """Decode steps `model` has run in this process (where counted: caches with `compile_decode=None`)."""
     return _DECODED.get(model, 0)
+
+
+# Models whose automatic compilation failed (`compile_decode=None`): their steps go on uncompiled, with a warning.
+_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compile_failed(model) -> bool:
+    """Whether `compile_decode=None` gave up compiling `model`'s steps (its compilation raised)."""
+    return model in _FAILED
+
+
+def give_up(model, error: BaseException) -> None:
+    """The automatic compilation of `model`'s steps raised: warn once; its steps run uncompiled from now on."""
+    if model is None or model in _FAILED:
+        return
+    _FAILED[model] = repr(error)
+    said = " ".join(str(error).split())[:400]  # (dynamo's message spans lines)
+    warnings.warn(f"OasisCache: compiling the decode steps failed ({type(error).__name__}: {said}); they go on "
+                  "uncompiled, with the same tokens. OasisCache(..., compile_decode=False) skips the attempt; "
+                  "compile_decode=True raises instead.", RuntimeWarning, stacklevel=3)
 
 
 def may_compile_automatically(cache) -> bool:
@@ -296,7 +317,13 @@ class CompiledDecode:
                 out = self.eager_forward(*args, **kwargs)
                 GATE.let_through()  # (a compiling thread waiting to trace goes first: this thread calls no module now)
                 return out
-        return self.run_compiled(cache, args, kwargs)
+        if not cache._compile_later:
+            return self.run_compiled(cache, args, kwargs)
+        try:  # (automatic: a compilation that fails must not end a long generation; it raises before the graph runs)
+            return self.run_compiled(cache, args, kwargs)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            give_up(cache._model(), error)
+            return self.eager_forward(*args, **kwargs)
 
     def run_compiled(self, cache, args, kwargs, wait: bool = False):
         """The layer's forward compiled, under what its graphs assume (its contexts). The contexts set flags that
