@@ -34,6 +34,7 @@ OPTION_VARIANTS = {
     "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
     "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
     "compiled": dict(compile_decode=True),  # the layers' own work torch.compile'd in decode steps
+    "compiledsoon": dict(compile_decode=None, compile_after_steps=4),  # the default's switch, at the 4th step
     "topk": dict(top_k_kernel=True),  # the k best blocks by the package's select kernel (the default on Triton)
     "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
