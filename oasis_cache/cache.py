@@ -903,6 +903,13 @@ class OasisCache(Cache):
         else:
             lines.append("- decode steps: eager (captured CUDA graphs need one CUDA device, a checked architecture and "
                          "the Triton backend, or cuda_graph=True)")
+        if self.compiles_decode():
+            lines.append("- the layers' own work in decode steps: torch.compile'd (compile_decode)")
+        elif self._compile_later:
+            model = self._model()
+            done = compiled_layers.decoded_steps(model) if model is not None else 0
+            lines.append(f"- the layers' own work in decode steps: eager; torch.compile'd once the model has decoded "
+                         f"{self.config.compile_after_steps} steps in this process ({done} so far; compile_decode)")
         if self.get_seq_length(self._first_oasis_layer):
             lines.append(f"- memory: {sum(self.device_nbytes().values()) / 2**20:.1f} MiB on the device, "
                          f"{self.host_nbytes() / 2**20:.1f} MiB of host memory")

@@ -407,11 +407,13 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     first = OasisCache(model, compile_after_steps=16, **options)
     got = generate(model, first, inputs, **kw)  # 11 decode steps (the prefill gives the first token)
     assert compiled_layers.decoded_steps(model) == 11 and not first.compiles_decode()
+    assert "eager; torch.compile'd once the model has decoded 16 steps in this process (11 so far" in str(first)
     assert not compiled_calls and counters["stats"]["unique_graphs"] == before
     assert torch.equal(got.sequences, expected.sequences)
     second = OasisCache(model, compile_after_steps=16, **options)
     got = generate(model, second, inputs, **kw)  # steps 12..22 of the model: compiled from its 16th on
     assert second.compiles_decode() and counters["stats"]["unique_graphs"] > before
+    assert "decode steps: torch.compile'd (compile_decode)" in str(second)
     assert compiled_calls == [step for step in range(16, 23) for _ in range(3)]  # every layer of those steps
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
