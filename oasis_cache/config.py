@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# `compile_decode=None` compiles a model's decode steps from its this-many-th in a process (docs/perf.md, thirty-fifth
+# session: the compilation's seconds repaid within about as many steps again).
+COMPILE_AFTER_STEPS = 2048
+
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
@@ -205,7 +209,7 @@ class OasisConfig:
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool | None = None
-    compile_after_steps: int = 2048
+    compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
     compile_in_background: bool = False
     top_k_kernel: bool | None = None
@@ -306,6 +310,10 @@ class OasisConfig:
                 self.compile_after_steps < 0:
             raise ValueError(f"compile_after_steps must be an int >= 0 (decode steps of a model in a process before "
                              f"compile_decode=None compiles them), got {self.compile_after_steps!r}.")
+        if self.compile_after_steps != COMPILE_AFTER_STEPS and self.compile_decode is not None:
+            raise ValueError(f"compile_after_steps={self.compile_after_steps} sets when compile_decode=None (automatic) "
+                             f"compiles; with compile_decode={self.compile_decode} it would do nothing: drop it, or "
+                             f"pass compile_decode=None.")
         if self.fuse_projections not in (True, False):
             raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
         if self.fuse_projections and self.compile_decode is not True:

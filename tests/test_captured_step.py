@@ -367,6 +367,9 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="compile_after_steps must be an int >= 0"):
             OasisCache(model, token_budget=128, compile_after_steps=bad)
+    for decided in (True, False):
+        with pytest.raises(ValueError, match=f"with compile_decode={decided} it would do nothing"):
+            OasisCache(model, token_budget=128, compile_decode=decided, compile_after_steps=8)
 
 
 def _fresh_uncompiled_run(layers: int, new_tokens: int):
