@@ -134,9 +134,10 @@ class CapturedSteps:
         if cache.replay_signature() != slot.signature:
             if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
                 return runner.eager_forward(**kwargs)
-            if self.compiled_seen != cache.compile_generation():  # (the layers compile now, or a thread's
-                self.compiled_seen = cache.compile_generation()  # compilation ended: its graphs are met once
-                return self._static_eager_step(runner, cache, input_ids, kwargs)  # before any capture)
+            generation = cache.compile_generation()
+            if self.compiled_seen != generation:  # (the layers compile now, or a thread's compilation ended: its
+                self.compiled_seen = generation  # graphs are met once before any capture)
+                return self._static_eager_step(runner, cache, input_ids, kwargs)
             return self._capture(runner, cache, input_ids, slot, kwargs)
         out = self._replay(cache, input_ids, kind, slot, kwargs)
         if cache.config.compile_in_background:  # (replays call no layer: a compilation waiting for them starts here)

@@ -317,11 +317,12 @@ class CompiledDecode:
                 out = self.eager_forward(*args, **kwargs)
                 GATE.let_through()  # (a compiling thread waiting to trace goes first: this thread calls no module now)
                 return out
-        if not cache._compile_later:
-            return self.run_compiled(cache, args, kwargs)
-        try:  # (automatic: a compilation that fails must not end a long generation; it raises before the graph runs)
+        try:
             return self.run_compiled(cache, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
+            if not cache._compile_later:
+                raise
+            # (automatic: a compilation that fails must not end a long generation; it raises before the graph runs)
             give_up(cache._model(), error)
             return self.eager_forward(*args, **kwargs)
 
