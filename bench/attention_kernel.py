@@ -10,6 +10,7 @@ decode step: no launch gaps counted); medians of CUDA-event timings, microsecond
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -51,7 +52,13 @@ def main():
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--splits", nargs="+", type=int, default=[0, 8, 16, 32, 64], help="0: the kernel's choice")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--compare", metavar="MODULE",
+                        help="another version's kernels, e.g. the previous commit's file copied to "
+                             "oasis_cache/kernels/MODULE.py (not committed): timed beside the package's, alternating")
     args = parser.parse_args()
+    versions = {"kernel": decode_attention}
+    if args.compare:
+        versions[args.compare] = importlib.import_module(f"oasis_cache.kernels.{args.compare}").decode_attention
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H, G, D, ST, R = args.kv_heads, args.group, args.head_dim, args.slot_tokens, args.recent
     L = ST + R
@@ -72,10 +79,20 @@ def main():
 
             row = {"sdpa": time_us(graphed(sdpa, args.layers), args.repeats) / args.layers}
             for splits in args.splits:
-                def kernel(splits=splits or None):
-                    out = decode_attention(query, kv[0], kv[1], visible, count, ST, scale, splits)
-                    out.transpose(1, 2).contiguous()
-                row[f"kernel/{splits or 'auto'}"] = time_us(graphed(kernel, args.layers), args.repeats) / args.layers
+                runs = {}
+                for name, attend in versions.items():
+                    def kernel(splits=splits or None, attend=attend):
+                        out = attend(query, kv[0], kv[1], visible, count, ST, scale, splits)
+                        out.transpose(1, 2).contiguous()
+                    runs[name] = graphed(kernel, args.layers)
+                    if name != "kernel":  # the same output as the package's
+                        same = torch.allclose(attend(query, kv[0], kv[1], visible, count, ST, scale, splits or None),
+                                              decode_attention(query, kv[0], kv[1], visible, count, ST, scale,
+                                                               splits or None), atol=2e-2, rtol=2e-2)
+                        print(f"  {name} agrees with the package's kernel: {same}")
+                for _ in range(2):  # alternating: A B A B, each a median of its repeats; the last pair kept
+                    for name, replay in runs.items():
+                        row[f"{name}/{splits or 'auto'}"] = time_us(replay, args.repeats) / args.layers
             print(f"B {B} Qn {Qn}: " + "  ".join(f"{name} {us:.1f}" for name, us in row.items()), flush=True)
 
 

@@ -106,6 +106,8 @@ def child(args) -> dict:
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections,
                    compile_in_background=args.compile_in_background) if args.compile_decode else {}
+    if args.compile_after_steps:  # (the default compile_decode=None, switching sooner)
+        options["compile_after_steps"] = args.compile_after_steps
     times, first_token, steps, starts = [], [], [], []
     compile_phases, timeline, gate_blocked = {}, [], 0.0
     monitor = StallMonitor() if args.stall_monitor else None
@@ -113,11 +115,12 @@ def child(args) -> dict:
     from torch._dynamo.utils import counters
 
     kernel_dir = triton_cache_dir()
-    compiled_per_call = []  # per call: dynamo graphs and recompilations, Triton kernels written to the cache
+    compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
+    # TORCH_LOGS=recompiles), Triton kernels written to the cache
     for call in range(args.calls):
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
-        graphs, recompiles, wall = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values()), time.time()
+        graphs, wall = counters["stats"]["unique_graphs"], time.time()
         if args.profile and call == 0:
             import cProfile
             profile = cProfile.Profile()
@@ -136,7 +139,6 @@ def child(args) -> dict:
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
         compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
-                                  "recompiles": sum(counters["recompiles"].values()) - recompiles,
                                   "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
         del cache
     if any(c["graphs"] for c in compiled_per_call):  # (the compilation's phases once it is done)
@@ -224,6 +226,10 @@ def main(argv=None):
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
                         "PATH.<process> (pstats; the parent prints the top functions by cumulative and own time)")
+    parser.add_argument("--compile-after-steps", type=int, default=0,
+                        help="the default compile_decode=None with compile_after_steps=N (research): its switch sooner")
+    parser.add_argument("--child-stderr", default="", help="each child's stderr into DIR/child-<i>.log (e.g. with "
+                        "TORCH_LOGS=recompiles: why a graph compiles)")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -239,7 +245,8 @@ def main(argv=None):
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
               + (", compile_decode" if args.compile_decode else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
-              + (", compile_in_background" if args.compile_decode and args.compile_in_background else ""))
+              + (", compile_in_background" if args.compile_decode and args.compile_in_background else "")
+              + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
     rows = []
@@ -256,7 +263,10 @@ def main(argv=None):
         command += ["--compile-in-background"] if args.compile_in_background else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
+        command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if args.child_stderr:
+            Path(args.child_stderr, f"child-{index}.log").write_text(done.stderr)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
             raise SystemExit(f"child {index} failed (exit {done.returncode}): {done.stderr[-2000:]}")
@@ -282,8 +292,8 @@ def main(argv=None):
             print(f"   call {call} decode {sum(intervals) / 1e3:.2f} s; slowest steps (index: ms) "
                   + ", ".join(f"{i + 1}: {intervals[i]:.0f}" for i in sorted(slow)), flush=True)
         for call, done in enumerate(row["compiled_per_call"]):
-            if done["graphs"] or done["recompiles"] or done["triton"]:
-                print(f"   call {call} compiled: {done['graphs']} dynamo graphs, {done['recompiles']} recompilations, "
+            if done["graphs"] or done["triton"]:
+                print(f"   call {call} compiled: {done['graphs']} dynamo graphs, "
                       "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
                       flush=True)
         if row["compile_timeline_s"]:

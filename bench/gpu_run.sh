@@ -84,6 +84,8 @@
 #   cappedauto  `capped128k` through the default's switch to compiled steps (`@compiledsoon`: at the 4th step)
 #   firstcallauto  the default compile_decode=None over 6 calls of 512 tokens at 32K x 1: compiled at the 2048th step (call 5)
 #   profilecompiled  kernel groups of the captured `previous` step with and without compile_decode, 32K x 1
+#   gatherprograms  32K and 128K x 1, compiled steps (the default's steady state) with the side stream's gather on 16,
+#             32 (the package's choice on an H200), 64 and 128 programs: is the step now bound by the gather?
 #   compiledfused  32K x {1, 4} decode, compile_decode with and without fuse_projections (q/k/v, gate/up one product)
 #   recompiles  bench/recompiles.py: dynamo's recompile reasons and graph breaks for compile_decode (10 layers)
 #   matmul    bench/matmul.py: a layer's weight matmuls alone (cuBLAS), separate and with q/k/v, gate/up fused, M = 1, 4
@@ -221,6 +223,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     scorers) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     profilecompiled) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous-captured oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "==" ;;  # issue 21: what compile_decode leaves of a replayed step, by kernel group
+    gatherprograms) for c in 32768 131072; do python3 bench/decode.py --interleave --model qwen3-8b --contexts $c --batches 1 --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --prefill-chunk 16384 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+gather16 oasis-previous-captured@compiled+gather64 oasis-previous-captured@compiled+gather128 --out "$OUT/decode-qwen3-8b-$c-gather-programs.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-gather-programs-$c.log" | tail -6; done ;;  # issue 21: the side stream's gather programs (32 by default) once the steps are compiled
     compiledfused) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --methods oasis-previous-captured@compiled oasis-previous-captured@compiledfused --out "$OUT/decode-qwen3-8b-32k-b$b-fused.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-fused-b$b.log" | tail -4; done ;;  # issue 21: fused projections
     recompiles) python3 bench/recompiles.py 2>&1 | grep -v DEBUG | tail -40 | tee "$OUT/recompiles.log" ;;
     matmul) for m in 1 4; do python3 bench/matmul.py --rows $m 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/matmul.log"; done ;;  # issue 21: the matmuls' floor

@@ -6,6 +6,7 @@ captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed deco
 `--repeats` times; medians.
 
     python bench/select_kernels.py                   # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
+    python bench/select_kernels.py --warps 4 8 16    # the select kernel's warps
     TRITON_INTERPRET=1 python bench/select_kernels.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
 
 Prints one line per (shape, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
@@ -14,6 +15,7 @@ Prints one line per (shape, method): microseconds per call (per decode step mult
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -48,13 +50,20 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=128)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warps", type=int, nargs="+", default=[0],
+                        help="the select kernel's warps (0: the package's choice); several: a row per value")
     parser.add_argument("--slots", type=int, nargs="+", default=[128, 256], help="slot assignment: slots (K = 128)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for W in args.rows:
         ranks = torch.randn(args.batch, args.kv_heads, W, device=device)
         reference = torch_top_k(ranks, args.k)
-        for name, method in METHODS.items():
+        methods = dict(METHODS)
+        if args.warps != [0]:
+            del methods["select"]
+            methods.update({f"select/{w or 'auto'}w": functools.partial(top_k, num_warps=w or None)
+                            for w in args.warps})
+        for name, method in methods.items():
             ids, values = method(ranks, args.k)
             same = torch.equal(ids, reference[0]) and torch.equal(values, reference[1])
             us = time_us(graphed(lambda: method(ranks, args.k), args.calls), args.repeats) / args.calls

@@ -75,10 +75,11 @@ def cache_kwargs(mode: str, budget: int, **cache_options) -> dict:
     """`OasisCache(model, **...)` for an oasis `mode` (`make_cache`)."""
     prediction, _, option_variant = mode.partition("@")
     lookahead, _, variant = prediction.partition("-")
-    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or (
-            option_variant and option_variant not in OPTION_VARIANTS):
+    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or any(
+            part not in OPTION_VARIANTS for part in filter(None, option_variant.split("+"))):
         raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
-                         f"optionally with one of {', '.join('@' + v for v in OPTION_VARIANTS)}")
+                         f"optionally with one of {', '.join('@' + v for v in OPTION_VARIANTS)} (several joined by "
+                         "'+')")
     options = dict(exact=variant == "exact", **OasisConfig.variant_options(option_variant), **cache_options)
     if lookahead == "eagle3":
         if HEAD is None:

@@ -151,7 +151,8 @@ class OasisConfig:
             captured anew with the compiled kernels: short runs never pay for it, long ones get the faster step for
             all but their first steps (a compilation that fails warns once; the steps go on uncompiled). True:
             compiled from the first decode step (the first `generate` of a process 2.7-3.2x a later one with the
-            kernels on disk, docs/perf.md). False: never.
+            kernels on disk, docs/perf.md). False: never. Where steps are captured, the steps outside the captured
+            path (a cache's first, steps that cannot be replayed) run uncompiled either way.
         compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
             steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
             steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.
@@ -173,7 +174,7 @@ class OasisConfig:
             than best first. None (default): the kernel wherever the Triton backend runs, unless `fetch_ratio` is set
             (its cap keeps the best first: `torch.topk`). True: the kernel (an error beside `fetch_ratio`). False:
             `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
-            session).
+            session). Rows of up to 16,384 blocks (256K tokens); longer ones go through `torch.topk`.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -338,10 +339,18 @@ class OasisConfig:
 
     @staticmethod
     def variant_options(name: str) -> dict:
-        """The OasisCache options of an "@name" variant (`OPTION_VARIANTS`); "" gives none."""
-        if name and name not in OPTION_VARIANTS:
-            raise ValueError(f"unknown option variant @{name}: one of {', '.join('@' + v for v in OPTION_VARIANTS)}")
-        return dict(OPTION_VARIANTS.get(name, {}))
+        """The OasisCache options of an "@name" variant (`OPTION_VARIANTS`), or of several joined by "+" (e.g.
+        "compiled+gather64"; two that set one option differently are refused); "" gives none."""
+        options = {}
+        for part in filter(None, name.split("+")):
+            if part not in OPTION_VARIANTS:
+                raise ValueError(f"unknown option variant @{part}: one of "
+                                 f"{', '.join('@' + v for v in OPTION_VARIANTS)} (several joined by '+')")
+            clash = {k for k, v in OPTION_VARIANTS[part].items() if k in options and options[k] != v}
+            if clash:
+                raise ValueError(f"option variant @{name}: @{part} sets {', '.join(sorted(clash))} otherwise")
+            options.update(OPTION_VARIANTS[part])
+        return options
 
     def kept_channels(self, head_dim: int) -> int:
         """The key channels the summaries cover for a head of `head_dim` channels (`summary_channels`)."""

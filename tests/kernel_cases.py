@@ -156,6 +156,7 @@ DECODE_CASES = [
     (2, 3, 3, 2, 64, 96, 32, 17, torch.bfloat16, None),  # G = 3 (SmolLM2); the recent region past one block
     (2, 1, 5, 4, 80, 48, 16, 16, torch.float16, 1),  # 20 rows, D not a power of two, one key range
     (1, 2, 1, 16, 32, 64, 32, 16, torch.float32, 2),  # a whole block of new tokens (an assisted forward)
+    (1, 1, 5, 4, 80, 2048, 64, 16, torch.float32, 33),  # 33 key ranges: a row's sum split over combine programs
 ]
 
 
@@ -228,7 +229,8 @@ def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
 
 # (B, Hkv, W, k, split): rows of W ranks, the k best; split: one half of a `[B, Hkv, 2, W]` ranking (strided rows)
 TOP_K_CASES = [(1, 8, 2048, 128, False), (2, 2, 37, 5, True), (1, 1, 16, 16, False), (3, 4, 300, 64, True),
-               (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True), (1, 8, 8192, 128, True)]
+               (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True), (1, 8, 8192, 128, True),
+               (1, 2, 2176, 128, True), (1, 1, 8704, 128, False), (1, 1, 2049, 2049, False), (1, 1, 17, 3, True)]  # (a head and a tail)
 
 
 def check_top_k(B, H, W, k, split, device) -> bool:

@@ -242,8 +242,8 @@ def test_summary_channels_must_keep_rotary_pairs():
 
 
 def test_every_option_variant_is_a_valid_config():
-    """The "@name" variants of bench/eval (`OPTION_VARIANTS`) each make a valid config; an unknown name is refused
-    with the list."""
+    """The "@name" variants of bench/eval (`OPTION_VARIANTS`) each make a valid config, and so do two joined by "+"; an
+    unknown name is refused with the list, two that disagree by what they set."""
     from oasis_cache.config import OPTION_VARIANTS
 
     for name in OPTION_VARIANTS:
@@ -252,6 +252,9 @@ def test_every_option_variant_is_a_valid_config():
         assert all(getattr(config, key) == value for key, value in options.items())
     with pytest.raises(ValueError, match="@gather32"):
         OasisConfig.variant_options("gather33")
+    assert OasisConfig.variant_options("compiled+gather64") == dict(compile_decode=True, gather_programs=64)
+    with pytest.raises(ValueError, match="@compiled sets compile_decode otherwise"):
+        OasisConfig.variant_options("compiledsoon+compiled")
 
 
 def test_print_says_what_was_chosen_and_why():

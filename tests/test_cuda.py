@@ -396,6 +396,15 @@ def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_
     assert torch.equal(got.sequences, eager.sequences)
     for a, b in zip(eager.logits, got.logits):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+    # A later cache compiles nothing new: its first step (eager, with the caller's mask) runs uncompiled, not a
+    # second graph (thirty-sixth session: 1.4-2.4 s at the next call's first step on the H200); another prompt length
+    graphs = counters["stats"]["unique_graphs"]
+    other = on_cuda({"input_ids": prompt_ids(270, batch=2)})
+    later = OasisCache(model, compile_after_steps=39 + 20, **options)
+    assert torch.equal(generate(model, later, other, **kw).sequences, generate(
+        model, OasisCache(model, cuda_graph=False, compile_decode=False, **options), other, **kw).sequences)
+    assert later.compiles_decode() and later.captured_steps.replays >= 30
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compile_in_background_replays_then_recaptures_compiled_steps():

@@ -111,6 +111,7 @@ class CapturedSteps:
         self.graphs: dict[str, _Graph] = {}
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
         self.compiled_seen = None  # `OasisCache.compile_generation()` when a step last ran eagerly before a capture
+        self.in_static_step = False  # inside a static eager step or a capture (`_on_capture_stream`)
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
         self.replays = 0
@@ -169,8 +170,12 @@ class CapturedSteps:
         """Work inside runs on the capture stream, ordered after and before the caller's stream."""
         caller = torch.cuda.current_stream(device)
         self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
-            yield
+        self.in_static_step = True
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self.in_static_step = False
         caller.wait_stream(self.stream)
 
     def _static_call(self, runner, cache, input_ids, kwargs, keep=None) -> dict:

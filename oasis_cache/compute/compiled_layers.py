@@ -13,7 +13,10 @@ layer is one graph and every layer runs the same one (one frame traced; before t
 twice, at two graph breaks); elsewhere (sliding-window layers) they break the graph (`torch.compiler.disable`) and
 each layer compiles into the regions around them. Inductor fuses the elementwise work (norms, rotary, activation,
 residuals). A captured step records the compiled kernels like any others; the graphs are compiled at the first eager
-step that meets them, before a capture.
+step that meets them, before a capture. Where a cache's steps are captured, only the steps of the captured path run
+compiled (the static eager steps before a capture, and the captures): its other decode steps (the first, which fixes
+the summaries' channels; one that cannot be replayed) carry the caller's mask where those carry none, and would
+compile a second graph for a step that is not the hot path (`_outside_captured_path`).
 
 By default (`compile_decode=None`) a cache whose steps are captured compiles them only once its model has decoded
 `compile_after_steps` steps in the process (`decoded_steps`, counted over every cache and call of the model): until
@@ -264,6 +267,16 @@ def _may_start(cache, device) -> bool:
     return cache.decode_clock >= 2 * cache.config.block_size + 4
 
 
+def _outside_captured_path(cache) -> bool:
+    """Whether this is a decode step of a cache with captured steps that runs eagerly outside them (its first step,
+    which fixes the summaries' channels; a step that cannot be replayed): called with the caller's mask, where static
+    steps and captures pass none, it would compile a second graph (`attention_mask is None` guarded: 1.4-2.4 s at a
+    later call's first step on the H200, thirty-sixth session) for a step that is not the hot path. It runs the
+    layer's own forward."""
+    steps = cache.captured_steps
+    return steps is not None and not steps.in_static_step
+
+
 class CompiledDecode:
     """Installed once per decoder layer as its `forward` (same signature): a decode-sized call with an OasisCache
     whose config asks for it runs the layer's forward compiled; any other call runs it as it is."""
@@ -299,7 +312,7 @@ class CompiledDecode:
         config = getattr(cache, "config", None)
         compiles = getattr(cache, "compiles_decode", None)
         if (compiles is None or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3
-                or hidden.shape[1] not in COMPILED_QUERY_LENGTHS or not compiles()):
+                or hidden.shape[1] not in COMPILED_QUERY_LENGTHS or not compiles() or _outside_captured_path(cache)):
             return self.eager_forward(*args, **kwargs)
         # (with sliding-window layers the update and the attention run between graphs, not as ops: they cannot run
         # dry in a thread, so those caches compile here)

@@ -4,11 +4,16 @@
 replayed 36-layer step, thirty-first session) for what is a few thousand numbers.
 
 One program per (sequence, KV head) holds its whole row in registers, each rank as an unsigned 32-bit key (its fp32
-bits made monotonic; held in 64 bits, -1 past the row). The k-th largest key T is found from the top bit down, two bits a round: a round counts the
-keys at or above three candidate thresholds (one sum over the registers, the three counts packed in 64 bits) and
-keeps the highest candidate that still leaves k keys at or above it; 16 rounds fix all 32 bits. Every key above T
-is chosen, and the first (in block order) of the keys equal to T until k are; a prefix sum gives each its place in
-the output.
+bits made monotonic; held in 64 bits, -1 past the row). The k-th largest key T is found from the top bit down, two
+bits a round: a round counts the keys at or above three candidate thresholds (one sum over the registers, the three
+counts packed in 64 bits) and keeps the highest candidate that still leaves k keys at or above it; 16 rounds fix all
+32 bits. Every key above T is chosen, and the first (in block order) of the keys equal to T until k are; a prefix sum
+gives each its place in the output.
+
+The row is held as two parts, a power of two and the next power of two above what is left (`row_parts`): the
+ranking's width is the summaries' capacity, which grows by a sixteenth past the prompt's blocks (a 32K prompt ranks
+2,176 blocks from its 16th decode step, a 128K one 8,704), and one power of two past it doubled the work (2,048 ->
+4,096 ranks: 8.6 -> 14.3 us on the H200) or, past 8,192, fell back to `torch.topk` + sort (~60 us a layer).
 
 Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one reduction) was slower on the H200:
 24.8 against 8.4 us for 8 rows of 2048 (`bench/results/select-kernels-h200-2026-12-03-session32.txt`).
@@ -28,43 +33,74 @@ import torch
 
 from .gather import triton
 
-MAX_ROW = 8192  # blocks of a row held by one program (128K tokens of 16); longer rows: torch.topk
+MAX_ROW = 16384  # blocks of a row held by one program (256K tokens of 16); longer rows: torch.topk
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _top_k_kernel(ranks, ids, values, W, k, H, stride_b, stride_h, BLOCK_W: tl.constexpr):
+    def _keys(ranks, start, W, BLOCK: tl.constexpr):
+        """Ranks [start, start + BLOCK) of a row (-inf past W) and their keys: fp32 order as unsigned 32-bit
+        integers, held in 64 bits, -1 past the row (below every rank)."""
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < W
+        x = tl.load(ranks + offs, mask=inside, other=-float("inf")) + 0.0  # (-0 -> +0)
+        bits = x.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # fp32 order as 0 .. 2^32 - 1
+        return offs, x, tl.where(inside, key, -1)
+
+    @triton.jit
+    def _counts(key, t1, t2, t3):
+        """Keys at or above each of three thresholds, packed in one 64-bit sum (counts < 2^21)."""
+        packed = ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21) + ((key >= t3).to(tl.int64) << 42))
+        return tl.sum(packed, axis=0)
+
+    @triton.jit
+    def _top_k_kernel(ranks, ids, values, W, k, H, stride_b, stride_h, HEAD: tl.constexpr, TAIL: tl.constexpr):
         row = tl.program_id(0)
         b = row // H
         h = row % H
-        offs = tl.arange(0, BLOCK_W)
-        inside = offs < W
-        x = tl.load(ranks + b * stride_b + h * stride_h + offs, mask=inside, other=-float("inf")) + 0.0  # (-0 -> +0)
-        bits = x.to(tl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # fp32 order as 0 .. 2^32 - 1
-        key = tl.where(inside, key, -1)  # (past the row: below every rank)
+        base = ranks + b * stride_b + h * stride_h
+        offs_a, x_a, key_a = _keys(base, 0, W, HEAD)  # the row as a power-of-two head and a short tail:
+        offs_b, x_b, key_b = _keys(base, HEAD, W, TAIL)  # 2176 ranks cost 2048 + 128, not 4096
         threshold = tl.full((), 0, tl.int64)  # count(key >= threshold) >= k throughout
         for r in tl.static_range(16):  # two bits a round, the highest first
             step = 1 << (30 - 2 * r)  # (an int32 constant: the candidates are made by int64 additions)
             t1 = threshold + step
             t2 = t1 + step
             t3 = t2 + step
-            packed = ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
-                      + ((key >= t3).to(tl.int64) << 42))
-            counts = tl.sum(packed, axis=0)  # three counts < 2^21 in one reduction
+            counts = _counts(key_a, t1, t2, t3) + _counts(key_b, t1, t2, t3)
             n1 = counts & 0x1FFFFF
             n2 = (counts >> 21) & 0x1FFFFF
             n3 = counts >> 42
             threshold = tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, threshold)))
-        above = key > threshold
-        equal = key == threshold
-        room = k - tl.sum(above.to(tl.int32), axis=0)  # the equal keys taken, lowest block ids first
-        chosen = above | (equal & (tl.cumsum(equal.to(tl.int32), axis=0) <= room))
-        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        out = row.to(tl.int64) * k + place
-        tl.store(ids + out, offs.to(tl.int64), mask=chosen)
-        tl.store(values + out, x, mask=chosen)
+        above_a, equal_a = key_a > threshold, key_a == threshold
+        above_b, equal_b = key_b > threshold, key_b == threshold
+        # the equal keys taken, lowest block ids first
+        room = k - tl.sum(above_a.to(tl.int32), axis=0) - tl.sum(above_b.to(tl.int32), axis=0)
+        chosen_a = above_a | (equal_a & (tl.cumsum(equal_a.to(tl.int32), axis=0) <= room))
+        room_b = room - tl.sum(equal_a.to(tl.int32), axis=0)
+        chosen_b = above_b | (equal_b & (tl.cumsum(equal_b.to(tl.int32), axis=0) <= room_b))
+        place_a = tl.cumsum(chosen_a.to(tl.int32), axis=0) - 1
+        place_b = tl.cumsum(chosen_b.to(tl.int32), axis=0) - 1 + tl.sum(chosen_a.to(tl.int32), axis=0)
+        out = row.to(tl.int64) * k
+        tl.store(ids + out + place_a, offs_a.to(tl.int64), mask=chosen_a)
+        tl.store(values + out + place_a, x_a, mask=chosen_a)
+        tl.store(ids + out + place_b, offs_b.to(tl.int64), mask=chosen_b)
+        tl.store(values + out + place_b, x_b, mask=chosen_b)
+
+
+def row_parts(W: int) -> tuple[int, int]:
+    """`(HEAD, TAIL)`: a row of W ranks held as a power of two (the largest <= W, at least 16) and the next power of
+    two >= what is left (at least 16; all masked when nothing is)."""
+    head = max(16, 1 << (W.bit_length() - 1))
+    return head, max(16, triton.next_power_of_2(max(1, W - head)))
+
+
+def default_warps(head: int) -> int:
+    """Warps of the program that holds a row whose power-of-two head is `head` ranks (H200, `bench/select_kernels.py
+    --warps`, rows of 8 (sequence, KV head) pairs: 4 fastest at 2048, 8 at 4096, 16 at 8192)."""
+    return 4 if head <= 2048 else 8 if head <= 4096 else 16
 
 
 def kernel_fits(ranks: torch.Tensor, k: int) -> bool:
@@ -73,10 +109,11 @@ def kernel_fits(ranks: torch.Tensor, k: int) -> bool:
             and 0 < k <= ranks.shape[-1] <= MAX_ROW)
 
 
-def top_k(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, values)` `[B, H, k]`: the k largest of `ranks` `[B, H, W]` per row (equal values: the lower indices),
     in index order. Rows the kernel does not take (`kernel_fits`) go through `torch.topk` and are put in index
-    order too (which of equal values it keeps is its own choice)."""
+    order too (which of equal values it keeps is its own choice). `num_warps`: a tuning knob
+    (`bench/select_kernels.py --warps`; None: `default_warps`)."""
     if not kernel_fits(ranks, k):
         top = torch.topk(ranks, k, dim=-1, sorted=False)
         ids, order = top.indices.sort(dim=-1)
@@ -84,8 +121,7 @@ def top_k(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, W = ranks.shape
     ids = torch.empty((B, H, k), dtype=torch.int64, device=ranks.device)
     values = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
-    BLOCK_W = max(16, triton.next_power_of_2(W))
-    warps = 4 if BLOCK_W <= 2048 else 8
-    _top_k_kernel[(B * H,)](ranks, ids, values, W, k, H, ranks.stride(0), ranks.stride(1), BLOCK_W=BLOCK_W,
-                            num_warps=warps)
+    head, tail = row_parts(W)
+    _top_k_kernel[(B * H,)](ranks, ids, values, W, k, H, ranks.stride(0), ranks.stride(1), HEAD=head, TAIL=tail,
+                            num_warps=num_warps or default_warps(head))
     return ids, values
