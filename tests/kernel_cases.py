@@ -230,7 +230,8 @@ def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
 # (B, Hkv, W, k, split): rows of W ranks, the k best; split: one half of a `[B, Hkv, 2, W]` ranking (strided rows)
 TOP_K_CASES = [(1, 8, 2048, 128, False), (2, 2, 37, 5, True), (1, 1, 16, 16, False), (3, 4, 300, 64, True),
                (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True), (1, 8, 8192, 128, True),
-               (1, 2, 2176, 128, True), (1, 1, 8704, 128, False), (1, 1, 2049, 2049, False), (1, 1, 17, 3, True)]  # (a head and a tail)
+               # rows held as a power of two and a tail
+               (1, 2, 2176, 128, True), (1, 1, 8704, 128, False), (1, 1, 2049, 2049, False), (1, 1, 17, 3, True)]
 
 
 def check_top_k(B, H, W, k, split, device) -> bool:
