@@ -24,7 +24,7 @@ cost sits in the steps that capture, so compare means (`--statistic mean`, `--st
 (default: the package's, bits), e.g. `oasis-previous@bound`; `@full` keeps the bits summaries on every key channel
 (`summary_channels=1.0`; the default keeps half), e.g. `oasis-previous-captured@full` (`OPTION_VARIANTS` in
 oasis_cache/config.py). The oasis methods run uncompiled decode steps (`compile_decode=False`) unless a variant
-compiles them (`@compiled`, `@compiledfused`, `@background`): the package's default compiles a model's steps only
+compiles them (`@compiled`, `@compiledfused`): the package's default compiles a model's steps only
 after its 2,048th decode step in a process, which a run of many methods and repeats could cross midway — each row
 measures one kind of step. dense-compiled: HF's fastest dense decode, a
 `StaticCache` of the context + the steps and `torch.compile(model.forward, mode="reduce-overhead")` (on CUDA the step
@@ -184,13 +184,7 @@ class MethodRun:
             self.model.set_attn_implementation(self.attention)
 
     def step(self) -> None:
-        """One decode step, timed after `--warmup` steps (the device synchronized before and after); the first timed
-        one waits for a compilation in a thread (`compile_in_background`) to end first."""
-        if self.steps_done == self.args.warmup and getattr(getattr(self.cache, "config", None),
-                                                           "compile_in_background", False):
-            from oasis_cache.compute.compiled_layers import wait_for_compilations
-
-            wait_for_compilations()
+        """One decode step, timed after `--warmup` steps (the device synchronized before and after)."""
         self._use_own_attention()
         sync(self.args.device)
         before = self._allocated()

@@ -16,7 +16,7 @@ compile_times`, the largest); with `--fresh-kernel-cache`, the Triton kernels th
 count of specializations (from the cache's metadata), and the span of their files' times. With `--stall-monitor`,
 where the process's threads stood when a watcher thread (waking every 2 ms) woke late by 20 ms or more: the GIL was
 held that long by one thread (a long call into C that does not let it go) — the frames of each thread at that moment,
-the longest stalls and the sum by the compiling thread's innermost frame.
+the longest stalls and the sum by the main thread's innermost frame.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ class StallMonitor:
         self._thread.join()
         by_frame: dict = {}
         for event in self.events:
-            stack = event["stacks"].get("oasis-compile")
+            stack = event["stacks"].get("MainThread")
             if stack:
                 by_frame[stack[-1]] = by_frame.get(stack[-1], 0.0) + event["late_ms"]
         longest = sorted(self.events, key=lambda e: -e["late_ms"])[:top]
         return {"stalls": len(self.events), "stalled_s": round(sum(e["late_ms"] for e in self.events) / 1e3, 3),
-                "compiler_frames_ms": dict(sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]),
+                "main_frames_ms": dict(sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]),
                 "longest": longest}
 
 
@@ -104,12 +104,11 @@ def child(args) -> dict:
 
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (1, args.context), device=args.device)
-    options = dict(compile_decode=True, fuse_projections=args.fuse_projections,
-                   compile_in_background=args.compile_in_background) if args.compile_decode else {}
+    options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
     if args.compile_after_steps:  # (the default compile_decode=None, switching sooner)
         options["compile_after_steps"] = args.compile_after_steps
     times, first_token, steps, starts = [], [], [], []
-    compile_phases, timeline, gate_blocked = {}, [], 0.0
+    compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
     profile = None
     from torch._dynamo.utils import counters
@@ -144,21 +143,15 @@ def child(args) -> dict:
     if any(c["graphs"] for c in compiled_per_call):  # (the compilation's phases once it is done)
         from torch._dynamo.utils import compile_times
 
-        from oasis_cache.compute import compiled_layers
-        from oasis_cache.compute.compile_gate import GATE
-        compiled_layers.wait_for_compilations()
         names, values = compile_times(repr="csv", aggregate=True)
         compile_phases = {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= 0.05}
-        background = compiled_layers._BY_MODEL.get(model)
-        timeline = [(event, round(t - starts[0], 3)) for event, t in (background.timeline if background else [])]
-        gate_blocked = round(GATE.blocked_s, 3)
     stalls = monitor.summary() if monitor else None
     if stalls:
         for event in stalls["longest"]:
             event["at_s"] = round(event["at_s"] - (starts[0] - monitor.t0), 3)  # (from the first call's start)
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
-            "compile_timeline_s": timeline, "gate_blocked_s": gate_blocked, "stalls": stalls,
+            "stalls": stalls,
             "compiled_per_call": compiled_per_call}
 
 
@@ -220,8 +213,6 @@ def main(argv=None):
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
-    parser.add_argument("--compile-in-background", action="store_true",
-                        help="with --compile-decode: compile_in_background (the steps compiled in a thread)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
@@ -245,7 +236,6 @@ def main(argv=None):
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
               + (", compile_decode" if args.compile_decode else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
-              + (", compile_in_background" if args.compile_decode and args.compile_in_background else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
@@ -260,7 +250,6 @@ def main(argv=None):
                    str(args.new_tokens), "--calls", str(args.calls)]
         command += ["--compile-decode"] if args.compile_decode else []
         command += ["--fuse-projections"] if args.fuse_projections else []
-        command += ["--compile-in-background"] if args.compile_in_background else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
         command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []
@@ -275,8 +264,7 @@ def main(argv=None):
         row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0, load_s=result["load_s"],
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
-                   call_starts_s=result["call_starts_s"], compile_timeline_s=result["compile_timeline_s"],
-                   gate_blocked_s=result["gate_blocked_s"], stalls=result["stalls"],
+                   call_starts_s=result["call_starts_s"], stalls=result["stalls"],
                    compiled_per_call=result["compiled_per_call"])
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
@@ -296,18 +284,13 @@ def main(argv=None):
                 print(f"   call {call} compiled: {done['graphs']} dynamo graphs, "
                       "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
                       flush=True)
-        if row["compile_timeline_s"]:
-            print("   compilation in a thread (s from the first call's start): " + ", ".join(
-                f"{e} {t:.2f}" for e, t in row["compile_timeline_s"]) + f"; calls start at "
-                + " / ".join(f"{t:.2f}" for t in row["call_starts_s"])
-                + f"; the decoding thread waited {row['gate_blocked_s']:.2f} s at the gate", flush=True)
         phases = sorted(row["compile_phases"].items(), key=lambda kv: -kv[1])[:8]
         if phases:
             print("   compile phases (s): " + ", ".join(f"{n} {v:.2f}" for n, v in phases), flush=True)
         if row["stalls"]:
             st = row["stalls"]
-            print(f"   GIL stalls >= 20 ms: {st['stalls']}, {st['stalled_s']:.2f} s in all; by the compiling thread's "
-                  "innermost frame (ms): " + "; ".join(f"{k} {v:.0f}" for k, v in st["compiler_frames_ms"].items()),
+            print(f"   GIL stalls >= 20 ms: {st['stalls']}, {st['stalled_s']:.2f} s in all; by the main thread's "
+                  "innermost frame (ms): " + "; ".join(f"{k} {v:.0f}" for k, v in st["main_frames_ms"].items()),
                   flush=True)
             for event in st["longest"][:6]:
                 print(f"     {event['late_ms']:.0f} ms at {event['at_s']:.2f} s: " + " | ".join(

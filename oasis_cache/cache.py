@@ -180,9 +180,6 @@ class OasisCache(Cache):
     @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
     def eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step)."""
-        if compiled_ops.is_dry():  # (a compilation in a thread whose graph broke at the update: never write from it)
-            raise RuntimeError("OasisCache.update called from a compilation in a thread (compile_in_background); "
-                               "its graph must hold the update as the oasis::update op.")
         layer = self.layers[layer_idx]
         if layer_idx == 0 or isinstance(layer, OasisLayer):
             self._check_attention(layer_idx)  # before anything of this forward is written
@@ -781,8 +778,8 @@ class OasisCache(Cache):
         tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while
         it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
         counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
-        store whether its local pool holds blocks yet and its deferred records' tensors, and the compilation's
-        generation (`compile_generation`). Equal signatures: the graph captured under one is valid under the other —
+        store whether its local pool holds blocks yet and its deferred records' tensors, and whether the layers run
+        compiled (`compiles_decode`). Equal signatures: the graph captured under one is valid under the other —
         past `slots` blocks a completed block does not invalidate it (selection reads the block count on the
         device)."""
         cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
@@ -804,23 +801,18 @@ class OasisCache(Cache):
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
         return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
-                self.compile_generation())
+                self.compiles_decode())
 
     def compiles_decode(self) -> bool:
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):
         `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process (unless
-        that compilation failed: then, with a warning, never)."""
+        that compilation failed: then, with a warning, never). Part of the replay signature: a change captures the
+        steps anew, after one eager step where the compiled layers meet their graphs (`captured_step.CapturedSteps`)."""
         if self._compile_later:
             model = self._model()
             return (model is not None and compiled_layers.decoded_steps(model) >= self.config.compile_after_steps
                     and not compiled_layers.compile_failed(model))
         return self.config.compile_decode is True
-
-    def compile_generation(self) -> tuple:
-        """What a captured step's kernels depend on in the compilation: whether the layers run compiled, and with
-        `compile_in_background` how many compilations in threads have ended. A change: the steps are captured anew,
-        after one eager step where the compiled layers meet their graphs (`captured_step.CapturedSteps`)."""
-        return self.compiles_decode(), compiled_layers.READY[0] if self.config.compile_in_background else 0
 
     def prepare_capture(self) -> None:
         """Before a step is captured: compute joins the side stream, so that the graph need not wait on events

@@ -43,8 +43,6 @@ OPTION_VARIANTS = {
     "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
-    # ... compiled in a thread while the steps run uncompiled
-    "background": dict(compile_decode=True, fuse_projections=True, compile_in_background=True),
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
@@ -161,13 +159,6 @@ class OasisConfig:
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
             unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
             with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
-        compile_in_background: research, with `compile_decode=True`: the decode steps' compilation runs in a thread
-            (`compute/compiled_layers.py`, `BackgroundCompile`) while the steps run uncompiled (replayed where
-            they are captured); the compiled steps take over once it is done (captured anew). The first `generate`
-            of a process then does not wait for the compilation. What compiling does to the whole process (an fx
-            trace patches `nn.Module.__call__`; RNG states set back) is gated (`compute/compile_gate.py`): the
-            decoding thread lets a trace run only where it calls no module; from torch 2.13 (whose compile session
-            sets `is_compiling()` for the whole process) the whole compilation: safe, but no overlap there. Off.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -212,7 +203,6 @@ class OasisConfig:
     compile_decode: bool | None = None
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
-    compile_in_background: bool = False
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
@@ -319,11 +309,6 @@ class OasisConfig:
             raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
         if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
-                             "compile_decode=True with it.")
-        if self.compile_in_background not in (True, False):
-            raise ValueError(f"compile_in_background must be True or False, got {self.compile_in_background!r}.")
-        if self.compile_in_background and self.compile_decode is not True:
-            raise ValueError("compile_in_background=True compiles the decode steps of compile_decode in a thread: pass "
                              "compile_decode=True with it.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")

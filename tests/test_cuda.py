@@ -407,38 +407,6 @@ def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_compile_in_background_replays_then_recaptures_compiled_steps():
-    """`compile_in_background` with captured steps: the steps are captured and replayed uncompiled, the compilation
-    starts in a thread once both kinds of step are captured (no capture while it runs: it may synchronize the
-    device), and after it the steps are captured anew with the compiled graph (one for all layers, no break). Every
-    token equals the eager cache's, before and after."""
-    from torch._dynamo.utils import counters
-
-    from oasis_cache.compute import compiled_layers
-
-    torch._dynamo.reset()
-    model = tiny_model("qwen3", num_hidden_layers=10).cuda()
-    kw = dict(max_new_tokens=40, do_sample=False)
-    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
-    reference = OasisCache(model, cuda_graph=False, **options)
-    eager = generate(model, reference, inputs, **kw)
-    eager_more = generate(model, reference, {"input_ids": eager.sequences}, **kw)  # (continues from the cache)
-    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    cache = OasisCache(model, compile_decode=True, fuse_projections=True, compile_in_background=True, **options)
-    first = generate(model, cache, inputs, **kw)
-    compiled_layers.wait_for_compilations()
-    assert list(model.model.layers[0].forward.background.state.values()) == ["ready"]
-    captures = cache.captured_steps.captures
-    assert captures >= 2
-    more = generate(model, cache, {"input_ids": first.sequences}, **kw)
-    assert cache.captured_steps.captures >= captures + 2  # captured anew after the compilation: its kernels
-    assert cache.captured_steps.replays >= 60
-    assert 0 < counters["stats"]["unique_graphs"] - before <= 2
-    assert sum(counters["graph_break"].values()) == breaks
-    assert torch.equal(eager.sequences, first.sequences) and torch.equal(eager_more.sequences, more.sequences)
-
-
 def test_captured_steps_are_the_default_where_checked():
     """cuda_graph=None (default): captured steps for a checked architecture with the Triton backend, eager steps with
     the torch backend (its staging copies cannot be recorded) — where cuda_graph=True is an error naming the fix."""

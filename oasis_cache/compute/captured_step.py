@@ -44,8 +44,6 @@ import inspect
 import torch
 
 from ..compat import generate_cache_argument
-from . import compiled_layers
-from .compile_gate import GATE
 
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
 # except the token and its positions: the step reads the cache's recorded padding, not the caller's mask.
@@ -110,7 +108,7 @@ class CapturedSteps:
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
-        self.compiled_seen = None  # `OasisCache.compile_generation()` when a step last ran eagerly before a capture
+        self.compiled_seen = None  # `OasisCache.compiles_decode()` when a step last ran eagerly before a capture
         self.in_static_step = False  # inside a static eager step or a capture (`_on_capture_stream`)
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
@@ -128,22 +126,17 @@ class CapturedSteps:
             return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
-            self.compiled_seen = cache.compile_generation()
+            self.compiled_seen = cache.compiles_decode()
             return self._static_eager_step(runner, cache, input_ids, kwargs)
         cache.prepare_step(kind)
         slot = self.graphs.setdefault(kind, _Graph())
         if cache.replay_signature() != slot.signature:
-            if compiled_layers.compiling():  # (a compilation in a thread may synchronize the device: no capture now)
-                return runner.eager_forward(**kwargs)
-            generation = cache.compile_generation()
-            if self.compiled_seen != generation:  # (the layers compile now, or a thread's compilation ended: its
-                self.compiled_seen = generation  # graphs are met once before any capture)
+            compiles = cache.compiles_decode()
+            if self.compiled_seen != compiles:  # (the layers compile now: their graphs are met once before any
+                self.compiled_seen = compiles  # capture)
                 return self._static_eager_step(runner, cache, input_ids, kwargs)
             return self._capture(runner, cache, input_ids, slot, kwargs)
-        out = self._replay(cache, input_ids, kind, slot, kwargs)
-        if cache.config.compile_in_background:  # (replays call no layer: a compilation waiting for them starts here)
-            compiled_layers.poll(cache)
-        return out
+        return self._replay(cache, input_ids, kind, slot, kwargs)
 
     def _static_eager_step(self, runner, cache, input_ids, kwargs):
         """An eager step on the capture stream, called as a capture calls it: compiled layers meet their graphs
@@ -242,8 +235,6 @@ class CapturedSteps:
         cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
         self._set_inputs(cache, input_ids, kwargs)
         slot.graph.replay()
-        if GATE.waiting:  # (a compiling thread waits to trace: it goes while this one waits on the device)
-            GATE.let_through(torch.cuda.current_stream(input_ids.device).synchronize)
         cache.advance_replayed_step(kind)
         self.replays += 1
         self.completing_replays += kind == "completing"

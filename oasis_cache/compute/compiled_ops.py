@@ -19,8 +19,8 @@ an oasis layer: a model with sliding-window layers keeps the graph breaks (wheth
 depend on its index, a symbolic int in the graph).
 
 The package's code asks `torch.compiler.is_dynamo_compiling()` (True only in code dynamo traces), not
-`is_compiling()`: the latter reads a flag global to the process, True in every thread while any thread compiles —
-an eager step beside a compilation in a thread (`compile_in_background`) would take the traced path.
+`is_compiling()`: the latter reads a flag global to the process, True in every thread while any thread compiles (from
+torch 2.13 for a whole compile session) — a cache decoding eagerly in another thread would take the traced path.
 """
 
 import threading
@@ -63,24 +63,6 @@ class tracing_ops:
         OPS_ON = self.previous
 
 
-class dry:
-    """`with dry():` the ops of compiled calls in this thread do nothing: the update writes nothing, the attention
-    returns zeros. For a compilation in a thread of its own (`compiled_layers.BackgroundCompile`): its one call
-    compiles the graph and runs it without touching any cache."""
-
-    def __enter__(self):
-        self.previous = getattr(_state, "dry", False)
-        _state.dry = True
-
-    def __exit__(self, *exc):
-        _state.dry = self.previous
-
-
-def is_dry() -> bool:
-    """Whether this thread compiles with dry ops (`dry`): nothing may write to a cache from it."""
-    return getattr(_state, "dry", False)
-
-
 def _cache():
     cache = getattr(_state, "cache", None)
     if cache is None:
@@ -91,8 +73,7 @@ def _cache():
 
 @torch.library.custom_op("oasis::update", mutates_args=())
 def update_op(key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    if not is_dry():
-        _cache().eager_update(key, value, layer_idx)
+    _cache().eager_update(key, value, layer_idx)
     return key.new_empty(0)
 
 
@@ -106,9 +87,6 @@ def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
               token: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     from .attention import oasis_attention_eager
 
-    if is_dry():
-        B, Hq, Qn, _ = query.shape
-        return query.new_zeros((B, Qn, Hq, value.shape[-1]))
     module = _cache()._modules[layer_idx]
     out, _ = oasis_attention_eager(module, query, key, value, mask, scaling=scale)
     return out
