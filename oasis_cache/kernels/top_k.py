@@ -97,10 +97,10 @@ def row_parts(W: int) -> tuple[int, int]:
     return head, max(16, triton.next_power_of_2(max(1, W - head)))
 
 
-def default_warps(head: int) -> int:
-    """Warps of the program that holds a row whose power-of-two head is `head` ranks (H200, `bench/select_kernels.py
-    --warps`, rows of 8 (sequence, KV head) pairs: 4 fastest at 2048, 8 at 4096, 16 at 8192)."""
-    return 4 if head <= 2048 else 8 if head <= 4096 else 16
+def default_warps(keys: int) -> int:
+    """Warps of the program that holds `keys` ranks (a row's two parts; H200, `bench/select_kernels.py --warps`, rows
+    of 8 (sequence, KV head) pairs: 4 fastest at 2,048 and 2,176 blocks, 8 at 4,096, 16 at 8,192 and 8,704)."""
+    return 4 if keys <= 2560 else 8 if keys <= 5120 else 16
 
 
 def kernel_fits(ranks: torch.Tensor, k: int) -> bool:
@@ -123,5 +123,5 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[to
     values = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
     head, tail = row_parts(W)
     _top_k_kernel[(B * H,)](ranks, ids, values, W, k, H, ranks.stride(0), ranks.stride(1), HEAD=head, TAIL=tail,
-                            num_warps=num_warps or default_warps(head))
+                            num_warps=num_warps or default_warps(head + tail))
     return ids, values
