@@ -43,7 +43,7 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
                          ids=[f"{name}-{'x'.join(map(str, case))}" for name, cases, _ in CHECKS for case in cases])
 def test_kernel_on_cuda(check, case):
     """Each kernel check of `kernel_cases.CHECKS` (the gather, unit gather and store, block scores, slot assignment,
-    recent append, top-k, decode attention) on CUDA."""
+    recent append, top-k, decode attention, grouped linear) on CUDA."""
     assert check(*case, device=torch.device("cuda"))
 
 
