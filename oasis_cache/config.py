@@ -50,6 +50,8 @@ OPTION_VARIANTS = {
     "gather32": dict(gather_programs=32),
     "gather64": dict(gather_programs=64),
     "gather128": dict(gather_programs=128),
+    "gatherwarps1": dict(gather_warps=1),  # ... each program one warp (default 4): programs that share SMs
+    "gatherwarps2": dict(gather_warps=2),
 }
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
@@ -95,6 +97,9 @@ class OasisConfig:
             that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
             `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/perf.md,
             thirteenth and fourteenth sessions).
+        gather_warps: research, with the Triton backend: warps of each gather program (None: 4). Fewer warps a
+            program (with more programs, `gather_programs`) may let the gather share SMs with the compute running
+            beside a prefetch instead of holding them (not yet measured: `bash bench/gpu_run.sh gatherprograms`).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -192,6 +197,7 @@ class OasisConfig:
     host_chunk_blocks: int = 256
     backend: str = "auto"
     gather_programs: int | None = None
+    gather_warps: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
     summary_channels: float | None = None
@@ -319,6 +325,8 @@ class OasisConfig:
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
                              f"positive int, got {self.gather_programs!r}.")
+        if self.gather_warps is not None and (type(self.gather_warps) is not int or self.gather_warps not in (1, 2, 4, 8)):
+            raise ValueError(f"gather_warps must be None (4) or one of 1, 2, 4, 8, got {self.gather_warps!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

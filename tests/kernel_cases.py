@@ -26,7 +26,7 @@ CASES = [
 ]
 
 
-def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
+def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None, num_warps=4) -> bool:
     g = torch.Generator().manual_seed(B * 1000 + D)
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
     engine = TransferEngine("torch", torch.device("cpu"))
@@ -39,7 +39,8 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
     dest = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
     fetch = torch.rand(B, H, K, generator=g) < 0.7
     addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
-    gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs)
+    gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
+                  num_warps=num_warps)
     got = ws.kv.cpu()
     return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: data[:, b, h, block_ids[b, h, k]]))
 
@@ -310,6 +311,7 @@ def check_grouped(M, K, rows, bias, dtype, block_n, block_k, device) -> bool:
 
 # Every kernel check with its cases: (name, cases, check); run here in the interpreter, by test_kernels.py on CUDA.
 CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], partial(check_case, max_programs=3)),
+          ("gather-1-warp", CASES[1:2], partial(check_case, max_programs=5, num_warps=1)),
           ("gather-units", CASES[1:], check_unit_gather),
           ("store", CASES, check_store),
           ("scores", SCORE_CASES, check_scores),

@@ -78,10 +78,12 @@ def gather_blocks(
     block_size: int,
     max_programs: int | None = None,
     per_unit: bool = False,
+    num_warps: int = 4,
 ) -> None:
     """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above). `per_unit`:
     the host side is an arena of single (sequence, KV head) blocks, `[C, 2, 1, 1, T, D]` per chunk, and `block_ids`
-    are its slots (the local cache of a remote tier, `remote/local_cache.py`)."""
+    are its slots (the local cache of a remote tier, `remote/local_cache.py`). `num_warps`: per program (fewer, for
+    programs that can share an SM with the compute beside them: `OasisConfig.gather_warps`)."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]
@@ -103,4 +105,5 @@ def gather_blocks(
         1 if per_unit else B * H,
         BLOCK_ELEMS=T * D,
         BLOCK_POW2=triton.next_power_of_2(T * D),
+        num_warps=num_warps,
     )
