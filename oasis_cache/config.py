@@ -325,7 +325,8 @@ class OasisConfig:
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
                              f"positive int, got {self.gather_programs!r}.")
-        if self.gather_warps is not None and (type(self.gather_warps) is not int or self.gather_warps not in (1, 2, 4, 8)):
+        if self.gather_warps is not None and (type(self.gather_warps) is not int
+                                              or self.gather_warps not in (1, 2, 4, 8)):
             raise ValueError(f"gather_warps must be None (4) or one of 1, 2, 4, 8, got {self.gather_warps!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
