@@ -75,12 +75,16 @@ def cache_kwargs(mode: str, budget: int, **cache_options) -> dict:
     """`OasisCache(model, **...)` for an oasis `mode` (`make_cache`)."""
     prediction, _, option_variant = mode.partition("@")
     lookahead, _, variant = prediction.partition("-")
-    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3") or any(
-            part not in OPTION_VARIANTS for part in filter(None, option_variant.split("+"))):
-        raise SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
+    unknown = SystemExit(f"unknown mode {mode!r}: none, previous, eagle3, previous-exact, eagle3-exact, each "
                          f"optionally with one of {', '.join('@' + v for v in OPTION_VARIANTS)} (several joined by "
                          "'+')")
-    options = dict(exact=variant == "exact", **OasisConfig.variant_options(option_variant), **cache_options)
+    if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3"):
+        raise unknown
+    try:  # (the variants' own parsing: unknown names, two that disagree)
+        variants = OasisConfig.variant_options(option_variant)
+    except ValueError as error:
+        raise unknown from error
+    options = dict(exact=variant == "exact", **variants, **cache_options)
     if lookahead == "eagle3":
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
