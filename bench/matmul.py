@@ -95,7 +95,13 @@ def grouped_best(args, shapes, dtype) -> tuple[float, str]:
     best = (float("inf"), "")
     for bn, bk, warps, stages in grid:
         knobs = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        got = grouped_linear(x, sets[0], **knobs)
+        try:
+            got = grouped_linear(x, sets[0], **knobs)
+        except Exception as error:  # noqa: BLE001 - Triton's OutOfResources (shared memory) for large tiles
+            if type(error).__name__ != "OutOfResources":
+                raise
+            print(f"   grouped {knobs}: does not fit ({str(error).splitlines()[0][:80]})", flush=True)
+            continue
         if not all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in zip(got, expected)):
             print(f"   grouped {knobs}: differs from F.linear", flush=True)
             continue

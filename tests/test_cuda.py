@@ -479,6 +479,53 @@ def test_budget_at_the_context_on_cuda(lookahead):
     assert cache.layers[0].working_set.num_slots > 16
 
 
+def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(monkeypatch):
+    """The H200, 2026-12-03 (twice, 7-12 tests each): "CUDA error: invalid argument" at `generate`'s `.item()` and at
+    pinned allocations. A pinned host block last used on a stream and freed while that stream is captured leaves
+    torch's host allocator an event it cannot query (`bench/pinned_free_in_capture.py`). Here an earlier cache
+    in a reference cycle shares the capturing cache's side stream (streams come from torch's pool of 32), and a
+    collection runs inside each capture wherever Python's automatic collection is on, as it may at any
+    allocation (here once the side stream has joined the capture): captures pause it, so nothing of the earlier cache
+    is freed inside a graph."""
+    from oasis_cache import cache as cache_module
+    from oasis_cache.memory.streams import PrefetchStreams
+
+    model = tiny_model("llama").cuda()
+    inputs = on_cuda({"input_ids": prompt_ids(45)})
+    kw = dict(max_new_tokens=40, do_sample=False)
+    options = dict(token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous")
+    first = OasisCache(model, **options)  # its blocks are offloaded into pinned memory on its side stream
+    generate(model, first, inputs, **kw)
+    side = first.streams.side
+    assert first.layers[0].pool.pin_memory and first.layers[0].pool.num_blocks > 0
+    loop = [first]
+    loop.append(loop)
+    del first, loop  # garbage now, freed by the next collection
+
+    collections = []
+
+    class SharedSide(PrefetchStreams):
+        def __init__(self, device, measure=False):
+            super().__init__(device, measure)
+            self.side = side
+
+        def run_after_compute(self, work, *tensors):
+            super().run_after_compute(work, *tensors)  # the side stream is now in the capture, if one runs
+            if self.capturing() and gc.isenabled():
+                collections.append(gc.collect())
+
+    monkeypatch.setattr(cache_module, "PrefetchStreams", SharedSide)
+    second = OasisCache(model, **options)
+    out = generate(model, second, inputs, **kw)
+    torch.empty(1, pin_memory=True)  # the host allocator queries every pending event here
+    torch.ones(1, device="cuda").sum().item()
+    assert second.streams.side is side and second.captured_steps.captures > 0
+    assert collections == [], "a collection ran inside a capture"
+    monkeypatch.undo()
+    again = generate(model, OasisCache(model, **options), inputs, **kw)
+    assert torch.equal(out.sequences, again.sequences)
+
+
 def test_pinned_host_memory_is_released(monkeypatch):
     """Caches of different shapes made and dropped one after another leave pinned memory in torch's caching host
     allocator (issue 20: a process died at its next 128K cache); a reset, or a host pool that would not fit

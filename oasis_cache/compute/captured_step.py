@@ -39,6 +39,7 @@ checks that an eager step rebinds no state tensor. With eagle3 the ride-along's 
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 
 import torch
@@ -76,6 +77,23 @@ class CapturedForward:
         if args or route is None:
             return self.eager_forward(*args, **kwargs)
         return route(self, kwargs)
+
+
+@contextlib.contextmanager
+def no_collection_while_capturing():
+    """Python's automatic garbage collection paused for a capture. A pinned host block last used on a stream and
+    freed while that stream is being captured makes torch's caching host allocator record its release event into the
+    graph; the next pinned allocation or `.item()` then fails to query it ("CUDA error: invalid argument", once per
+    such block; `bench/pinned_free_in_capture.py` shows it on an H200). A collection during a capture frees
+    exactly such blocks: an earlier cache left in a reference cycle, whose side stream (streams come from torch's
+    pool of 32) may be the capturing cache's."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -210,7 +228,7 @@ class CapturedSteps:
         signature = cache.replay_signature()  # the layout the step starts from (a completing step moves the count)
         graph = torch.cuda.CUDAGraph()
         try:
-            with self._on_capture_stream(device):
+            with self._on_capture_stream(device), no_collection_while_capturing():
                 # relaxed: Triton may load a kernel for the new layout during the capture
                 graph.capture_begin(pool=slot.pool, capture_error_mode="relaxed")
                 try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compute.captured_step import no_collection_while_capturing
 from .eagle3 import Eagle3Head
 from .head_window import HeadKV
 
@@ -54,7 +55,7 @@ class StaticDraftStep:
         torch.cuda.current_stream(self.token.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            with no_collection_while_capturing(), torch.cuda.graph(self.graph):
                 self._run()
         except RuntimeError as error:
             raise RuntimeError(
