@@ -94,6 +94,7 @@
 #   matmul    bench/matmul.py: a layer's weight matmuls alone (cuBLAS), separate and with q/k/v, gate/up fused, M = 1, 4
 #   selectkernels  bench/select_kernels.py: top-k (the select kernel against torch.topk + sort), slot assignment,
 #             graph-replayed calls
+#   selectsegments  the same, the two-stage select's segments (1: one stage) at 2,176-17,408 blocks a row
 #   profiletopk  the same with compile_decode, torch.topk (`@compiledtorchtopk`) against the package's select kernel
 #             (top_k_kernel, the default), 32K x 1 and 48K x 1 (thirty-first session: 8.4 -> 8.1 ms, 8.8 -> 8.5 ms)
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)
@@ -230,6 +231,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     recompiles) python3 bench/recompiles.py 2>&1 | grep -v DEBUG | tail -40 | tee "$OUT/recompiles.log" ;;
     matmul) for m in 1 4; do python3 bench/matmul.py --rows $m 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/matmul.log"; done ;;  # issue 21: the matmuls' floor
     selectkernels) python3 bench/select_kernels.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k.log" ;;  # issue 21: the select's rounds
+    selectsegments) python3 bench/select_kernels.py --rows 2176 4352 8704 17408 --segments 1 2 4 8 16 0 --slots 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k-segments.log" ;;  # issue 21: the two-stage select (thirty-seventh session) against one stage; then run profile128k
     grouped) for m in 1 4; do python3 bench/matmul.py --rows $m --grouped 2>&1 | tee "$OUT/matmul-grouped-m$m.log" | grep -v "^   grouped"; done ;;  # issue 21: q/k/v and gate/up in one launch with the weights in place (kernels/grouped_linear.py) against cuBLAS alone and fused
     profile128k) python3 bench/profile_step.py --model qwen3-8b --context 131072 --batch 1 --steps 8 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+gather64 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 7 "==" ;;  # issue 21: where a compiled 128K step's time goes (the select kernel saved ~1.1 ms of device time, the step 0.1 ms)
     profiletopk) for n in 32768 49152; do python3 bench/profile_step.py --model qwen3-8b --context $n --batch 1 --steps 8 --methods oasis-previous-captured@compiledtorchtopk oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "=="; done ;;  # issue 21: the selection's top-k

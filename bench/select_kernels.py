@@ -7,6 +7,7 @@ captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed deco
 
     python bench/select_kernels.py                   # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
     python bench/select_kernels.py --warps 4 8 16    # the select kernel's warps
+    python bench/select_kernels.py --rows 2176 8704 --segments 1 4 8 16 0   # one stage against two (0: default)
     TRITON_INTERPRET=1 python bench/select_kernels.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
 
 Prints one line per (shape, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warps", type=int, nargs="+", default=[0],
                         help="the select kernel's warps (0: the package's choice); several: a row per value")
+    parser.add_argument("--segments", type=int, nargs="+", default=[0],
+                        help="the select's segments (1: one stage; 0: the package's choice); several: a row per value")
     parser.add_argument("--slots", type=int, nargs="+", default=[128, 256], help="slot assignment: slots (K = 128)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,6 +66,10 @@ def main() -> None:
             del methods["select"]
             methods.update({f"select/{w or 'auto'}w": functools.partial(top_k, num_warps=w or None)
                             for w in args.warps})
+        if args.segments != [0]:
+            methods.pop("select", None)
+            methods.update({f"select/{n or 'auto'}seg": functools.partial(top_k, segments=n or None)
+                            for n in args.segments if not n or W // n >= args.k})
         for name, method in methods.items():
             ids, values = method(ranks, args.k)
             same = torch.equal(ids, reference[0]) and torch.equal(values, reference[1])

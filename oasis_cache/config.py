@@ -170,7 +170,8 @@ class OasisConfig:
             than best first. None (default): the kernel wherever the Triton backend runs, unless `fetch_ratio` is set
             (its cap keeps the best first: `torch.topk`). True: the kernel (an error beside `fetch_ratio`). False:
             `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
-            session). Rows of up to 16,384 blocks (256K tokens); longer ones go through `torch.topk`.
+            session). Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
+            up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the

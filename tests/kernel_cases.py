@@ -228,14 +228,18 @@ def check_assign(B, H, S, K, NB, steps, max_fetch, device) -> bool:
     return True
 
 
-# (B, Hkv, W, k, split): rows of W ranks, the k best; split: one half of a `[B, Hkv, 2, W]` ranking (strided rows)
+# (B, Hkv, W, k, split[, segments]): rows of W ranks, the k best; split: one half of a `[B, Hkv, 2, W]` ranking
+# (strided rows); segments: the two-stage select's (None: the package's choice, two stages past 4,096 ranks)
 TOP_K_CASES = [(1, 8, 2048, 128, False), (2, 2, 37, 5, True), (1, 1, 16, 16, False), (3, 4, 300, 64, True),
                (1, 2, 1000, 1, False), (1, 2, 4096, 512, True), (1, 1, 600, 40, True), (1, 8, 8192, 128, True),
                # rows held as a power of two and a tail
-               (1, 2, 2176, 128, True), (1, 1, 8704, 128, False), (1, 1, 2049, 2049, False), (1, 1, 17, 3, True)]
+               (1, 2, 2176, 128, True), (1, 1, 8704, 128, False), (1, 1, 2049, 2049, False), (1, 1, 17, 3, True),
+               # two stages: a longer last segment; segments of exactly k; a row past one program's 16,384
+               (2, 3, 1015, 7, True, 16), (1, 1, 300, 100, False, 3), (1, 2, 64, 16, True, 4),
+               (1, 2, 20000, 100, False)]
 
 
-def check_top_k(B, H, W, k, split, device) -> bool:
+def check_top_k(B, H, W, k, split, segments=None, device="cpu") -> bool:
     """The top-k kernel's k best per row against a stable descending sort's first k: the same ids (ties, +inf forced
     and -inf excluded blocks among them: the lower block ids) with their values, listed in block order."""
     from oasis_cache.kernels.top_k import kernel_fits, top_k
@@ -243,12 +247,13 @@ def check_top_k(B, H, W, k, split, device) -> bool:
     g = torch.Generator().manual_seed(W + k)
     ranks = torch.randn(B, H, 2, W, generator=g).round(decimals=1)  # (rounded: many ties)
     ranks[..., :3], ranks[..., W // 2], ranks[..., -5:] = torch.inf, torch.inf, -torch.inf
+    ranks[..., W - 6] = torch.inf  # (in the last segment's remainder: W % segments ranks past the others' length)
     ranks[..., 7 % W] = -0.0  # (the two zeros are equal ranks)
     ranks = ranks.to(device)
     rows = ranks.unbind(2)[1] if split else ranks[:, :, 0].contiguous()
-    if not kernel_fits(rows, k):
+    if not kernel_fits(rows, k, segments):
         return False
-    ids, values = top_k(rows, k)
+    ids, values = top_k(rows, k, segments=segments)
     expected, order = torch.sort(rows.cpu(), dim=-1, descending=True, stable=True)
     chosen, by_id = order[..., :k].sort(dim=-1)
     return torch.equal(ids.cpu(), chosen) and torch.equal(values.cpu(), expected[..., :k].gather(-1, by_id))

@@ -21,6 +21,13 @@ Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one re
 The thirtieth session's kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,
 130 at 48K on the H200 — ~66 dependent exchange stages of the whole row for one program; here 16 sums.
 
+Long rows run in two stages (`segments`): one program per (sequence, KV head) left 8 programs for 132 SMs and a
+128K prompt's 8,704-block rows took ~42 us a layer inside a compiled step (1.5 ms of its 10.3; the thirty-seventh
+session's profile). Stage one cuts each row into S segments of at least k ranks and selects each segment's k best
+(B * H * S programs); stage two selects the k best of those S * k candidates, carrying their block ids. Exact, ties
+included: under the order (rank descending, block id ascending) a row's k best are each among their segment's k best,
+and the candidates stay in block order.
+
 Shapes:
     ranks        `[B, H, W]` fp32, last dim contiguous (a strided view, e.g. one half of a split ranking, is read in
                  place); +inf forced, -inf not allowed
@@ -33,17 +40,17 @@ import torch
 
 from .gather import triton
 
-MAX_ROW = 16384  # blocks of a row held by one program (256K tokens of 16); longer rows: torch.topk
+MAX_ROW = 16384  # ranks one program holds (a row, or a segment of one); longer: torch.topk
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _keys(ranks, start, W, BLOCK: tl.constexpr):
-        """Ranks [start, start + BLOCK) of a row (-inf past W) and their keys: fp32 order as unsigned 32-bit
+    def _keys(ranks, start, end, BLOCK: tl.constexpr):
+        """Ranks [start, start + BLOCK) of a row (-inf from `end` on) and their keys: fp32 order as unsigned 32-bit
         integers, held in 64 bits, -1 past the row (below every rank)."""
         offs = start + tl.arange(0, BLOCK)
-        inside = offs < W
+        inside = offs < end
         x = tl.load(ranks + offs, mask=inside, other=-float("inf")) + 0.0  # (-0 -> +0)
         bits = x.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # fp32 order as 0 .. 2^32 - 1
@@ -56,13 +63,20 @@ if triton is not None:
         return tl.sum(packed, axis=0)
 
     @triton.jit
-    def _top_k_kernel(ranks, ids, values, W, k, H, stride_b, stride_h, HEAD: tl.constexpr, TAIL: tl.constexpr):
-        row = tl.program_id(0)
+    def _top_k_kernel(ranks, source_ids, ids, values, W, k, H, S, L, stride_b, stride_h, HEAD: tl.constexpr,
+                      TAIL: tl.constexpr, SOURCE_IDS: tl.constexpr):
+        """Program p: segment p % S (ranks [s * L, s * L + L), the last one to W) of row p // S; its k best go to
+        outputs [p * k, p * k + k), with their positions in the row, or `source_ids` at those positions."""
+        program = tl.program_id(0)
+        row = program // S
+        segment = program % S
         b = row // H
         h = row % H
         base = ranks + b * stride_b + h * stride_h
-        offs_a, x_a, key_a = _keys(base, 0, W, HEAD)  # the row as a power-of-two head and a short tail:
-        offs_b, x_b, key_b = _keys(base, HEAD, W, TAIL)  # 2176 ranks cost 2048 + 128, not 4096
+        start = segment * L
+        end = tl.where(segment == S - 1, W, start + L)
+        offs_a, x_a, key_a = _keys(base, start, end, HEAD)  # the segment as a power-of-two head and a short tail:
+        offs_b, x_b, key_b = _keys(base, start + HEAD, end, TAIL)  # 2176 ranks cost 2048 + 128, not 4096
         threshold = tl.full((), 0, tl.int64)  # count(key >= threshold) >= k throughout
         for r in tl.static_range(16):  # two bits a round, the highest first
             step = 1 << (30 - 2 * r)  # (an int32 constant: the candidates are made by int64 additions)
@@ -83,11 +97,31 @@ if triton is not None:
         chosen_b = above_b | (equal_b & (tl.cumsum(equal_b.to(tl.int32), axis=0) <= room_b))
         place_a = tl.cumsum(chosen_a.to(tl.int32), axis=0) - 1
         place_b = tl.cumsum(chosen_b.to(tl.int32), axis=0) - 1 + tl.sum(chosen_a.to(tl.int32), axis=0)
-        out = row.to(tl.int64) * k
-        tl.store(ids + out + place_a, offs_a.to(tl.int64), mask=chosen_a)
+        out = program.to(tl.int64) * k
+        if SOURCE_IDS:  # stage two: the candidates' block ids
+            id_base = source_ids + b * stride_b + h * stride_h
+            id_a = tl.load(id_base + offs_a, mask=chosen_a, other=0)
+            id_b = tl.load(id_base + offs_b, mask=chosen_b, other=0)
+        else:
+            id_a, id_b = offs_a.to(tl.int64), offs_b.to(tl.int64)
+        tl.store(ids + out + place_a, id_a, mask=chosen_a)
         tl.store(values + out + place_a, x_a, mask=chosen_a)
-        tl.store(ids + out + place_b, offs_b.to(tl.int64), mask=chosen_b)
+        tl.store(ids + out + place_b, id_b, mask=chosen_b)
         tl.store(values + out + place_b, x_b, mask=chosen_b)
+
+
+MAX_SEGMENTS = 16
+
+
+def default_segments(W: int, k: int) -> int:
+    """Segments a row of W ranks is cut into (1: one stage). Two stages once a row is past 4,096 ranks and S
+    segments of at least 4k ranks each leave S * k candidates at most a quarter of the row: 8,704 blocks, k = 128
+    -> 16 segments of 544 and 2,048 candidates. Not yet measured on the H200 (`bench/select_kernels.py
+    --segments`)."""
+    if W <= 4096:
+        return 1
+    segments = min(MAX_SEGMENTS, W // (4 * k))
+    return segments if segments >= 2 else 1
 
 
 def row_parts(W: int) -> tuple[int, int]:
@@ -106,25 +140,50 @@ def default_warps(keys: int) -> int:
     return 4 if keys <= 2560 else 8 if keys <= 5120 else 16
 
 
-def kernel_fits(ranks: torch.Tensor, k: int) -> bool:
+def _stages(W: int, k: int, segments: int | None) -> tuple[int, int, int]:
+    """`(S, L, widest)`: S segments of L ranks (the last one to W), the widest W - (S - 1) * L."""
+    S = default_segments(W, k) if segments is None else segments
+    if S < 1 or (S > 1 and W // S < k):
+        raise ValueError(f"top_k: {S} segments of a row of {W} leave fewer than k = {k} ranks in one; use at most "
+                         f"{max(1, W // k)} (or segments=None)")
+    L = W // S
+    return S, L, W - (S - 1) * L
+
+
+def kernel_fits(ranks: torch.Tensor, k: int, segments: int | None = None) -> bool:
     """Whether `top_k` runs the kernel for `ranks` (else it is `torch.topk`)."""
-    return (triton is not None and ranks.dtype == torch.float32 and ranks.dim() == 3 and ranks.stride(-1) == 1
-            and 0 < k <= ranks.shape[-1] <= MAX_ROW)
+    if not (triton is not None and ranks.dtype == torch.float32 and ranks.dim() == 3 and ranks.stride(-1) == 1
+            and 0 < k <= ranks.shape[-1]):
+        return False
+    S, _, widest = _stages(ranks.shape[-1], k, segments)
+    return widest <= MAX_ROW and S * k <= MAX_ROW
 
 
-def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
+          segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, values)` `[B, H, k]`: the k largest of `ranks` `[B, H, W]` per row (equal values: the lower indices),
     in index order. Rows the kernel does not take (`kernel_fits`) go through `torch.topk` and are put in index
-    order too (which of equal values it keeps is its own choice). `num_warps`: a tuning knob
-    (`bench/select_kernels.py --warps`; None: `default_warps`)."""
-    if not kernel_fits(ranks, k):
+    order too (which of equal values it keeps is its own choice). `num_warps` (the one-stage kernel's, or stage
+    one's) and `segments` (1: one stage; None: `default_segments`) are tuning knobs (`bench/select_kernels.py`)."""
+    if not kernel_fits(ranks, k, segments):
         top = torch.topk(ranks, k, dim=-1, sorted=False)
         ids, order = top.indices.sort(dim=-1)
         return ids, top.values.gather(-1, order)
     B, H, W = ranks.shape
-    ids = torch.empty((B, H, k), dtype=torch.int64, device=ranks.device)
-    values = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
-    head, tail = row_parts(W)
-    _top_k_kernel[(B * H,)](ranks, ids, values, W, k, H, ranks.stride(0), ranks.stride(1), HEAD=head, TAIL=tail,
-                            num_warps=num_warps or default_warps(head + tail))
-    return ids, values
+    S, L, widest = _stages(W, k, segments)
+    width = S * k  # what stage one leaves per row (the k best when S = 1)
+    ids = torch.empty((B, H, width), dtype=torch.int64, device=ranks.device)
+    values = torch.empty((B, H, width), dtype=torch.float32, device=ranks.device)
+    head, tail = row_parts(widest)
+    _top_k_kernel[(B * H * S,)](ranks, ranks, ids, values, W, k, H, S, L, ranks.stride(0), ranks.stride(1),
+                                HEAD=head, TAIL=tail, SOURCE_IDS=False,
+                                num_warps=num_warps or default_warps(head + tail))
+    if S == 1:
+        return ids, values
+    best_ids = torch.empty((B, H, k), dtype=torch.int64, device=ranks.device)
+    best = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
+    head = 1 << (width.bit_length() - 1)  # (a fixed width: no room kept for growth)
+    tail = max(16, triton.next_power_of_2(max(1, width - head)))
+    _top_k_kernel[(B * H,)](values, ids, best_ids, best, width, k, H, 1, width, H * width, width, HEAD=head,
+                            TAIL=tail, SOURCE_IDS=True, num_warps=default_warps(head + tail))
+    return best_ids, best
