@@ -79,7 +79,6 @@
 #             every mode and the bound scorer, NLL over 8K; budgets  the same at 1/4, 1/8, 1/16 for two tasks
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
-#   scorekernel  bench/score_kernel.py: the scoring kernel's variants timed at 32K x 4 and 128K x 1
 #   firstcallcompiled  `firstcall` with compile_decode=True (its compilation in the first generate)
 #   cappedauto  `capped128k` through the default's switch to compiled steps (`@compiledsoon`: at the 4th step)
 #   firstcallauto  the default compile_decode=None over 6 calls of 512 tokens at 32K x 1: compiled at the 2048th step (call 5)
@@ -87,14 +86,16 @@
 #   grouped  bench/matmul.py --grouped at M = 1 and 4: the grouped kernel's tuning grid against cuBLAS (~5 min)
 #   profile128k  kernel table of a compiled 128K x 1 step, the gather on 32 (default) and 64 programs
 #   gatherprograms  32K and 128K x 1, compiled steps (the default's steady state) with the side stream's gather on 16,
-#             32 (the package's choice on an H200) and 64 programs, 64 of 2 warps, 128 of 1 (gather_warps): is the step
-#             now bound by the gather? (~8 min: run it alone in a call)
+#             32 (the package's choice on an H200) and 64 programs (thirty-seventh session: 32 = 16 < 64; programs of
+#             fewer warps lost too and their option was removed) (~4.5 min)
 #   compiledfused  32K x {1, 4} decode, compile_decode with and without fuse_projections (q/k/v, gate/up one product)
 #   recompiles  bench/recompiles.py: dynamo's recompile reasons and graph breaks for compile_decode (10 layers)
 #   matmul    bench/matmul.py: a layer's weight matmuls alone (cuBLAS), separate and with q/k/v, gate/up fused, M = 1, 4
 #   selectkernels  bench/select_kernels.py: top-k (the select kernel against torch.topk + sort), slot assignment,
 #             graph-replayed calls
 #   selectsegments  the same, the two-stage select's segments (1: one stage) at 2,176-17,408 blocks a row
+#   scorekernel  bench/score_kernel.py at a captured 32K and 128K x 1 step's shape: tiles, warps, TF32 / bf16 products
+#   nativedot  128K x 1 compiled steps with and without native_dot (the block scores' products on bf16 tensor cores)
 #   profiletopk  the same with compile_decode, torch.topk (`@compiledtorchtopk`) against the package's select kernel
 #             (top_k_kernel, the default), 32K x 1 and 48K x 1 (thirty-first session: 8.4 -> 8.1 ms, 8.8 -> 8.5 ms)
 #   profile3  wall / device / CPU time per step and kernel tables: previous vs eagle3 at 32K x 1 (the ride-along's cost)
@@ -222,11 +223,12 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     full) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none previous eagle3 none@bound --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-full.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-full.log" | tail -40 ;;
     halfquality) python3 eval/report.py --tasks single_needle multi_needle passkey multikey multivalue variable_tracking --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 8 --modes none@full none --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-half.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-half.log" | tail -30 ;;
     budgets) python3 eval/report.py --tasks single_needle multikey --filler noise --lengths 4096 --samples 48 --batch-size 48 --fractions 4 8 16 --modes none previous eagle3 --head "$HEAD" --nll-prefill 7936 --nll-tokens 256 --out "$OUT/report-smollm2-budgets.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/report-budgets.log" | tail -30 ;;
-    scorekernel) { python3 bench/score_kernel.py; python3 bench/score_kernel.py --batch 1 --blocks 8192 --per-program 32 64; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/score-kernel.log" ;;
+    scorekernel) for nb in 2176 8704; do python3 bench/score_kernel.py --batch 1 --blocks $nb --group 8 --kept-channels 64 --calls 36 --scorers bits --per-program 32 64 128 --warps 4 8 --dots tf32 native; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/score-kernel.log" ;;  # a captured 32K / 128K x 1 step's block scores (4 heads x 2 tokens a KV head, half the channels), TF32 against bf16 products (native_dot)
+    nativedot) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --prefill-chunk 16384 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+nativedot --out "$OUT/decode-qwen3-8b-128k-native-dot.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-native-dot.log" | tail -3 ;;  # issue 21: the block scores on bf16 tensor cores, a compiled 128K step
     scoring) python3 eval/scoring.py --tasks single_needle multikey --length 4096 --samples 48 --fraction 8 --batch-size 16 --scorers bits bits_fp8 bound max --out "$OUT/scoring-smollm2.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/scoring.log" | tail -14 ;;
     scorers) python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --budget 2048 --steps 12 --warmup 2 --measure-steps 0 --methods dense oasis-none oasis-none@bound oasis-previous oasis-previous@bound --out "$OUT/decode-qwen3-8b-32k-scorers.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-scorers.log" | tail -14 ;;
     profilecompiled) python3 bench/profile_step.py --model qwen3-8b --context 32768 --batch 1 --steps 8 --methods oasis-previous-captured oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "==" ;;  # issue 21: what compile_decode leaves of a replayed step, by kernel group
-    gatherprograms) for c in 32768 131072; do python3 bench/decode.py --interleave --model qwen3-8b --contexts $c --batches 1 --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --prefill-chunk 16384 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+gather16 oasis-previous-captured@compiled+gather64 oasis-previous-captured@compiled+gather64+gatherwarps2 oasis-previous-captured@compiled+gather128+gatherwarps1 --out "$OUT/decode-qwen3-8b-$c-gather-programs.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-gather-programs-$c.log" | tail -6; done ;;  # issue 21: the side stream's gather programs (32 by default) once the steps are compiled
+    gatherprograms) for c in 32768 131072; do python3 bench/decode.py --interleave --model qwen3-8b --contexts $c --batches 1 --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --prefill-chunk 16384 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+gather16 oasis-previous-captured@compiled+gather64 --out "$OUT/decode-qwen3-8b-$c-gather-programs.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-gather-programs-$c.log" | tail -6; done ;;  # issue 21: the side stream's gather programs (32 by default) once the steps are compiled
     compiledfused) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --methods oasis-previous-captured@compiled oasis-previous-captured@compiledfused --out "$OUT/decode-qwen3-8b-32k-b$b-fused.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-fused-b$b.log" | tail -4; done ;;  # issue 21: fused projections
     recompiles) python3 bench/recompiles.py 2>&1 | grep -v DEBUG | tail -40 | tee "$OUT/recompiles.log" ;;
     matmul) for m in 1 4; do python3 bench/matmul.py --rows $m 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/matmul.log"; done ;;  # issue 21: the matmuls' floor

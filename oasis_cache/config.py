@@ -44,14 +44,13 @@ OPTION_VARIANTS = {
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
+    "nativedot": dict(native_dot=True),  # the block scores' products on bf16 tensor cores, not TF32
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
     "gather32": dict(gather_programs=32),
     "gather64": dict(gather_programs=64),
     "gather128": dict(gather_programs=128),
-    "gatherwarps1": dict(gather_warps=1),  # ... each program one warp (default 4): programs that share SMs
-    "gatherwarps2": dict(gather_warps=2),
 }
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
@@ -97,9 +96,6 @@ class OasisConfig:
             that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
             `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/perf.md,
             thirteenth and fourteenth sessions).
-        gather_warps: research, with the Triton backend: warps of each gather program (None: 4). Fewer warps a
-            program (with more programs, `gather_programs`) may let the gather share SMs with the compute running
-            beside a prefetch instead of holding them (not yet measured: `bash bench/gpu_run.sh gatherprograms`).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -172,6 +168,11 @@ class OasisConfig:
             `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
             session). Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
             up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
+        native_dot: research, with the Triton backend and the bits scorer: the block scores' products on the keys'
+            own (bf16/fp16) tensor cores instead of TF32 — the same exact products at twice the rate, their fp32
+            sums in another order (scores within fp32 rounding). At 128K x 1 the scores took 32.7 us a layer of a
+            compiled H200 step (thirty-seventh session), their products ~5 us of it at TF32's peak; not yet
+            measured (`bench/score_kernel.py --dots`, variant `@nativedot`). Off.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -198,7 +199,6 @@ class OasisConfig:
     host_chunk_blocks: int = 256
     backend: str = "auto"
     gather_programs: int | None = None
-    gather_warps: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
     summary_channels: float | None = None
@@ -211,6 +211,7 @@ class OasisConfig:
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
     top_k_kernel: bool | None = None
+    native_dot: bool = False
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
@@ -317,6 +318,8 @@ class OasisConfig:
         if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
                              "compile_decode=True with it.")
+        if type(self.native_dot) is not bool:
+            raise ValueError(f"native_dot must be True or False, got {self.native_dot!r}.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:
@@ -326,9 +329,6 @@ class OasisConfig:
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
                              f"positive int, got {self.gather_programs!r}.")
-        if self.gather_warps is not None and (type(self.gather_warps) is not int
-                                              or self.gather_warps not in (1, 2, 4, 8)):
-            raise ValueError(f"gather_warps must be None (4) or one of 1, 2, 4, 8, got {self.gather_warps!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 

@@ -128,6 +128,21 @@ def test_bits_score_is_the_best_coarse_key_of_each_block():
     torch.testing.assert_close(got, torch.einsum("bhrd,bhntd->bhrnt", query, pairs).amax(dim=(2, 4)))
 
 
+def test_the_kernel_ranking_gets_its_options(monkeypatch):
+    """`rank_blocks(use_kernel=True)` hands the summaries' channels, the split and `native_dot` to the kernel (whose
+    results are checked against these ops in `kernel_cases.py`: interpreter and CUDA)."""
+    from oasis_cache.kernels import block_scores as module
+
+    calls = []
+    monkeypatch.setattr(module, "block_scores", lambda *args, **kwargs: calls.append(kwargs))
+    s = summaries_of(torch.randn(1, 2, 3, 16, 8), "bits")
+    none, every = torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool)
+    for native, split in ((True, False), (False, True)):
+        rank_blocks(torch.randn(1, 4, 2, 8), s, none, every, 16, use_kernel=True, split_last=split, native_dot=native)
+        assert calls[-1]["native_dot"] is native and calls[-1]["split_last"] is split
+        assert calls[-1]["channels"] is s.channels and calls[-1]["scales"] is s.scales
+
+
 def test_bits_rank_the_block_holding_the_matching_key_first_where_the_bound_does_not():
     """Block 0 spreads its keys over the channels (one large channel each: a high bound, no key near q); block 1
     holds one key along q. The bound prefers block 0, the bits scorer block 1 — as exact attention would."""

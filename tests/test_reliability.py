@@ -391,8 +391,8 @@ def test_selected_blocks_per_step_counts_only_steps():
 
 def test_gather_programs_are_chosen_per_stream(monkeypatch):
     """gather_programs=None: a side-stream prefetch runs on a power of two near a quarter of the SMs (32 on an H200),
-    a gather on the critical path on one program per block; 0 and n are the user's, everywhere. gather_warps reaches
-    every launch; bad values are refused."""
+    a gather on the critical path on one program per block; 0 and n are the user's, everywhere; bad values are
+    refused."""
     from types import SimpleNamespace
 
     from oasis_cache.memory import transfer
@@ -414,18 +414,6 @@ def test_gather_programs_are_chosen_per_stream(monkeypatch):
         engine.gather_programs = None
     with pytest.raises(ValueError, match="gather_programs"):
         OasisCache(tiny_model("llama"), token_budget=256, gather_programs=-1)
-    # gather_warps (research): the warps of each program, handed to every gather launch
-    calls = []
-    monkeypatch.setattr(transfer, "gather_blocks", lambda *a, **k: calls.append(k["num_warps"]))
-    monkeypatch.setattr(transfer, "resolve_backend", lambda backend, device: backend)
-    for warps, launched in ((None, 4), (1, 1)):
-        engine = transfer.TransferEngine("triton", torch.device("cpu"), gather_warps=warps)
-        engine._gather(SimpleNamespace(arena_table=None, capacity=4), SimpleNamespace(kv=None, block_size=16), None,
-                       None, None)  # (a remote tier's local cache as the source: no host pool needed)
-        assert calls[-1] == launched
-    for bad in (3, 0, True, 2.0):
-        with pytest.raises(ValueError, match="gather_warps must be None"):
-            OasisCache(tiny_model("llama"), token_budget=256, gather_warps=bad)
 
 
 def test_selection_is_recorded_and_drawn(tmp_path):

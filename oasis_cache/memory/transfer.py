@@ -44,11 +44,9 @@ def side_stream_programs(device: torch.device) -> int:
 
 
 class TransferEngine:
-    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None,
-                 gather_warps: int | None = None):
+    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
         self.gather_programs = gather_programs  # None: chosen per stream (`_programs`); 0: one per block
-        self.gather_warps = gather_warps or 4  # per program (`OasisConfig.gather_warps`)
         self.side_programs = side_stream_programs(device) if self.backend == "triton" and device.type == "cuda" \
             else None
         self.device = device
@@ -182,7 +180,7 @@ class TransferEngine:
             else:
                 table, C = self._addresses(source), source.chunk_blocks
             gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, self._programs(),
-                          per_unit=per_unit, num_warps=self.gather_warps)
+                          per_unit=per_unit)
         elif per_unit:
             self._fetch_units_torch(source, working_set, block_ids, dest, fetch)
         else:
