@@ -181,7 +181,8 @@ def cuda_runtime():
 def _no_cuda_error_left(request):
     """GPU tests: a failed CUDA runtime call that nobody checked leaves its error in the thread's "last error", and
     torch's next kernel-launch check raises it wherever that is — in a later test (the H200, 2026-12-03: 12 tests
-    failed with "CUDA error: invalid argument" at their first kernel, after one left it). Here the test that leaves
+    failed with "CUDA error: invalid argument" at their first kernel; that one was a bad event in torch's host
+    allocator, not a pending error: `captured_step.no_collection_while_capturing`). Here the test that leaves
     one fails itself, naming it (and clears it: the tests after it run as if it had not happened); one found before a
     test started was left between tests (an object collected late). `OASIS_TEST_GC_CHECK=1`: the test's garbage is
     collected at its end and checked apart ("when its garbage was collected": a destructor's call)."""
