@@ -83,6 +83,8 @@ def main() -> None:
 def grouped_best(args, shapes, dtype) -> tuple[float, str]:
     """The grouped kernel on one group's weights (`args.calls` distinct sets, as above) over its tuning grid; prints
     each setting, returns the fastest (us, setting)."""
+    from triton.runtime.errors import OutOfResources
+
     from oasis_cache.kernels.grouped_linear import grouped_linear
 
     sets = [[torch.randn(n, k, device=args.device, dtype=dtype) * 0.02 for n, k in shapes] for _ in range(args.calls)]
@@ -97,9 +99,7 @@ def grouped_best(args, shapes, dtype) -> tuple[float, str]:
         knobs = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
         try:
             got = grouped_linear(x, sets[0], **knobs)
-        except Exception as error:  # noqa: BLE001 - Triton's OutOfResources (shared memory) for large tiles
-            if type(error).__name__ != "OutOfResources":
-                raise
+        except OutOfResources as error:  # (shared memory, for large tiles)
             print(f"   grouped {knobs}: does not fit ({str(error).splitlines()[0][:80]})", flush=True)
             continue
         if not all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in zip(got, expected)):

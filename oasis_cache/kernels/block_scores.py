@@ -96,9 +96,7 @@ if triton is not None:
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
         low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
-        if NATIVE:  # (products of bf16/fp16 values are exact in fp32, as in TF32; fp32 sums either way)
-            q = q.to(low.dtype)
-        else:
+        if not NATIVE:  # (NATIVE: query and levels of one bf16/fp16 dtype, their products exact in fp32 as in TF32)
             q, low, high = q.to(tl.float32), low.to(tl.float32), high.to(tl.float32)
         if SCALED:
             scale = tl.load(scales + bh * NBcap + blocks, mask=in_blocks, other=1.0)[:, None]

@@ -124,14 +124,14 @@ def default_segments(W: int, k: int) -> int:
     return segments if segments >= 2 else 1
 
 
-def row_parts(W: int) -> tuple[int, int]:
+def row_parts(W: int, grows: bool = True) -> tuple[int, int]:
     """`(HEAD, TAIL)`: a row of W ranks held as a power of two (the largest <= W, at least 16) and the next power of
-    two >= what is left, at least a sixteenth of the head (and 16; masked past W): the summaries' first growth (a
-    sixteenth, `BlockSummaries.reserve`) then keeps the kernel's specialization — a prompt of 2,048 blocks ranks
-    2,048 + 128 before and after — instead of compiling a second one at the 16th decode step (~1.5 s on a new
-    machine)."""
+    two >= what is left (at least 16; masked past W). Where the row `grows` with the summaries, the tail is at least a
+    sixteenth of the head: their first growth (a sixteenth, `BlockSummaries.reserve`) then keeps the kernel's
+    specialization — a prompt of 2,048 blocks ranks 2,048 + 128 before and after — instead of compiling a second one
+    at the 16th decode step (~1.5 s on a new machine). Stage two's rows (S * k candidates) do not grow."""
     head = max(16, 1 << (W.bit_length() - 1))
-    return head, max(16, head // 16, triton.next_power_of_2(max(1, W - head)))
+    return head, max(16, head // 16 if grows else 16, triton.next_power_of_2(max(1, W - head)))
 
 
 def default_warps(keys: int) -> int:
@@ -140,23 +140,25 @@ def default_warps(keys: int) -> int:
     return 4 if keys <= 2560 else 8 if keys <= 5120 else 16
 
 
-def _stages(W: int, k: int, segments: int | None) -> tuple[int, int, int]:
-    """`(S, L, widest)`: S segments of L ranks (the last one to W), the widest W - (S - 1) * L."""
+def _stages(ranks: torch.Tensor, k: int, segments: int | None) -> tuple[int, int, int] | None:
+    """`(S, L, widest)` where the kernel takes `ranks` — S segments of L ranks (the last one to W), the widest
+    W - (S - 1) * L — else None (`torch.topk`)."""
+    if not (triton is not None and ranks.dtype == torch.float32 and ranks.dim() == 3 and ranks.stride(-1) == 1
+            and 0 < k <= ranks.shape[-1]):
+        return None
+    W = ranks.shape[-1]
     S = default_segments(W, k) if segments is None else segments
     if S < 1 or (S > 1 and W // S < k):
         raise ValueError(f"top_k: {S} segments of a row of {W} leave fewer than k = {k} ranks in one; use at most "
                          f"{max(1, W // k)} (or segments=None)")
     L = W // S
-    return S, L, W - (S - 1) * L
+    widest = W - (S - 1) * L
+    return (S, L, widest) if widest <= MAX_ROW and S * k <= MAX_ROW else None
 
 
 def kernel_fits(ranks: torch.Tensor, k: int, segments: int | None = None) -> bool:
     """Whether `top_k` runs the kernel for `ranks` (else it is `torch.topk`)."""
-    if not (triton is not None and ranks.dtype == torch.float32 and ranks.dim() == 3 and ranks.stride(-1) == 1
-            and 0 < k <= ranks.shape[-1]):
-        return False
-    S, _, widest = _stages(ranks.shape[-1], k, segments)
-    return widest <= MAX_ROW and S * k <= MAX_ROW
+    return _stages(ranks, k, segments) is not None
 
 
 def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
@@ -165,12 +167,13 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
     in index order. Rows the kernel does not take (`kernel_fits`) go through `torch.topk` and are put in index
     order too (which of equal values it keeps is its own choice). `num_warps` (the one-stage kernel's, or stage
     one's) and `segments` (1: one stage; None: `default_segments`) are tuning knobs (`bench/select_kernels.py`)."""
-    if not kernel_fits(ranks, k, segments):
+    stages = _stages(ranks, k, segments)
+    if stages is None:
         top = torch.topk(ranks, k, dim=-1, sorted=False)
         ids, order = top.indices.sort(dim=-1)
         return ids, top.values.gather(-1, order)
     B, H, W = ranks.shape
-    S, L, widest = _stages(W, k, segments)
+    S, L, widest = stages
     width = S * k  # what stage one leaves per row (the k best when S = 1)
     ids = torch.empty((B, H, width), dtype=torch.int64, device=ranks.device)
     values = torch.empty((B, H, width), dtype=torch.float32, device=ranks.device)
@@ -182,8 +185,7 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
         return ids, values
     best_ids = torch.empty((B, H, k), dtype=torch.int64, device=ranks.device)
     best = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
-    head = 1 << (width.bit_length() - 1)  # (a fixed width: no room kept for growth)
-    tail = max(16, triton.next_power_of_2(max(1, width - head)))
+    head, tail = row_parts(width, grows=False)
     _top_k_kernel[(B * H,)](values, ids, best_ids, best, width, k, H, 1, width, H * width, width, HEAD=head,
                             TAIL=tail, SOURCE_IDS=True, num_warps=default_warps(head + tail))
     return best_ids, best
