@@ -159,7 +159,7 @@ class OasisCache(Cache):
         from .compute.captured_step import CapturedForward
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
-        self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections, where the steps may compile)
+        self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections)
         # compile_decode=None: compiled once the model has decoded `compile_after_steps` steps (`compiles_decode`)
         self._compile_later = self.config.compile_decode is None and compiled_layers.may_compile_automatically(self)
         if self.config.compile_decode or self._compile_later:
@@ -169,7 +169,7 @@ class OasisCache(Cache):
             if self.config.fuse_projections:
                 from .compute.fused_projections import fuse
 
-                self.fused_groups = fuse(decoder_layers)
+                self.fused_groups = fuse(model, decoder_layers)
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

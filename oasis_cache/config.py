@@ -42,7 +42,7 @@ OPTION_VARIANTS = {
     "topk": dict(top_k_kernel=True),  # the k best blocks by the package's select kernel (the default on Triton)
     "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
-    "compiledunfused": dict(compile_decode=True, fuse_projections=False),  # q/k/v, gate/up: a launch each
+    "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
     "nativedot": dict(native_dot=True),  # the block scores' products on bf16 tensor cores, not TF32
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
@@ -155,11 +155,11 @@ class OasisConfig:
         compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
             steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
             steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.
-        fuse_projections: wherever decode steps compile (`compile_decode`), each decoder layer's q/k/v projections
-            run as one launch, and the MLP's gate/up as one (`compute/fused_projections.py`: the grouped Triton
-            kernel, each weight read where it is; the projections become `FusedLinear`, an `nn.Linear` subclass;
-            parameters untouched). H200, a layer's matmuls (Qwen3-8B, 1 row): 130 -> 112 us (thirty-eighth session).
-            False: each projection alone.
+        fuse_projections: research, with `compile_decode=True`: each decoder layer's q/k/v projections computed as one
+            product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
+            weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
+            unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
+            with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -209,7 +209,7 @@ class OasisConfig:
     cuda_graph: bool | None = None
     compile_decode: bool | None = None
     compile_after_steps: int = COMPILE_AFTER_STEPS
-    fuse_projections: bool = True
+    fuse_projections: bool = False
     top_k_kernel: bool | None = None
     native_dot: bool = False
     prefill_chunk_tokens: int = 8192
@@ -315,6 +315,9 @@ class OasisConfig:
                              f"pass compile_decode=None.")
         if self.fuse_projections not in (True, False):
             raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
+        if self.fuse_projections and self.compile_decode is not True:
+            raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
+                             "compile_decode=True with it.")
         if type(self.native_dot) is not bool:
             raise ValueError(f"native_dot must be True or False, got {self.native_dot!r}.")
         if self.top_k_kernel not in (None, True, False):

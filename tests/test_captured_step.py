@@ -503,70 +503,58 @@ def test_compiled_decode_compiles_once_for_all_layers():
     assert torch.equal(got.sequences, expected.sequences)
 
 
-def test_grouped_projections_compute_one_launch_per_group():
-    """`fuse_projections` (the default, where steps compile): each layer's q/k/v (with qwen2's biases) and gate/up
-    run as one `oasis::grouped_linear` op each inside the compiled step — 2 matmuls and 2 grouped ops a layer in the
-    generated code instead of 7 matmuls — and decode the ungrouped compiled cache's tokens with its logits; one graph
-    serves every layer; the parameters keep their storage; after `model.to(float64)` the op reads the new weights;
-    `unfuse` gives `nn.Linear` back; a cache that does not compile groups nothing."""
+def test_fused_projections_compute_one_product_per_group(tmp_path):
+    """`fuse_projections=True` (with `compile_decode`): each layer's q/k/v (with qwen2's biases) and gate/up become one
+    product each inside the compiled step — 4 matmuls a layer in the generated code instead of 7 — and decode the
+    unfused compiled cache's tokens with its logits; the parameters are rows of one buffer per group, saved and
+    reloaded unchanged by `save_pretrained`; a group whose parameters moved (`model.to(dtype)`) computes unfused, and
+    `unfuse` gives each projection its own storage back."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
     from conftest import generate
-    from oasis_cache.compute.fused_projections import FusedLinear, unfuse
+    from oasis_cache.compute.fused_projections import unfuse
 
     model = tiny_model("qwen2", num_hidden_layers=3)
-    pointers = [p.data_ptr() for p in model.parameters()]
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous", compile_decode=True)
     inputs, kw = {"input_ids": prompt_ids(300)}, dict(max_new_tokens=6, do_sample=False)
-    products, grouped, graphs, outs = [], [], [], []
+    products, graphs, outs = [], [], []
     for fuse in (False, True):
         torch._dynamo.reset()
         before = counters["stats"]["unique_graphs"]
         cache = OasisCache(model, fuse_projections=fuse, **options)
         out, code = run_and_get_code(lambda: generate(model, cache, inputs, **kw))
-        code = "\n".join(code)
-        products.append(sum(code.count(f"extern_kernels.{op}(") for op in ("mm", "addmm")))
-        grouped.append(code.count("torch.ops.oasis.grouped_linear.default("))
+        products.append(sum("\n".join(code).count(f"extern_kernels.{op}(") for op in ("mm", "addmm")))
         graphs.append(counters["stats"]["unique_graphs"] - before)
         outs.append(out)
-    assert products == [7, 2] and grouped == [0, 2], (products, grouped)
-    # one compiled graph serves every layer, grouped too (the thirty-second session's per-module forwards were guarded
+    assert products == [7, 4], products
+    # one compiled graph serves every layer, fused too (the thirty-second session's per-module forwards were guarded
     # by identity: a graph a layer up to the recompile limit, later layers eager, on the H200 too)
     assert graphs[1] == graphs[0] <= 2, graphs
-    assert len(cache.fused_groups) == 6 and type(model.model.layers[2].mlp.up_proj) is FusedLinear
-    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert len(cache.fused_groups) == 6 and all(group.on for group in cache.fused_groups)
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    attn = model.model.layers[0].self_attn
+    group = cache.fused_groups[0]
+    assert attn.k_proj.weight.data_ptr() == group.weight[attn.q_proj.out_features:].data_ptr()
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    model.save_pretrained(tmp_path)  # (transformers clones the disjoint views of one storage)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(state[name], t) for name, t in reloaded.state_dict().items())
 
-    model.to(torch.float64)  # new storage for every parameter: the op reads the members' weights at the call
+    model.to(torch.float64)  # the parameters get new storage: the groups end; a fused cache fuses them anew
     torch._dynamo.reset()
-    alone = generate(model, OasisCache(model, fuse_projections=False, **options), inputs, **kw)
-    torch._dynamo.reset()
-    cache = OasisCache(model, **options)
-    assert len(cache.fused_groups) == 6
+    alone = generate(model, OasisCache(model, **options), inputs, **kw)  # (a cache without the option: unfused)
+    old_groups = cache.fused_groups
+    cache = OasisCache(model, fuse_projections=True, **options)
+    assert not any(group.on for group in old_groups) and all(group.on for group in cache.fused_groups)
+    assert cache.fused_groups[0].weight.dtype == torch.float64
     assert torch.equal(generate(model, cache, inputs, **kw).sequences, alone.sequences)
     unfuse(model)
-    attn = model.model.layers[0].self_attn
+    pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(pointers) == len(list(model.parameters()))  # every parameter its own storage
     assert type(attn.q_proj) is torch.nn.Linear and not hasattr(attn.q_proj, "fused_group")
-    assert OasisCache(model, token_budget=128).fused_groups == []  # (CPU: no compiled steps by default)
-    assert type(attn.q_proj) is torch.nn.Linear
-
-
-def test_grouped_linear_op_computes_each_members_product():
-    """`oasis::grouped_linear` (the op behind grouped projections): each member's `F.linear`, biases or none, rows
-    in leading dims; its fake gives the shapes compiled code plans for."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    torch.manual_seed(0)
-    x = torch.randn(2, 1, 24)
-    weights = [torch.randn(n, 24) for n in (16, 8, 8)]
-    biases = [torch.randn(n) for n in (16, 8, 8)]
-    for bias in (biases, []):
-        got = torch.ops.oasis.grouped_linear(x, weights, bias)
-        for g, w, b in zip(got, weights, bias or [None] * 3):
-            assert torch.equal(g, torch.nn.functional.linear(x, w, b))
-    with FakeTensorMode() as mode:
-        fake = torch.ops.oasis.grouped_linear(mode.from_tensor(x), [mode.from_tensor(w) for w in weights], [])
-    assert [tuple(t.shape) for t in fake] == [(2, 1, 16), (2, 1, 8), (2, 1, 8)]
+    assert torch.equal(generate(model, OasisCache(model, **options), inputs, **kw).sequences, alone.sequences)
+    with pytest.raises(ValueError, match="pass compile_decode=True with it"):
+        OasisCache(model, token_budget=128, fuse_projections=True)

@@ -368,35 +368,6 @@ def test_compiled_decode_captured_decodes_what_eager_decodes():
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
 
 
-def test_grouped_projections_run_the_grouped_kernel_in_compiled_fp16_steps(monkeypatch):
-    """fp16 on CUDA with `compile_decode=True`: the grouped projections (`fuse_projections`, the default) run the
-    grouped Triton kernel for q/k/v (qwen2's biases) and gate/up, and decode the ungrouped compiled cache's greedy
-    tokens, logits within fp16 rounding, steps captured."""
-    from oasis_cache.kernels import grouped_linear as kernel_module
-
-    calls, real = [], kernel_module.grouped_linear
-
-    def counted(x, weights, *args, **kwargs):
-        calls.append(len(weights))
-        return real(x, weights, *args, **kwargs)
-
-    monkeypatch.setattr(kernel_module, "grouped_linear", counted)
-    torch._dynamo.reset()
-    model = tiny_model("qwen2", num_hidden_layers=4).cuda().half()
-    inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
-    kw = dict(max_new_tokens=24, do_sample=False)
-    options = dict(token_budget=128, recent_tokens=32, lookahead="previous", compile_decode=True)
-    alone = generate(model, OasisCache(model, fuse_projections=False, **options), inputs, **kw)
-    assert calls == []
-    torch._dynamo.reset()
-    cache = OasisCache(model, **options)
-    grouped = generate(model, cache, inputs, **kw)
-    assert sorted(set(calls)) == [2, 3] and cache.captured_steps.replays >= 15
-    assert torch.equal(alone.sequences, grouped.sequences)
-    for a, b in zip(alone.logits, grouped.logits):
-        torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
-
-
 def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_enough():
     """`compile_decode=None` (the default) with captured steps: uncompiled steps captured and replayed until the model
     has decoded `compile_after_steps` steps in the process, then one eager step that compiles and a new capture with

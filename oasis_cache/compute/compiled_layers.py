@@ -126,6 +126,7 @@ class CompiledDecode:
         self.__signature__ = getattr(self.eager_forward, "__signature__", None)
         self.__doc__ = self.eager_forward.__doc__
         self.compiled = None  # made at the first call that needs it (torch.compile is lazy anyway)
+        self.fused_groups = []  # this layer's fused projections (`fused_projections.fuse`), if a cache asked for them
 
     @classmethod
     def install(cls, model, attention_modules) -> list[torch.nn.Module]:
@@ -169,8 +170,8 @@ class CompiledDecode:
                 self.compiled = torch.compile(self.eager_forward)
             scope.enter_context(_ONE_GRAPH_FOR_ALL_LAYERS)
             scope.enter_context(_layer_index_symbolic())
-            if config.fuse_projections:  # (q/k/v and gate/up: one launch each, `fused_projections.py`)
-                scope.enter_context(fused_projections.fusing())
+            if config.fuse_projections:  # (a group whose parameters moved computes unfused from now: checked here)
+                scope.enter_context(fused_projections.fusing(self.fused_groups))
             if cache.all_oasis_layers:  # (else sliding-window layers too: the update and the attention break the graph)
                 scope.enter_context(compiled_ops.tracing_ops())
                 scope.enter_context(compiled_ops.active(cache))
