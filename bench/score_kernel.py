@@ -1,9 +1,8 @@
 """Block-scoring kernel timing: the `bits` and `bound` scorers at a decode step's shape, by blocks per program,
-warps and (bits) tensor-core products (`--dots`: TF32, or bf16's own with `native_dot`), against the plain-PyTorch
-scorer; medians of CUDA-event timings (`--calls` > 1: calls replayed as one CUDA graph, as in a captured step).
+warps, against the plain-PyTorch scorer; medians of CUDA-event timings (`--calls` > 1: calls replayed as one CUDA graph, as in a captured step).
 
     python bench/score_kernel.py                       # Qwen3-8B shape, 32K x 4: B 4, Hkv 8, G 4, D 128, NB 2048
-    python bench/score_kernel.py --batch 1 --blocks 8704 --group 8 --kept-channels 64 --calls 36 --dots tf32 native
+    python bench/score_kernel.py --batch 1 --blocks 8704 --group 8 --kept-channels 64 --calls 36
                                                        # a captured 128K x 1 step's (rows: 4 heads x 2 tokens)
     TRITON_INTERPRET=1 python bench/score_kernel.py --batch 1 --kv-heads 1 --blocks 64 --repeats 1   # CPU smoke
 
@@ -57,8 +56,6 @@ def main():
     parser.add_argument("--scorers", nargs="+", default=["bound", "bits"], choices=["bound", "bits", "bits-fp8"])
     parser.add_argument("--per-program", nargs="+", type=int, default=[16, 32, 64], help="blocks per program")
     parser.add_argument("--warps", nargs="+", type=int, default=[4], help="warps per program")
-    parser.add_argument("--dots", nargs="+", default=["tf32"], choices=["tf32", "native"],
-                        help="the bits scorer's products: TF32, or the keys' dtype's own (`native_dot`)")
     parser.add_argument("--kept-channels", type=int, default=None,
                         help="summaries on this many of the query's channels (the package's default: half)")
     parser.add_argument("--calls", type=int, default=1, help="calls per timing (> 1: one CUDA graph of them)")
@@ -82,22 +79,20 @@ def main():
         reference = rank_blocks(query, s, forced, allowed, T)
         us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
         print(f"{scorer:8} torch                              {us:9.1f}")
-        dots = args.dots if scorer != "bound" else ["tf32"]
         for per_program in args.per_program:
             for warps in args.warps:
-                for dot in dots:
-                    def call():
-                        return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
-                                            scales=s.scales, channels=channels, native_dot=dot == "native")
-                    label = f"{scorer:8} kernel    {per_program:3} blocks/program {warps} warps {dot:6}"
-                    try:  # a large tile may not compile (registers, shared memory): say so and go on
-                        ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
-                        timed = call if args.calls == 1 else graphed(call, args.calls)
-                        us = time_us(timed, args.repeats) / args.calls
-                    except Exception as e:  # noqa: BLE001
-                        print(f"{label} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                        continue
-                    print(f"{label} {us:9.1f}{'' if ok else '  MISMATCH'}", flush=True)
+                def call():
+                    return block_scores(query, s.levels, NB, forced, allowed, s.codes, T, per_program, warps,
+                                        scales=s.scales, channels=channels)
+                label = f"{scorer:8} kernel    {per_program:3} blocks/program {warps} warps"
+                try:  # a large tile may not compile (registers, shared memory): say so and go on
+                    ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
+                    timed = call if args.calls == 1 else graphed(call, args.calls)
+                    us = time_us(timed, args.repeats) / args.calls
+                except Exception as e:  # noqa: BLE001
+                    print(f"{label} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                print(f"{label} {us:9.1f}{'' if ok else '  MISMATCH'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ OPTION_VARIANTS = {
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
-    "nativedot": dict(native_dot=True),  # the block scores' products on bf16 tensor cores, not TF32
     # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
     "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
     "gather16": dict(gather_programs=16),
@@ -168,11 +167,6 @@ class OasisConfig:
             `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
             session). Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
             up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
-        native_dot: research, with the Triton backend and the bits scorer: the block scores' products on the keys'
-            own (bf16/fp16) tensor cores instead of TF32 — the same exact products at twice the rate, their fp32
-            sums in another order (scores within fp32 rounding). At 128K x 1 the scores took 32.7 us a layer of a
-            compiled H200 step (thirty-seventh session), their products ~5 us of it at TF32's peak; not yet
-            measured (`bench/score_kernel.py --dots`, variant `@nativedot`). Off.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -211,7 +205,6 @@ class OasisConfig:
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
     top_k_kernel: bool | None = None
-    native_dot: bool = False
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
@@ -318,8 +311,6 @@ class OasisConfig:
         if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
                              "compile_decode=True with it.")
-        if type(self.native_dot) is not bool:
-            raise ValueError(f"native_dot must be True or False, got {self.native_dot!r}.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:

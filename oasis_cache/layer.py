@@ -54,7 +54,7 @@ class OasisLayer(CacheLayerMixin):
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
         self.choose_kernels()
-        for name in ("attention_kernel", "top_k_kernel", "native_dot"):
+        for name in ("attention_kernel", "top_k_kernel"):
             if getattr(cfg, name) and not self.use_kernels:
                 raise ValueError(f"{name}=True runs a Triton kernel, but this cache runs the torch backend on "
                                  f"{self.device}: leave {name} at its default here (or pass backend='triton').")
@@ -257,7 +257,7 @@ class OasisLayer(CacheLayerMixin):
         if NB <= k:
             return all_blocks(view.allowed[:, :NB], H)
         ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
-                            use_kernel=self.use_kernels, native_dot=self.config.native_dot)
+                            use_kernel=self.use_kernels)
         return top_blocks(ranks, k, self.top_k_kernel)
 
     def _select_with_draft(self, query, view, k: int):
@@ -268,8 +268,7 @@ class OasisLayer(CacheLayerMixin):
         if NB <= slots:  # the draft's prefetch will not rank anything (all blocks fit): rank the real rows alone
             return self._select(query[:, :, :-1], view, k)
         ranks = rank_blocks(query, self.summaries, view.forced, view.allowed, self.config.block_size,
-                            use_kernel=self.use_kernels, split_last=True,
-                            native_dot=self.config.native_dot)  # [B, H, 2, NB]
+                            use_kernel=self.use_kernels, split_last=True)  # [B, H, 2, NB]
         real, draft = ranks.unbind(2)
         self._draft_ranks = (NB, draft)
         return top_blocks(real, k, self.top_k_kernel)

@@ -30,7 +30,6 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, scorer="bound", summary_channels=0.5), "summary_channels < 1 is for scorer='bits'"),
         (dict(token_budget=256, attention_kernel="yes"), "attention_kernel must be None"),
         (dict(token_budget=256, top_k_kernel="yes"), r"top_k_kernel must be None \(automatic\), True or False"),
-        (dict(token_budget=256, native_dot=1), "native_dot must be True or False"),
         (dict(token_budget=256, top_k_kernel=True, fetch_ratio=0.1), "pass one of top_k_kernel=True and fetch_ratio"),
         (dict(token_budget=256, backend="torch", attention_kernel=True), "attention_kernel=True runs a Triton kernel"),
     ],
@@ -40,10 +39,10 @@ def test_bad_options_raise_clear_errors(kwargs, message):
         OasisConfig(**kwargs)
 
 
-@pytest.mark.parametrize("option", ["attention_kernel", "top_k_kernel", "native_dot"])
+@pytest.mark.parametrize("option", ["attention_kernel", "top_k_kernel"])
 def test_a_triton_kernel_without_the_triton_backend_names_the_fix(option):
-    """On CPU ("auto" resolves to the torch backend) the Triton decode attention, top-k or the scores' native
-    products cannot run: the first forward says so instead of running the torch path silently."""
+    """On CPU ("auto" resolves to the torch backend) the Triton decode attention or top-k cannot run: the first
+    forward says so instead of running the torch path silently."""
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=128, **{option: True})
     with pytest.raises(ValueError, match=f"leave {option} at its default"):

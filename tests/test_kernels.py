@@ -14,7 +14,7 @@ import torch
 
 from oasis_cache.kernels.gather import triton_available
 
-from kernel_cases import CHECKS, CUDA_CHECKS
+from kernel_cases import CHECKS
 
 HERE = Path(__file__).parent
 
@@ -39,8 +39,8 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-@pytest.mark.parametrize("check, case", [(check, case) for _, cases, check in CUDA_CHECKS for case in cases],
-                         ids=[f"{name}-{'x'.join(map(str, case))}" for name, cases, _ in CUDA_CHECKS for case in cases])
+@pytest.mark.parametrize("check, case", [(check, case) for _, cases, check in CHECKS for case in cases],
+                         ids=[f"{name}-{'x'.join(map(str, case))}" for name, cases, _ in CHECKS for case in cases])
 def test_kernel_on_cuda(check, case):
     """Each kernel check of `kernel_cases.CHECKS` (the gather, unit gather and store, block scores, slot assignment,
     recent append, top-k, decode attention, grouped linear) on CUDA."""

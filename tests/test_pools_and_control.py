@@ -129,7 +129,7 @@ def test_bits_score_is_the_best_coarse_key_of_each_block():
 
 
 def test_the_kernel_ranking_gets_its_options(monkeypatch):
-    """`rank_blocks(use_kernel=True)` hands the summaries' channels, the split and `native_dot` to the kernel (whose
+    """`rank_blocks(use_kernel=True)` hands the summaries' channels, scales and the split to the kernel (whose
     results are checked against these ops in `kernel_cases.py`: interpreter and CUDA)."""
     from oasis_cache.kernels import block_scores as module
 
@@ -137,9 +137,9 @@ def test_the_kernel_ranking_gets_its_options(monkeypatch):
     monkeypatch.setattr(module, "block_scores", lambda *args, **kwargs: calls.append(kwargs))
     s = summaries_of(torch.randn(1, 2, 3, 16, 8), "bits")
     none, every = torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool)
-    for native, split in ((True, False), (False, True)):
-        rank_blocks(torch.randn(1, 4, 2, 8), s, none, every, 16, use_kernel=True, split_last=split, native_dot=native)
-        assert calls[-1]["native_dot"] is native and calls[-1]["split_last"] is split
+    for split in (False, True):
+        rank_blocks(torch.randn(1, 4, 2, 8), s, none, every, 16, use_kernel=True, split_last=split)
+        assert calls[-1]["split_last"] is split
         assert calls[-1]["channels"] is s.channels and calls[-1]["scales"] is s.scales
 
 

@@ -62,8 +62,7 @@ def score_blocks_bits(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
 
 
 def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: torch.Tensor,
-                block_size: int, use_kernel: bool = False, split_last: bool = False,
-                native_dot: bool = False) -> torch.Tensor:
+                block_size: int, use_kernel: bool = False, split_last: bool = False) -> torch.Tensor:
     """Ranking scores `[B, Hkv, W]`: the scorer's value, +inf where `forced`, -inf where not `allowed`.
 
     Args:
@@ -74,14 +73,12 @@ def rank_blocks(query: torch.Tensor, summaries, forced: torch.Tensor, allowed: t
         use_kernel: one Triton launch (CUDA) instead of the plain-PyTorch ops.
         split_last: rank the last query token apart (a riding draft): `[B, Hkv, 2, NB]`, 0 = the first Qn - 1
             tokens, 1 = the last one. The kernel reads the summaries once for both.
-        native_dot: the kernel's products on bf16/fp16 tensor cores (`OasisConfig.native_dot`).
     """
     if use_kernel:  # (the kernel reads the summaries' channels of the query itself)
         from ..kernels.block_scores import block_scores
 
         return block_scores(query, summaries.levels, allowed.shape[-1], forced, allowed, summaries.codes, block_size,
-                            scales=summaries.scales, split_last=split_last, channels=summaries.channels,
-                            native_dot=native_dot)
+                            scales=summaries.scales, split_last=split_last, channels=summaries.channels)
     query = summaries.query_channels(query)  # [B, Hq, Qn, D']: the channels the summaries cover
     if split_last:
         return torch.stack([_rank_blocks(part, summaries, forced, allowed, block_size)

@@ -72,7 +72,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         TOKENS: tl.constexpr,  # 0: the bound scorer; else the bits scorer over blocks of TOKENS tokens
         IEEE: tl.constexpr,  # fp32 keys: IEEE fp32 products in the bits scorer (else TF32, exact for bf16/fp16)
-        NATIVE: tl.constexpr,  # bits scorer, bf16/fp16 query and levels: products on the dtype's own tensor cores
         SCALED: tl.constexpr,  # fp8 levels with a scale per block
         SPLIT_LAST: tl.constexpr,  # two outputs: the rows of tokens [0, QN - 1), and those of token QN - 1
         GATHER: tl.constexpr,  # the query's channels read through `channels` (summaries on D' channels)
@@ -92,12 +91,11 @@ if triton is not None:
         else:
             read = dims
         q = tl.load(query + b * stride_b + heads[:, None] * stride_h + (rows % QN)[:, None] * stride_q
-                    + read[None, :] * stride_d, mask=q_mask, other=0.0)
+                    + read[None, :] * stride_d, mask=q_mask, other=0.0).to(tl.float32)
         kv_mask = in_blocks[:, None] & (dims[None, :] < D)
         low = tl.load(levels + (bh * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
         high = tl.load(levels + ((BH + bh) * NBcap + blocks[:, None]) * D + dims[None, :], mask=kv_mask, other=0.0)
-        if not NATIVE:  # (NATIVE: query and levels of one bf16/fp16 dtype, their products exact in fp32 as in TF32)
-            q, low, high = q.to(tl.float32), low.to(tl.float32), high.to(tl.float32)
+        low, high = low.to(tl.float32), high.to(tl.float32)
         if SCALED:
             scale = tl.load(scales + bh * NBcap + blocks, mask=in_blocks, other=1.0)[:, None]
             low, high = low * scale, high * scale
@@ -113,11 +111,7 @@ if triton is not None:
                 for bit in tl.static_range(8):
                     if byte * 8 + bit < TOKENS:
                         coarse = tl.where(((code >> bit) & 1) != 0, high, low)  # [BLOCK_N, D_POW2]
-                        if NATIVE:
-                            product = tl.dot(q, tl.trans(coarse), out_dtype=tl.float32)
-                        else:
-                            product = precise_dot(q, tl.trans(coarse), IEEE)
-                        score = tl.maximum(score, product)
+                        score = tl.maximum(score, precise_dot(q, tl.trans(coarse), IEEE))
         is_forced = tl.load(forced + b * NB + blocks, mask=in_blocks, other=0) != 0
         is_allowed = tl.load(allowed + b * NB + blocks, mask=in_blocks, other=0) != 0
         if SPLIT_LAST:
@@ -139,17 +133,14 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
                  blocks_per_program: int = 64, num_warps: int = 4,
                  scales: torch.Tensor | None = None, split_last: bool = False,
-                 channels: torch.Tensor | None = None, native_dot: bool = False) -> torch.Tensor:
+                 channels: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`,
     `forced`/`allowed` `[B, NB]` bool, `codes` `[B, Hkv, NBcap, ceil(T/8), D]` uint8 or None (None: the bound
     scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8 levels, else None -> `[B, Hkv, NB]` fp32 ranked scores (+inf
     forced, -inf not allowed); with `split_last` (Qn >= 2) `[B, Hkv, 2, NB]`: the first Qn - 1 tokens' ranking, then
     the last token's. `channels` `[B, Hkv, D']` int64: the summaries cover these channels of the query only (the
     query passed whole, its channels read in the kernel). `blocks_per_program` (a power of two >= 16) and
-    `num_warps` are tuning knobs (`bench/score_kernel.py`; the defaults were the fastest on the H200). `native_dot`
-    (research, `bench/score_kernel.py --dots`): the bits scorer's products on bf16/fp16 tensor cores instead of TF32
-    where query and levels share that dtype (unscaled levels): the same exact products, twice the tensor-core rate,
-    the fp32 sums in another order (scores within fp32 rounding of TF32's)."""
+    `num_warps` are tuning knobs (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
     B, Hq, Qn, D = query.shape
     if channels is not None:
         D = channels.shape[-1]  # D': the channels the summaries (levels, codes) hold
@@ -171,8 +162,6 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
         R_POW2=max(16, rows),  # tensor-core products need 16 rows
         D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
-        NATIVE=bool(native_dot and bits and scales is None and query.dtype == levels.dtype
-                    and levels.dtype in (torch.bfloat16, torch.float16)),
         SCALED=scales is not None, SPLIT_LAST=split_last, GATHER=channels is not None, num_warps=num_warps,
     )
     return scores
