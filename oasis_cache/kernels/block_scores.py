@@ -129,9 +129,17 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
     return mask.contiguous().view(torch.int8)
 
 
+def default_blocks_per_program(batch: int, bits: bool) -> int:
+    """Blocks a program scores: 32 for the bits scorer on one sequence, else 64 (H200, 4 warps, `bench/score_kernel.py`
+    graphed as in a captured step. Bits, one sequence, 8 rows, 64 kept channels, 2,176 / 8,704 blocks: 32 a program
+    8.6 / 23.7 us, 64 11.6 / 27.6, thirty-eighth session. 2026-11-30, an earlier form of the kernel: bits, four
+    sequences, 2,048 blocks, 64 94 us, 32 125; the bound scorer 64 faster at one sequence too, 143 against 198)."""
+    return 32 if bits and batch == 1 else 64
+
+
 def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, forced: torch.Tensor,
                  allowed: torch.Tensor, codes: torch.Tensor | None = None, block_size: int = 16,
-                 blocks_per_program: int = 64, num_warps: int = 4,
+                 blocks_per_program: int | None = None, num_warps: int = 4,
                  scales: torch.Tensor | None = None, split_last: bool = False,
                  channels: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]` (a strided slice is read in place), `levels` `[2, B, Hkv, NBcap, D]`,
@@ -139,8 +147,8 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     scorer), `scales` `[B, Hkv, NBcap]` fp32 with fp8 levels, else None -> `[B, Hkv, NB]` fp32 ranked scores (+inf
     forced, -inf not allowed); with `split_last` (Qn >= 2) `[B, Hkv, 2, NB]`: the first Qn - 1 tokens' ranking, then
     the last token's. `channels` `[B, Hkv, D']` int64: the summaries cover these channels of the query only (the
-    query passed whole, its channels read in the kernel). `blocks_per_program` (a power of two >= 16) and
-    `num_warps` are tuning knobs (`bench/score_kernel.py`; the defaults were the fastest on the H200)."""
+    query passed whole, its channels read in the kernel). `blocks_per_program` (a power of two >= 16; None:
+    `default_blocks_per_program`) and `num_warps` are tuning knobs (`bench/score_kernel.py`)."""
     B, Hq, Qn, D = query.shape
     if channels is not None:
         D = channels.shape[-1]  # D': the channels the summaries (levels, codes) hold
@@ -151,7 +159,7 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     shape = (B, H, 2, num_blocks) if split_last else (B, H, num_blocks)
     scores = torch.empty(shape, dtype=torch.float32, device=query.device)
     bits = codes is not None
-    BLOCK_N = blocks_per_program
+    BLOCK_N = blocks_per_program or default_blocks_per_program(B, bits)
     grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     rows = triton.next_power_of_2(R)
     _block_scores_kernel[grid](
