@@ -1,5 +1,7 @@
 """Projections that share an input, in one launch, each reading its own weight where it is: `grouped_linear(x,
-[w_q, w_k, w_v])` returns `[x @ w_q.T, x @ w_k.T, x @ w_v.T]` (a research kernel; not yet used by the package).
+[w_q, w_k, w_v])` returns `[x @ w_q.T, x @ w_k.T, x @ w_v.T]` (a research kernel, not used by the package: as the
+compiled steps' q/k/v and gate/up, commit `20cb175`, its calls took 48.6 us inside a step against 33.5 alone, and the
+H200's 32K and 128K x 1 steps were 0.2 ms slower than with cuBLAS a projection; thirty-eighth session).
 
 At decode sizes (a few rows) a projection is a read of its weight; the small ones cannot fill the GPU alone (H200,
 Qwen3-8B, `bench/matmul.py`: k/v 1.1 TB/s, q 2.6, gate/up/down 3.4-3.6): a layer's seven cuBLAS products take 128
