@@ -83,6 +83,7 @@
 #   cappedauto  `capped128k` through the default's switch to compiled steps (`@compiledsoon`: at the 4th step)
 #   firstcallauto  the default compile_decode=None over 6 calls of 512 tokens at 32K x 1: compiled at the 2048th step (call 5)
 #   profilecompiled  kernel groups of the captured `previous` step with and without compile_decode, 32K x 1
+#   besidegather  the select, block scores and matmul benches with the gather beside each call (bench/beside_gather.py)
 #   grouped  bench/matmul.py --grouped at M = 1 and 4: the grouped kernel's tuning grid against cuBLAS (~5 min)
 #   profile128k  kernel table of a compiled 128K x 1 step, the gather on 32 (default) and 64 programs
 #   gatherprograms  32K and 128K x 1, compiled steps (the default's steady state) with the side stream's gather on 16,
@@ -232,6 +233,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     matmul) for m in 1 4; do python3 bench/matmul.py --rows $m 2>&1 | grep --line-buffered -v Warning | tee -a "$OUT/matmul.log"; done ;;  # issue 21: the matmuls' floor
     selectkernels) python3 bench/select_kernels.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k.log" ;;  # issue 21: the select's rounds
     selectsegments) python3 bench/select_kernels.py --rows 2176 4352 8704 17408 --segments 1 2 4 8 16 0 --slots 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/top-k-segments.log" ;;  # issue 21: the two-stage select (thirty-seventh session) against one stage; then run profile128k
+    besidegather) { python3 bench/select_kernels.py --rows 2176 4352 8704 --segments 1 2 4 8 16 0 --slots 128 --beside-gather 32; for nb in 2176 8704; do python3 bench/score_kernel.py --batch 1 --blocks $nb --group 8 --kept-channels 64 --calls 36 --scorers bits --per-program 16 32 64 --warps 2 4 --beside-gather 32; done; python3 bench/matmul.py --rows 1 --grouped --beside-gather 32; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/beside-gather.log" | grep -v "^   grouped" ;;  # issue 21: the select, the block scores and the matmuls timed beside the gather, as inside a step (kernels were 1.1-2x slower there than alone, thirty-eighth session)
     grouped) for m in 1 4; do python3 bench/matmul.py --rows $m --grouped 2>&1 | tee "$OUT/matmul-grouped-m$m.log" | grep -v "^   grouped"; done ;;  # issue 21: q/k/v and gate/up in one launch with the weights in place (kernels/grouped_linear.py) against cuBLAS alone and fused
     profile128k) python3 bench/profile_step.py --model qwen3-8b --context 131072 --batch 1 --steps 8 --methods oasis-previous-captured@compiled oasis-previous-captured@compiled+gather64 --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 7 "==" ;;  # issue 21: where a compiled 128K step's time goes (the select kernel saved ~1.1 ms of device time, the step 0.1 ms)
     profiletopk) for n in 32768 49152; do python3 bench/profile_step.py --model qwen3-8b --context $n --batch 1 --steps 8 --methods oasis-previous-captured@compiledtorchtopk oasis-previous-captured@compiled --out "$OUT" 2>&1 | grep --line-buffered -v Warning | grep -A 6 "=="; done ;;  # issue 21: the selection's top-k

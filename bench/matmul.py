@@ -7,6 +7,7 @@ Each is captured as a CUDA graph of `--calls` calls over distinct weights (no L2
     python bench/matmul.py --rows 4         # 32K x 4's decode rows
     python bench/matmul.py --device cpu --calls 2 --repeats 1 --hidden 256 --intermediate 512   # smoke
     python bench/matmul.py --grouped        # + q/k/v and gate/up by `kernels/grouped_linear.py`, weights in place
+    python bench/matmul.py --grouped --beside-gather 32   # each beside the gather, as in a step (beside_gather.py)
 
 Prints one line per matmul: microseconds, GB/s of weights read, and the layer's sum against its bytes at --peak-gbs.
 """
@@ -43,7 +44,16 @@ def main() -> None:
     parser.add_argument("--grouped", action="store_true",
                         help="also q/k/v and gate/up through the grouped kernel (one launch, each weight read in "
                              "place), over its tuning grid: block_n x block_k x warps x stages")
+    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
+                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
+                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
     args = parser.parse_args()
+    args.load = None
+    if args.beside_gather is not None:
+        from beside_gather import GatherLoad
+
+        args.load = GatherLoad(args.beside_gather)
+        print(args.load, flush=True)
     cuda = torch.device(args.device).type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     h, i, q, kv = args.hidden, args.intermediate, args.q_heads * args.head_dim, args.kv_heads * args.head_dim
@@ -56,7 +66,7 @@ def main() -> None:
         x = torch.randn(args.rows, in_features, device=args.device, dtype=dtype)
         turn = iter(range(10**9))  # (the graph's calls cycle through the distinct weights)
         calls = graphed(lambda: F.linear(x, weights[next(turn) % args.calls]), args.calls)
-        us = time_us(calls, args.repeats) / args.calls
+        us = time_us(calls, args.repeats, args.load) / args.calls
         nbytes = out_features * in_features * weights[0].element_size()
         results[name] = (us, nbytes)
         print(f"{name:16s} [{args.rows} x {in_features}] x [{in_features} x {out_features}]: {us:8.2f} us, "
@@ -107,7 +117,7 @@ def grouped_best(args, shapes, dtype) -> tuple[float, str]:
             continue
         turn = iter(range(10**9))
         calls = graphed(lambda: grouped_linear(x, sets[next(turn) % args.calls], **knobs), args.calls)
-        us = time_us(calls, args.repeats) / args.calls
+        us = time_us(calls, args.repeats, args.load) / args.calls
         setting = f"block_n {bn}, block_k {bk}, warps {warps}, stages {stages}"
         print(f"   grouped {[n for n, _ in shapes]} ({setting}): {us:8.2f} us, {nbytes / us / 1e3:7.0f} GB/s",
               flush=True)

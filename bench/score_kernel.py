@@ -4,6 +4,7 @@ warps, against the plain-PyTorch scorer; medians of CUDA-event timings (`--calls
     python bench/score_kernel.py                       # Qwen3-8B shape, 32K x 4: B 4, Hkv 8, G 4, D 128, NB 2048
     python bench/score_kernel.py --batch 1 --blocks 8704 --group 8 --kept-channels 64 --calls 36
                                                        # a captured 128K x 1 step's (rows: 4 heads x 2 tokens)
+    python bench/score_kernel.py ... --beside-gather 32   # each call beside the gather, as in a step
     TRITON_INTERPRET=1 python bench/score_kernel.py --batch 1 --kv-heads 1 --blocks 64 --repeats 1   # CPU smoke
 
 Prints one line per configuration (microseconds per call; per decode step multiply by the layers, e.g. 36).
@@ -26,9 +27,12 @@ from oasis_cache.kernels.block_scores import block_scores  # noqa: E402
 from oasis_cache.pools import BlockSummaries  # noqa: E402
 
 
-def time_us(fn, repeats: int) -> float:
+def time_us(fn, repeats: int, load=None) -> float:
+    """Median microseconds of `fn` over `repeats` calls, CUDA events (the host clock on CPU). `load`: a
+    `beside_gather.GatherLoad` — each timed call starts with gathers queued beside it for twice its time alone."""
     for _ in range(3):
         fn()
+    alone = time_us(fn, max(3, repeats // 4)) if load is not None else 0.0
     times = []
     for _ in range(repeats):
         if not torch.cuda.is_available():  # a CPU smoke run (Triton's interpreter): the host clock
@@ -36,12 +40,16 @@ def time_us(fn, repeats: int) -> float:
             fn()
             times.append((time.perf_counter() - start) * 1e6)
             continue
+        if load is not None:
+            load.cover(2 * alone + 20)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
+        if load is not None:
+            load.drain()
     return statistics.median(times)
 
 
@@ -59,7 +67,16 @@ def main():
     parser.add_argument("--kept-channels", type=int, default=None,
                         help="summaries on this many of the query's channels (the package's default: half)")
     parser.add_argument("--calls", type=int, default=1, help="calls per timing (> 1: one CUDA graph of them)")
+    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
+                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
+                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
     args = parser.parse_args()
+    load = None
+    if args.beside_gather is not None:
+        from beside_gather import GatherLoad
+
+        load = GatherLoad(args.beside_gather)
+        print(load, flush=True)
     from attention_kernel import graphed  # (it imports this module: here, not at the top)
 
     B, H, R, D, NB, T = args.batch, args.kv_heads, args.group, args.head_dim, args.blocks, 16
@@ -77,7 +94,7 @@ def main():
         s.fix_channels()  # (kept channels: the heaviest, as at a first decode step)
         channels = s.channels
         reference = rank_blocks(query, s, forced, allowed, T)
-        us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats)
+        us = time_us(lambda: rank_blocks(query, s, forced, allowed, T), args.repeats, load)
         print(f"{scorer:8} torch                              {us:9.1f}")
         for per_program in args.per_program:
             for warps in args.warps:
@@ -88,7 +105,7 @@ def main():
                 try:  # a large tile may not compile (registers, shared memory): say so and go on
                     ok = torch.allclose(call(), reference, atol=1e-2, rtol=1e-3)
                     timed = call if args.calls == 1 else graphed(call, args.calls)
-                    us = time_us(timed, args.repeats) / args.calls
+                    us = time_us(timed, args.repeats, load) / args.calls
                 except Exception as e:  # noqa: BLE001
                     print(f"{label} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
                     continue

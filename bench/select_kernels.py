@@ -8,6 +8,7 @@ captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed deco
     python bench/select_kernels.py                   # Qwen3-8B: Hkv 8, k 128; rows of 2048, 3072, 8192 blocks
     python bench/select_kernels.py --warps 4 8 16    # the select kernel's warps
     python bench/select_kernels.py --rows 2176 8704 --segments 1 4 8 16 0   # one stage against two (0: default)
+    python bench/select_kernels.py --rows 2176 8704 --segments 1 4 0 --beside-gather 32   # as in a step
     TRITON_INTERPRET=1 python bench/select_kernels.py --rows 64 --k 8 --repeats 1 --calls 1   # CPU smoke (host clock)
 
 Prints one line per (shape, method): microseconds per call (per decode step multiply by the layers, e.g. 36).
@@ -56,7 +57,16 @@ def main() -> None:
     parser.add_argument("--segments", type=int, nargs="+", default=[0],
                         help="the select's segments (1: one stage; 0: the package's choice); several: a row per value")
     parser.add_argument("--slots", type=int, nargs="+", default=[128, 256], help="slot assignment: slots (K = 128)")
+    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
+                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
+                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
     args = parser.parse_args()
+    load = None
+    if args.beside_gather is not None:
+        from beside_gather import GatherLoad
+
+        load = GatherLoad(args.beside_gather)
+        print(load, flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for W in args.rows:
         ranks = torch.randn(args.batch, args.kv_heads, W, device=device)
@@ -73,7 +83,7 @@ def main() -> None:
         for name, method in methods.items():
             ids, values = method(ranks, args.k)
             same = torch.equal(ids, reference[0]) and torch.equal(values, reference[1])
-            us = time_us(graphed(lambda: method(ranks, args.k), args.calls), args.repeats) / args.calls
+            us = time_us(graphed(lambda: method(ranks, args.k), args.calls), args.repeats, load) / args.calls
             print(f"rows {W:5d} x {args.batch * args.kv_heads:3d}, k {args.k}: {name:16s} {us:7.2f} us/call"
                   f"{'' if same else '  (differs from torch.topk)'}", flush=True)
     for S in args.slots:  # a steady state: every call a new selection of k of 2048 blocks, ~k/16 of them resident
@@ -92,7 +102,7 @@ def main() -> None:
             slot_assign(draws[next(calls) % len(draws)], ranks, slot_map.block_slot, slot_map.slot_block,
                         slot_map.last_used, step, visible, counters, 16, k)
 
-        us = time_us(graphed(assign, args.calls), args.repeats) / args.calls
+        us = time_us(graphed(assign, args.calls), args.repeats, load) / args.calls
         print(f"assign {B * H:3d} rows, k {k}, slots {S}: {us:7.2f} us/call", flush=True)
 
 
