@@ -37,6 +37,20 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("setting", [[], ["--lookahead", "none", "--batch", "2"]], ids=["previous", "none-batch2"])
+def test_no_kernel_meets_a_new_specialization_once_a_block_has_completed(setting):
+    """`bench/launch_keys.py --check` under the interpreter: every specialization the package's kernels meet (what
+    the GPU would compile: types, alignment, ints' divisibility by 16, constexprs) appears by the first decode step
+    that completes a block; the 27 steps after it, across blocks numbering 32 and 33, meet none (a late one would be
+    a compilation in the middle of a long generation on a machine without the kernels on disk)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "launch_keys.py"), "--check", *setting],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "late specializations: none" in run.stdout, run.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
 @pytest.mark.parametrize("check, case", [(check, case) for _, cases, check in CHECKS for case in cases],

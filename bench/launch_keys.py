@@ -1,0 +1,127 @@
+"""Which of the package's Triton kernels compile at which forward of a `generate` (run on the CPU under Triton's
+interpreter): each launch's specialization as Triton's JIT computes it on the GPU (argument types, 16-byte alignment
+and divisibility by 16 of pointers and ints, ints equal to 1, constexpr values), and the forward where each kernel
+first meets each one. A new specialization is a compilation on the GPU: ~0.2-2 s each on a machine without the
+kernels on disk (issue 21's first call: decode step 1 took 7.8 s and step 16 2.4 s on a fresh H200 machine), and a
+load from disk elsewhere. Compiling them ahead needs to know them; a decode step meeting a new one late (an int
+whose divisibility changes as blocks complete) would stall a long generation.
+
+    TRITON_INTERPRET=1 python bench/launch_keys.py                          # tiny qwen3, prompt 500, 40 tokens
+    TRITON_INTERPRET=1 python bench/launch_keys.py --lookahead none --prompt 300 --batch 2
+    TRITON_INTERPRET=1 python bench/launch_keys.py --check   # exit 1 if a kernel meets a new specialization after
+                                                            # the first step that completes a block (CPU test)
+
+Prints, per kernel, its specializations and the forward (1: the prefill) where each first appeared, and how a later
+one differs from the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
+
+
+class LaunchKeys:
+    """Records `(kernel, specialization) -> first forward` for interpreted launches while active (`with`)."""
+
+    def __init__(self):
+        self.first_seen: dict = collections.OrderedDict()
+        self.forward = 0
+
+    def key(self, kernel, args, kwargs) -> tuple:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        signature = inspect.signature(kernel.fn)
+        bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
+        bound.apply_defaults()
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in signature.parameters))
+        parts = []
+        for name, param in signature.parameters.items():
+            value = bound.arguments[name]
+            if "constexpr" in str(param.annotation):
+                parts.append((name, "constexpr", getattr(value, "value", value)))
+            else:
+                parts.append((name, native_specialize_impl(BaseBackend, value, False, True, True)))
+        return tuple(parts) + options
+
+    def __enter__(self):
+        from triton.runtime import interpreter
+
+        self.run = interpreter.InterpretedFunction.run
+        keys = self
+
+        def run(kernel, *args, grid, warmup, **kwargs):
+            key = (kernel.fn.__name__, keys.key(kernel, args, kwargs))
+            keys.first_seen.setdefault(key, keys.forward)
+            return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+        interpreter.InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import interpreter
+
+        interpreter.InterpretedFunction.run = self.run
+
+    def count_forwards(self, model):
+        """Number the forwards of `model` (1: the first, a prefill)."""
+        return model.register_forward_pre_hook(lambda module, args: setattr(self, "forward", self.forward + 1))
+
+    def by_kernel(self) -> dict:
+        """kernel name -> [(first forward, specialization)], in order of appearance."""
+        out = collections.defaultdict(list)
+        for (name, key), forward in self.first_seen.items():
+            out[name].append((forward, key))
+        return dict(out)
+
+
+def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40, batch: int = 1,
+           budget: int = 128) -> LaunchKeys:
+    """A `generate` of the tiny qwen3 (`tests/conftest.py`) with backend="triton", its launches recorded."""
+    from conftest import generate, prompt_ids, tiny_model
+    from oasis_cache import OasisCache
+
+    model = tiny_model("qwen3")
+    keys = LaunchKeys()
+    hook = keys.count_forwards(model)
+    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead, recent_tokens=32)
+    with keys:
+        generate(model, cache, {"input_ids": prompt_ids(prompt, batch=batch)}, max_new_tokens=new_tokens,
+                 do_sample=False)
+    hook.remove()
+    return keys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lookahead", default="previous", choices=["none", "previous"])
+    parser.add_argument("--prompt", type=int, default=500)
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a specialization first appears after the first forward that completes a "
+                             "block (the store kernel's first): those steps must replay what is compiled")
+    args = parser.parse_args()
+    keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget)
+    kernels = keys.by_kernel()
+    for name, seen in kernels.items():
+        print(f"{name}: {len(seen)} specialization(s), first at forward(s) {[forward for forward, _ in seen]}")
+        for forward, key in seen[1:]:
+            print(f"   at forward {forward}, unlike the first: {[b for a, b in zip(seen[0][1], key) if a != b]}")
+    if args.check:
+        completing = kernels["_store_block_kernel"][0][0]  # (a decode step completed a block: KeyError if none did)
+        late = [(name, forward) for name, seen in kernels.items() for forward, _ in seen if forward > completing]
+        print(f"first completing forward {completing} of {keys.forward}; late specializations: {late or 'none'}")
+        sys.exit(1 if late or keys.forward < completing + 16 else 0)
+
+
+if __name__ == "__main__":
+    main()
