@@ -1,5 +1,5 @@
 """Decode attention over the working set: the Triton kernel (`kernels/decode_attention.py`, by key ranges per KV
-head) against SDPA with the additive mask (`compute/sparse.py`, plus the output copy the attention function makes
+head; in two launches, and in one where its last split combines: "onelaunch") against SDPA with the additive mask (`compute/sparse.py`, plus the output copy the attention function makes
 when Qn > 1), at a decode step's shape. Each variant runs `--layers` times inside one CUDA graph (as in a replayed
 decode step: no launch gaps counted); medians of CUDA-event timings, microseconds per call.
 
@@ -56,7 +56,7 @@ def main():
                         help="another version's kernels, e.g. the previous commit's file copied to "
                              "oasis_cache/kernels/MODULE.py (not committed): timed beside the package's, alternating")
     args = parser.parse_args()
-    versions = {"kernel": decode_attention}
+    versions = {"kernel": decode_attention, "onelaunch": decode_attention}  # two launches, then one (`tickets`)
     if args.compare:
         versions[args.compare] = importlib.import_module(f"oasis_cache.kernels.{args.compare}").decode_attention
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,6 +66,7 @@ def main():
     print(f"Hkv {H}, G {G}, D {D}, L {L} (slots {ST} + recent {R}), {args.layers} calls per graph; us per call")
     for B in args.batches:
         kv = torch.randn(2, B, H, L, D, generator=g).to(device, torch.bfloat16)
+        tickets = torch.zeros(B * H, dtype=torch.int32, device=device)  # ("onelaunch": its last split combines)
         for Qn in args.queries:
             count = torch.tensor([9 + Qn], device=device)
             visible = torch.zeros(B, H, L, dtype=torch.bool, device=device)
@@ -81,12 +82,15 @@ def main():
             for splits in args.splits:
                 runs = {}
                 for name, attend in versions.items():
-                    def kernel(splits=splits or None, attend=attend):
-                        out = attend(query, kv[0], kv[1], visible, count, ST, scale, splits)
+                    extra = dict(tickets=tickets) if name == "onelaunch" else {}
+
+                    def kernel(splits=splits or None, attend=attend, extra=extra):
+                        out = attend(query, kv[0], kv[1], visible, count, ST, scale, splits, **extra)
                         out.transpose(1, 2).contiguous()
                     runs[name] = graphed(kernel, args.layers)
-                    if name != "kernel":  # the same output as the package's
-                        same = torch.allclose(attend(query, kv[0], kv[1], visible, count, ST, scale, splits or None),
+                    if name != "kernel":  # the same output as the package's two launches
+                        same = torch.allclose(attend(query, kv[0], kv[1], visible, count, ST, scale, splits or None,
+                                                     **extra),
                                               decode_attention(query, kv[0], kv[1], visible, count, ST, scale,
                                                                splits or None), atol=2e-2, rtol=2e-2)
                         print(f"  {name} agrees with the package's kernel: {same}")

@@ -318,7 +318,7 @@ class OasisLayer(CacheLayerMixin):
         keys, values, mask = ws.attendable()
         if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
-                                   recent_visible=recent_visible)
+                                   recent_visible=recent_visible, tickets=ws.tickets)
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)

@@ -193,7 +193,17 @@ def check_decode(B, H, G, Qn, D, slot_tokens, R, count, dtype, splits, device) -
     apart[:, :, slot_tokens:] = ~recent
     got = decode_attention(query.to(device), kv[0].to(device), kv[1].to(device), apart.to(device),
                            counter.to(device), slot_tokens, D ** -0.5, splits, recent_visible=recent.to(device))
-    return torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance)
+    if not torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance):
+        return False
+    # One launch (`tickets`): the last split of each KV head combines; twice, the counters back at 0 between
+    tickets = torch.zeros(B * H + 3, dtype=torch.int32, device=device)
+    for _ in range(2):
+        got = decode_attention(query.to(device), kv[0].to(device), kv[1].to(device), apart.to(device),
+                               counter.to(device), slot_tokens, D ** -0.5, splits, recent_visible=recent.to(device),
+                               tickets=tickets)
+        if not torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance) or tickets.any():
+            return False
+    return True
 
 
 # (B, Hkv, S, K, NB, steps, max_fetch)

@@ -21,6 +21,13 @@ softmax in fp32, its partial output, running max and sum into fp32 scratch `[B*H
 the splits for CHUNK (row, dim) pairs at once: one read of a `[SPLITS, CHUNK]` tile, no loop over the splits (a
 program per KV head looping over them took 9.2 us a layer on the H200, a dependent load per split; thirty-third
 session's profile).
+
+With `tickets` (`[>= B*Hkv]` int32, zero, owned by the caller: `WorkingSet.tickets`) it is one launch: each split
+program, its partials stored, takes a ticket of its KV head (an atomic add, after a barrier: its stores are released
+with it); the program that takes the last one combines that KV head's splits as the second kernel would (reading the
+partials from L2) and sets the counter back to 0. The second kernel's launch and the gap before it go (7.0 us a layer
+inside a compiled H200 step, the split 8.2; thirty-eighth session's profile), for a combine in one program per KV
+head at the end of the split.
 """
 
 from __future__ import annotations
@@ -40,14 +47,15 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        query, keys, values, visible, recent_visible, count, part_acc, part_stats,
+        query, keys, values, visible, recent_visible, count, part_acc, part_stats, tickets, out,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kl,
         stride_vb, stride_vh, stride_vl,
         stride_sb, stride_sh, stride_rb,
         H, L, D, slot_tokens, scale, keys_per_split, splits,
         G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr, BLOCK: tl.constexpr,
-        IEEE: tl.constexpr, RECENT_APART: tl.constexpr,
+        IEEE: tl.constexpr, RECENT_APART: tl.constexpr, FUSED: tl.constexpr, SPLITS_POW2: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -94,6 +102,38 @@ if triton is not None:
         tl.store(part_acc + (part * ROWS + rows[:, None]) * D_POW2 + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_stats + (part * 2) * ROWS + rows, m, mask=row_ok)
         tl.store(part_stats + (part * 2 + 1) * ROWS + rows, s_sum, mask=row_ok)
+        if FUSED:  # the last of this KV head's splits to finish combines them
+            tl.debug_barrier()  # (every thread's stores before the release)
+            ticket = tl.atomic_add(tickets + bh, 1, sem="acq_rel")
+            if ticket == splits - 1:
+                for first in range(0, G * QN * D_POW2, CHUNK):
+                    _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, first + tl.arange(0, CHUNK), G, QN,
+                                   ROWS, D_POW2, SPLITS_POW2)
+                tl.store(tickets + bh, 0)  # (ready for the next launch)
+
+    @triton.jit
+    def _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, flat, G: tl.constexpr, QN: tl.constexpr,
+                       ROWS: tl.constexpr, D_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr):
+        """Output of KV head `bh`'s (row, dim) pairs `flat` `[CHUNK]` from its splits' partials (read from L2:
+        written by other programs of the same launch where fused)."""
+        b, h = bh // H, bh % H
+        row, dim = flat // D_POW2, flat % D_POW2
+        ok = (row < G * QN) & (dim < D)
+        split = tl.arange(0, SPLITS_POW2)
+        part = bh * splits + split
+        both = (split < splits)[:, None] & ok[None, :]
+        m_all = tl.load(part_stats + (part[:, None] * 2) * ROWS + row[None, :], mask=both, other=-float("inf"),
+                        cache_modifier=".cg")
+        m = tl.max(m_all, 0)
+        base = tl.where(m == -float("inf"), 0.0, m)
+        weight = tl.exp(m_all - base[None, :])  # [SPLITS_POW2, CHUNK]; 0 where a split saw nothing (or is none)
+        total = tl.sum(weight * tl.load(part_stats + (part[:, None] * 2 + 1) * ROWS + row[None, :], mask=both,
+                                        other=0.0, cache_modifier=".cg"), 0)
+        acc = tl.sum(weight * tl.load(part_acc + (part[:, None] * ROWS + row[None, :]) * D_POW2 + dim[None, :],
+                                      mask=both, other=0.0, cache_modifier=".cg"), 0)
+        result = acc / tl.where(total > 0, total, 1.0)  # a row that sees nothing gets 0
+        token, head = row % QN, h * G + row // QN
+        tl.store(out + ((b * QN + token) * (H * G) + head) * D + dim, result.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _combine_kernel(
@@ -102,24 +142,8 @@ if triton is not None:
         CHUNK: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)
-        b, h = bh // H, bh % H
         flat = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)  # (row, dim) pairs of the real rows
-        row, dim = flat // D_POW2, flat % D_POW2
-        ok = (row < G * QN) & (dim < D)
-        split = tl.arange(0, SPLITS_POW2)
-        part = bh * splits + split
-        both = (split < splits)[:, None] & ok[None, :]
-        m_all = tl.load(part_stats + (part[:, None] * 2) * ROWS + row[None, :], mask=both, other=-float("inf"))
-        m = tl.max(m_all, 0)
-        base = tl.where(m == -float("inf"), 0.0, m)
-        weight = tl.exp(m_all - base[None, :])  # [SPLITS_POW2, CHUNK]; 0 where a split saw nothing (or is none)
-        total = tl.sum(weight * tl.load(part_stats + (part[:, None] * 2 + 1) * ROWS + row[None, :], mask=both,
-                                        other=0.0), 0)
-        acc = tl.sum(weight * tl.load(part_acc + (part[:, None] * ROWS + row[None, :]) * D_POW2 + dim[None, :],
-                                      mask=both, other=0.0), 0)
-        result = acc / tl.where(total > 0, total, 1.0)  # a row that sees nothing gets 0
-        token, head = row % QN, h * G + row // QN
-        tl.store(out + ((b * QN + token) * (H * G) + head) * D + dim, result.to(out.dtype.element_ty), mask=ok)
+        _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, flat, G, QN, ROWS, D_POW2, SPLITS_POW2)
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -133,11 +157,13 @@ def _programs_wanted(device: torch.device) -> int:
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                      count: torch.Tensor, slot_tokens: int, scale: float, splits: int | None = None,
-                     recent_visible: torch.Tensor | None = None) -> torch.Tensor:
+                     recent_visible: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]`, `keys`/`values` `[B, Hkv, L, D]`, `visible` `[B, Hkv, L]` bool, `count` `[1]` int64
     (the recent tokens, the new ones included) -> `[B, Hq, Qn, D]` (a view of a contiguous `[B, Qn, Hq, D]`).
     `splits`: key ranges per KV head (None: about two programs per SM, at least two tiles of keys each).
-    `recent_visible` `[B or 1, 1, L - slot_tokens]` bool: the recent region's mask, read instead of `visible`'s."""
+    `recent_visible` `[B or 1, 1, L - slot_tokens]` bool: the recent region's mask, read instead of `visible`'s.
+    `tickets` `[>= B*Hkv]` int32, all 0 (the caller's, not used by another launch at the same time; left at 0): one
+    launch, the last split of each KV head combining (module docstring); None: two launches."""
     B, Hq, Qn, D = query.shape
     H, L = keys.shape[1], keys.shape[2]
     G = Hq // H
@@ -151,6 +177,9 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                   or recent_visible.shape[0] not in (1, B) or recent_visible.shape[-1] != L - slot_tokens):
         raise ValueError(f"decode_attention needs `recent_visible` as a contiguous bool [B or 1, 1, "
                          f"{L - slot_tokens}], got {tuple(recent_visible.shape)} {recent_visible.dtype}")
+    if tickets is not None and (tickets.dtype != torch.int32 or tickets.numel() < B * H or not tickets.is_contiguous()):
+        raise ValueError(f"decode_attention needs `tickets` as a contiguous int32 tensor of at least {B * H} zeros, "
+                         f"got {tuple(tickets.shape)} {tickets.dtype}")
     if splits is None:
         splits = max(1, min(triton.cdiv(L, 2 * BLOCK_N), _programs_wanted(query.device) // (B * H)))
     keys_per_split = BLOCK_N * triton.cdiv(triton.cdiv(L, splits), BLOCK_N)
@@ -160,20 +189,25 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     part_acc = torch.empty((B * H, splits, ROWS, D_POW2), dtype=torch.float32, device=query.device)
     part_stats = torch.empty((B * H, splits, 2, ROWS), dtype=torch.float32, device=query.device)
     ieee = torch.float32 in (query.dtype, keys.dtype)  # TF32 products are exact for bf16 / fp16 inputs only
+    out = torch.empty((B, Qn, Hq, D), dtype=query.dtype, device=query.device)
+    SPLITS_POW2 = triton.next_power_of_2(splits)
+    CHUNK = min(triton.next_power_of_2(G * Qn * D_POW2), max(16, COMBINE_TILE // SPLITS_POW2))
+    fused = tickets is not None
     _split_kernel[(B * H, splits)](
         query, keys, values, visible.view(torch.int8),
         recent_visible.view(torch.int8) if apart else visible.view(torch.int8), count, part_acc, part_stats,
+        tickets if fused else count, out,
         query.stride(0), query.stride(1), query.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         visible.stride(0), visible.stride(1),
         recent_visible.stride(0) if apart and recent_visible.shape[0] > 1 else 0,
         H, L, D, slot_tokens, scale, keys_per_split, splits,
-        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee, RECENT_APART=apart,
+        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee, RECENT_APART=apart, FUSED=fused,
+        SPLITS_POW2=SPLITS_POW2, CHUNK=CHUNK,
     )
-    out = torch.empty((B, Qn, Hq, D), dtype=query.dtype, device=query.device)
-    SPLITS_POW2 = triton.next_power_of_2(splits)
-    CHUNK = min(triton.next_power_of_2(G * Qn * D_POW2), max(16, COMBINE_TILE // SPLITS_POW2))
+    if fused:
+        return out.transpose(1, 2)
     _combine_kernel[(B * H, triton.cdiv(G * Qn * D_POW2, CHUNK))](
         part_acc, part_stats, out, H, D, splits, G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, SPLITS_POW2=SPLITS_POW2,
         CHUNK=CHUNK)
