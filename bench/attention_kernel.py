@@ -1,7 +1,8 @@
 """Decode attention over the working set: the Triton kernel (`kernels/decode_attention.py`, by key ranges per KV
 head; in two launches, and in one where its last split combines: "onelaunch") against SDPA with the additive mask
-(`compute/sparse.py`, plus the output copy the attention function makes when Qn > 1), at a decode step's shape. Each variant runs `--layers` times inside one CUDA graph (as in a replayed
-decode step: no launch gaps counted); medians of CUDA-event timings, microseconds per call.
+(`compute/sparse.py`, plus the output copy the attention function makes when Qn > 1), at a decode step's shape.
+Each variant runs `--layers` times inside one CUDA graph (as in a replayed decode step: no launch gaps counted);
+medians of CUDA-event timings, microseconds per call.
 
     python bench/attention_kernel.py                    # Qwen3-8B shape, budget 2048: B 1 and 4, Qn 1 and 2
     TRITON_INTERPRET=1 python bench/attention_kernel.py --batches 1 --kv-heads 1 --slot-tokens 128 --repeats 1
