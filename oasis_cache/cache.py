@@ -156,6 +156,7 @@ class OasisCache(Cache):
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self.captured_steps = _captured_steps_for(model, text_config, self.config)
+        self._weights_at = None  # `captured_step.weights_where_they_are` at the last prefill (captured steps only)
         from .compute.captured_step import CapturedForward
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
@@ -670,6 +671,11 @@ class OasisCache(Cache):
             raise ValueError(f"This OasisCache holds {held} tokens and the forward brings no new one: generate was "
                              f"given a prompt no longer than what the cache holds. Pass the conversation so far "
                              f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
+        if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
+                and tokens.dim() >= 2 and tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS)):
+            from .compute.captured_step import weights_where_they_are
+
+            self._weights_at = weights_where_they_are(model)  # (a prefill: steps captured before a rebinding recapture)
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
@@ -801,7 +807,7 @@ class OasisCache(Cache):
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
         return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
-                self.compiles_decode())
+                self.compiles_decode(), self._weights_at)
 
     def compiles_decode(self) -> bool:
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):

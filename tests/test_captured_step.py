@@ -558,3 +558,22 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
     assert torch.equal(generate(model, OasisCache(model, **options), inputs, **kw).sequences, alone.sequences)
     with pytest.raises(ValueError, match="pass compile_decode=True with it"):
         OasisCache(model, token_budget=128, fuse_projections=True)
+
+
+def test_where_the_weights_are_changes_when_they_move_only():
+    """`weights_where_they_are` (part of a captured cache's replay signature, taken at each prefill): the same while
+    the parameters and buffers stay where they are, another number once one is rebound (a module's weight replaced,
+    `model.to(...)` that copies)."""
+    from oasis_cache.compute.captured_step import weights_where_they_are
+
+    model = tiny_model("qwen3")
+    before = weights_where_they_are(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.0)  # (in place: same storage)
+    assert weights_where_they_are(model) == before
+    layer = model.model.layers[1].self_attn.k_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    moved = weights_where_they_are(model)
+    assert moved != before
+    model.to(torch.float64)
+    assert weights_where_they_are(model) != moved

@@ -479,6 +479,30 @@ def test_budget_at_the_context_on_cuda(lookahead):
     assert cache.layers[0].working_set.num_slots > 16
 
 
+def test_a_cache_reused_after_its_model_moved_captures_its_steps_anew():
+    """Steps captured, then the model moved to the CPU and back between two calls of a cache that continues the
+    conversation, its old weights' memory taken by other tensors: the second call's steps read the weights where
+    they are now (tokens equal to a cache that never captures), because the prefill saw them move and the steps were
+    captured anew. Replaying the first call's graphs would read the other tensors."""
+    model = tiny_model("qwen3").cuda()
+    ids = prompt_ids(300).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    cache, eager = OasisCache(model, **options), OasisCache(model, cuda_graph=False, **options)
+    first = generate(model, cache, {"input_ids": ids}, **kw)
+    assert torch.equal(first.sequences, generate(model, eager, {"input_ids": ids}, **kw).sequences)
+    captures = cache.captured_steps.captures
+    assert captures > 0
+    model.cpu()
+    squatters = [torch.full_like(p, 3.0, device="cuda") for p in model.parameters()]  # (the freed blocks, refilled)
+    model.cuda()
+    follow = torch.cat([first.sequences, prompt_ids(20, seed=5).cuda()], dim=1)
+    second = generate(model, cache, {"input_ids": follow}, **kw)
+    assert torch.equal(second.sequences, generate(model, eager, {"input_ids": follow}, **kw).sequences)
+    assert cache.captured_steps.captures > captures
+    del squatters
+
+
 def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(monkeypatch):
     """The H200, 2026-12-03 (twice, 7-12 tests each): "CUDA error: invalid argument" at `generate`'s `.item()` and at
     pinned allocations. A pinned host block last used on a stream and freed while that stream is captured leaves
