@@ -11,8 +11,13 @@ whose divisibility changes as blocks complete) would stall a long generation.
     TRITON_INTERPRET=1 python bench/launch_keys.py --check   # exit 1 if a kernel meets a new specialization after
                                                             # the first step that completes a block (CPU test)
 
-Prints, per kernel, its specializations and the forward (1: the prefill) where each first appeared, and how a later
-one differs from the first.
+    python bench/launch_keys.py --model qwen3-8b --prompt 32768 --new-tokens 40   # on CUDA: the real launches
+                                # (`JITFunction.run`), each first one timed (its compilation, or its load from disk)
+
+Prints, per kernel, its specializations and the forward (1: the prefill) where each first appeared (on CUDA with the
+seconds its first launch took), and how a later one differs from the first. Without the interpreter the eager path
+and the captured steps both run (the CPU has no captured steps: on a fresh H200 machine decode step 16 still took
+2.4 s in the thirty-fourth session, where the interpreter's run meets nothing new past step 1).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class LaunchKeys:
 
     def __init__(self):
         self.first_seen: dict = collections.OrderedDict()
+        self.seconds: dict = {}  # (kernel, key) -> its first launch's host time (CUDA: the compilation or load)
         self.forward = 0
 
     def key(self, kernel, args, kwargs) -> tuple:
@@ -51,24 +57,36 @@ class LaunchKeys:
                 parts.append((name, native_specialize_impl(BaseBackend, value, False, True, True)))
         return tuple(parts) + options
 
-    def __enter__(self):
-        from triton.runtime import interpreter
+    def _kind(self):
+        import os
 
-        self.run = interpreter.InterpretedFunction.run
+        from triton.runtime import interpreter, jit
+
+        return interpreter.InterpretedFunction if os.environ.get("TRITON_INTERPRET") == "1" else jit.JITFunction
+
+    def __enter__(self):
+        import time
+
+        kind = self._kind()
+        self.run = kind.run
         keys = self
 
         def run(kernel, *args, grid, warmup, **kwargs):
             key = (kernel.fn.__name__, keys.key(kernel, args, kwargs))
-            keys.first_seen.setdefault(key, keys.forward)
-            return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            if key in keys.first_seen:
+                return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            keys.first_seen[key] = keys.forward
+            start = time.perf_counter()
+            try:
+                return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                keys.seconds[key] = time.perf_counter() - start
 
-        interpreter.InterpretedFunction.run = run
+        kind.run = run
         return self
 
     def __exit__(self, *exc):
-        from triton.runtime import interpreter
-
-        interpreter.InterpretedFunction.run = self.run
+        self._kind().run = self.run
 
     def count_forwards(self, model):
         """Number the forwards of `model` (1: the first, a prefill)."""
@@ -83,18 +101,28 @@ class LaunchKeys:
 
 
 def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40, batch: int = 1,
-           budget: int = 128) -> LaunchKeys:
-    """A `generate` of the tiny qwen3 (`tests/conftest.py`) with backend="triton", its launches recorded."""
+           budget: int = 128, model_name: str | None = None) -> LaunchKeys:
+    """A `generate` with backend="triton", its launches recorded: the tiny qwen3 of `tests/conftest.py` (on the CPU,
+    recent_tokens 32), or `model_name` from `bench/models.py` on CUDA (random bf16 weights, the package's defaults)."""
+    import torch
+
     from conftest import generate, prompt_ids, tiny_model
     from oasis_cache import OasisCache
 
-    model = tiny_model("qwen3")
+    if model_name is None:
+        model, options = tiny_model("qwen3"), dict(recent_tokens=32)
+    else:
+        sys.path.insert(0, str(HERE))
+        from models import load_model
+
+        model, _ = load_model(model_name, "cuda", torch.bfloat16)
+        options = {}
     keys = LaunchKeys()
     hook = keys.count_forwards(model)
-    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead, recent_tokens=32)
+    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead, **options)
     with keys:
-        generate(model, cache, {"input_ids": prompt_ids(prompt, batch=batch)}, max_new_tokens=new_tokens,
-                 do_sample=False)
+        ids = prompt_ids(prompt, batch=batch)
+        generate(model, cache, {"input_ids": ids.to(model.device)}, max_new_tokens=new_tokens, do_sample=False)
     hook.remove()
     return keys
 
@@ -106,14 +134,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--model", default=None, help="a bench/models.py name (CUDA; default: the tests' tiny qwen3)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if a specialization first appears after the first forward that completes a "
                              "block (the store kernel's first): those steps must replay what is compiled")
     args = parser.parse_args()
-    keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget)
+    keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model)
     kernels = keys.by_kernel()
     for name, seen in kernels.items():
-        print(f"{name}: {len(seen)} specialization(s), first at forward(s) {[forward for forward, _ in seen]}")
+        timed = [f"{forward} ({keys.seconds[name, key]:.2f} s)" for forward, key in seen]
+        print(f"{name}: {len(seen)} specialization(s), first at forward(s) {', '.join(timed)}")
         for forward, key in seen[1:]:
             print(f"   at forward {forward}, unlike the first: {[b for a, b in zip(seen[0][1], key) if a != b]}")
     if args.check:
