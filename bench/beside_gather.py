@@ -9,6 +9,8 @@ kernel benches (`--beside-gather`: `select_kernels.py`, `score_kernel.py`, `matm
     load = GatherLoad(programs=32)      # a layer's prefetch at 32K x 1: 8 KV heads x 127 blocks of 16 x 128, bf16
     us = time_us(fn, repeats, load)      # score_kernel.time_us: each timed call with gathers queued beside it
 
+A bench takes the option with `add_option(parser)` and its load (or None) with `load_from(args)`.
+
 CUDA only (pinned host memory read through unified addressing).
 """
 
@@ -73,3 +75,19 @@ class GatherLoad:
 
     def __str__(self) -> str:
         return f"beside the gather ({self.programs} programs, {self.gather_us:.0f} us a call)"
+
+
+def add_option(parser) -> None:
+    """`--beside-gather PROGRAMS` on a bench's argument parser."""
+    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
+                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
+                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
+
+
+def load_from(args) -> GatherLoad | None:
+    """The `GatherLoad` that `--beside-gather` asks for (announced), else None."""
+    if args.beside_gather is None:
+        return None
+    load = GatherLoad(args.beside_gather)
+    print(load, flush=True)
+    return load

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import beside_gather  # noqa: E402
 from attention_kernel import graphed  # noqa: E402
 from score_kernel import time_us  # noqa: E402
 
@@ -44,16 +45,9 @@ def main() -> None:
     parser.add_argument("--grouped", action="store_true",
                         help="also q/k/v and gate/up through the grouped kernel (one launch, each weight read in "
                              "place), over its tuning grid: block_n x block_k x warps x stages")
-    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
-                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
-                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
+    beside_gather.add_option(parser)
     args = parser.parse_args()
-    args.load = None
-    if args.beside_gather is not None:
-        from beside_gather import GatherLoad
-
-        args.load = GatherLoad(args.beside_gather)
-        print(args.load, flush=True)
+    args.load = beside_gather.load_from(args)
     cuda = torch.device(args.device).type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     h, i, q, kv = args.hidden, args.intermediate, args.q_heads * args.head_dim, args.kv_heads * args.head_dim

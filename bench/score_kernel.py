@@ -1,5 +1,6 @@
-"""Block-scoring kernel timing: the `bits` and `bound` scorers at a decode step's shape, by blocks per program,
-warps, against the plain-PyTorch scorer; medians of CUDA-event timings (`--calls` > 1: calls replayed as one CUDA graph, as in a captured step).
+"""Block-scoring kernel timing: the `bits` and `bound` scorers at a decode step's shape, by blocks per program and
+warps, against the plain-PyTorch scorer; medians of CUDA-event timings (`--calls` > 1: calls replayed as one CUDA
+graph, as in a captured step).
 
     python bench/score_kernel.py                       # Qwen3-8B shape, 32K x 4: B 4, Hkv 8, G 4, D 128, NB 2048
     python bench/score_kernel.py --batch 1 --blocks 8704 --group 8 --kept-channels 64 --calls 36
@@ -54,6 +55,8 @@ def time_us(fn, repeats: int, load=None) -> float:
 
 
 def main():
+    import beside_gather
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -67,16 +70,9 @@ def main():
     parser.add_argument("--kept-channels", type=int, default=None,
                         help="summaries on this many of the query's channels (the package's default: half)")
     parser.add_argument("--calls", type=int, default=1, help="calls per timing (> 1: one CUDA graph of them)")
-    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
-                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
-                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
+    beside_gather.add_option(parser)
     args = parser.parse_args()
-    load = None
-    if args.beside_gather is not None:
-        from beside_gather import GatherLoad
-
-        load = GatherLoad(args.beside_gather)
-        print(load, flush=True)
+    load = beside_gather.load_from(args)
     from attention_kernel import graphed  # (it imports this module: here, not at the top)
 
     B, H, R, D, NB, T = args.batch, args.kv_heads, args.group, args.head_dim, args.blocks, 16

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import beside_gather  # noqa: E402
 from attention_kernel import graphed  # noqa: E402
 from score_kernel import time_us  # noqa: E402
 
@@ -57,16 +58,9 @@ def main() -> None:
     parser.add_argument("--segments", type=int, nargs="+", default=[0],
                         help="the select's segments (1: one stage; 0: the package's choice); several: a row per value")
     parser.add_argument("--slots", type=int, nargs="+", default=[128, 256], help="slot assignment: slots (K = 128)")
-    parser.add_argument("--beside-gather", type=int, default=None, metavar="PROGRAMS",
-                        help="time each call beside the package's gather on a side stream, on PROGRAMS programs "
-                             "(32: the package's; bench/beside_gather.py), as inside a decode step")
+    beside_gather.add_option(parser)
     args = parser.parse_args()
-    load = None
-    if args.beside_gather is not None:
-        from beside_gather import GatherLoad
-
-        load = GatherLoad(args.beside_gather)
-        print(load, flush=True)
+    load = beside_gather.load_from(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for W in args.rows:
         ranks = torch.randn(args.batch, args.kv_heads, W, device=device)
