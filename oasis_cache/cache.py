@@ -262,7 +262,8 @@ class OasisCache(Cache):
 
     def _start_engine(self, device) -> None:
         self._streams = PrefetchStreams(device, measure=self.measure)
-        self._transfer = TransferEngine(self.config.backend, device, self._streams, self.config.gather_programs)
+        self._transfer = TransferEngine(self.config.backend, device, self._streams, self.config.gather_programs,
+                                        self.config.gather_warps, self.config.gather_entries)
 
     def _check_host_room(self, new_tokens: int, key_states: torch.Tensor) -> None:
         """Before a dense forward writes anything: refuse it (MemoryError with the sizes) when the host pools of all

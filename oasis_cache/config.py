@@ -18,6 +18,7 @@ place in the device working set. The two are never called by one name.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 # `compile_decode=None` compiles a model's decode steps from its this-many-th in a process (docs/perf.md, thirty-fifth
@@ -88,13 +89,18 @@ class OasisConfig:
             directly), "torch" (plain tensor ops; on CUDA the gather stages through host memory), or "auto"
             (triton on CUDA when available, else torch).
         gather_programs: programs of the gather kernel per K/V. None (default): chosen by the package — a prefetch
-            on the side stream runs on the largest power of two <= a quarter of the device's SMs (32 on an H200),
+            on the side stream runs on the largest power of two <= a sixteenth of the device's SMs (8 on an H200),
             a gather that compute waits for (on the critical path) on one program per block
             (`memory.transfer.side_stream_programs`); 0: one program per block everywhere (the default before the
             fourteenth session); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
             that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
             `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/perf.md,
             thirteenth and fourteenth sessions).
+        gather_warps, gather_entries: research: the shape of a gather on a limited number of programs (the side
+            stream's prefetch, or every gather where `gather_programs` > 0): warps per program and blocks a program
+            copies at once (a power of two). None: 16 and 4 on the package's side-stream programs, 4 and 1 where
+            `gather_programs` is set; `bench/beside_gather.py` times shapes by what they cost the matmuls beside
+            them (docs/perf.md, thirty-ninth session).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -193,6 +199,8 @@ class OasisConfig:
     host_chunk_blocks: int = 256
     backend: str = "auto"
     gather_programs: int | None = None
+    gather_warps: int | None = None
+    gather_entries: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
     summary_channels: float | None = None
@@ -320,22 +328,36 @@ class OasisConfig:
                                                  isinstance(self.gather_programs, bool) or self.gather_programs < 0):
             raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
                              f"positive int, got {self.gather_programs!r}.")
+        if self.gather_warps is not None and (not isinstance(self.gather_warps, int) or isinstance(
+                self.gather_warps, bool) or self.gather_warps not in (1, 2, 4, 8, 16, 32)):
+            raise ValueError(f"gather_warps must be None (chosen by the package) or a power of two from 1 to 32, got "
+                             f"{self.gather_warps!r}.")
+        entries = self.gather_entries
+        if entries is not None and (not isinstance(entries, int) or isinstance(entries, bool) or entries < 1
+                                    or entries & (entries - 1)):
+            raise ValueError(f"gather_entries must be None (chosen by the package) or a power of two >= 1, got "
+                             f"{self.gather_entries!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
 
     @staticmethod
     def variant_options(name: str) -> dict:
         """The OasisCache options of an "@name" variant (`OPTION_VARIANTS`), or of several joined by "+" (e.g.
-        "compiled+gather64"; two that set one option differently are refused); "" gives none."""
+        "compiled+gather64"; two that set one option differently are refused); "" gives none. "gatherPxWxE": the
+        gather on P programs of W warps copying E blocks at once."""
         options = {}
         for part in filter(None, name.split("+")):
-            if part not in OPTION_VARIANTS:
+            shape = re.fullmatch(r"gather(\d+)x(\d+)x(\d+)", part)
+            chosen = dict(zip(("gather_programs", "gather_warps", "gather_entries"), map(int, shape.groups()))) \
+                if shape else OPTION_VARIANTS.get(part)
+            if chosen is None:
                 raise ValueError(f"unknown option variant @{part}: one of "
-                                 f"{', '.join('@' + v for v in OPTION_VARIANTS)} (several joined by '+')")
-            clash = {k for k, v in OPTION_VARIANTS[part].items() if k in options and options[k] != v}
+                                 f"{', '.join('@' + v for v in OPTION_VARIANTS)} or @gatherPxWxE (several joined by "
+                                 f"'+')")
+            clash = {k for k, v in chosen.items() if k in options and options[k] != v}
             if clash:
                 raise ValueError(f"option variant @{name}: @{part} sets {', '.join(sorted(clash))} otherwise")
-            options.update(OPTION_VARIANTS[part])
+            options.update(chosen)
         return options
 
     def kept_channels(self, head_dim: int) -> int:

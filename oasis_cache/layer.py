@@ -217,7 +217,9 @@ class OasisLayer(CacheLayerMixin):
             self.recent.truncate(self.recent.num_tokens - draft_rows)
         # (a one-token step reads no padding: its completed block holds its own token, and a captured one replays)
         self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed)
-        if cfg.lookahead != "none" and self.pool.num_blocks > 0:
+        chunked = self._cache._chunked_prefill  # (a prompt's chunk before its last is followed by no decode step)
+        if cfg.lookahead != "none" and self.pool.num_blocks > 0 and not (
+                chunked and not is_decode and self.get_seq_length() < chunked):
             # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
             predictor = query[:, :, -1:] if (draft_rows or not is_decode) else query
             self._prefetch_next(predictor, visible, is_decode)
@@ -318,7 +320,7 @@ class OasisLayer(CacheLayerMixin):
         keys, values, mask = ws.attendable()
         if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
-                                   recent_visible=recent_visible, tickets=ws.tickets)
+                                   recent_visible=recent_visible)
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)

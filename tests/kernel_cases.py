@@ -26,7 +26,7 @@ CASES = [
 ]
 
 
-def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None, num_warps=4) -> bool:
+def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None, num_warps=4, entries=1) -> bool:
     g = torch.Generator().manual_seed(B * 1000 + D)
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
     engine = TransferEngine("torch", torch.device("cpu"))
@@ -40,7 +40,7 @@ def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None, num_warps
     fetch = torch.rand(B, H, K, generator=g) < 0.7
     addrs = torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64, device=device)
     gather_blocks(addrs, C, block_ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
-                  num_warps=num_warps)
+                  num_warps=num_warps, entries=entries)
     got = ws.kv.cpu()
     return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: data[:, b, h, block_ids[b, h, k]]))
 
@@ -54,7 +54,7 @@ def gathered(got: torch.Tensor, fetch, dest, T: int, source) -> torch.Tensor:
     return expected
 
 
-def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None) -> bool:
+def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None, entries=1) -> bool:
     """`gather_blocks(per_unit=True)`: the host side is an arena of single (sequence, KV head) blocks `[U, 2, 1, 1, T,
     D]` (a remote tier's local cache) and the ids are its slots; each entry lands in its own sequence's and head's
     row of the working set."""
@@ -71,7 +71,7 @@ def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None) ->
     fetch = torch.rand(B, H, K, generator=g) < 0.7
     table = torch.tensor([arena.data_ptr()], dtype=torch.int64, device=device)
     gather_blocks(table, U, slots.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
-                  per_unit=True)
+                  per_unit=True, entries=entries)
     got = ws.kv.cpu()
     return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: arena[slots[b, h, k], :, 0, 0]))
 
@@ -328,7 +328,10 @@ def check_grouped(M, K, rows, bias, dtype, block_n, block_k, device) -> bool:
 # Every kernel check with its cases: (name, cases, check); run here in the interpreter, by test_kernels.py on CUDA.
 CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], partial(check_case, max_programs=3)),
           ("gather-1-warp", CASES[1:2], partial(check_case, max_programs=5, num_warps=1)),
+          ("gather-4-entries", CASES, partial(check_case, max_programs=2, entries=4)),
+          ("gather-2-entries", CASES[1:2], partial(check_case, entries=2)),
           ("gather-units", CASES[1:], check_unit_gather),
+          ("gather-units-4-entries", CASES[2:3], partial(check_unit_gather, max_programs=1, entries=4)),
           ("store", CASES, check_store),
           ("scores", SCORE_CASES, check_scores),
           ("assign", ASSIGN_CASES, check_assign),

@@ -14,6 +14,7 @@ import torch
 
 from conftest import dense_cache, generate, left_padded, prompt_ids, random_head, tiny_model
 from oasis_cache import OasisCache
+from oasis_cache.config import OasisConfig
 from oasis_cache.layer import OasisLayer
 from oasis_cache.memory import host_memory
 
@@ -390,14 +391,15 @@ def test_selected_blocks_per_step_counts_only_steps():
 
 
 def test_gather_programs_are_chosen_per_stream(monkeypatch):
-    """gather_programs=None: a side-stream prefetch runs on a power of two near a quarter of the SMs (32 on an H200),
-    a gather on the critical path on one program per block; 0 and n are the user's, everywhere; bad values are
-    refused."""
+    """gather_programs=None: a side-stream prefetch runs on a power of two near a sixteenth of the SMs (8 on an
+    H200) of 16 warps copying 4 blocks at once, a gather on the critical path on one program per block; 0 and n are
+    the user's, everywhere (4 warps, one block at once, unless gather_warps / gather_entries say otherwise); bad
+    values are refused."""
     from types import SimpleNamespace
 
     from oasis_cache.memory import transfer
 
-    for sms, programs in ((132, 32), (108, 16), (170, 32), (16, 8)):
+    for sms, programs in ((132, 8), (108, 4), (170, 8), (264, 16), (16, 4)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device, n=sms: SimpleNamespace(multi_processor_count=n))
         assert transfer.side_stream_programs("cuda:0") == programs
@@ -412,8 +414,21 @@ def test_gather_programs_are_chosen_per_stream(monkeypatch):
         engine.gather_programs = 48
         assert engine._programs() == 48
         engine.gather_programs = None
+    assert engine.gather_shape == dict(num_warps=transfer.SIDE_WARPS, entries=transfer.SIDE_ENTRIES) == \
+        dict(num_warps=16, entries=4)
+    assert transfer.TransferEngine("torch", torch.device("cpu"), gather_programs=32).gather_shape == \
+        dict(num_warps=4, entries=1)
+    assert transfer.TransferEngine("torch", torch.device("cpu"), gather_warps=8, gather_entries=2).gather_shape == \
+        dict(num_warps=8, entries=2)
     with pytest.raises(ValueError, match="gather_programs"):
         OasisCache(tiny_model("llama"), token_budget=256, gather_programs=-1)
+    for name, bad in (("gather_warps", 3), ("gather_warps", 64), ("gather_entries", 0), ("gather_entries", 6)):
+        with pytest.raises(ValueError, match=name):
+            OasisCache(tiny_model("llama"), token_budget=256, **{name: bad})
+    assert OasisConfig.variant_options("compiled+gather8x16x4") == dict(
+        compile_decode=True, gather_programs=8, gather_warps=16, gather_entries=4)
+    with pytest.raises(ValueError, match="gather_programs"):
+        OasisConfig.variant_options("gather8x16x4+gather16")
 
 
 def test_selection_is_recorded_and_drawn(tmp_path):
@@ -472,6 +487,27 @@ def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
     chunked = generate(model, OasisCache(model, prefill_chunk_tokens=64, **sparse), {"input_ids": prompt_ids(300)},
                        max_new_tokens=12, do_sample=False)
     assert same_as_dense(whole, chunked)
+
+
+@pytest.mark.parametrize("lookahead", ["previous", "eagle3"])
+def test_only_the_last_chunk_of_a_prefill_prefetches(lookahead):
+    """A lookahead prefetches the next decode step's blocks after a dense forward; in a prefill the cache runs in
+    chunks only the last chunk is followed by a decode step, so the chunks before it select and move nothing (on a
+    new GPU machine each earlier chunk's selection width was one more top-k compilation, ~2 s each at 32K): the
+    prefill moves what a whole-prompt prefill moves, and decodes the same."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0, lookahead=lookahead)
+    if lookahead == "eagle3":
+        options.update(draft=random_head(model), exact=True)
+    moved, tokens = {}, {}
+    for chunk in (0, 64):
+        cache = OasisCache(model, prefill_chunk_tokens=chunk, **options)
+        generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=1, do_sample=False)
+        moved[chunk] = cache.stats()["blocks_prefetched"]
+        tokens[chunk] = generate(model, OasisCache(model, prefill_chunk_tokens=chunk, **options),
+                                 {"input_ids": prompt_ids(300)}, max_new_tokens=8, do_sample=False)
+    assert moved[0] == moved[64] > 0
+    assert same_as_dense(tokens[0], tokens[64])
 
 
 def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatch):

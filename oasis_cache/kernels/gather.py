@@ -54,18 +54,31 @@ if triton is not None:
         SRC_BH,
         BLOCK_ELEMS: tl.constexpr,
         BLOCK_POW2: tl.constexpr,
+        ENTRIES: tl.constexpr,
     ):
         kv = tl.program_id(1).to(tl.int64)
         offs = tl.arange(0, BLOCK_POW2)
         mask = offs < BLOCK_ELEMS
-        for entry in range(tl.program_id(0), num_entries, tl.num_programs(0)):
-            if tl.load(fetch + entry) != 0:
-                block = tl.load(block_ids + entry)
-                slot = tl.load(dest + entry)
+        if ENTRIES == 1:
+            for entry in range(tl.program_id(0), num_entries, tl.num_programs(0)):
+                if tl.load(fetch + entry) != 0:
+                    block = tl.load(block_ids + entry)
+                    slot = tl.load(dest + entry)
+                    bh = (entry // K).to(tl.int64)
+                    src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, out, BLOCK_ELEMS)
+                    dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        else:  # ENTRIES entries a round: more bytes in flight per program (fewer programs, fewer SMs)
+            for first in range(tl.program_id(0) * ENTRIES, num_entries, tl.num_programs(0) * ENTRIES):
+                entry = first + tl.arange(0, ENTRIES)
+                wanted = (tl.load(fetch + entry, mask=entry < num_entries, other=0) != 0)
+                block = tl.load(block_ids + entry, mask=wanted, other=0)
+                slot = tl.load(dest + entry, mask=wanted, other=0)
                 bh = (entry // K).to(tl.int64)
                 src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, out, BLOCK_ELEMS)
                 dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+                both = wanted[:, None] & mask[None, :]
+                tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + offs[None, :], mask=both), mask=both)
 
 
 def gather_blocks(
@@ -79,19 +92,24 @@ def gather_blocks(
     max_programs: int | None = None,
     per_unit: bool = False,
     num_warps: int = 4,
+    entries: int = 1,
 ) -> None:
     """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above). `per_unit`:
     the host side is an arena of single (sequence, KV head) blocks, `[C, 2, 1, 1, T, D]` per chunk, and `block_ids`
     are its slots (the local cache of a remote tier, `remote/local_cache.py`). `num_warps`: per program (a tuning knob;
     64 programs of 2 warps and 128 of 1 were 3.7-4.6 ms slower a compiled step than the 32 of 4 the package runs on
-    the side stream: docs/perf.md, thirty-seventh session)."""
+    the side stream: docs/perf.md, thirty-seventh session). `entries` (a power of two): blocks a program copies at
+    once (a tuning knob, `bench/beside_gather.py`)."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]
-    entries = B * H * K
-    if entries == 0:
+    if entries < 1 or entries & (entries - 1):
+        raise ValueError(f"gather_blocks copies a power of two of entries at once, got entries={entries}")
+    total = B * H * K
+    if total == 0:
         return
-    grid = (min(entries, max_programs) if max_programs else entries, 2)
+    rounds = triton.cdiv(total, entries)
+    grid = (min(rounds, max_programs) if max_programs else rounds, 2)
     _gather_blocks_kernel[grid](
         chunk_addrs,
         block_ids.contiguous(),
@@ -102,9 +120,10 @@ def gather_blocks(
         K,
         chunk_blocks,
         L * D,
-        entries,
+        total,
         1 if per_unit else B * H,
         BLOCK_ELEMS=T * D,
         BLOCK_POW2=triton.next_power_of_2(T * D),
+        ENTRIES=entries,
         num_warps=num_warps,
     )

@@ -111,18 +111,20 @@ if triton is not None:
 
 
 MAX_SEGMENTS = 16
+PREFERRED_SEGMENTS = 8  # (`default_segments`)
 
 
 def default_segments(W: int, k: int) -> int:
-    """Segments a row of W ranks is cut into (1: one stage). Two stages once a row is past 4,096 ranks and S
-    segments of at least 4k ranks each leave S * k candidates at most a quarter of the row: 8,704 blocks, k = 128
-    -> 16 segments of 544 and 2,048 candidates. H200, 8 rows, k = 128 (`bench/select_kernels.py --segments`,
-    thirty-eighth session): within 1 us of the fastest segment count at 2,176-17,408 ranks, one stage the fastest at
-    2,176."""
+    """Segments a row of W ranks is cut into (1: one stage). Two stages once a row is past 4,096 ranks: 8 segments
+    (fewer where segments of 4k ranks would not fill them; more where one would pass `MAX_ROW`), so 8,704 blocks,
+    k = 128 -> 8 segments of 1,088 and 1,024 candidates. H200, 8 rows, k = 128 (`bench/select_kernels.py
+    --segments`): alone (thirty-eighth session) 8 segments fastest at 4,352 and 8,704 ranks (13.8, 17.7 us), one
+    stage at 2,176, 8 and 16 tied at 17,408; beside the gather as in a step (`--beside-gather`, thirty-ninth) 8
+    fastest at 8,704 (17.9 us, 16 segments 19.4) and 4,352."""
     if W <= 4096:
         return 1
-    segments = min(MAX_SEGMENTS, W // (4 * k))
-    return segments if segments >= 2 else 1
+    segments = max(min(PREFERRED_SEGMENTS, W // (4 * k)), -(-W // MAX_ROW))
+    return segments if 2 <= segments <= MAX_SEGMENTS else 1
 
 
 def row_parts(W: int, grows: bool = True) -> tuple[int, int]:

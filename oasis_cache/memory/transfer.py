@@ -35,18 +35,27 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def side_stream_programs(device: torch.device) -> int:
-    """Gather programs (per K/V) for a prefetch on the side stream: the largest power of two <= a quarter of the
-    device's SMs, at least 8 (32 on an H200's 132 SMs: 27% off a replayed step there against one program per block,
-    docs/perf.md; 16 and 64 not yet compared). A prefetch only
-    has to land within the step it overlaps; the fewer SMs it holds while waiting on PCIe, the faster that step."""
+    """Gather programs (per K/V) for a prefetch on the side stream: the largest power of two <= a sixteenth of the
+    device's SMs, at least 4 (8 on an H200's 132 SMs), each of `SIDE_WARPS` warps copying `SIDE_ENTRIES` blocks at
+    once. A prefetch only has to land within the step it overlaps; its programs mostly wait on PCIe, and the SMs
+    they sit on run the step's kernels slower (a layer's matmuls 1.20x their time alone beside 32 programs of 4
+    warps, 1.14x beside 8 of 16 warps, same gather rate; compiled 32K x 1 steps 8.57 -> 8.28 ms, 128K x 1 9.53 ->
+    9.25: docs/perf.md, thirty-ninth session; one program per block took 27% more than 32 of 4, thirteenth)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(8, 1 << (max(1, sms // 4).bit_length() - 1))
+    return max(4, 1 << (max(1, sms // 16).bit_length() - 1))
+
+
+SIDE_WARPS, SIDE_ENTRIES = 16, 4  # the side stream's gather shape (`side_stream_programs`)
 
 
 class TransferEngine:
-    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
+    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None,
+                 gather_warps: int | None = None, gather_entries: int | None = None):
         self.backend = resolve_backend(backend, device)
         self.gather_programs = gather_programs  # None: chosen per stream (`_programs`); 0: one per block
+        chosen = gather_programs is None  # the side stream's shape, unless the programs are the caller's
+        self.gather_shape = dict(num_warps=gather_warps or (SIDE_WARPS if chosen else 4),
+                                 entries=gather_entries or (SIDE_ENTRIES if chosen else 1))  # where programs are few
         self.side_programs = side_stream_programs(device) if self.backend == "triton" and device.type == "cuda" \
             else None
         self.device = device
@@ -179,8 +188,9 @@ class TransferEngine:
                 table, C = source.arena_table, source.capacity
             else:
                 table, C = self._addresses(source), source.chunk_blocks
-            gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, self._programs(),
-                          per_unit=per_unit)
+            programs = self._programs()
+            gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, programs,
+                          per_unit=per_unit, **(self.gather_shape if programs else {}))
         elif per_unit:
             self._fetch_units_torch(source, working_set, block_ids, dest, fetch)
         else:

@@ -6,8 +6,6 @@ decode attention reads a single contiguous run of keys and values per KV head (n
              [S*T, S*T + R)  the recent-token region (`RecentTokens`): the partial block and the new tokens
     visible  `[B, Hkv, S*T + R]` bool, the attention mask of the current step (slots: written by the slot
              assignment; recent region: written per forward)
-    tickets  `[B * Hkv]` int32, 0 between launches: the decode attention kernel's per-KV-head counters (its last
-             split combines the others', `kernels/decode_attention.py`)
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ class WorkingSet(Stamped):
         length = self.slot_tokens + recent_capacity
         self.kv = torch.zeros((2, batch_size, num_kv_heads, length, head_dim), dtype=dtype, device=device)
         self.visible = torch.zeros((batch_size, num_kv_heads, length), dtype=torch.bool, device=device)
-        self.tickets = torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=device)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -62,7 +59,6 @@ class WorkingSet(Stamped):
     def index_batch(self, indices: torch.Tensor) -> None:
         self.kv = self.kv.index_select(1, indices.to(self.kv.device))
         self.visible = self.visible.index_select(0, indices.to(self.kv.device))
-        self.tickets = self.tickets.new_zeros(self.visible.shape[0] * self.visible.shape[1])
 
     @property
     def nbytes(self) -> int:
