@@ -107,6 +107,8 @@ def child(args) -> dict:
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
     if args.compile_after_steps:  # (the default compile_decode=None, switching sooner)
         options["compile_after_steps"] = args.compile_after_steps
+    if args.compile_ahead:  # a dry first decode step compiles its kernels in parallel (compute/ahead.py)
+        options["compile_ahead"] = True
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -213,6 +215,9 @@ def main(argv=None):
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
+    parser.add_argument("--compile-ahead", action="store_true",
+                        help="OasisCache(..., compile_ahead=True): a dry first decode step compiles its kernels in "
+                             "parallel before the real one")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
@@ -234,7 +239,7 @@ def main(argv=None):
     header = (f"{args.model} {args.dtype} on {device}, torch {torch.__version__}, transformers "
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; context "
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
-              + (", compile_decode" if args.compile_decode else "")
+              + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
@@ -250,6 +255,7 @@ def main(argv=None):
                    str(args.new_tokens), "--calls", str(args.calls)]
         command += ["--compile-decode"] if args.compile_decode else []
         command += ["--fuse-projections"] if args.fuse_projections else []
+        command += ["--compile-ahead"] if args.compile_ahead else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
         command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []

@@ -38,6 +38,7 @@ class LaunchKeys:
     def __init__(self):
         self.first_seen: dict = collections.OrderedDict()
         self.seconds: dict = {}  # (kernel, key) -> its first launch's host time (CUDA: the compilation or load)
+        self.ahead: set = set()  # (kernel, key) first met as a warm-up (compiled, not run: `kernels/ahead.py`)
         self.forward = 0
 
     def key(self, kernel, args, kwargs) -> tuple:
@@ -76,6 +77,8 @@ class LaunchKeys:
             if key in keys.first_seen:
                 return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
             keys.first_seen[key] = keys.forward
+            if warmup:
+                keys.ahead.add(key)
             start = time.perf_counter()
             try:
                 return keys.run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
@@ -101,9 +104,11 @@ class LaunchKeys:
 
 
 def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40, batch: int = 1,
-           budget: int = 128, model_name: str | None = None) -> LaunchKeys:
+           budget: int = 128, model_name: str | None = None, compile_ahead: bool = False) -> LaunchKeys:
     """A `generate` with backend="triton", its launches recorded: the tiny qwen3 of `tests/conftest.py` (on the CPU,
-    recent_tokens 32), or `model_name` from `bench/models.py` on CUDA (random bf16 weights, the package's defaults)."""
+    recent_tokens 32), or `model_name` from `bench/models.py` on CUDA (random bf16 weights, the package's defaults).
+    `compile_ahead`: with the option (a dry first decode step compiles its kernels); the greedy tokens are kept in
+    `keys.tokens`."""
     import torch
 
     from conftest import generate, prompt_ids, tiny_model
@@ -119,15 +124,19 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
         options = {}
     keys = LaunchKeys()
     hook = keys.count_forwards(model)
-    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead, **options)
+    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead,
+                       compile_ahead=compile_ahead, **options)
     with keys:
         ids = prompt_ids(prompt, batch=batch)
-        generate(model, cache, {"input_ids": ids.to(model.device)}, max_new_tokens=new_tokens, do_sample=False)
+        keys.tokens = generate(model, cache, {"input_ids": ids.to(model.device)}, max_new_tokens=new_tokens,
+                               do_sample=False)
     hook.remove()
     return keys
 
 
 def main() -> None:
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lookahead", default="previous", choices=["none", "previous"])
     parser.add_argument("--prompt", type=int, default=500)
@@ -138,11 +147,17 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if a specialization first appears after the first forward that completes a "
                              "block (the store kernel's first): those steps must replay what is compiled")
+    parser.add_argument("--compile-ahead", action="store_true",
+                        help="with compile_ahead=True: a dry first decode step compiles its kernels (marked 'ahead'); "
+                             "with --check, every kernel a decode step meets must have been compiled ahead, and the "
+                             "greedy tokens must equal a run without the option")
     args = parser.parse_args()
-    keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model)
+    keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model,
+                  args.compile_ahead)
     kernels = keys.by_kernel()
     for name, seen in kernels.items():
-        timed = [f"{forward} ({keys.seconds[name, key]:.2f} s)" for forward, key in seen]
+        timed = [f"{forward} ({keys.seconds[name, key]:.2f} s{', ahead' if (name, key) in keys.ahead else ''})"
+                 for forward, key in seen]
         print(f"{name}: {len(seen)} specialization(s), first at forward(s) {', '.join(timed)}")
         for forward, key in seen[1:]:
             print(f"   at forward {forward}, unlike the first: {[b for a, b in zip(seen[0][1], key) if a != b]}")
@@ -150,7 +165,16 @@ def main() -> None:
         completing = kernels["_store_block_kernel"][0][0]  # (a decode step completed a block: KeyError if none did)
         late = [(name, forward) for name, seen in kernels.items() for forward, _ in seen if forward > completing]
         print(f"first completing forward {completing} of {keys.forward}; late specializations: {late or 'none'}")
-        sys.exit(1 if late or keys.forward < completing + 16 else 0)
+        failed = bool(late) or keys.forward < completing + 16
+        if args.compile_ahead:  # the first decode step's kernels: compiled ahead, none met first by a real launch
+            first = [(name, forward) for name, seen in kernels.items() for forward, key in seen
+                     if forward == 2 and (name, key) not in keys.ahead]
+            plain = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model)
+            same = torch.equal(*(getattr(run.tokens, "sequences", run.tokens) for run in (keys, plain)))
+            print(f"not compiled ahead at the first decode step: {first or 'none'}; "
+                  f"tokens as without the option: {same}")
+            failed |= bool(first) or not same
+        sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -660,6 +660,7 @@ class OasisCache(Cache):
         `config.prefill_chunk_tokens` tokens over the batch (`compute/prefill.py`), a decode step to the captured
         steps where there are any, else the model's own forward. Running out of device memory in a prefill raises a
         MemoryError that names the sizes and what to lower."""
+        from .compute import ahead
         from .compute.prefill import prefill_chunks, run_chunks
 
         model, running = self._model(), getattr(getattr(runner, "eager_forward", None), "__self__", None)
@@ -693,6 +694,10 @@ class OasisCache(Cache):
                     for layer in self.layers:
                         if isinstance(layer, OasisLayer):
                             layer.resident_kv = None
+            if (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+                    and tokens.shape[1] <= self.config.max_decode_tokens
+                    and self.get_seq_length(self._first_oasis_layer) > 0 and ahead.wanted(self, tokens)):
+                ahead.dry_step(self, runner, kwargs, tokens)  # (its kernels compiled in parallel, for this step)
             return self._forward_one(runner, kwargs)
         except torch.OutOfMemoryError as error:
             if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:

@@ -503,6 +503,29 @@ def test_a_cache_reused_after_its_model_moved_captures_its_steps_anew():
     del squatters
 
 
+@pytest.mark.parametrize("lookahead", ["none", "previous"])
+def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, monkeypatch):
+    """`compile_ahead=True` on CUDA: the dry copy's launches are warm-ups in Triton's thread pool (compilations, or
+    the kernels already in this process) and run nothing; the real steps (captured ones too) decode what a cache
+    without the option decodes, and the dry step runs once per process and signature (`compute/ahead.py`; how much
+    it saves on a new machine: `bash bench/gpu_run.sh firstcallahead`)."""
+    from oasis_cache.compute import ahead
+
+    monkeypatch.setattr(ahead, "_DONE", set())
+    model = tiny_model("qwen3").cuda()
+    ids = prompt_ids(300).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead=lookahead)
+    calls = []
+    monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: calls.append(run(*a)) or calls[-1])
+    first = generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
+    assert calls == [True]
+    plain = generate(model, OasisCache(model, **options), {"input_ids": ids}, **kw)
+    assert torch.equal(first.sequences, plain.sequences)
+    generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
+    assert calls == [True]  # (once per signature)
+
+
 def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(monkeypatch):
     """The H200, 2026-12-03 (twice, 7-12 tests each): "CUDA error: invalid argument" at `generate`'s `.item()` and at
     pinned allocations. A pinned host block last used on a stream and freed while that stream is captured leaves

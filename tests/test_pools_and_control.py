@@ -10,7 +10,7 @@ import torch
 from oasis_cache.control import rank_blocks, score_blocks, step_visibility, top_blocks
 from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
-from oasis_cache.pools.host_kv import SHARE_CHUNKS, fitted_chunk_blocks
+from oasis_cache.pools.host_kv import READ_ONLY_COPY, SHARE_CHUNKS, fitted_chunk_blocks
 from oasis_cache.pools.summaries import unpack_key_bits
 
 
@@ -250,6 +250,22 @@ def test_a_shared_copy_shares_full_chunks_and_copies_the_blocks_in_use():
     assert torch.equal(engine.load_range(fork, 0, 9), torch.cat([data, more], dim=3))
     pool.index_batch(torch.tensor([1, 0]))
     assert torch.equal(engine.load_range(pool, 0, 6), torch.cat([data[:, :, :, :4], more], dim=3).flip(1))
+
+
+def test_a_read_only_copy_shares_every_chunk_and_refuses_host_writes():
+    """A dry step's copy (`compute/ahead.py`): every chunk shared, neither pool marks any (the original's crops copy
+    nothing on its account); a host write from the copy would land in the original's chunks, so it raises."""
+    B, H, T, D = 1, 2, 4, 5
+    pool = HostKVPool(B, H, D, T, torch.float32, chunk_blocks=3, pin_memory=False)
+    engine = TransferEngine("torch", torch.device("cpu"))
+    data = torch.randn(2, B, H, 7, T, D)
+    engine.offload(pool, data)
+    dry = copy.deepcopy(pool, {READ_ONLY_COPY: True})
+    assert all(a is b for a, b in zip(pool.chunks, dry.chunks)) and pool.shared == dry.shared == set()
+    assert dry.read_only and not pool.read_only
+    with pytest.raises(RuntimeError, match="dry step"):
+        engine.offload(dry, torch.randn(2, B, H, 2, T, D))
+    assert torch.equal(engine.load_range(pool, 0, 7), data) and pool.num_blocks == 7
 
 
 def test_fetch_copies_exactly_the_flagged_blocks():

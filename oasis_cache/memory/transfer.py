@@ -81,6 +81,9 @@ class TransferEngine:
                 store_block(table, pool.chunk_blocks, at, block)
             keep = (block, at)
         else:
+            if pool.read_only:
+                raise RuntimeError("a dry step's copy of a host pool would write the original's chunks: only its "
+                                   "kernels' launches (compiled, not run) may write (compute/ahead.py)")
             non_blocking = pool.pin_memory and blocks.device.type == "cuda"
             block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
             spans = list(pool.spans(start, start + n))

@@ -17,6 +17,7 @@ import torch
 
 # A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
 SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
+READ_ONLY_COPY = "oasis_cache.pools.host_kv.read_only_copy"  # (a dry step's copy: `compute/ahead.py`)
 
 
 def fitted_chunk_blocks(chunk_blocks: int, block_nbytes: int, pin_memory: bool) -> int:
@@ -55,6 +56,7 @@ class HostKVPool:
         # chunks another pool holds too (`OasisCache.fork`): full of complete blocks, so never written (blocks are
         # appended past `num_blocks`); `truncate` gives this pool its own copy before a crop could write one
         self.shared: set[int] = set()
+        self.read_only = False  # a dry step's copy (`READ_ONLY_COPY`): its writes would land in the original's chunks
 
     # ----------------------------------------------------------------------------------------------------- capacity
     @property
@@ -121,12 +123,17 @@ class HostKVPool:
         """Every chunk copied, pinned again where the pool is pinned (a gather reads it through unified addressing).
         With `memo[SHARE_CHUNKS]` (`OasisCache.fork`) the chunks full of complete blocks are shared with the copy
         instead (both pools mark them `shared`); of the one being filled only its blocks in use are copied
-        (`_own_copy`), the empty ones are made anew."""
+        (`_own_copy`), the empty ones are made anew. With `memo[READ_ONLY_COPY]` (a dry step's copy, whose kernels
+        compile instead of running: `compute/ahead.py`) every chunk is shared and neither pool marks it."""
         self.fetch_all_remote()  # the copy owns every block (the store's keys go with the original)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.remote = None
         full = self.num_blocks // self.chunk_blocks if memo.get(SHARE_CHUNKS) else 0
+        if memo.get(READ_ONLY_COPY):  # every chunk shared, none marked: the copy must never write them
+            new.chunks, new.shared, new.read_only = list(self.chunks), set(self.shared), True
+            memo[id(self)] = new
+            return new
         new.chunks = self.chunks[:full] + [self._own_copy(index, self.num_blocks)
                                            for index in range(full, len(self.chunks))]
         self.shared |= set(range(full))

@@ -1,0 +1,67 @@
+"""The package's kernels compiled instead of launched, in parallel: what a dry decode step runs under
+(`OasisCache(compile_ahead=True)`, `compute/ahead.py`).
+
+A new machine compiles each kernel specialization where a step first launches it, one after another: on the H200
+(thirty-ninth session, `bench/launch_keys.py`) 0.3-2.6 s each, ~8 of them at a cache's first decode step with
+lookahead "none". Inside `compile_only()` every launch of the package's kernels (`KERNELS`) is Triton's warm-up
+instead (`JITFunction.run(..., warmup=True)`: the specialization is computed and compiled, nothing runs), and on a
+Triton with `AsyncCompileMode` the compilations go to a thread pool: leaving the context waits for all of them, and
+the kernels' caches then hold them for the real launches. Under Triton's interpreter a warm-up does nothing (the CPU
+tests record what would compile).
+
+Nothing a kernel would write is written inside: the tensors a dry step leaves are garbage (`compute/ahead.py` runs it
+on a copy of the cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+from .gather import triton
+
+
+def kernels() -> list:
+    """The package's Triton kernels (JITFunction, or InterpretedFunction under the interpreter)."""
+    if triton is None:
+        return []
+    from . import block_scores, decode_attention, gather, host_store, recent_append, slot_assign, top_k
+
+    return [gather._gather_blocks_kernel, host_store._store_block_kernel, block_scores._block_scores_kernel,
+            slot_assign._slot_assign_kernel, recent_append._recent_append_kernel, top_k._top_k_kernel,
+            decode_attention._split_kernel, decode_attention._combine_kernel]
+
+
+def _warm_up(kernel, *args, grid, warmup, **kwargs):
+    """A launch made a warm-up (the class's `run`, looked up now: a recorder patched onto it sees the call)."""
+    return type(kernel).run(kernel, *args, grid=grid, warmup=True, **kwargs)
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None):
+    """Inside: the package's kernel launches compile instead of running (on `workers` threads where Triton compiles
+    asynchronously; None: the CPUs, at most 16); leaving waits for every compilation. Not for use beside launches
+    from other threads (the kernels' `run` is swapped for the duration)."""
+    swapped = kernels()
+    for kernel in swapped:
+        kernel.run = functools.partial(_warm_up, kernel)  # (an instance attribute: `kernel[grid](...)` finds it)
+    pool = mode = None
+    try:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            try:
+                from triton.runtime._async_compile import AsyncCompileMode
+            except ImportError:  # (an older Triton: the warm-ups compile one after another)
+                AsyncCompileMode = None
+            if AsyncCompileMode is not None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                pool = ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1))
+                mode = AsyncCompileMode(pool, ignore_errors=True)  # (a failure raises at the real launch instead)
+        with mode if mode is not None else contextlib.nullcontext():
+            yield
+    finally:
+        for kernel in swapped:
+            kernel.__dict__.pop("run", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
