@@ -33,6 +33,21 @@ def kernels() -> list:
             decode_attention._split_kernel, decode_attention._combine_kernel]
 
 
+def _compile_and_build_launcher(compile_fn):
+    """A compilation in the pool, then its launcher: Triton builds a small C module per kernel signature with the
+    host's compiler at the kernel's first real launch (kept on disk after), which a new machine would otherwise do
+    one kernel after another in the step. Built here, the launch finds it on disk. A failure here is left to that
+    launch to meet and raise."""
+    kernel = compile_fn()
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - (the real launch builds it again and raises what is wrong)
+        pass
+    return kernel
+
+
 def _warm_up(kernel, *args, grid, warmup, **kwargs):
     """A launch made a warm-up (the class's `run`, looked up now: a recorder patched onto it sees the call)."""
     return type(kernel).run(kernel, *args, grid=grid, warmup=True, **kwargs)
@@ -56,7 +71,11 @@ def compile_only(workers: int | None = None):
             if AsyncCompileMode is not None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                pool = ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1))
+                class Pool(ThreadPoolExecutor):  # (each compilation also builds its launcher)
+                    def submit(self, fn, /, *args, **kwargs):
+                        return super().submit(_compile_and_build_launcher, functools.partial(fn, *args, **kwargs))
+
+                pool = Pool(max_workers=workers or min(16, os.cpu_count() or 1))
                 mode = AsyncCompileMode(pool, ignore_errors=True)  # (a failure raises at the real launch instead)
         with mode if mode is not None else contextlib.nullcontext():
             yield
