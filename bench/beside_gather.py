@@ -6,7 +6,7 @@ against 33.5, cuBLAS's gate/up 31.3 against 28.5 — beside the gather's 32 long
 ~150 us). Tiles and program counts tuned alone can lose in the step. `GatherLoad` recreates that neighbour for the
 kernel benches (`--beside-gather`: `select_kernels.py`, `score_kernel.py`, `matmul.py`):
 
-    load = GatherLoad(programs=32)      # a layer's prefetch at 32K x 1: 8 KV heads x 127 blocks of 16 x 128, bf16
+    load = GatherLoad()                 # a layer's prefetch at 32K x 1: 8 KV heads x 127 blocks of 16 x 128, bf16
     us = time_us(fn, repeats, load)      # score_kernel.time_us: each timed call with gathers queued beside it
 
 A bench takes the option with `add_option(parser)` and its load (or None) with `load_from(args)`; the option's
@@ -36,10 +36,11 @@ from oasis_cache.kernels.gather import gather_blocks  # noqa: E402
 
 class GatherLoad:
     """Gathers of `heads` x `blocks` random blocks (`[T, D]` bf16 each, K and V) from a pinned pool of `pool_blocks`
-    blocks into a working set, on a stream of their own, `programs` programs each (the package's side-stream count)."""
+    blocks into a working set, on a stream of their own: `programs` programs per K/V of `warps` warps, each copying
+    `entries` blocks at once (defaults: the package's side-stream shape on an H200, `memory.transfer`)."""
 
-    def __init__(self, programs: int = 32, heads: int = 8, blocks: int = 127, pool_blocks: int = 4096,
-                 chunk_blocks: int = 512, T: int = 16, D: int = 128, warps: int = 4, entries: int = 1):
+    def __init__(self, programs: int = 8, heads: int = 8, blocks: int = 127, pool_blocks: int = 4096,
+                 chunk_blocks: int = 512, T: int = 16, D: int = 128, warps: int = 16, entries: int = 4):
         if not torch.cuda.is_available():
             raise RuntimeError("--beside-gather needs a CUDA device (the gather reads pinned host memory)")
         self.programs, self.T, self.warps, self.entries = programs, T, warps, entries
@@ -86,19 +87,20 @@ class GatherLoad:
 
 
 def parse_shape(spec: str) -> dict:
-    """`P` or `PxWxE` -> GatherLoad's programs, warps, entries."""
+    """`P` (4 warps, one block at once: the shape before the thirty-ninth session) or `PxWxE` -> GatherLoad's
+    programs, warps, entries."""
     parts = [int(x) for x in spec.lower().split("x")]
     if len(parts) not in (1, 3) or min(parts) < 1:
         raise ValueError(f"a gather shape is P or PxWxE (programs, warps, blocks at once), got {spec!r}")
-    return dict(zip(("programs", "warps", "entries"), parts))
+    return dict(zip(("programs", "warps", "entries"), parts + [4, 1] if len(parts) == 1 else parts))
 
 
 def add_option(parser) -> None:
-    """`--beside-gather PROGRAMS` on a bench's argument parser."""
+    """`--beside-gather P[xWxE]` on a bench's argument parser."""
     parser.add_argument("--beside-gather", default=None, metavar="P[xWxE]",
                         help="time each call beside the package's gather on a side stream, on P programs per K/V "
-                             "(32: the package's) of W warps copying E blocks at once (bench/beside_gather.py), as "
-                             "inside a decode step")
+                             "of W warps copying E blocks at once (8x16x4: the package's on an H200; P alone: 4 "
+                             "warps, one block at once) (bench/beside_gather.py), as inside a decode step")
 
 
 def load_from(args) -> GatherLoad | None:
