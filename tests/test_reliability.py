@@ -510,6 +510,25 @@ def test_only_the_last_chunk_of_a_prefill_prefetches(lookahead):
     assert same_as_dense(tokens[0], tokens[64])
 
 
+def test_a_dry_step_that_runs_out_of_memory_gives_way_to_the_real_one(monkeypatch):
+    """`compile_ahead`'s dry step (`compute/ahead.py`) is an optimization: where its copy of the cache runs out of
+    device memory it answers False and the real step runs as without it; it is not retried for that signature."""
+    from oasis_cache.compute import ahead
+
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=96, sink_tokens=16, recent_tokens=16)
+    generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=2, do_sample=False)
+    monkeypatch.setattr(ahead, "_DONE", set())
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    monkeypatch.setattr(ahead.copy, "deepcopy", out_of_memory)
+    tokens = torch.zeros(1, 1, dtype=torch.long)
+    assert ahead.dry_step(cache, None, {"past_key_values": cache}, tokens) is False
+    assert ahead.signature(cache, tokens) in ahead._DONE
+
+
 def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatch):
     """`resident_prefill` (default): a prompt prefilled in chunks keeps its keys and values on the device until its
     last chunk, so each layer reads its past from the host pool once (at the first chunk: a conversation's earlier

@@ -41,7 +41,8 @@ def wanted(cache, tokens) -> bool:
 
 def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
     """Run this decode forward once on a read-only copy of `cache`, every kernel compiled instead of launched, the
-    compilations in parallel; returns whether it ran (False where the device lacks room for the copy)."""
+    compilations in parallel; returns whether it ran (False where the device lacks room for the copy, or the copy
+    ran out of device memory: an optimization must not end a `generate` the real step can run)."""
     _DONE.add(signature(cache, tokens))
     name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is cache), None)
     if name is None:
@@ -51,15 +52,18 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         free, _ = torch.cuda.mem_get_info(device)
         if free < 2 * sum(cache.device_nbytes().values()):
             return False
-    dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
-    dry.captured_steps = None  # (eager: nothing is captured from a step whose launches do not run)
-    dry._compile_later = False  # (not a step of the model's count)
+    dry = None
     try:
+        dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
+        dry.captured_steps = None  # (eager: nothing is captured from a step whose launches do not run)
+        dry._compile_later = False  # (not a step of the model's count)
         with compile_only():
             dry._forward_one(runner, {**kwargs, name: dry})
+    except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
+        return False
     finally:
-        if dry.ride_along is not None:
+        if dry is not None and dry.ride_along is not None:
             dry.ride_along.remove()
-        if dry._streams is not None:
+        if dry is not None and dry._streams is not None:
             dry._streams.synchronize()
     return True
