@@ -694,10 +694,8 @@ class OasisCache(Cache):
                     for layer in self.layers:
                         if isinstance(layer, OasisLayer):
                             layer.resident_kv = None
-            if (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
-                    and tokens.shape[1] <= self.config.max_decode_tokens
-                    and self.get_seq_length(self._first_oasis_layer) > 0 and ahead.wanted(self, tokens)):
-                ahead.dry_step(self, runner, kwargs, tokens)  # (its kernels compiled in parallel, for this step)
+            if ahead.wanted(self, tokens):  # a first decode step: its kernels compiled in parallel first
+                ahead.dry_step(self, runner, kwargs, tokens)
             return self._forward_one(runner, kwargs)
         except torch.OutOfMemoryError as error:
             if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:

@@ -32,11 +32,17 @@ def signature(cache, tokens: torch.Tensor) -> tuple:
 
 
 def wanted(cache, tokens) -> bool:
-    """Whether this forward (a decode step's) should be preceded by a dry one: the option on, kernels launched
-    (the Triton backend), a local cache (an admitted one's copy would fetch from its store), not yet done here."""
+    """Whether this forward should be preceded by a dry one: the option on (checked first: every forward asks), a
+    decode step's tokens on a cache holding some, kernels launched (the Triton backend), a local cache (an admitted
+    one's copy would fetch from its store), not yet done here."""
+    if not cache.config.compile_ahead:
+        return False
     transfer = cache._transfer
-    return (cache.config.compile_ahead and transfer is not None and transfer.backend == "triton"
-            and cache.remote_tier is None and signature(cache, tokens) not in _DONE)
+    return (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+            and tokens.shape[1] <= cache.config.max_decode_tokens
+            and cache.get_seq_length(cache._first_oasis_layer) > 0
+            and transfer is not None and transfer.backend == "triton" and cache.remote_tier is None
+            and signature(cache, tokens) not in _DONE)
 
 
 def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
