@@ -107,8 +107,8 @@ def child(args) -> dict:
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
     if args.compile_after_steps:  # (the default compile_decode=None, switching sooner)
         options["compile_after_steps"] = args.compile_after_steps
-    if args.compile_ahead:  # a dry first decode step compiles its kernels in parallel (compute/ahead.py)
-        options["compile_ahead"] = True
+    if args.compile_ahead or args.no_compile_ahead:  # (default: a dry first decode step on CUDA, compute/ahead.py)
+        options["compile_ahead"] = bool(args.compile_ahead)
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -116,6 +116,7 @@ def child(args) -> dict:
     from torch._dynamo.utils import counters
 
     kernel_dir = triton_cache_dir()
+    dry_step = None  # `compile_ahead`'s dry step in the first call (compute/ahead.py's LAST)
     compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
     # TORCH_LOGS=recompiles), Triton kernels written to the cache
     for call in range(args.calls):
@@ -139,6 +140,10 @@ def child(args) -> dict:
             profile.dump_stats(args.profile)
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
+        if call == 0:  # `compile_ahead`'s dry step: how long its phases took (None: it did not run)
+            from oasis_cache.compute import ahead
+
+            dry_step = {k: round(v, 3) for k, v in ahead.LAST.items()} or None
         compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
                                   "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
         del cache
@@ -153,7 +158,7 @@ def child(args) -> dict:
             event["at_s"] = round(event["at_s"] - (starts[0] - monitor.t0), 3)  # (from the first call's start)
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
-            "stalls": stalls,
+            "stalls": stalls, "dry_step": dry_step,
             "compiled_per_call": compiled_per_call}
 
 
@@ -217,7 +222,9 @@ def main(argv=None):
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
     parser.add_argument("--compile-ahead", action="store_true",
                         help="OasisCache(..., compile_ahead=True): a dry first decode step compiles its kernels in "
-                             "parallel before the real one")
+                             "parallel before the real one, on any device (default: None, on CUDA)")
+    parser.add_argument("--no-compile-ahead", action="store_true",
+                        help="OasisCache(..., compile_ahead=False): each kernel compiles at its first launch")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
@@ -240,6 +247,7 @@ def main(argv=None):
               f"{transformers.__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}; context "
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
+              + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
@@ -256,6 +264,7 @@ def main(argv=None):
         command += ["--compile-decode"] if args.compile_decode else []
         command += ["--fuse-projections"] if args.fuse_projections else []
         command += ["--compile-ahead"] if args.compile_ahead else []
+        command += ["--no-compile-ahead"] if args.no_compile_ahead else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
         command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []
@@ -270,7 +279,7 @@ def main(argv=None):
         row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0, load_s=result["load_s"],
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
-                   call_starts_s=result["call_starts_s"], stalls=result["stalls"],
+                   call_starts_s=result["call_starts_s"], stalls=result["stalls"], dry_step=result.get("dry_step"),
                    compiled_per_call=result["compiled_per_call"])
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
@@ -290,6 +299,9 @@ def main(argv=None):
                 print(f"   call {call} compiled: {done['graphs']} dynamo graphs, "
                       "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
                       flush=True)
+        if row["dry_step"]:
+            print("   compile_ahead's dry step (call 0): " + ", ".join(f"{k} {v}" for k, v in row["dry_step"].items()),
+                  flush=True)
         phases = sorted(row["compile_phases"].items(), key=lambda kv: -kv[1])[:8]
         if phases:
             print("   compile phases (s): " + ", ".join(f"{n} {v:.2f}" for n, v in phases), flush=True)

@@ -80,6 +80,8 @@
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
 #   firstcallahead  `firstcall` with compile_ahead=True (a dry first decode step compiles its kernels in parallel)
+#   firstcallnoahead  `firstcall` with compile_ahead=False (each kernel compiles at its first launch: the default
+#             before the fortieth session)
 #   firstcallcompiled  `firstcall` with compile_decode=True (its compilation in the first generate)
 #   cappedauto  `capped128k` through the default's switch to compiled steps (`@compiledsoon`: at the 4th step)
 #   firstcallauto  the default compile_decode=None over 6 calls of 512 tokens at 32K x 1: compiled at the 2048th step (call 5)
@@ -167,6 +169,7 @@ for arg in "$@"; do
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4} --new-tokens 24 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
     firstcallahead) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-ahead --out "$OUT/first-call-qwen3-8b-32k-compile-ahead.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-ahead.log" ;;  # issue 21 item 4: compile_ahead (a dry first decode step compiles its kernels in parallel)
+    firstcallnoahead) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --no-compile-ahead --out "$OUT/first-call-qwen3-8b-32k-no-compile-ahead.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-noahead.log" ;;  # issue 21: the first call without the dry step
     firstcallcompiled) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-decode --out "$OUT/first-call-qwen3-8b-32k-compile-decode.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-compiled.log" ;;  # issue 21 item 4 with compile_decode
     firstcallauto) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 512 --calls 6 --processes 1 --out "$OUT/first-call-qwen3-8b-32k-auto.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-auto.log" ;;  # issue 21: the default compile_decode=None compiles after 2048 steps (call 5 of 511 steps each)
     firstcallfused) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-decode --fuse-projections --out "$OUT/first-call-qwen3-8b-32k-compile-decode-fused.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-fused.log" ;;  # issue 21 item 4: compile_decode + fuse_projections, with compile phases and the Triton kernels compiled

@@ -104,11 +104,12 @@ class LaunchKeys:
 
 
 def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40, batch: int = 1,
-           budget: int = 128, model_name: str | None = None, compile_ahead: bool = False) -> LaunchKeys:
+           budget: int = 128, model_name: str | None = None, compile_ahead: bool = False,
+           prefill_chunk: int | None = None) -> LaunchKeys:
     """A `generate` with backend="triton", its launches recorded: the tiny qwen3 of `tests/conftest.py` (on the CPU,
     recent_tokens 32), or `model_name` from `bench/models.py` on CUDA (random bf16 weights, the package's defaults).
     `compile_ahead`: with the option (a dry first decode step compiles its kernels); the greedy tokens are kept in
-    `keys.tokens`."""
+    `keys.tokens`. `prefill_chunk`: the cache's `prefill_chunk_tokens` (None: its default)."""
     import torch
 
     from conftest import generate, prompt_ids, tiny_model
@@ -122,6 +123,8 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
 
         model, _ = load_model(model_name, "cuda", torch.bfloat16)
         options = {}
+    if prefill_chunk is not None:
+        options["prefill_chunk_tokens"] = prefill_chunk
     keys = LaunchKeys()
     hook = keys.count_forwards(model)
     cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead,
@@ -143,6 +146,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="the cache's prefill_chunk_tokens (a prefill in chunks; default: the package's)")
     parser.add_argument("--model", default=None, help="a bench/models.py name (CUDA; default: the tests' tiny qwen3)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if a specialization first appears after the first forward that completes a "
@@ -153,7 +158,7 @@ def main() -> None:
                              "greedy tokens must equal a run without the option")
     args = parser.parse_args()
     keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model,
-                  args.compile_ahead)
+                  args.compile_ahead, args.prefill_chunk)
     kernels = keys.by_kernel()
     for name, seen in kernels.items():
         timed = [f"{forward} ({keys.seconds[name, key]:.2f} s{', ahead' if (name, key) in keys.ahead else ''})"
@@ -169,7 +174,11 @@ def main() -> None:
         if args.compile_ahead:  # the first decode step's kernels: compiled ahead, none met first by a real launch
             first = [(name, forward) for name, seen in kernels.items() for forward, key in seen
                      if forward == 2 and (name, key) not in keys.ahead]
-            plain = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model)
+            from oasis_cache.compute import ahead
+
+            print(f"dry step: {'ran' if 'total_s' in ahead.LAST else 'none'}")
+            plain = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model,
+                           prefill_chunk=args.prefill_chunk)
             same = torch.equal(*(getattr(run.tokens, "sequences", run.tokens) for run in (keys, plain)))
             print(f"not compiled ahead at the first decode step: {first or 'none'}; "
                   f"tokens as without the option: {same}")

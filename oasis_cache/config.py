@@ -165,11 +165,13 @@ class OasisConfig:
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
             unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
             with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
-        compile_ahead: research, with the Triton backend: before a cache's first decode step (once per process for
-            each configuration and batch shape), the same step runs on a read-only copy of the cache with every
-            kernel launch made a compilation, the compilations in parallel (`compute/ahead.py`); the real step then
-            finds its kernels compiled instead of compiling them one after another (a new machine's first step).
-            Off until measured on a GPU.
+        compile_ahead: with the Triton backend: before a cache's first decode step (once per process for each
+            configuration and batch shape), the same step runs on a read-only copy of the cache with every kernel
+            launch made a compilation, the compilations in parallel (`compute/ahead.py`); the real step then finds
+            its kernels compiled instead of compiling them one after another. None (default): on a CUDA device (on
+            a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 16.1 -> 11.3 s, no change once the
+            kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run it under
+            Triton's interpreter). False: never.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -217,7 +219,7 @@ class OasisConfig:
     compile_decode: bool | None = None
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
-    compile_ahead: bool = False
+    compile_ahead: bool | None = None
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
@@ -325,8 +327,8 @@ class OasisConfig:
         if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
                              "compile_decode=True with it.")
-        if self.compile_ahead not in (True, False):
-            raise ValueError(f"compile_ahead must be True or False, got {self.compile_ahead!r}.")
+        if self.compile_ahead not in (None, True, False):
+            raise ValueError(f"compile_ahead must be None (automatic), True or False, got {self.compile_ahead!r}.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:

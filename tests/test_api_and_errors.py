@@ -30,7 +30,7 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, scorer="bound", summary_channels=0.5), "summary_channels < 1 is for scorer='bits'"),
         (dict(token_budget=256, attention_kernel="yes"), "attention_kernel must be None"),
         (dict(token_budget=256, top_k_kernel="yes"), r"top_k_kernel must be None \(automatic\), True or False"),
-        (dict(token_budget=256, compile_ahead="yes"), r"compile_ahead must be True or False"),
+        (dict(token_budget=256, compile_ahead="yes"), r"compile_ahead must be None \(automatic\), True or False"),
         (dict(token_budget=256, gather_warps=3), r"gather_warps must be None"),
         (dict(token_budget=256, top_k_kernel=True, fetch_ratio=0.1), "pass one of top_k_kernel=True and fetch_ratio"),
         (dict(token_budget=256, backend="torch", attention_kernel=True), "attention_kernel=True runs a Triton kernel"),

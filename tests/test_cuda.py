@@ -84,7 +84,7 @@ def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend, lookahead)
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
     cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
-                       backend=backend, lookahead=lookahead)
+                       backend=backend, lookahead=lookahead, compile_ahead=False)  # (no dry step's layers recorded)
     cache.record_selection = True
     model.generate(**on_cuda(left_padded([300, 260])), past_key_values=cache, max_new_tokens=10,
                    do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -520,7 +520,7 @@ def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, m
     monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: calls.append(run(*a)) or calls[-1])
     first = generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
     assert calls == [True]
-    plain = generate(model, OasisCache(model, **options), {"input_ids": ids}, **kw)
+    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": ids}, **kw)
     assert torch.equal(first.sequences, plain.sequences)
     generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
     assert calls == [True]  # (once per signature)

@@ -1,4 +1,4 @@
-"""A dry first decode step, its kernels compiled in parallel (`OasisCache(compile_ahead=True)`, research).
+"""A dry first decode step, its kernels compiled in parallel (`compile_ahead`: None, the default, on with CUDA).
 
 On a machine without the package's kernels on disk, a cache's first decode step compiles each kernel
 specialization it meets, one after another, as it launches them (H200, Qwen3-8B shape, lookahead "none": ~8 of
@@ -9,11 +9,18 @@ the real step then finds every kernel compiled. The copy holds the same shapes, 
 specializations; it shares the host pools' chunks (nothing it launches writes them; a host write from it raises)
 and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
 where the device has less than twice that free. Once per process for each cache configuration and batch shape.
+
+Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
+4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
+real step 1 then saves. Run instead right after the prefill (with a decode step's inputs made from
+the prefill's), the compilations overlapped nothing: the device had finished the prefill before the dry step had
+(the prefill waits on it somewhere), and the first token came those seconds later.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -21,6 +28,7 @@ from ..kernels.ahead import compile_only
 from ..pools.host_kv import READ_ONLY_COPY
 
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
+LAST: dict = {}  # the last dry step's phases (s): `bench/first_call.py` prints them
 
 
 def signature(cache, tokens: torch.Tensor) -> tuple:
@@ -32,16 +40,21 @@ def signature(cache, tokens: torch.Tensor) -> tuple:
 
 
 def wanted(cache, tokens) -> bool:
-    """Whether this forward should be preceded by a dry one: the option on (checked first: every forward asks), a
-    decode step's tokens on a cache holding some, kernels launched (the Triton backend), a local cache (an admitted
-    one's copy would fetch from its store), not yet done here."""
-    if not cache.config.compile_ahead:
+    """Whether this forward should be preceded by a dry one: the option not off (checked first: every forward asks),
+    a decode step's tokens of a shape this cache has not asked about yet (then a set lookup per step), on a cache
+    holding some, kernels launched (the Triton backend) on a CUDA device (or `compile_ahead=True`), a local cache (an
+    admitted one's copy would fetch from its store), not yet done in this process."""
+    setting = cache.config.compile_ahead
+    if setting is False or not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+                                and tokens.shape[1] <= cache.config.max_decode_tokens):
         return False
+    shape = tuple(tokens.shape[:2])
+    if shape in cache._ahead_asked or cache.get_seq_length(cache._first_oasis_layer) == 0:
+        return False
+    cache._ahead_asked.add(shape)
     transfer = cache._transfer
-    return (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
-            and tokens.shape[1] <= cache.config.max_decode_tokens
-            and cache.get_seq_length(cache._first_oasis_layer) > 0
-            and transfer is not None and transfer.backend == "triton" and cache.remote_tier is None
+    return (transfer is not None and transfer.backend == "triton" and cache.remote_tier is None
+            and (setting is True or cache.layers[cache._first_oasis_layer].device.type == "cuda")
             and signature(cache, tokens) not in _DONE)
 
 
@@ -59,12 +72,17 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         if free < 2 * sum(cache.device_nbytes().values()):
             return False
     dry = None
+    LAST.clear()
+    start = time.perf_counter()
     try:
         dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
         dry.captured_steps = None  # (eager: nothing is captured from a step whose launches do not run)
         dry._compile_later = False  # (not a step of the model's count)
+        LAST["copy_s"] = time.perf_counter() - start
         with compile_only():
             dry._forward_one(runner, {**kwargs, name: dry})
+            LAST["trace_s"] = time.perf_counter() - start - LAST["copy_s"]
+        LAST["compile_wait_s"] = time.perf_counter() - start - LAST["copy_s"] - LAST["trace_s"]
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
         return False
     finally:
@@ -72,4 +90,5 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
             dry.ride_along.remove()
         if dry is not None and dry._streams is not None:
             dry._streams.synchronize()
+        LAST["total_s"] = time.perf_counter() - start
     return True

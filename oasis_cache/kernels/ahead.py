@@ -1,5 +1,5 @@
 """The package's kernels compiled instead of launched, in parallel: what a dry decode step runs under
-(`OasisCache(compile_ahead=True)`, `compute/ahead.py`).
+(`compile_ahead`, `compute/ahead.py`).
 
 A new machine compiles each kernel specialization where a step first launches it, one after another: on the H200
 (thirty-ninth session, `bench/launch_keys.py`) 0.3-2.6 s each, ~8 of them at a cache's first decode step with
