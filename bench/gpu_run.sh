@@ -80,6 +80,8 @@
 #   scoring   eval/scoring.py: block scorers compared by retention (4K, budget 1/8)
 #   scorers   decode benchmark at 32K x {1, 4}: the bits scorer's cost against the bound's
 #   firstcallahead  `firstcall` with compile_ahead=True (a dry first decode step compiles its kernels in parallel)
+#   fusedmemory  bench/fused_memory.py: allocated bytes per new token with and without fuse_projections (8 of Qwen3-8B's
+#             layers; the blocks alive with their frames): a copy of a fused cache once doubled the fused buffers
 #   firstcallnoahead  `firstcall` with compile_ahead=False (each kernel compiles at its first launch: the default
 #             before the fortieth session)
 #   firstcallcompiled  `firstcall` with compile_decode=True (its compilation in the first generate)
@@ -170,6 +172,7 @@ for arg in "$@"; do
     firstcall) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --out "$OUT/first-call-qwen3-8b-32k.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call.log" ;;
     firstcallahead) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-ahead --out "$OUT/first-call-qwen3-8b-32k-compile-ahead.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-ahead.log" ;;  # issue 21 item 4: compile_ahead (a dry first decode step compiles its kernels in parallel)
     firstcallnoahead) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --no-compile-ahead --out "$OUT/first-call-qwen3-8b-32k-no-compile-ahead.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-noahead.log" ;;  # issue 21: the first call without the dry step
+    fusedmemory) python3 bench/fused_memory.py --layers 8 --history 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fused-memory.log" ;;  # issue 21: fuse_projections' device memory (fortieth session: +16.8 GiB from copies, fixed)
     firstcallcompiled) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-decode --out "$OUT/first-call-qwen3-8b-32k-compile-decode.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-compiled.log" ;;  # issue 21 item 4 with compile_decode
     firstcallauto) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 512 --calls 6 --processes 1 --out "$OUT/first-call-qwen3-8b-32k-auto.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-auto.log" ;;  # issue 21: the default compile_decode=None compiles after 2048 steps (call 5 of 511 steps each)
     firstcallfused) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-decode --fuse-projections --out "$OUT/first-call-qwen3-8b-32k-compile-decode-fused.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-fused.log" ;;  # issue 21 item 4: compile_decode + fuse_projections, with compile phases and the Triton kernels compiled

@@ -562,12 +562,13 @@ class OasisCache(Cache):
         memo[id(self)] = new
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
-                   "captured_steps", "remote_tier", "_remote_release", "_after_forward")
+                   "captured_steps", "remote_tier", "_remote_release", "_after_forward", "fused_groups")
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
         new._forward_memo, new._device_clocks, new._after_forward = {}, {}, []
+        new.fused_groups = list(self.fused_groups)  # (the model's buffers, shared: a copy would double its weights)
         new._streams = new._transfer = new.remote_tier = None
         if self._streams is not None:
             new._start_engine(self._streams.device)

@@ -560,6 +560,20 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
         OasisCache(model, token_budget=128, fuse_projections=True)
 
 
+def test_a_copy_of_a_fused_cache_shares_the_models_buffers():
+    """`copy.deepcopy` of a cache with `fuse_projections` (what `compile_ahead`'s dry step makes at a first decode
+    step) shares the model's fused buffers instead of copying them: on the H200 the copies stayed alive through the
+    decode, +16.8 GiB for an 8B model (`bench/fused_memory.py`, fortieth session)."""
+    import copy
+
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    cache = OasisCache(model, token_budget=128, recent_tokens=32, compile_decode=True, fuse_projections=True)
+    dup = copy.deepcopy(cache)
+    assert len(cache.fused_groups) == 4 and len(dup.fused_groups) == 4
+    assert all(a is b for a, b in zip(dup.fused_groups, cache.fused_groups))
+    assert dup.fused_groups is not cache.fused_groups  # (each cache its own list)
+
+
 def test_where_the_weights_are_changes_when_they_move_only():
     """`weights_where_they_are` (part of a captured cache's replay signature, taken at each prefill): the same while
     the parameters and buffers stay where they are, another number once one is rebound (a module's weight replaced,
