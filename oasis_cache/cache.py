@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import weakref
 
 import torch
@@ -551,7 +552,9 @@ class OasisCache(Cache):
     def __deepcopy__(self, memo):
         """`copy.deepcopy(cache)`: an independent cache for the same model holding the same tokens (as DynamicCache
         copies): every pool copied (the host pool pinned again), its own streams and transfer engine, no captured
-        step yet, with eagle3 a ride-along with its own hooks and a copy of its state."""
+        step yet, with eagle3 a ride-along with its own hooks and a copy of its state. The model's modules,
+        parameters, buffers and fused projection groups are shared, never copied (`compile_ahead`'s dry step copies
+        the cache at a first decode step: a copy of `fused_groups` once held a second set of the fused weights)."""
         model = self._model()
         if model is None:
             raise ReferenceError("The model this OasisCache served was deleted: a copy would serve nothing.")
@@ -560,6 +563,8 @@ class OasisCache(Cache):
             self._transfer.wait_host_reads()
         new = object.__new__(type(self))
         memo[id(self)] = new
+        for shared in itertools.chain(model.modules(), model.parameters(), model.buffers()):
+            memo[id(shared)] = shared  # (the model's, wherever the cache reaches them: never copied with it)
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
                    "captured_steps", "remote_tier", "_remote_release", "_after_forward", "fused_groups")
