@@ -25,6 +25,7 @@ from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
+from .memory.device_memory import device_room
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
@@ -254,10 +255,7 @@ class OasisCache(Cache):
         needed = layers * 2 * B * H * tokens * D * key_states.element_size()
         device = key_states.device
         if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
-            room = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device),
-                       int(fraction * total) - torch.cuda.memory_allocated(device))
+            room = device_room(device)
         else:
             room = available_host_bytes() or 0  # (the host pools are counted there too: they are in host memory)
         return tokens if needed <= room // 2 else False

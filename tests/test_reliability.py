@@ -529,6 +529,22 @@ def test_a_dry_step_that_runs_out_of_memory_gives_way_to_the_real_one(monkeypatc
     assert ahead.signature(cache, tokens) in ahead._DONE
 
 
+def test_device_room_counts_the_per_process_cap(monkeypatch):
+    """`device_room` (what a resident prefill and `compile_ahead`'s dry copy ask before taking device memory): the
+    device's free bytes plus what torch's allocator holds unused, capped by `set_per_process_memory_fraction` — a
+    35 GiB cap (a quarter) of a 140 GiB card with 100 GiB free leaves 15 GiB to a process holding 20, not 102."""
+    from oasis_cache.memory.device_memory import device_room
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 22 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.25, raising=False)
+    assert device_room("cuda:0") == 15 * gib
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert device_room("cuda:0") == 102 * gib  # (free, and the allocator's 2 GiB held unused)
+
+
 def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatch):
     """`resident_prefill` (default): a prompt prefilled in chunks keeps its keys and values on the device until its
     last chunk, so each layer reads its past from the host pool once (at the first chunk: a conversation's earlier

@@ -8,7 +8,7 @@ every kernel launch made a compilation (`kernels/ahead.py`: in a thread pool), w
 the real step then finds every kernel compiled. The copy holds the same shapes, so it meets the same
 specializations; it shares the host pools' chunks (nothing it launches writes them; a host write from it raises)
 and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
-where the device has less than twice that free. Once per process for each cache configuration and batch shape.
+where the process may take less than twice that (`memory.device_memory.device_room`: free, or under its cap). Once per process for each cache configuration and batch shape.
 
 Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..kernels.ahead import compile_only
+from ..memory.device_memory import device_room
 from ..pools.host_kv import READ_ONLY_COPY
 
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
@@ -67,10 +68,8 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
     if name is None:
         return False
     device = cache.layers[cache._first_oasis_layer].device
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if free < 2 * sum(cache.device_nbytes().values()):
-            return False
+    if device.type == "cuda" and device_room(device) < 2 * sum(cache.device_nbytes().values()):
+        return False  # (under a per-process cap too: the copy would only run out of memory)
     dry = None
     LAST.clear()
     start = time.perf_counter()
