@@ -13,8 +13,8 @@ where the process may take less than twice that (`memory.device_memory.device_ro
 Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
 real step 1 then saves. Run instead right after the prefill (with a decode step's inputs made from
-the prefill's), the compilations overlapped nothing: the device had finished the prefill before the dry step had
-(the prefill waits on it somewhere), and the first token came those seconds later.
+the prefill's), it gained nothing measurable from the device's queued prefill work, and the first token came its
+whole 4.2 s later.
 """
 
 from __future__ import annotations
