@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import weakref
 
 import torch
@@ -550,9 +549,11 @@ class OasisCache(Cache):
     def __deepcopy__(self, memo):
         """`copy.deepcopy(cache)`: an independent cache for the same model holding the same tokens (as DynamicCache
         copies): every pool copied (the host pool pinned again), its own streams and transfer engine, no captured
-        step yet, with eagle3 a ride-along with its own hooks and a copy of its state. The model's modules,
-        parameters, buffers and fused projection groups are shared, never copied (`compile_ahead`'s dry step copies
-        the cache at a first decode step: a copy of `fused_groups` once held a second set of the fused weights)."""
+        step yet, with eagle3 a ride-along with its own hooks and a copy of its state. The model's fused projection
+        groups are shared, never copied (`compile_ahead`'s dry step copies the cache at a first decode step: a copy
+        of `fused_groups` once held a second set of the fused weights). Nothing else of the model is reached from
+        the fields copied (its modules are held through `_modules`, rebuilt; the memo is not touched: a deepcopy of
+        a structure holding the model too copies it as usual)."""
         model = self._model()
         if model is None:
             raise ReferenceError("The model this OasisCache served was deleted: a copy would serve nothing.")
@@ -561,8 +562,6 @@ class OasisCache(Cache):
             self._transfer.wait_host_reads()
         new = object.__new__(type(self))
         memo[id(self)] = new
-        for shared in itertools.chain(model.modules(), model.parameters(), model.buffers()):
-            memo[id(shared)] = shared  # (the model's, wherever the cache reaches them: never copied with it)
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
                    "captured_steps", "remote_tier", "_remote_release", "_after_forward", "fused_groups")

@@ -169,9 +169,9 @@ class OasisConfig:
             configuration and batch shape), the same step runs on a read-only copy of the cache with every kernel
             launch made a compilation, the compilations in parallel (`compute/ahead.py`); the real step then finds
             its kernels compiled instead of compiling them one after another. None (default): on a CUDA device (on
-            a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 16.1 -> 11.3 s, no change once the
-            kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run it under
-            Triton's interpreter). False: never.
+            a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 14.1-16.1 -> 11.3-11.8 s, no change
+            once the kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run
+            it under Triton's interpreter). False: never.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather

@@ -8,7 +8,8 @@ every kernel launch made a compilation (`kernels/ahead.py`: in a thread pool), w
 the real step then finds every kernel compiled. The copy holds the same shapes, so it meets the same
 specializations; it shares the host pools' chunks (nothing it launches writes them; a host write from it raises)
 and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
-where the process may take less than twice that (`memory.device_memory.device_room`: free, or under its cap). Once per process for each cache configuration and batch shape.
+where the process may take less than twice that (`memory.device_memory.device_room`: free, or under its cap). Once
+per process for each cache configuration and batch shape.
 
 Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
