@@ -62,20 +62,16 @@ def wanted(cache, tokens) -> bool:
 
 def warm_block_store(cache) -> None:
     """The one kernel a decode step that completes a block launches beyond a plain step's: the host store of that
-    block (`TransferEngine.offload`, the Triton backend), launched here on `cache`'s first pool with the same
-    arguments' kinds (its address table, an int64 index `[1]`, a block `[2, B, Hkv, T, D]`) — inside
-    `compile_only()` a compilation, so the first completing step (~16 steps in) does not compile it (+0.4 s at step
-    16 on a new H200 machine, fortieth session)."""
-    from ..kernels.host_store import store_block
-
+    block. `TransferEngine.offload` is called here as that step calls it (one block `[2, B, Hkv, 1, T, D]` at the
+    summaries' device count) on `cache`'s first layer — inside `compile_only()` its launch is a compilation, so the
+    first completing step (~16 steps in) does not compile it (+0.4 s at step 16 on a new H200 machine, fortieth
+    session). `cache` is the dry copy: the pool's count it moves on is the copy's."""
     transfer, layer = cache._transfer, cache.layers[cache._first_oasis_layer]
     if transfer is None or transfer.backend != "triton" or not layer.is_initialized:
         return
-    pool = layer.pool
-    block = torch.empty(2, layer.batch_size, layer.num_kv_heads, cache.config.block_size, layer.head_dim,
-                        dtype=pool.dtype, device=layer.device)
-    store_block(transfer._addresses(pool), pool.chunk_blocks, torch.zeros(1, dtype=torch.long, device=layer.device),
-                block)
+    block = torch.empty(2, layer.batch_size, layer.num_kv_heads, 1, cache.config.block_size, layer.head_dim,
+                        dtype=layer.pool.dtype, device=layer.device)
+    transfer.offload(layer.pool, block, layer.summaries.count)
 
 
 def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
