@@ -24,6 +24,7 @@ from .compute.dense import dense_causal_attention
 from .compute.sparse import sparse_attention
 from .control import all_blocks, rank_blocks, top_blocks
 from .kernels.decode_attention import decode_attention
+from .memory.host_memory import use_fast_pinning
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
 from .pools.host_kv import fitted_chunk_blocks
 from .pools.summaries import fp8_levels_for
@@ -65,6 +66,8 @@ class OasisLayer(CacheLayerMixin):
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
+        if self.pool.pin_memory and cfg.fast_pinning:
+            use_fast_pinning()  # (once per process: before the first chunk is pinned)
         fp8 = fp8_levels_for(cfg.fp8_levels, cfg.scorer, self.device, self.use_kernels)
         self.summaries = BlockSummaries(B, H, D, dtype, self.device, T, key_bits=cfg.scorer == "bits", fp8_levels=fp8,
                                         kept_channels=cfg.kept_channels(D))

@@ -529,6 +529,72 @@ def test_a_dry_step_that_runs_out_of_memory_gives_way_to_the_real_one(monkeypatc
     assert ahead.signature(cache, tokens) in ahead._DONE
 
 
+def test_a_dry_step_runs_one_layers_attention_and_decodes_the_same(monkeypatch):
+    """`compile_ahead`'s dry copy ends its forward at the first attention layer of shapes an earlier layer had
+    (`stop_after_distinct_layers`): layers of one model share their shapes, so one layer's attention meets every
+    kernel specialization of the step (`launch_keys --check --compile-ahead` checks that under the interpreter); the
+    other layers' seconds were the dry step's largest part on a new machine. The real step runs every layer, and the
+    greedy tokens equal a run without the dry step."""
+    from oasis_cache.compute import ahead
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    options = dict(token_budget=96, sink_tokens=16, recent_tokens=16)
+    calls, attend = [], OasisLayer.attend
+
+    def spy(self, *args, **kwargs):
+        calls.append((id(self), self.layer_idx))
+        return attend(self, *args, **kwargs)
+
+    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": prompt_ids(200)},
+                     max_new_tokens=3, do_sample=False)
+    monkeypatch.setattr(OasisLayer, "attend", spy)
+    monkeypatch.setattr(ahead, "wanted", lambda cache, tokens: tokens.shape[1] == 1 and not ahead.LAST)
+    monkeypatch.setattr(ahead, "LAST", {})
+    cache = OasisCache(model, **options)
+    tokens = generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=3, do_sample=False)
+    assert ahead.LAST["layers_traced"] == 1
+    own = {id(layer) for layer in cache.layers}
+    dry = [layer for owner, layer in calls if owner not in own]
+    assert dry == [0], dry  # (the copy's layer 1 raised before its attention ran)
+    real_steps = [layer for owner, layer in calls if owner in own]
+    assert real_steps == [0, 1, 2, 3] * 3  # the prefill and two decode steps: every layer
+    assert torch.equal(tokens.sequences, plain.sequences)
+
+
+def test_fast_pinning_extends_the_allocator_settings_and_keeps_the_users(monkeypatch):
+    """`OasisConfig.fast_pinning` (`host_memory.use_fast_pinning`): once per process, torch's allocator settings become
+    the current ones plus host registration (a settings string replaces the options it leaves out, so the user's
+    `max_split_size_mb` must travel with it); settings that name `pinned_use_cuda_host_register` are the user's
+    choice and stay; a torch that refuses the string leaves pinning as it was."""
+    host_memory = pytest.importorskip("oasis_cache.memory.host_memory")
+    applied = []
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256,expandable_segments:True")
+    monkeypatch.setattr(host_memory, "_PINNING", {})
+    assert host_memory.use_fast_pinning() is True
+    assert host_memory.use_fast_pinning() is True  # (once: the settings are not applied again)
+    assert applied == ["max_split_size_mb:256,expandable_segments:True,pinned_use_cuda_host_register:True,"
+                       "pinned_num_register_threads:8"]
+
+    applied.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+    monkeypatch.setattr(host_memory, "_PINNING", {})
+    assert host_memory.use_fast_pinning() is False and applied == []
+
+    def refuse(settings):
+        raise RuntimeError("Unrecognized key")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse)
+    monkeypatch.setattr(host_memory, "_PINNING", {})
+    assert host_memory.use_fast_pinning() is False
+    with pytest.raises(ValueError, match="fast_pinning must be True or False"):
+        OasisConfig(token_budget=256, fast_pinning="yes")
+
+
 def test_device_room_counts_the_per_process_cap(monkeypatch):
     """`device_room` (what a resident prefill and `compile_ahead`'s dry copy ask before taking device memory): the
     device's free bytes plus what torch's allocator holds unused, capped by `set_per_process_memory_fraction` — a

@@ -74,6 +74,32 @@ def warm_block_store(cache) -> None:
     transfer.offload(layer.pool, block, layer.summaries.count)
 
 
+class DryStepDone(Exception):
+    """Raised by the dry copy's first attention layer of a shape it has traced already: every kernel specialization
+    of the step was met (`stop_after_distinct_layers`), so the rest of the forward is not run."""
+
+
+def stop_after_distinct_layers(dry) -> int:
+    """Make the dry copy's forward end at the first attention layer whose shapes an earlier layer had (the layers of a
+    model share them: the dry forward then runs one layer's attention, not all of them); returns how many layers it
+    traces. A layer's launches are decided by its shapes (`signature` holds the cache's options): a layer meeting
+    nothing new need not run. Measured (H200, Qwen3-8B at 32K x 1, a new machine, forty-first session): the whole dry
+    forward took 2.1 s beside its compilations (0.9 s with the kernels on disk), while they ran ~2 s."""
+    seen = set()
+    for layer in dry.layers:
+        if not getattr(layer, "is_initialized", False) or not hasattr(layer, "attend"):
+            continue
+        shape = (layer.batch_size, layer.num_kv_heads, layer.head_dim, layer.pool.dtype, str(layer.device))
+        if shape in seen:
+            layer.attend = _done  # (an instance attribute on the copy's layer)
+        seen.add(shape)
+    return len(seen)
+
+
+def _done(*args, **kwargs):
+    raise DryStepDone
+
+
 def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
     """Run this decode forward once on a read-only copy of `cache`, every kernel compiled instead of launched, the
     compilations in parallel; returns whether it ran (False where the device lacks room for the copy, or the copy
@@ -93,8 +119,12 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         dry.captured_steps = None  # (eager: nothing is captured from a step whose launches do not run)
         dry._compile_later = False  # (not a step of the model's count)
         LAST["copy_s"] = time.perf_counter() - start
+        LAST["layers_traced"] = stop_after_distinct_layers(dry)
         with compile_only():
-            dry._forward_one(runner, {**kwargs, name: dry})
+            try:
+                dry._forward_one(runner, {**kwargs, name: dry})
+            except DryStepDone:
+                pass
             warm_block_store(dry)
             LAST["trace_s"] = time.perf_counter() - start - LAST["copy_s"]
         LAST["compile_wait_s"] = time.perf_counter() - start - LAST["copy_s"] - LAST["trace_s"]
