@@ -109,6 +109,8 @@ def child(args) -> dict:
         options["compile_after_steps"] = args.compile_after_steps
     if args.compile_ahead or args.no_compile_ahead:  # (default: a dry first decode step on CUDA, compute/ahead.py)
         options["compile_ahead"] = bool(args.compile_ahead)
+    if args.ahead_at_prefill:  # (research: the dry step's compilations started during the prefill)
+        options["ahead_at_prefill"] = True
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -225,6 +227,9 @@ def main(argv=None):
                              "parallel before the real one, on any device (default: None, on CUDA)")
     parser.add_argument("--no-compile-ahead", action="store_true",
                         help="OasisCache(..., compile_ahead=False): each kernel compiles at its first launch")
+    parser.add_argument("--ahead-at-prefill", action="store_true",
+                        help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
+                             "prefill, at its first attention layer (research; its phases print as the dry step's)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
@@ -248,6 +253,7 @@ def main(argv=None):
               f"{args.context} x 1, {args.new_tokens} new tokens, budget {args.budget}"
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", compile_ahead=False" if args.no_compile_ahead else "")
+              + (", ahead_at_prefill" if args.ahead_at_prefill else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
@@ -265,6 +271,7 @@ def main(argv=None):
         command += ["--fuse-projections"] if args.fuse_projections else []
         command += ["--compile-ahead"] if args.compile_ahead else []
         command += ["--no-compile-ahead"] if args.no_compile_ahead else []
+        command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
         command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []

@@ -108,11 +108,12 @@ class LaunchKeys:
 
 def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40, batch: int = 1,
            budget: int = 128, model_name: str | None = None, compile_ahead: bool = False,
-           prefill_chunk: int | None = None) -> LaunchKeys:
+           prefill_chunk: int | None = None, ahead_at_prefill: bool = False) -> LaunchKeys:
     """A `generate` with backend="triton", its launches recorded: the tiny qwen3 of `tests/conftest.py` (on the CPU,
     recent_tokens 32), or `model_name` from `bench/models.py` on CUDA (random bf16 weights, the package's defaults).
     `compile_ahead`: with the option (a dry first decode step compiles its kernels); the greedy tokens are kept in
-    `keys.tokens`. `prefill_chunk`: the cache's `prefill_chunk_tokens` (None: its default)."""
+    `keys.tokens`. `prefill_chunk`: the cache's `prefill_chunk_tokens` (None: its default). `ahead_at_prefill`: the
+    dry step's compilations started during the prefill (`OasisConfig.ahead_at_prefill`)."""
     import torch
 
     from conftest import generate, prompt_ids, tiny_model
@@ -131,7 +132,7 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
     keys = LaunchKeys()
     hook = keys.count_forwards(model)
     cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead,
-                       compile_ahead=compile_ahead, **options)
+                       compile_ahead=compile_ahead, ahead_at_prefill=ahead_at_prefill, **options)
     with keys:
         ids = prompt_ids(prompt, batch=batch)
         keys.tokens = generate(model, cache, {"input_ids": ids.to(model.device)}, max_new_tokens=new_tokens,
@@ -159,9 +160,11 @@ def main() -> None:
                         help="with compile_ahead=True: a dry first decode step compiles its kernels (marked 'ahead'); "
                              "with --check, every kernel a decode step meets must have been compiled ahead, and the "
                              "greedy tokens must equal a run without the option")
+    parser.add_argument("--ahead-at-prefill", action="store_true",
+                        help="with --compile-ahead: ahead_at_prefill=True (the compilations start during the prefill)")
     args = parser.parse_args()
     keys = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model,
-                  args.compile_ahead, args.prefill_chunk)
+                  args.compile_ahead, args.prefill_chunk, args.ahead_at_prefill)
     kernels = keys.by_kernel()
     for name, seen in kernels.items():
         timed = [f"{forward} ({keys.seconds[name, key]:.2f} s{', ahead' if (name, key) in keys.ahead else ''})"
@@ -180,7 +183,8 @@ def main() -> None:
                      if forward >= 2 and (name, key) not in keys.ahead]
             from oasis_cache.compute import ahead
 
-            print(f"dry step: {'ran' if 'total_s' in ahead.LAST else 'none'}")
+            print(f"dry step: {'ran' if 'total_s' in ahead.LAST else 'none'}"
+                  f"{' at the prefill' if args.ahead_at_prefill and 'copy_s' in ahead.LAST else ''}")
             plain = record(args.lookahead, args.prompt, args.new_tokens, args.batch, args.budget, args.model,
                            prefill_chunk=args.prefill_chunk)
             same = torch.equal(*(getattr(run.tokens, "sequences", run.tokens) for run in (keys, plain)))

@@ -659,6 +659,13 @@ class OasisCache(Cache):
         return clock
 
     # ------------------------------------------------------------------------------ the model's forward, routed
+    def compile_ahead_at_prefill(self, layer: OasisLayer, query: torch.Tensor, visible, scale: float) -> bool:
+        """`ahead_at_prefill`: called by the first attention layer once the whole prompt is in it
+        (`compute/ahead.at_prefill`: the first decode step's kernels start compiling while the prefill goes on)."""
+        from .compute import ahead
+
+        return ahead.at_prefill(self, layer, query, visible, scale)
+
     def route_forward(self, runner, kwargs: dict):
         """A call of the model's forward with this cache (`CapturedForward`): a long prefill in chunks of
         `config.prefill_chunk_tokens` tokens over the batch (`compute/prefill.py`), a decode step to the captured
@@ -698,6 +705,8 @@ class OasisCache(Cache):
                     for layer in self.layers:
                         if isinstance(layer, OasisLayer):
                             layer.resident_kv = None
+            if ahead.PENDING:  # (compilations a prefill started: done before a step launches their kernels)
+                ahead.finish_pending()
             if ahead.wanted(self, tokens):  # a first decode step: its kernels compiled in parallel first
                 ahead.dry_step(self, runner, kwargs, tokens)
             return self._forward_one(runner, kwargs)

@@ -172,6 +172,10 @@ class OasisConfig:
             a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 14.1-16.1 -> 11.3-11.8 s, no change
             once the kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run
             it under Triton's interpreter). False: never.
+        ahead_at_prefill: research, with `compile_ahead` on: the dry step runs during the prefill instead — one
+            decode token at the first attention layer of a read-only copy, once the whole prompt is in that layer —
+            and its compilations go on while the prefill's other layers run; the first decode step waits for what is
+            left (`compute/ahead.at_prefill`). Not with a ride-along draft. Off (not yet measured on the GPU).
         fast_pinning: before a CUDA cache pins its first host chunk, once per process, extend torch's allocator
             settings with `pinned_use_cuda_host_register:True,pinned_num_register_threads:8` (pinned memory taken by
             malloc, its pages touched by 8 threads, then registered, instead of `cudaHostAlloc`), keeping the
@@ -227,6 +231,7 @@ class OasisConfig:
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
     compile_ahead: bool | None = None
+    ahead_at_prefill: bool = False
     fast_pinning: bool = True
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
@@ -337,6 +342,8 @@ class OasisConfig:
                              "compile_decode=True with it.")
         if self.compile_ahead not in (None, True, False):
             raise ValueError(f"compile_ahead must be None (automatic), True or False, got {self.compile_ahead!r}.")
+        if self.ahead_at_prefill not in (True, False):
+            raise ValueError(f"ahead_at_prefill must be True or False, got {self.ahead_at_prefill!r}.")
         if self.fast_pinning not in (True, False):
             raise ValueError(f"fast_pinning must be True or False, got {self.fast_pinning!r}.")
         if self.top_k_kernel not in (None, True, False):

@@ -226,6 +226,9 @@ class OasisLayer(CacheLayerMixin):
             # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
             predictor = query[:, :, -1:] if (draft_rows or not is_decode) else query
             self._prefetch_next(predictor, visible, is_decode)
+        if (cfg.ahead_at_prefill and not is_decode and self.layer_idx == self._cache._first_oasis_layer
+                and not (chunked and self.get_seq_length() < chunked)):  # the whole prompt is in this layer
+            self._cache.compile_ahead_at_prefill(self, query, visible, scale)
         return out
 
     def _attend_dense(self, query, visible, scale):

@@ -526,6 +526,28 @@ def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, m
     assert calls == [True]  # (once per signature)
 
 
+@pytest.mark.parametrize("chunk", [0, 128], ids=["whole", "chunked"])
+def test_ahead_at_prefill_compiles_during_the_prefill_and_decodes_the_same(chunk, monkeypatch):
+    """`ahead_at_prefill=True` on CUDA (research): the first attention layer's dry decode token starts the step's
+    compilations during the prefill (whole, or at its last chunk with the prompt resident on the device); the first
+    decode step waits for them and runs no dry step; the tokens equal a cache without the option."""
+    from oasis_cache.compute import ahead
+
+    monkeypatch.setattr(ahead, "_DONE", set())
+    model = tiny_model("qwen3").cuda()
+    ids = prompt_ids(300).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, prefill_chunk_tokens=chunk)
+    ran, dry = [], []
+    monkeypatch.setattr(ahead, "at_prefill", lambda *a, run=ahead.at_prefill: ran.append(run(*a)) or ran[-1])
+    monkeypatch.setattr(ahead, "dry_step", lambda *a: dry.append(1) or False)
+    first = generate(model, OasisCache(model, compile_ahead=True, ahead_at_prefill=True, **options),
+                     {"input_ids": ids}, **kw)
+    assert ran == [True] and dry == [] and ahead.PENDING == []
+    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": ids}, **kw)
+    assert torch.equal(first.sequences, plain.sequences)
+
+
 def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(monkeypatch):
     """The H200, 2026-12-03 (twice, 7-12 tests each): "CUDA error: invalid argument" at `generate`'s `.item()` and at
     pinned allocations. A pinned host block last used on a stream and freed while that stream is captured leaves

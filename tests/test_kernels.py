@@ -38,22 +38,25 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("setting", [[], ["--lookahead", "none", "--batch", "2", "--prefill-chunk", "256"]],
-                         ids=["previous", "none-batch2-chunked"])
+@pytest.mark.parametrize("setting", [[], ["--lookahead", "none", "--batch", "2", "--prefill-chunk", "256"],
+                                     ["--ahead-at-prefill", "--lookahead", "none", "--batch", "2", "--prefill-chunk",
+                                      "256"]],
+                         ids=["previous", "none-batch2-chunked", "at-prefill-none-batch2-chunked"])
 def test_no_kernel_meets_a_new_specialization_once_a_block_has_completed(setting):
     """`bench/launch_keys.py --check --compile-ahead` under the interpreter: every specialization the package's
     kernels meet (what the GPU would compile: types, alignment, ints' divisibility by 16, constexprs) appears by the
     first decode step that completes a block; the 27 steps after it, across blocks numbering 32 and 33, meet none (a
     late one would be a compilation in the middle of a long generation on a machine without the kernels on disk).
     With `compile_ahead`, every kernel a decode step launches (the first step's, the first completing step's store)
-    was met first by the dry copy (compiled, not run: `compute/ahead.py`; after a prefill whole or in chunks), and
-    the greedy tokens equal a run without the option."""
+    was met first by the dry copy (compiled, not run: `compute/ahead.py`; after a prefill whole or in chunks; with
+    `ahead_at_prefill`, during the prefill's last chunk), and the greedy tokens equal a run without the option."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "launch_keys.py"), "--check", "--compile-ahead",
                           *setting], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "late specializations: none" in run.stdout, run.stdout
-    assert "dry step: ran" in run.stdout, run.stdout
+    assert ("dry step: ran at the prefill" if "--ahead-at-prefill" in setting else "dry step: ran") in run.stdout, \
+        run.stdout
     assert "not compiled ahead, met by a decode step: none; tokens as without the option: True" in run.stdout, \
         run.stdout
 

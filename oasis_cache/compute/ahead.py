@@ -6,8 +6,9 @@ them, 0.3-2.6 s each; decode step 1 took 7.8 s on a new machine against 0.12 s l
 and thirty-ninth sessions). Before that step runs, `dry_step` runs the same forward on a copy of the cache with
 every kernel launch made a compilation (`kernels/ahead.py`: in a thread pool), waits for them, and drops the copy:
 the real step then finds every kernel compiled. The copy holds the same shapes, so it meets the same
-specializations; it shares the host pools' chunks (nothing it launches writes them; a host write from it raises)
-and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
+specializations; its forward ends at the first attention layer whose shapes an earlier one had
+(`stop_after_distinct_layers`: one layer of a plain model). It shares the host pools' chunks (nothing it launches
+writes them; a host write from it raises) and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
 where the process may take less than twice that (`memory.device_memory.device_room`: free, or under its cap). Once
 per process for each cache configuration and batch shape.
 
@@ -15,7 +16,9 @@ Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth sessi
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
 real step 1 then saves. Run instead right after the prefill (with a decode step's inputs made from
 the prefill's), it gained nothing measurable from the device's queued prefill work, and the first token came its
-whole 4.2 s later.
+whole 4.2 s later. With one layer traced (forty-first session): the dry step 3.65 -> 3.2-4.4 s on a new machine (its
+compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the first kernels' submissions and the
+process's first use of the model's own operations, not the 35 other layers) and 0.93 -> 0.64 s with the kernels on disk.
 """
 
 from __future__ import annotations
@@ -54,10 +57,16 @@ def wanted(cache, tokens) -> bool:
     if shape in cache._ahead_asked or cache.get_seq_length(cache._first_oasis_layer) == 0:
         return False
     cache._ahead_asked.add(shape)
-    transfer = cache._transfer
-    return (transfer is not None and transfer.backend == "triton" and cache.remote_tier is None
-            and (setting is True or cache.layers[cache._first_oasis_layer].device.type == "cuda")
-            and signature(cache, tokens) not in _DONE)
+    return applies(cache) and signature(cache, tokens) not in _DONE
+
+
+def applies(cache) -> bool:
+    """The option on for this cache: kernels launched (the Triton backend) on a CUDA device (or `compile_ahead=True`
+    on any), a local cache (an admitted one's copy would fetch from its store)."""
+    setting, transfer = cache.config.compile_ahead, cache._transfer
+    return (setting is not False and transfer is not None and transfer.backend == "triton"
+            and cache.remote_tier is None
+            and (setting is True or cache.layers[cache._first_oasis_layer].device.type == "cuda"))
 
 
 def warm_block_store(cache) -> None:
@@ -98,6 +107,75 @@ def stop_after_distinct_layers(dry) -> int:
 
 def _done(*args, **kwargs):
     raise DryStepDone
+
+
+PENDING: list = []  # `kernels.ahead.Compilations` a prefill started (`at_prefill`), finished before the next decode
+
+
+def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> bool:
+    """`OasisConfig.ahead_at_prefill` (research): the dry step's compilations started during the prefill, so they
+    run while its other layers do instead of before the first decode step. Called by the first attention layer once
+    the whole prompt is in it (the last chunk of a chunked prefill): a read-only copy of the cache (without the
+    prompt's device-resident keys and values) takes one decode token of zeros at that layer and runs its attention
+    (the decode step's), its store warmed as in `dry_step`, every kernel launch a compilation left running;
+    `finish_pending` (before the next decode forward) waits for them. One layer meets the step's specializations
+    (`stop_after_distinct_layers`); `launch_keys --check --compile-ahead --ahead-at-prefill` checks that no decode
+    step meets one first. Not with a ride-along draft (its step attends two rows: `dry_step` then runs as before).
+    Returns whether it ran. Predicted (not yet measured): a new machine's first call loses most of its 2-3 s of
+    decode step 1, if the compilations' threads leave the prefill's host side ahead of the device."""
+    from ..layer import OasisLayer
+    from .attention import clear_pending
+
+    B = query.shape[0]
+    tokens = torch.empty((B, 1), device="meta")
+    if (cache.ride_along is not None or not layer.decodes(1) or not applies(cache)
+            or signature(cache, tokens) in _DONE):  # (no block in the pool yet: a step would attend densely)
+        return False
+    _DONE.add(signature(cache, tokens))
+    cache._ahead_asked.add((B, 1))
+    if layer.device.type == "cuda" and device_room(layer.device) < 2 * sum(cache.device_nbytes().values()):
+        return False
+    held = [(each, each.resident_kv) for each in cache.layers if isinstance(each, OasisLayer)]
+    dry = None
+    LAST.clear()
+    start = time.perf_counter()
+    try:
+        for each, _ in held:  # (the prompt's keys and values kept on the device for the chunks: not the copy's)
+            each.resident_kv = None
+        try:
+            dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
+        finally:
+            for each, kept in held:
+                each.resident_kv = kept
+        dry.captured_steps = None
+        dry._compile_later = False
+        dry._chunked_prefill = dry.prefill_resident = None
+        LAST["copy_s"] = time.perf_counter() - start
+        zeros = query.new_zeros(B, layer.num_kv_heads, 1, layer.head_dim)
+        mask = None if visible is None else torch.cat((visible, visible[:, -1:]), dim=1)
+        with compile_only(wait=False) as compilations:
+            dry.eager_update(zeros, zeros.clone(), layer.layer_idx)
+            clear_pending()
+            dry.layers[layer.layer_idx].attend(query[:, :, -1:], mask, scale)
+            warm_block_store(dry)
+        PENDING.append(compilations)
+        LAST["layers_traced"], LAST["trace_s"] = 1, time.perf_counter() - start - LAST["copy_s"]
+    except torch.OutOfMemoryError:  # (the copy did not fit after all: the first decode step compiles as it goes)
+        return False
+    finally:
+        clear_pending()  # (the real layer's pending handoff was taken before its attention ran)
+        if dry is not None and dry._streams is not None:
+            dry._streams.synchronize()
+        LAST["total_s"] = time.perf_counter() - start
+    return True
+
+
+def finish_pending() -> None:
+    """Wait for the compilations a prefill started (`at_prefill`); the kernels' caches then hold them."""
+    start = time.perf_counter()
+    while PENDING:
+        PENDING.pop().finish()
+    LAST["compile_wait_s"] = time.perf_counter() - start
 
 
 def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:

@@ -53,19 +53,39 @@ def _warm_up(kernel, *args, grid, warmup, **kwargs):
     return type(kernel).run(kernel, *args, grid=grid, warmup=True, **kwargs)
 
 
+class Compilations:
+    """What `compile_only` submitted, possibly still compiling: `finish()` waits for each and hands it to its kernel's
+    cache (what Triton's `AsyncCompileMode` does when its context is left), then ends the pool's threads."""
+
+    def __init__(self):
+        self.mode = self.pool = None
+
+    def finish(self) -> None:
+        mode, pool, self.mode, self.pool = self.mode, self.pool, None, None
+        if mode is not None:
+            from concurrent.futures import as_completed
+
+            for future in as_completed(mode.raw_futures):
+                mode.future_kernels[future._key].result(mode.ignore_errors)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 @contextlib.contextmanager
-def compile_only(workers: int | None = None):
+def compile_only(workers: int | None = None, wait: bool = True):
     """Inside: the package's kernel launches compile instead of running (on `workers` threads where Triton compiles
-    asynchronously; None: the CPUs, at most 16); leaving waits for every compilation. Not for use beside launches
-    from other threads (the kernels' `run` is swapped for the duration)."""
+    asynchronously; None: the CPUs, at most 16); leaving waits for every compilation — or, with `wait=False`, leaves
+    them compiling: the `Compilations` yielded must then be finished before the kernels' next launches need them
+    (`compute/ahead.at_prefill`; an error inside waits for them). Not for use beside launches from other threads
+    (the kernels' `run` is swapped for the duration)."""
     swapped = kernels()
     for kernel in swapped:
         kernel.run = functools.partial(_warm_up, kernel)  # (an instance attribute: `kernel[grid](...)` finds it)
-    pool = mode = None
+    compilations, active, token = Compilations(), None, None
     try:
         if os.environ.get("TRITON_INTERPRET") != "1":
             try:
-                from triton.runtime._async_compile import AsyncCompileMode
+                from triton.runtime._async_compile import AsyncCompileMode, active_mode as active
             except ImportError:  # (an older Triton: the warm-ups compile one after another)
                 AsyncCompileMode = None
             if AsyncCompileMode is not None:
@@ -75,12 +95,19 @@ def compile_only(workers: int | None = None):
                     def submit(self, fn, /, *args, **kwargs):
                         return super().submit(_compile_and_build_launcher, functools.partial(fn, *args, **kwargs))
 
-                pool = Pool(max_workers=workers or min(16, os.cpu_count() or 1))
-                mode = AsyncCompileMode(pool, ignore_errors=True)  # (a failure raises at the real launch instead)
-        with mode if mode is not None else contextlib.nullcontext():
-            yield
+                if active.get() is not None:
+                    raise RuntimeError("compile_only inside another asynchronous compilation of Triton")
+                compilations.pool = Pool(max_workers=workers or min(16, os.cpu_count() or 1))
+                compilations.mode = AsyncCompileMode(compilations.pool, ignore_errors=True)  # (a failure raises at
+                token = active.set(compilations.mode)  # the real launch instead)
+        yield compilations
+    except BaseException:
+        wait = True
+        raise
     finally:
         for kernel in swapped:
             kernel.__dict__.pop("run", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if token is not None:
+            active.reset(token)
+        if wait:
+            compilations.finish()
