@@ -125,7 +125,7 @@ def child(args) -> dict:
         cache = OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
         graphs, wall = counters["stats"]["unique_graphs"], time.time()
-        if args.profile and call == 0:
+        if args.profile and call == args.profile_call:
             import cProfile
             profile = cProfile.Profile()
             profile.enable()
@@ -137,7 +137,7 @@ def child(args) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        if profile is not None and call == 0:
+        if profile is not None and call == args.profile_call:
             profile.disable()
             profile.dump_stats(args.profile)
         first_token.append(clock.stamps[0] - t0)
@@ -232,8 +232,11 @@ def main(argv=None):
                              "prefill, at its first attention layer (research; its phases print as the dry step's)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
-    parser.add_argument("--profile", default="", help="cProfile each child's first call (its thread) into "
+    parser.add_argument("--profile", default="", help="cProfile one call of each child (its thread; --profile-call) into "
                         "PATH.<process> (pstats; the parent prints the top functions by cumulative and own time)")
+    parser.add_argument("--profile-call", type=int, default=0,
+                        help="with --profile: which call of each child to profile (0: the first; e.g. 2 for a later "
+                             "call's prefill, whose first token still fell with fast_pinning: forty-first session)")
     parser.add_argument("--compile-after-steps", type=int, default=0,
                         help="the default compile_decode=None with compile_after_steps=N (research): its switch sooner")
     parser.add_argument("--child-stderr", default="", help="each child's stderr into DIR/child-<i>.log (e.g. with "
@@ -273,7 +276,8 @@ def main(argv=None):
         command += ["--no-compile-ahead"] if args.no_compile_ahead else []
         command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
         command += ["--stall-monitor"] if args.stall_monitor else []
-        command += ["--profile", f"{args.profile}.{index}"] if args.profile else []
+        command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \
+            if args.profile else []
         command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if args.child_stderr:

@@ -181,8 +181,8 @@ class OasisConfig:
             malloc, its pages touched by 8 threads, then registered, instead of `cudaHostAlloc`), keeping the
             process's other settings; left alone where they name `pinned_use_cuda_host_register` (the user's choice).
             H200 host, 5 GiB in 16 MiB chunks: 1.9-2.2 -> 0.72 s; Qwen3-8B at 32K x 1, the first token 3.0-3.2 ->
-            2.0-2.7 s in every call that pins a new pool (`memory/host_memory.py`, docs/perf.md, forty-first
-            session). True (default); False leaves torch's settings as they are.
+            2.0-2.7 s in every call of a process (`memory/host_memory.py`, docs/perf.md, forty-first session).
+            True (default); False leaves torch's settings as they are.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
