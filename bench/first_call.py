@@ -233,7 +233,8 @@ def main(argv=None):
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile one call of each child (its thread; "
-                        "--profile-call) into PATH.<process> (pstats; the parent prints the top functions by cumulative and own time)")
+                        "--profile-call) into PATH.<process> (pstats; the parent prints the top functions by "
+                        "cumulative and own time)")
     parser.add_argument("--profile-call", type=int, default=0,
                         help="with --profile: which call of each child to profile (0: the first; e.g. 2 for a later "
                              "call's prefill, whose first token still fell with fast_pinning: forty-first session)")
