@@ -8,17 +8,19 @@ every kernel launch made a compilation (`kernels/ahead.py`: in a thread pool), w
 the real step then finds every kernel compiled. The copy holds the same shapes, so it meets the same
 specializations; its forward ends at the first attention layer whose shapes an earlier one had
 (`stop_after_distinct_layers`: one layer of a plain model). It shares the host pools' chunks (nothing it launches
-writes them; a host write from it raises) and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at 32K x 1 for Qwen3-8B), which is skipped
-where the process may take less than twice that (`memory.device_memory.device_room`: free, or under its cap). Once
-per process for each cache configuration and batch shape.
+writes them; a host write from it raises) and copies the device state (`OasisCache.device_nbytes`: ~0.44 GB at
+32K x 1 for Qwen3-8B), which is skipped where the process may take less than twice that
+(`memory.device_memory.device_room`: free, or under its cap). Once per process for each cache configuration and
+batch shape.
 
 Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
 real step 1 then saves. Run instead right after the prefill (with a decode step's inputs made from
 the prefill's), it gained nothing measurable from the device's queued prefill work, and the first token came its
-whole 4.2 s later. With one layer traced (forty-first session): the dry step 3.65 -> 3.2-4.4 s on a new machine (its
-compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the first kernels' submissions and the
-process's first use of the model's own operations, not the 35 other layers) and 0.93 -> 0.64 s with the kernels on disk.
+whole 4.2 s later. With one layer traced (forty-first session): 0.93 -> 0.64 s with the kernels on disk; on a new
+machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the
+kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
+other layers).
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ def stop_after_distinct_layers(dry) -> int:
     """Make the dry copy's forward end at the first attention layer whose shapes an earlier layer had (the layers of a
     model share them: the dry forward then runs one layer's attention, not all of them); returns how many layers it
     traces. A layer's launches are decided by its shapes (`signature` holds the cache's options): a layer meeting
-    nothing new need not run. Measured (H200, Qwen3-8B at 32K x 1, a new machine, forty-first session): the whole dry
-    forward took 2.1 s beside its compilations (0.9 s with the kernels on disk), while they ran ~2 s."""
+    nothing new need not run. Measured (H200, Qwen3-8B at 32K x 1, forty-first session): the dry step 0.93 -> 0.64 s
+    with the kernels on disk; on a new machine its trace stays 1.3-2.1 s (the submissions, not the layers)."""
     seen = set()
     for layer in dry.layers:
         if not getattr(layer, "is_initialized", False) or not hasattr(layer, "attend"):

@@ -82,7 +82,8 @@ _PINNING: dict = {}  # "on": whether this process pins that way (decided once)
 
 def allocator_settings() -> str:
     """The process's allocator settings as torch last parsed them (its getter where torch has one, else the
-    environment it read them from)."""
+    environment it read them from: on such a torch, settings changed at run time before the first CUDA cache give way
+    to the environment's, plus `FAST_PINNING`; `OasisConfig(fast_pinning=False)` keeps them)."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         try:
