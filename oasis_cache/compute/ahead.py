@@ -125,33 +125,22 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     step meets one first. Not with a ride-along draft (its step attends two rows: `dry_step` then runs as before).
     Returns whether it ran. Predicted (not yet measured): a new machine's first call loses most of its 2-3 s of
     decode step 1, if the compilations' threads leave the prefill's host side ahead of the device."""
-    from ..layer import OasisLayer
     from .attention import clear_pending
 
     B = query.shape[0]
-    tokens = torch.empty((B, 1), device="meta")
+    step = signature(cache, torch.empty((B, 1), device="meta"))
     if (cache.ride_along is not None or not layer.decodes(1) or not applies(cache)
-            or signature(cache, tokens) in _DONE):  # (no block in the pool yet: a step would attend densely)
+            or step in _DONE):  # (no block in the pool yet: a step would attend densely)
         return False
-    _DONE.add(signature(cache, tokens))
+    _DONE.add(step)
     cache._ahead_asked.add((B, 1))
-    if layer.device.type == "cuda" and device_room(layer.device) < 2 * sum(cache.device_nbytes().values()):
+    if not _room_for_copy(cache):
         return False
-    held = [(each, each.resident_kv) for each in cache.layers if isinstance(each, OasisLayer)]
     dry = None
     LAST.clear()
     start = time.perf_counter()
     try:
-        for each, _ in held:  # (the prompt's keys and values kept on the device for the chunks: not the copy's)
-            each.resident_kv = None
-        try:
-            dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
-        finally:
-            for each, kept in held:
-                each.resident_kv = kept
-        dry.captured_steps = None
-        dry._compile_later = False
-        dry._chunked_prefill = dry.prefill_resident = None
+        dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         zeros = query.new_zeros(B, layer.num_kv_heads, 1, layer.head_dim)
         mask = None if visible is None else torch.cat((visible, visible[:, -1:]), dim=1)
@@ -166,8 +155,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
         return False
     finally:
         clear_pending()  # (the real layer's pending handoff was taken before its attention ran)
-        if dry is not None and dry._streams is not None:
-            dry._streams.synchronize()
+        _drop(dry)
         LAST["total_s"] = time.perf_counter() - start
     return True
 
@@ -188,16 +176,13 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
     name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is cache), None)
     if name is None:
         return False
-    device = cache.layers[cache._first_oasis_layer].device
-    if device.type == "cuda" and device_room(device) < 2 * sum(cache.device_nbytes().values()):
-        return False  # (under a per-process cap too: the copy would only run out of memory)
+    if not _room_for_copy(cache):
+        return False
     dry = None
     LAST.clear()
     start = time.perf_counter()
     try:
-        dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
-        dry.captured_steps = None  # (eager: nothing is captured from a step whose launches do not run)
-        dry._compile_later = False  # (not a step of the model's count)
+        dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         LAST["layers_traced"] = stop_after_distinct_layers(dry)
         with compile_only():
@@ -211,9 +196,43 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
         return False
     finally:
-        if dry is not None and dry.ride_along is not None:
-            dry.ride_along.remove()
-        if dry is not None and dry._streams is not None:
-            dry._streams.synchronize()
+        _drop(dry)
         LAST["total_s"] = time.perf_counter() - start
     return True
+
+
+def _room_for_copy(cache) -> bool:
+    """Whether the process may take twice the cache's device state (under a per-process cap too: a copy past it
+    would only run out of memory)."""
+    device = cache.layers[cache._first_oasis_layer].device
+    return device.type != "cuda" or device_room(device) >= 2 * sum(cache.device_nbytes().values())
+
+
+def _read_only_copy(cache):
+    """The dry steps' copy of `cache`: host chunks shared read-only, device state copied — not the prompt's keys and
+    values a chunked prefill keeps on the device (`resident_kv`, a prefill's own), eager (nothing is captured from a
+    step whose launches do not run), not a step of the model's count, not inside a chunked prefill."""
+    from ..layer import OasisLayer
+
+    held = [(layer, layer.resident_kv) for layer in cache.layers if isinstance(layer, OasisLayer)]
+    for layer, _ in held:
+        layer.resident_kv = None
+    try:
+        dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
+    finally:
+        for layer, kept in held:
+            layer.resident_kv = kept
+    dry.captured_steps = None
+    dry._compile_later = False
+    dry._chunked_prefill = dry.prefill_resident = None
+    return dry
+
+
+def _drop(dry) -> None:
+    """Let a dry copy go: its ride-along's hooks off the model, its streams' work done."""
+    if dry is None:
+        return
+    if dry.ride_along is not None:
+        dry.ride_along.remove()
+    if dry._streams is not None:
+        dry._streams.synchronize()
