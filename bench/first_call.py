@@ -111,6 +111,8 @@ def child(args) -> dict:
         options["compile_ahead"] = bool(args.compile_ahead)
     if args.ahead_at_prefill:  # (research: the dry step's compilations started during the prefill)
         options["ahead_at_prefill"] = True
+    if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
+        options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -230,6 +232,9 @@ def main(argv=None):
     parser.add_argument("--ahead-at-prefill", action="store_true",
                         help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
                              "prefill, at its first attention layer (research; its phases print as the dry step's)")
+    parser.add_argument("--compile-workers", default=None,
+                        help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
+                             "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile one call of each child (its thread; "
@@ -258,6 +263,7 @@ def main(argv=None):
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
+              + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
@@ -276,6 +282,7 @@ def main(argv=None):
         command += ["--compile-ahead"] if args.compile_ahead else []
         command += ["--no-compile-ahead"] if args.no_compile_ahead else []
         command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
+        command += ["--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \
             if args.profile else []

@@ -694,6 +694,8 @@ class OasisCache(Cache):
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
                                self.config.max_decode_tokens)
         past = self.get_seq_length(self._first_oasis_layer)
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] > self.config.max_decode_tokens:
+            ahead.start_workers(self, tokens.device)  # (a prefill: the dry step's compile workers start beside it)
         try:
             if spans is not None:
                 self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)

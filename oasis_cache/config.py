@@ -175,7 +175,17 @@ class OasisConfig:
         ahead_at_prefill: research, with `compile_ahead` on: the dry step runs during the prefill instead — one
             decode token at the first attention layer of a read-only copy, once the whole prompt is in that layer —
             and its compilations go on while the prefill's other layers run; the first decode step waits for what is
-            left (`compute/ahead.at_prefill`). Not with a ride-along draft. Off (not yet measured on the GPU).
+            left (`compute/ahead.at_prefill`). Not with a ride-along draft. Off: on the H200 the first call was
+            unchanged (the trace moves into the prefill, step 1 still waits 2.1-2.2 s; docs/perf.md, forty-second
+            session).
+        compile_workers: with `compile_ahead` on, where no dry step has run in the process yet: worker processes
+            started at the prefill (torch and Triton imported, Triton's start-up paid while the prefill runs) that
+            compile the dry step's kernels side by side (`kernels/compile_workers.py`: threads take turns on the
+            interpreter lock in Triton's code generator); closed after that step. Research: the trace beside the
+            compilations 1.3 -> 0.2-0.3 s, but the workers' start (3.8-4.8 s: torch, Triton, a first compilation)
+            and the slowest kernel (~1.5 s) are the critical path, and the first `generate` gained nothing (H200,
+            Qwen3-8B at 32K x 1 on a new machine: 7.3-8.2 s against 7.2-7.9 with threads; docs/perf.md,
+            forty-second session). 0 (default): threads; None: the CPUs less one, at most 8, none below 3 CPUs.
         fast_pinning: before a CUDA cache pins its first host chunk, once per process, extend torch's allocator
             settings with `pinned_use_cuda_host_register:True,pinned_num_register_threads:8` (pinned memory taken by
             malloc, its pages touched by 8 threads, then registered, instead of `cudaHostAlloc`), keeping the
@@ -232,6 +242,7 @@ class OasisConfig:
     fuse_projections: bool = False
     compile_ahead: bool | None = None
     ahead_at_prefill: bool = False
+    compile_workers: int | None = 0
     fast_pinning: bool = True
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
@@ -344,6 +355,11 @@ class OasisConfig:
             raise ValueError(f"compile_ahead must be None (automatic), True or False, got {self.compile_ahead!r}.")
         if self.ahead_at_prefill not in (True, False):
             raise ValueError(f"ahead_at_prefill must be True or False, got {self.ahead_at_prefill!r}.")
+        if self.compile_workers is not None and (isinstance(self.compile_workers, bool)
+                                                 or not isinstance(self.compile_workers, int)
+                                                 or self.compile_workers < 0):
+            raise ValueError(f"compile_workers must be None (automatic) or a count >= 0 (0: compile in threads), got "
+                             f"{self.compile_workers!r}.")
         if self.fast_pinning not in (True, False):
             raise ValueError(f"fast_pinning must be True or False, got {self.fast_pinning!r}.")
         if self.top_k_kernel not in (None, True, False):

@@ -504,25 +504,38 @@ def test_a_cache_reused_after_its_model_moved_captures_its_steps_anew():
 
 
 @pytest.mark.parametrize("lookahead", ["none", "previous"])
-def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, monkeypatch):
-    """`compile_ahead=True` on CUDA: the dry copy's launches are warm-ups in Triton's thread pool (compilations, or
-    the kernels already in this process) and run nothing; the real steps (captured ones too) decode what a cache
-    without the option decodes, and the dry step runs once per process and signature (`compute/ahead.py`; how much
-    it saves on a new machine: `bash bench/gpu_run.sh firstcallahead`)."""
+@pytest.mark.parametrize("workers", [2, 0], ids=["processes", "threads"])
+def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, workers, monkeypatch, tmp_path):
+    """`compile_ahead=True` on CUDA, in a new kernel cache: the dry copy's launches are compilations — in the worker
+    processes the prefill started (`compile_workers`, `kernels/compile_workers.py`: every one sent compiles), or in
+    Triton's thread pool — and run nothing; the real steps (captured ones too) decode what a cache without the option
+    decodes, and the dry step runs once per process and signature (`compute/ahead.py`; how much it saves on a new
+    machine: `bash bench/gpu_run.sh firstcallworkers`)."""
     from oasis_cache.compute import ahead
+    from oasis_cache.kernels.ahead import kernels
 
     monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # (a new machine's kernel cache:)
+    for kernel in kernels():
+        kernel.device_caches.clear()  # (this process's compiled kernels forgotten)
     model = tiny_model("qwen3").cuda()
     ids = prompt_ids(300).cuda()
     kw = dict(max_new_tokens=24, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead=lookahead)
     calls = []
     monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: calls.append(run(*a)) or calls[-1])
-    first = generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
+    first = generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, **options),
+                     {"input_ids": ids}, **kw)
     assert calls == [True]
+    if workers:
+        assert 1 <= ahead.LAST["workers"] <= workers and ahead.LAST["failed"] == 0 and ahead.LAST["sent"] >= 4, \
+            ahead.LAST
+    else:
+        assert "sent" not in ahead.LAST, ahead.LAST
     plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": ids}, **kw)
     assert torch.equal(first.sequences, plain.sequences)
-    generate(model, OasisCache(model, compile_ahead=True, **options), {"input_ids": ids}, **kw)
+    generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, **options), {"input_ids": ids},
+             **kw)
     assert calls == [True]  # (once per signature)
 
 

@@ -4,6 +4,7 @@ through unified addressing), on CUDA for real."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -119,3 +120,108 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mod
         sites = {(d["site"].split(":")[0], d["site"].split("(")[-1].rstrip(")")) for d in found["differing"]}
         assert sites <= STEP_VARYING, (name, sites - STEP_VARYING)
         assert found["differing"], name  # the audit sees what varies (the caller's mask at least)
+
+
+def _compile_workers_or_skip():
+    """Triton with what the compile workers use (its `jit_cache_hook`'s serialized specialization, `preload`, the
+    CUDA backend's compiler), or a skip naming what is missing."""
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook") or not hasattr(knobs.compilation, "listener"):
+        pytest.skip(f"Triton {triton.__version__} lacks knobs.runtime.jit_cache_hook: compile_only uses threads")
+    from triton.backends.compiler import GPUTarget
+
+    return knobs, GPUTarget("cuda", 90, 32)
+
+
+def _recent_append_args():
+    return (torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64), torch.zeros(2, 1, 2, 32, 64),
+            torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_compile_workers_compile_a_launch_that_the_main_process_then_finds_on_disk(tmp_path, monkeypatch):
+    """`compile_only(processes=CompileWorkers(...))` (the dry step's compilations, `kernels/compile_workers.py`): a
+    launch of the package's kernel inside it is sent to a worker process — which compiles it for sm_90 here, on the
+    CPU, through Triton's own `preload` — and not compiled in this process; the same launch after it is a cache hit
+    in this process (the key the worker wrote under is the one a real launch looks up). A job the workers cannot do
+    fails without raising (the real launch would compile it); closed workers take no more jobs."""
+    knobs, target = _compile_workers_or_skip()
+    from triton.runtime import driver
+
+    from oasis_cache.kernels import ahead, compile_workers
+    from oasis_cache.kernels.recent_append import _recent_append_kernel, recent_append
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))  # (no device here)
+    compiled = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kwargs: compiled.append(kwargs["cache_hit"]))
+    workers = compile_workers.CompileWorkers(2, target, str(tmp_path))
+    try:
+        with ahead.compile_only(processes=workers) as compilations:
+            recent_append(*_recent_append_args())
+        assert (compilations.sent, compilations.failed, compiled) == (1, 0, []), (workers.errors, compiled)
+        assert list(tmp_path.rglob("_recent_append_kernel.cubin")), sorted(p.name for p in tmp_path.rglob("*"))
+        answer = workers.submit("oasis_cache.kernels.recent_append", "_no_such_kernel", "{}").result(timeout=120)
+        assert answer["ok"] is False and "_no_such_kernel" in answer["error"]
+    finally:
+        workers.close()
+    monkeypatch.setattr(_recent_append_kernel, "run", functools.partial(ahead._warm_up, _recent_append_kernel),
+                        raising=False)  # (a warm-up here too: nothing runs on the CPU)
+    recent_append(*_recent_append_args())
+    assert compiled == [True]
+    for thread in workers._threads:
+        thread.join(timeout=60)
+    assert not workers.alive and len(workers.ready_s) == 2 and workers.errors == []
+    with pytest.raises(RuntimeError, match="no compile worker"):
+        workers.submit("oasis_cache.kernels.recent_append", "_recent_append_kernel", "{}").result(timeout=5)
+
+
+def test_compile_workers_option_is_checked():
+    from oasis_cache import OasisConfig
+    from oasis_cache.kernels.compile_workers import default_count
+
+    assert OasisConfig(256, compile_workers=0).compile_workers == 0 and 0 <= default_count() <= 8
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="compile_workers must be None"):
+            OasisConfig(256, compile_workers=bad)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engine(monkeypatch):
+    """`compute/ahead.start_workers` runs as a cache's first prefill begins, before its transfer engine exists (it
+    starts at the first layer's update): the option is judged from the prefill's device then (the forty-second
+    session's first GPU run started no worker for that reason). With `compile_workers=0`, the default, none start."""
+    _, target = _compile_workers_or_skip()
+    from triton.runtime import driver
+
+    from conftest import tiny_model
+    from oasis_cache import OasisCache
+    from oasis_cache.compute import ahead
+    from oasis_cache.kernels import compile_workers
+
+    model = tiny_model("qwen3")
+    started = []
+    monkeypatch.setattr(compile_workers, "CompileWorkers", lambda *args: started.append(args) or "workers")
+    monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))
+    monkeypatch.setattr(ahead, "_DONE", set())
+    monkeypatch.setattr(ahead, "_WORKERS", None)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cache = OasisCache(model, token_budget=128, compile_workers=2)
+    assert cache._transfer is None and ahead.applies(cache, cuda) and not ahead.applies(cache, cpu)
+    assert not ahead.applies(OasisCache(model, token_budget=128, compile_ahead=False), cuda)
+    ahead.start_workers(cache, cpu)
+    ahead.start_workers(OasisCache(model, token_budget=128), cuda)
+    assert started == []
+    ahead.start_workers(cache, cuda)
+    assert started == [(2, target, triton_cache_dir())] and ahead._take_workers() == "workers"
+    ahead._DONE.add("a dry step ran")
+    ahead.start_workers(cache, cuda)
+    assert len(started) == 1 and ahead._take_workers() is None
+
+
+def triton_cache_dir():
+    from triton import knobs
+
+    return knobs.cache.dir

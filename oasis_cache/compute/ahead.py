@@ -20,12 +20,15 @@ the prefill's), it gained nothing measurable from the device's queued prefill wo
 whole 4.2 s later. With one layer traced (forty-first session): 0.93 -> 0.64 s with the kernels on disk; on a new
 machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the
 kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
-other layers).
+other layers). With `compile_workers` (research) the compilations go to worker processes a prefill started
+(`start_workers`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
+start is 3.8-4.8 s; forty-second session).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -36,6 +39,7 @@ from ..pools.host_kv import READ_ONLY_COPY
 
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
 LAST: dict = {}  # the last dry step's phases (s): `bench/first_call.py` prints them
+_WORKERS = None  # compile workers a prefill started (`start_workers`) for the dry step after it
 
 
 def signature(cache, tokens: torch.Tensor) -> tuple:
@@ -62,13 +66,23 @@ def wanted(cache, tokens) -> bool:
     return applies(cache) and signature(cache, tokens) not in _DONE
 
 
-def applies(cache) -> bool:
+def applies(cache, device: torch.device | None = None) -> bool:
     """The option on for this cache: kernels launched (the Triton backend) on a CUDA device (or `compile_ahead=True`
-    on any), a local cache (an admitted one's copy would fetch from its store)."""
+    on any), a local cache (an admitted one's copy would fetch from its store). `device`: before the cache's first
+    forward (which starts its transfer engine), the device that forward runs on."""
+    from ..memory.transfer import resolve_backend
+
     setting, transfer = cache.config.compile_ahead, cache._transfer
-    return (setting is not False and transfer is not None and transfer.backend == "triton"
-            and cache.remote_tier is None
-            and (setting is True or cache.layers[cache._first_oasis_layer].device.type == "cuda"))
+    if setting is False or cache.remote_tier is not None:
+        return False
+    if transfer is None:
+        try:
+            backend = None if device is None else resolve_backend(cache.config.backend, device)
+        except (ValueError, ImportError):  # (the forward itself says what is wrong)
+            return False
+        return backend == "triton" and (setting is True or device.type == "cuda")
+    return transfer.backend == "triton" and (setting is True or
+                                             cache.layers[cache._first_oasis_layer].device.type == "cuda")
 
 
 def warm_block_store(cache) -> None:
@@ -83,6 +97,45 @@ def warm_block_store(cache) -> None:
     block = torch.empty(2, layer.batch_size, layer.num_kv_heads, 1, cache.config.block_size, layer.head_dim,
                         dtype=layer.pool.dtype, device=layer.device)
     transfer.offload(layer.pool, block, layer.summaries.count)
+
+
+def start_workers(cache, device: torch.device) -> None:
+    """At a prefill on `device`, where no dry step has run in this process yet and the option is on for `cache`: start
+    the compile workers (`OasisConfig.compile_workers`, `kernels/compile_workers.py`), so that they are ready (torch and
+    Triton imported, Triton's start-up paid) when the dry step after the prefill sends them its kernels. Nothing
+    where Triton is interpreted, or where the target or the workers cannot be had (the dry step then compiles in
+    threads)."""
+    global _WORKERS
+    if _WORKERS is not None or _DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    from ..kernels import compile_workers
+
+    count = cache.config.compile_workers
+    count = compile_workers.default_count() if count is None else count
+    if count <= 0 or compile_workers.triton is None:
+        return
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _WORKERS = compile_workers.CompileWorkers(count, driver.active.get_current_target(), knobs.cache.dir)
+    except Exception:  # noqa: BLE001 - (an optimization: the dry step compiles in threads instead)
+        _WORKERS = None
+
+
+def _take_workers():
+    """The workers a prefill started, handed to one dry step (which closes them)."""
+    global _WORKERS
+    workers, _WORKERS = _WORKERS, None
+    return workers
+
+
+def _note(compilations, workers) -> None:
+    """What the dry step's compilations were: how many went to workers, how many of those failed."""
+    if workers is not None:
+        LAST["workers"], LAST["sent"], LAST["failed"] = len(workers.ready_s), compilations.sent, compilations.failed
+        if workers.ready_s:
+            LAST["workers_ready_s"] = max(workers.ready_s)
 
 
 class DryStepDone(Exception):
@@ -123,8 +176,8 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     `finish_pending` (before the next decode forward) waits for them. One layer meets the step's specializations
     (`stop_after_distinct_layers`); `launch_keys --check --compile-ahead --ahead-at-prefill` checks that no decode
     step meets one first. Not with a ride-along draft (its step attends two rows: `dry_step` then runs as before).
-    Returns whether it ran. Predicted (not yet measured): a new machine's first call loses most of its 2-3 s of
-    decode step 1, if the compilations' threads leave the prefill's host side ahead of the device."""
+    Returns whether it ran. Measured (H200, 32K x 1 on a new machine, forty-second session): the trace's 1.6 s moves
+    into the prefill (the first token that much later), step 1 still waits 2.1-2.2 s; the first call unchanged."""
     from .attention import clear_pending
 
     B = query.shape[0]
@@ -136,7 +189,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     cache._ahead_asked.add((B, 1))
     if not _room_for_copy(cache):
         return False
-    dry = None
+    dry, workers = None, _take_workers()
     LAST.clear()
     start = time.perf_counter()
     try:
@@ -144,14 +197,16 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
         LAST["copy_s"] = time.perf_counter() - start
         zeros = query.new_zeros(B, layer.num_kv_heads, 1, layer.head_dim)
         mask = None if visible is None else torch.cat((visible, visible[:, -1:]), dim=1)
-        with compile_only(wait=False) as compilations:
+        with compile_only(wait=False, processes=workers) as compilations:
             dry.eager_update(zeros, zeros.clone(), layer.layer_idx)
             clear_pending()
             dry.layers[layer.layer_idx].attend(query[:, :, -1:], mask, scale)
             warm_block_store(dry)
-        PENDING.append(compilations)
+        PENDING.append((compilations, workers))
         LAST["layers_traced"], LAST["trace_s"] = 1, time.perf_counter() - start - LAST["copy_s"]
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the first decode step compiles as it goes)
+        if workers is not None:
+            workers.close()
         return False
     finally:
         clear_pending()  # (the real layer's pending handoff was taken before its attention ran)
@@ -164,7 +219,11 @@ def finish_pending() -> None:
     """Wait for the compilations a prefill started (`at_prefill`); the kernels' caches then hold them."""
     start = time.perf_counter()
     while PENDING:
-        PENDING.pop().finish()
+        compilations, workers = PENDING.pop()
+        compilations.finish()
+        if workers is not None:
+            workers.close()
+        _note(compilations, workers)
     LAST["compile_wait_s"] = time.perf_counter() - start
 
 
@@ -178,14 +237,14 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         return False
     if not _room_for_copy(cache):
         return False
-    dry = None
+    dry, workers = None, _take_workers()
     LAST.clear()
     start = time.perf_counter()
     try:
         dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         LAST["layers_traced"] = stop_after_distinct_layers(dry)
-        with compile_only():
+        with compile_only(processes=workers) as compilations:
             try:
                 dry._forward_one(runner, {**kwargs, name: dry})
             except DryStepDone:
@@ -193,9 +252,12 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
             warm_block_store(dry)
             LAST["trace_s"] = time.perf_counter() - start - LAST["copy_s"]
         LAST["compile_wait_s"] = time.perf_counter() - start - LAST["copy_s"] - LAST["trace_s"]
+        _note(compilations, workers)
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
         return False
     finally:
+        if workers is not None:
+            workers.close()
         _drop(dry)
         LAST["total_s"] = time.perf_counter() - start
     return True

@@ -55,12 +55,21 @@ def _warm_up(kernel, *args, grid, warmup, **kwargs):
 
 class Compilations:
     """What `compile_only` submitted, possibly still compiling: `finish()` waits for each and hands it to its kernel's
-    cache (what Triton's `AsyncCompileMode` does when its context is left), then ends the pool's threads."""
+    cache (what Triton's `AsyncCompileMode` does when its context is left), then ends the pool's threads; or, where
+    they went to worker processes, waits for their answers (`sent`, `failed`: the real launch compiles a failed one)."""
 
     def __init__(self):
         self.mode = self.pool = None
+        self.futures: list = []
+        self.sent = self.failed = 0
 
     def finish(self) -> None:
+        futures, self.futures = self.futures, []
+        for future in futures:
+            try:
+                self.failed += not future.result().get("ok", False)
+            except Exception:  # noqa: BLE001 - (a worker gone: the real launch compiles it)
+                self.failed += 1
         mode, pool, self.mode, self.pool = self.mode, self.pool, None, None
         if mode is not None:
             from concurrent.futures import as_completed
@@ -71,19 +80,47 @@ class Compilations:
             pool.shutdown(wait=True)
 
 
+def _send_to(processes, compilations: Compilations, swapped: list, previous):
+    """Triton's `jit_cache_hook` while `compile_only` sends to worker processes: a specialization of one of the
+    package's kernels goes to them (Triton's serialized form) and is not compiled here; any other goes to the hook
+    that was set before."""
+    ours = {id(kernel) for kernel in swapped}
+
+    def hook(*, fn, compile, **kwargs):
+        if id(fn.jit_function) not in ours or "specialization_data" not in compile:
+            return previous(fn=fn, compile=compile, **kwargs) if previous is not None else None
+        compilations.futures.append(processes.submit(fn.module, fn.name, compile["specialization_data"]))
+        compilations.sent += 1
+        return True
+
+    return hook
+
+
 @contextlib.contextmanager
-def compile_only(workers: int | None = None, wait: bool = True):
-    """Inside: the package's kernel launches compile instead of running (on `workers` threads where Triton compiles
-    asynchronously; None: the CPUs, at most 16); leaving waits for every compilation — or, with `wait=False`, leaves
-    them compiling: the `Compilations` yielded must then be finished before the kernels' next launches need them
-    (`compute/ahead.at_prefill`; an error inside waits for them). Not for use beside launches from other threads
-    (the kernels' `run` is swapped for the duration)."""
+def compile_only(workers: int | None = None, wait: bool = True, processes=None):
+    """Inside: the package's kernel launches compile instead of running — in `processes` (`CompileWorkers`, while any
+    of them runs), else on `workers` threads where Triton compiles asynchronously (None: the CPUs, at most 16);
+    leaving waits for every compilation — or, with `wait=False`, leaves them compiling: the `Compilations` yielded
+    must then be finished before the kernels' next launches need them (`compute/ahead.at_prefill`; an error inside
+    waits for them). Not for use beside launches from other threads (the kernels' `run` is swapped for the
+    duration)."""
     swapped = kernels()
     for kernel in swapped:
         kernel.run = functools.partial(_warm_up, kernel)  # (an instance attribute: `kernel[grid](...)` finds it)
-    compilations, active, token = Compilations(), None, None
+    compilations, active, token, knobs, previous = Compilations(), None, None, None, None
     try:
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if not interpreted and processes is not None and processes.alive:
+            try:
+                from triton import knobs
+            except ImportError:  # (a Triton without the hook: threads)
+                knobs = None
+            if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+                previous = knobs.runtime.jit_cache_hook
+                knobs.runtime.jit_cache_hook = _send_to(processes, compilations, swapped, previous)
+            else:
+                knobs = None
+        if not interpreted and knobs is None:
             try:
                 from triton.runtime._async_compile import AsyncCompileMode, active_mode as active
             except ImportError:  # (an older Triton: the warm-ups compile one after another)
@@ -107,6 +144,8 @@ def compile_only(workers: int | None = None, wait: bool = True):
     finally:
         for kernel in swapped:
             kernel.__dict__.pop("run", None)
+        if knobs is not None:
+            knobs.runtime.jit_cache_hook = previous
         if token is not None:
             active.reset(token)
         if wait:
