@@ -2,6 +2,7 @@
 turns step by step) computes what one-after-the-other computes."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -286,3 +287,14 @@ def test_head_attention_bench_times_both_forms_and_they_agree(capsys):
     out = capsys.readouterr().out
     assert "full mask" in out and "by chunks" in out
     assert float(out.rsplit("largest output difference", 1)[1]) < 1e-5
+
+
+def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
+    """`bench/compile_times.py` compiles the top-k kernel's specializations for sm_90 here (no GPU): one and two
+    stages, each timed in a new kernel cache."""
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_times.py"), "--widths", "2176", "8704",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "top-k, 2176 blocks a row" in run.stdout and "top-k, 8704 blocks a row" in run.stdout, run.stdout

@@ -161,6 +161,8 @@ def test_compile_workers_compile_a_launch_that_the_main_process_then_finds_on_di
         with ahead.compile_only(processes=workers) as compilations:
             recent_append(*_recent_append_args())
         assert (compilations.sent, compilations.failed, compiled) == (1, 0, []), (workers.errors, compiled)
+        assert list(compilations.seconds) == ["_recent_append_kernel"] and compilations.seconds[
+            "_recent_append_kernel"] > 0
         assert list(tmp_path.rglob("_recent_append_kernel.cubin")), sorted(p.name for p in tmp_path.rglob("*"))
         answer = workers.submit("oasis_cache.kernels.recent_append", "_no_such_kernel", "{}").result(timeout=120)
         assert answer["ok"] is False and "_no_such_kernel" in answer["error"]

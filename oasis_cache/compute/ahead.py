@@ -136,6 +136,7 @@ def _note(compilations, workers) -> None:
         LAST["workers"], LAST["sent"], LAST["failed"] = len(workers.ready_s), compilations.sent, compilations.failed
         if workers.ready_s:
             LAST["workers_ready_s"] = max(workers.ready_s)
+        LAST.update({f"compile_s:{name}": seconds for name, seconds in compilations.seconds.items()})
 
 
 class DryStepDone(Exception):

@@ -56,20 +56,25 @@ def _warm_up(kernel, *args, grid, warmup, **kwargs):
 class Compilations:
     """What `compile_only` submitted, possibly still compiling: `finish()` waits for each and hands it to its kernel's
     cache (what Triton's `AsyncCompileMode` does when its context is left), then ends the pool's threads; or, where
-    they went to worker processes, waits for their answers (`sent`, `failed`: the real launch compiles a failed one)."""
+    they went to worker processes, waits for their answers (`sent`, `failed`: the real launch compiles a failed one;
+    `seconds`: each kernel's longest compilation there)."""
 
     def __init__(self):
         self.mode = self.pool = None
-        self.futures: list = []
+        self.futures: list = []  # (kernel name, Future of a worker's answer)
         self.sent = self.failed = 0
+        self.seconds: dict = {}  # kernel name: its longest compilation in a worker (s)
 
     def finish(self) -> None:
         futures, self.futures = self.futures, []
-        for future in futures:
+        for name, future in futures:
             try:
-                self.failed += not future.result().get("ok", False)
+                answer = future.result()
             except Exception:  # noqa: BLE001 - (a worker gone: the real launch compiles it)
-                self.failed += 1
+                answer = {}
+            self.failed += not answer.get("ok", False)
+            if "s" in answer:
+                self.seconds[name] = max(self.seconds.get(name, 0.0), answer["s"])
         mode, pool, self.mode, self.pool = self.mode, self.pool, None, None
         if mode is not None:
             from concurrent.futures import as_completed
@@ -89,7 +94,7 @@ def _send_to(processes, compilations: Compilations, swapped: list, previous):
     def hook(*, fn, compile, **kwargs):
         if id(fn.jit_function) not in ours or "specialization_data" not in compile:
             return previous(fn=fn, compile=compile, **kwargs) if previous is not None else None
-        compilations.futures.append(processes.submit(fn.module, fn.name, compile["specialization_data"]))
+        compilations.futures.append((fn.name, processes.submit(fn.module, fn.name, compile["specialization_data"])))
         compilations.sent += 1
         return True
 
