@@ -1,11 +1,13 @@
-"""How long Triton takes to compile the package's top-k kernel for a GPU, measured on any machine (no GPU needed).
+"""How long Triton takes to compile the package's kernels for a GPU, measured on any machine (no GPU needed).
 
 A first decode step's compilations are what a first `generate` waits for on a new machine (issue 21, docs/perf.md,
-forty-second session: in worker processes on the H200 the top-k took 3.5-3.7 s, the seven other kernels 0.4-1.9 s).
-This compiles the top-k's specializations for a 32K or 128K decode step (`--widths`: blocks per row; 2,176 is a
-32K prompt's row from its 16th step, 8,704 a 128K prompt's, two stages) for `--arch` (sm_90: the H200) in this
-process, with a driver that only names the target (`kernels/compile_workers._CompileOnlyDriver`), each in a new
-kernel cache, after one other compilation has paid Triton's start-up. `--root`: the folder holding the `oasis_cache`
+forty-second session: in worker processes on the H200 the top-k took 3.5-3.7 s, the slot assignment 1.5-1.9, the
+split attention 1.3, the block scores 1.2, the others 0.4-0.9). This compiles, for `--arch` (sm_90: the H200) in this
+process with a driver that only names the target (`kernels/compile_workers._CompileOnlyDriver`), each in a new
+kernel cache after one other compilation has paid Triton's start-up: the top-k's specializations for a decode step
+(`--widths`: blocks per row; 2,176 is a 32K prompt's row from its 16th step, 8,704 a 128K prompt's, two stages), and
+with `--kernels` the slot assignment and the bits block scores at a Qwen3-8B decode step's shapes (8 KV heads of 4
+query heads, 128 channels, summaries on 64 of them, bf16, 2,048 blocks, 128 chosen, ~120 slots). `--root`: the folder holding the `oasis_cache`
 to measure (e.g. an older checkout: `git worktree add /tmp/old <commit>`), default this repository's.
 
     python bench/compile_times.py                      # this code
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--repeats", type=int, default=3, help="each a new kernel cache; the median is printed")
+    parser.add_argument("--kernels", nargs="+", default=["top_k"], choices=["top_k", "slot_assign", "block_scores"])
     args = parser.parse_args()
     sys.path.insert(0, args.root)
     import torch
@@ -38,17 +41,28 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    from oasis_cache.kernels import compile_workers, recent_append, top_k
+    from oasis_cache.kernels import block_scores, compile_workers, recent_append, slot_assign, top_k
 
     driver.set_active(compile_workers._CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
-    for kernel in (recent_append._recent_append_kernel, top_k._top_k_kernel):  # (compiled, never run)
+    kernels = (recent_append._recent_append_kernel, top_k._top_k_kernel, slot_assign._slot_assign_kernel,
+               block_scores._block_scores_kernel)
+    for kernel in kernels:  # (compiled, never run)
         kernel.run = lambda *a, grid, warmup, _kernel=kernel, **kw: type(_kernel).run(_kernel, *a, grid=grid,
                                                                                        warmup=True, **kw)
 
     def fresh_cache() -> None:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="oasis-compile-times-")
-        for kernel in (recent_append._recent_append_kernel, top_k._top_k_kernel):
+        for kernel in kernels:
             kernel.device_caches.clear()
+
+    def timed(name: str, launch) -> None:
+        times = []
+        for _ in range(args.repeats):
+            fresh_cache()
+            start = time.perf_counter()
+            launch()
+            times.append(time.perf_counter() - start)
+        print(f"{name}: {statistics.median(times):.2f} s ({', '.join(f'{t:.2f}' for t in times)})", flush=True)
 
     fresh_cache()
     start = time.perf_counter()
@@ -56,15 +70,25 @@ def main() -> None:
                                 torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.root}: start-up (another kernel) "
           f"{time.perf_counter() - start:.2f} s", flush=True)
-    for width in args.widths:
-        times = []
-        for _ in range(args.repeats):
-            fresh_cache()
-            start = time.perf_counter()
-            top_k.top_k(torch.randn(1, args.kv_heads, width), args.k)
-            times.append(time.perf_counter() - start)
-        print(f"top-k, {width} blocks a row, k = {args.k}: {statistics.median(times):.2f} s "
-              f"({', '.join(f'{t:.2f}' for t in times)})", flush=True)
+    H, blocks, capacity, slots, T = args.kv_heads, 2048, 2176, 120, 16
+    for name in args.kernels:
+        if name == "top_k":
+            for width in args.widths:
+                timed(f"top-k, {width} blocks a row, k = {args.k}",
+                      lambda: top_k.top_k(torch.randn(1, H, width), args.k))
+        elif name == "slot_assign":
+            timed(f"slot assignment, {args.k} chosen, {slots} slots", lambda: slot_assign.slot_assign(
+                torch.zeros(1, H, args.k, dtype=torch.long), torch.zeros(1, H, args.k),
+                torch.zeros(H, capacity + 1, dtype=torch.long), torch.zeros(H, slots + 1, dtype=torch.long),
+                torch.zeros(H, slots + 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                torch.zeros(1, H, slots * T + 64, dtype=torch.bool), torch.zeros(4, dtype=torch.long), T, args.k))
+        else:
+            timed(f"block scores (bits), {blocks} blocks", lambda: block_scores.block_scores(
+                torch.zeros(1, 4 * H, 1, 128, dtype=torch.bfloat16),
+                torch.zeros(2, 1, H, capacity, 64, dtype=torch.bfloat16), blocks,
+                torch.zeros(1, blocks, dtype=torch.bool), torch.ones(1, blocks, dtype=torch.bool),
+                codes=torch.zeros(1, H, capacity, 2, 64, dtype=torch.uint8), block_size=T,
+                channels=torch.zeros(1, H, 64, dtype=torch.long)))
 
 
 if __name__ == "__main__":
