@@ -6,8 +6,9 @@ split attention 1.3, the block scores 1.2, the others 0.4-0.9). This compiles, f
 process with a driver that only names the target (`kernels/compile_workers._CompileOnlyDriver`), each in a new
 kernel cache after one other compilation has paid Triton's start-up: the top-k's specializations for a decode step
 (`--widths`: blocks per row; 2,176 is a 32K prompt's row from its 16th step, 8,704 a 128K prompt's, two stages), and
-with `--kernels` the slot assignment and the bits block scores at a Qwen3-8B decode step's shapes (8 KV heads of 4
-query heads, 128 channels, summaries on 64 of them, bf16, 2,048 blocks, 128 chosen, ~120 slots). `--root`: the folder holding the `oasis_cache`
+with `--kernels` the slot assignment, the bits block scores and the decode attention (split + combine) at a Qwen3-8B
+decode step's shapes (8 KV heads of 4 query heads, 128 channels, summaries on 64 of them, bf16, 2,048 blocks, 128
+chosen, ~120 slots, 18 splits). `--root`: the folder holding the `oasis_cache`
 to measure (e.g. an older checkout: `git worktree add /tmp/old <commit>`), default this repository's.
 
     python bench/compile_times.py                      # this code
@@ -33,7 +34,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--repeats", type=int, default=3, help="each a new kernel cache; the median is printed")
-    parser.add_argument("--kernels", nargs="+", default=["top_k"], choices=["top_k", "slot_assign", "block_scores"])
+    parser.add_argument("--kernels", nargs="+", default=["top_k"],
+                        choices=["top_k", "slot_assign", "block_scores", "attention"])
     args = parser.parse_args()
     sys.path.insert(0, args.root)
     import torch
@@ -41,11 +43,11 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    from oasis_cache.kernels import block_scores, compile_workers, recent_append, slot_assign, top_k
+    from oasis_cache.kernels import block_scores, compile_workers, decode_attention, recent_append, slot_assign, top_k
 
     driver.set_active(compile_workers._CompileOnlyDriver(GPUTarget("cuda", args.arch, 32)))
     kernels = (recent_append._recent_append_kernel, top_k._top_k_kernel, slot_assign._slot_assign_kernel,
-               block_scores._block_scores_kernel)
+               block_scores._block_scores_kernel, decode_attention._split_kernel, decode_attention._combine_kernel)
     for kernel in kernels:  # (compiled, never run)
         kernel.run = lambda *a, grid, warmup, _kernel=kernel, **kw: type(_kernel).run(_kernel, *a, grid=grid,
                                                                                        warmup=True, **kw)
@@ -82,6 +84,14 @@ def main() -> None:
                 torch.zeros(H, capacity + 1, dtype=torch.long), torch.zeros(H, slots + 1, dtype=torch.long),
                 torch.zeros(H, slots + 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                 torch.zeros(1, H, slots * T + 64, dtype=torch.bool), torch.zeros(4, dtype=torch.long), T, args.k))
+        elif name == "attention":  # (the split and the combine, 18 splits as on the H200 at 32K x 1)
+            length = slots * T + 256
+            timed(f"decode attention (split + combine), {length} keys", lambda: decode_attention.decode_attention(
+                torch.zeros(1, 4 * H, 1, 128, dtype=torch.bfloat16),
+                torch.zeros(1, H, length, 128, dtype=torch.bfloat16),
+                torch.zeros(1, H, length, 128, dtype=torch.bfloat16), torch.zeros(1, H, length, dtype=torch.bool),
+                torch.zeros(1, dtype=torch.long), slots * T, 128 ** -0.5, splits=18,
+                recent_visible=torch.zeros(1, 1, length - slots * T, dtype=torch.bool)))
         else:
             timed(f"block scores (bits), {blocks} blocks", lambda: block_scores.block_scores(
                 torch.zeros(1, 4 * H, 1, 128, dtype=torch.bfloat16),

@@ -291,12 +291,13 @@ def test_head_attention_bench_times_both_forms_and_they_agree(capsys):
 
 def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
     """`bench/compile_times.py` compiles kernels for sm_90 here (no GPU): the top-k in one and two stages, the slot
-    assignment, the bits block scores, each timed in a new kernel cache."""
+    assignment, the bits block scores, the decode attention, each timed in a new kernel cache."""
     pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_times.py"), "--widths", "2176", "8704",
-                          "--repeats", "1", "--kernels", "top_k", "slot_assign", "block_scores"],
+                          "--repeats", "1", "--kernels", "top_k", "slot_assign", "block_scores", "attention"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    for line in ("top-k, 2176 blocks a row", "top-k, 8704 blocks a row", "slot assignment", "block scores (bits)"):
+    for line in ("top-k, 2176 blocks a row", "top-k, 8704 blocks a row", "slot assignment", "block scores (bits)",
+                 "decode attention (split + combine)"):
         assert line in run.stdout, run.stdout
