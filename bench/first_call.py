@@ -124,7 +124,7 @@ def child(args) -> dict:
     compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
     # TORCH_LOGS=recompiles), Triton kernels written to the cache
     for call in range(args.calls):
-        cache = OasisCache(model, token_budget=args.budget, **options)
+        cache = None if args.dense else OasisCache(model, token_budget=args.budget, **options)
         clock = Stamps()
         graphs, wall = counters["stats"]["unique_graphs"], time.time()
         if args.profile and call == args.profile_call:
@@ -135,7 +135,7 @@ def child(args) -> dict:
         starts.append(t0)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False, stopping_criteria=[clock],
-                       **cache.generate_kwargs())
+                       **(cache.generate_kwargs() if cache is not None else {}))
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -144,7 +144,7 @@ def child(args) -> dict:
             profile.dump_stats(args.profile)
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
-        if call == 0:  # `compile_ahead`'s dry step: how long its phases took (None: it did not run)
+        if call == 0 and cache is not None:  # `compile_ahead`'s dry step: its phases (None: it did not run)
             from oasis_cache.compute import ahead
 
             dry_step = {k: round(v, 3) for k, v in ahead.LAST.items()} or None
@@ -232,6 +232,9 @@ def main(argv=None):
     parser.add_argument("--ahead-at-prefill", action="store_true",
                         help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
                              "prefill, at its first attention layer (research; its phases print as the dry step's)")
+    parser.add_argument("--dense", action="store_true",
+                        help="no OasisCache: generate's own dense cache (DynamicCache), the baseline's first call "
+                             "against its later ones (a process's first CUDA work, which oasis pays too)")
     parser.add_argument("--compile-workers", default=None,
                         help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
                              "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
@@ -264,6 +267,7 @@ def main(argv=None):
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
+              + (", dense (no OasisCache)" if args.dense else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
     print(header, flush=True)
@@ -283,6 +287,7 @@ def main(argv=None):
         command += ["--no-compile-ahead"] if args.no_compile_ahead else []
         command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
         command += ["--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
+        command += ["--dense"] if args.dense else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \
             if args.profile else []

@@ -301,3 +301,22 @@ def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
     for line in ("top-k, 2176 blocks a row", "top-k, 8704 blocks a row", "slot assignment", "block scores (bits)",
                  "decode attention (split + combine)"):
         assert line in run.stdout, run.stdout
+
+
+def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
+    """`bench/first_call.py` (issue 21's first call against later ones) on a tiny model, CPU: a child's calls, their
+    first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step)."""
+    rows = {}
+    for mode in ("oasis", "dense"):
+        out = tmp_path / f"{mode}.json"
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "first_call.py"), "--model", "tiny", "--device",
+                              "cpu", "--context", "256", "--new-tokens", "6", "--calls", "2", "--processes", "1",
+                              "--out", str(out)] + (["--dense"] if mode == "dense" else []),
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert ("dense (no OasisCache)" in result["header"]) == (mode == "dense")
+        rows[mode] = result["rows"][0]
+    for row in rows.values():
+        assert len(row["generate_s"]) == 2 and len(row["first_token_s"]) == 2 and min(row["generate_s"]) > 0, row
+    assert rows["dense"]["dry_step"] is None
