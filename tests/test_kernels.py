@@ -145,7 +145,8 @@ def test_compile_workers_compile_a_launch_that_the_main_process_then_finds_on_di
     launch of the package's kernel inside it is sent to a worker process — which compiles it for sm_90 here, on the
     CPU, through Triton's own `preload` — and not compiled in this process; the same launch after it is a cache hit
     in this process (the key the worker wrote under is the one a real launch looks up). A job the workers cannot do
-    fails without raising (the real launch would compile it); closed workers take no more jobs."""
+    fails without raising (the real launch would compile it); finishing the compilations closes the workers, and
+    closed workers take no more jobs."""
     knobs, target = _compile_workers_or_skip()
     from triton.runtime import driver
 
@@ -160,14 +161,15 @@ def test_compile_workers_compile_a_launch_that_the_main_process_then_finds_on_di
     try:
         with ahead.compile_only(processes=workers) as compilations:
             recent_append(*_recent_append_args())
+            bad = workers.submit("oasis_cache.kernels.recent_append", "_no_such_kernel", "{}")
         assert (compilations.sent, compilations.failed, compiled) == (1, 0, []), (workers.errors, compiled)
         assert list(compilations.seconds) == ["_recent_append_kernel"] and compilations.seconds[
             "_recent_append_kernel"] > 0
         assert list(tmp_path.rglob("_recent_append_kernel.cubin")), sorted(p.name for p in tmp_path.rglob("*"))
-        answer = workers.submit("oasis_cache.kernels.recent_append", "_no_such_kernel", "{}").result(timeout=120)
+        answer = bad.result(timeout=120)  # (queued before the compilations closed the workers: still answered)
         assert answer["ok"] is False and "_no_such_kernel" in answer["error"]
     finally:
-        workers.close()
+        workers.close()  # (again, where the block above failed before closing them)
     monkeypatch.setattr(_recent_append_kernel, "run", functools.partial(ahead._warm_up, _recent_append_kernel),
                         raising=False)  # (a warm-up here too: nothing runs on the CPU)
     recent_append(*_recent_append_args())

@@ -124,14 +124,15 @@ def start_workers(cache, device: torch.device) -> None:
 
 
 def _take_workers():
-    """The workers a prefill started, handed to one dry step (which closes them)."""
+    """The workers a prefill started, handed to one dry step's `compile_only` (whose compilations close them)."""
     global _WORKERS
     workers, _WORKERS = _WORKERS, None
     return workers
 
 
-def _note(compilations, workers) -> None:
+def _note(compilations) -> None:
     """What the dry step's compilations were: how many went to workers, how many of those failed."""
+    workers = compilations.processes
     if workers is not None:
         LAST["workers"], LAST["sent"], LAST["failed"] = len(workers.ready_s), compilations.sent, compilations.failed
         if workers.ready_s:
@@ -190,7 +191,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     cache._ahead_asked.add((B, 1))
     if not _room_for_copy(cache):
         return False
-    dry, workers = None, _take_workers()
+    dry = None
     LAST.clear()
     start = time.perf_counter()
     try:
@@ -198,16 +199,14 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
         LAST["copy_s"] = time.perf_counter() - start
         zeros = query.new_zeros(B, layer.num_kv_heads, 1, layer.head_dim)
         mask = None if visible is None else torch.cat((visible, visible[:, -1:]), dim=1)
-        with compile_only(wait=False, processes=workers) as compilations:
+        with compile_only(wait=False, processes=_take_workers()) as compilations:
             dry.eager_update(zeros, zeros.clone(), layer.layer_idx)
             clear_pending()
             dry.layers[layer.layer_idx].attend(query[:, :, -1:], mask, scale)
             warm_block_store(dry)
-        PENDING.append((compilations, workers))
+        PENDING.append(compilations)
         LAST["layers_traced"], LAST["trace_s"] = 1, time.perf_counter() - start - LAST["copy_s"]
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the first decode step compiles as it goes)
-        if workers is not None:
-            workers.close()
         return False
     finally:
         clear_pending()  # (the real layer's pending handoff was taken before its attention ran)
@@ -220,11 +219,9 @@ def finish_pending() -> None:
     """Wait for the compilations a prefill started (`at_prefill`); the kernels' caches then hold them."""
     start = time.perf_counter()
     while PENDING:
-        compilations, workers = PENDING.pop()
+        compilations = PENDING.pop()
         compilations.finish()
-        if workers is not None:
-            workers.close()
-        _note(compilations, workers)
+        _note(compilations)
     LAST["compile_wait_s"] = time.perf_counter() - start
 
 
@@ -238,14 +235,14 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         return False
     if not _room_for_copy(cache):
         return False
-    dry, workers = None, _take_workers()
+    dry = None
     LAST.clear()
     start = time.perf_counter()
     try:
         dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         LAST["layers_traced"] = stop_after_distinct_layers(dry)
-        with compile_only(processes=workers) as compilations:
+        with compile_only(processes=_take_workers()) as compilations:
             try:
                 dry._forward_one(runner, {**kwargs, name: dry})
             except DryStepDone:
@@ -253,12 +250,10 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
             warm_block_store(dry)
             LAST["trace_s"] = time.perf_counter() - start - LAST["copy_s"]
         LAST["compile_wait_s"] = time.perf_counter() - start - LAST["copy_s"] - LAST["trace_s"]
-        _note(compilations, workers)
+        _note(compilations)
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
         return False
     finally:
-        if workers is not None:
-            workers.close()
         _drop(dry)
         LAST["total_s"] = time.perf_counter() - start
     return True

@@ -57,10 +57,10 @@ class Compilations:
     """What `compile_only` submitted, possibly still compiling: `finish()` waits for each and hands it to its kernel's
     cache (what Triton's `AsyncCompileMode` does when its context is left), then ends the pool's threads; or, where
     they went to worker processes, waits for their answers (`sent`, `failed`: the real launch compiles a failed one;
-    `seconds`: each kernel's longest compilation there)."""
+    `seconds`: each kernel's longest compilation there) and closes those workers."""
 
     def __init__(self):
-        self.mode = self.pool = None
+        self.mode = self.pool = self.processes = None
         self.futures: list = []  # (kernel name, Future of a worker's answer)
         self.sent = self.failed = 0
         self.seconds: dict = {}  # kernel name: its longest compilation in a worker (s)
@@ -75,6 +75,8 @@ class Compilations:
             self.failed += not answer.get("ok", False)
             if "s" in answer:
                 self.seconds[name] = max(self.seconds.get(name, 0.0), answer["s"])
+        if self.processes is not None:
+            self.processes.close()
         mode, pool, self.mode, self.pool = self.mode, self.pool, None, None
         if mode is not None:
             from concurrent.futures import as_completed
@@ -104,7 +106,7 @@ def _send_to(processes, compilations: Compilations, swapped: list, previous):
 @contextlib.contextmanager
 def compile_only(workers: int | None = None, wait: bool = True, processes=None):
     """Inside: the package's kernel launches compile instead of running — in `processes` (`CompileWorkers`, while any
-    of them runs), else on `workers` threads where Triton compiles asynchronously (None: the CPUs, at most 16);
+    of them runs; closed when the compilations are finished), else on `workers` threads where Triton compiles asynchronously (None: the CPUs, at most 16);
     leaving waits for every compilation — or, with `wait=False`, leaves them compiling: the `Compilations` yielded
     must then be finished before the kernels' next launches need them (`compute/ahead.at_prefill`; an error inside
     waits for them). Not for use beside launches from other threads (the kernels' `run` is swapped for the
@@ -113,6 +115,7 @@ def compile_only(workers: int | None = None, wait: bool = True, processes=None):
     for kernel in swapped:
         kernel.run = functools.partial(_warm_up, kernel)  # (an instance attribute: `kernel[grid](...)` finds it)
     compilations, active, token, knobs, previous = Compilations(), None, None, None, None
+    compilations.processes = processes  # (closed by `finish`, used or not)
     try:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if not interpreted and processes is not None and processes.alive:
