@@ -210,6 +210,7 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
     monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))
     monkeypatch.setattr(ahead, "_DONE", set())
     monkeypatch.setattr(ahead, "_WORKERS", None)
+    monkeypatch.setattr(ahead, "_start_warming", lambda: None)  # (`test_a_prefill_pays_tritons_start_up_beside_it`)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cache = OasisCache(model, token_budget=128, compile_workers=2)
@@ -223,6 +224,43 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
     ahead._DONE.add("a dry step ran")
     ahead.start_workers(cache, cuda)
     assert len(started) == 1 and ahead._take_workers() is None
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
+    """At a prefill where the option applies, a thread computes what a process's first kernel compilation would pay
+    first (`compute/ahead.warm_triton`: Triton's own key, the kernels' source keys) — once a process, not where a dry
+    step ran already, not on a device the option skips; a dry step after it reports what it took."""
+    _, target = _compile_workers_or_skip()
+    from triton.runtime import driver
+    from triton.runtime.cache import triton_key
+
+    from conftest import tiny_model
+    from oasis_cache import OasisCache
+    from oasis_cache.compute import ahead
+    from oasis_cache.kernels import compile_workers
+    from oasis_cache.kernels.ahead import kernels
+
+    monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))
+    for name, value in (("_DONE", set()), ("_WORKERS", None), ("_WARMING", None), ("WARM", {})):
+        monkeypatch.setattr(ahead, name, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton_key.cache_clear()
+    cache = OasisCache(tiny_model("qwen3"), token_budget=128)
+    ahead.start_workers(cache, torch.device("cpu"))  # (a device the option skips)
+    assert ahead._WARMING is None
+    ahead._DONE.add("a dry step ran")
+    ahead.start_workers(cache, torch.device("cuda"))
+    assert ahead._WARMING is None
+    ahead._DONE.clear()
+    ahead.start_workers(cache, torch.device("cuda"))
+    thread = ahead._WARMING
+    thread.join(timeout=120)
+    assert not thread.is_alive() and ahead.WARM["warm_triton_s"] > 0
+    assert triton_key.cache_info().currsize == 1  # (paid: the first compilation finds it)
+    assert all(kernel.hash is not None for kernel in kernels())  # (the kernels' source keys made)
+    ahead.start_workers(cache, torch.device("cuda"))
+    assert ahead._WARMING is thread  # (once a process)
 
 
 def triton_cache_dir():

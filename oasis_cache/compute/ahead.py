@@ -40,6 +40,8 @@ from ..pools.host_kv import READ_ONLY_COPY
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
 LAST: dict = {}  # the last dry step's phases (s): `bench/first_call.py` prints them
 _WORKERS = None  # compile workers a prefill started (`start_workers`) for the dry step after it
+_WARMING = None  # the thread a prefill started for Triton's start-up (`warm_triton`)
+WARM: dict = {}  # what it took, once it ended (`_start_warming`)
 
 
 def signature(cache, tokens: torch.Tensor) -> tuple:
@@ -100,15 +102,18 @@ def warm_block_store(cache) -> None:
 
 
 def start_workers(cache, device: torch.device) -> None:
-    """At a prefill on `device`, where no dry step has run in this process yet and the option is on for `cache`: start
-    the compile workers (`OasisConfig.compile_workers`, `kernels/compile_workers.py`), so that they are ready (torch and
-    Triton imported, Triton's start-up paid) when the dry step after the prefill sends them its kernels. Nothing
-    where Triton is interpreted, or where the target or the workers cannot be had (the dry step then compiles in
-    threads)."""
+    """At a prefill on `device`, where no dry step has run in this process yet and the option is on for `cache`: pay
+    Triton's once-a-process start-up beside the prefill (`warm_triton`), and start the compile workers
+    (`OasisConfig.compile_workers`, `kernels/compile_workers.py`), so that they are ready (torch and Triton imported,
+    Triton's start-up paid) when the dry step after the prefill sends them its kernels. Nothing where Triton is
+    interpreted, or where the target or the workers cannot be had (the dry step then compiles in threads)."""
     global _WORKERS
     if _WORKERS is not None or _DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1":
         return
     from ..kernels import compile_workers
+
+    if compile_workers.triton is not None and _WARMING is None:
+        _start_warming()
 
     count = cache.config.compile_workers
     count = compile_workers.default_count() if count is None else count
@@ -121,6 +126,40 @@ def start_workers(cache, device: torch.device) -> None:
         _WORKERS = compile_workers.CompileWorkers(count, driver.active.get_current_target(), knobs.cache.dir)
     except Exception:  # noqa: BLE001 - (an optimization: the dry step compiles in threads instead)
         _WORKERS = None
+
+
+def warm_triton() -> float:
+    """What a process's first Triton compilation pays before its own work, paid now: the hash of Triton's own files
+    (`triton_key`, part of every kernel's cache key: 0.5 s on the CI machine's CPU, once a process) and the package's
+    kernels' source keys (their dependencies walked). Returns the seconds it took. Run in a thread beside a prefill
+    (`start_workers`): the main thread mostly waits for the device there, and the dry step's trace after it (1.1-1.6 s
+    on the H200 with its first cache keys inside, 0.2-0.3 s where its compilations went to workers before any key was
+    made; forty-third session) does not pay it."""
+    start = time.perf_counter()
+    from triton.runtime.cache import triton_key
+
+    from ..kernels.ahead import kernels
+
+    triton_key()
+    for kernel in kernels():
+        getattr(kernel, "cache_key", None)
+    return time.perf_counter() - start
+
+
+def _start_warming() -> None:
+    """`warm_triton` in a daemon thread, once a process; what it took goes to `WARM["warm_triton_s"]`, which a dry step
+    copies to `LAST` (the bench: absent there where it had not ended when the dry step began)."""
+    global _WARMING
+    import threading
+
+    def warm() -> None:
+        try:
+            WARM["warm_triton_s"] = round(warm_triton(), 3)
+        except Exception:  # noqa: BLE001 - (an optimization: the first compilation pays it instead)
+            pass
+
+    _WARMING = threading.Thread(target=warm, name="oasis-warm-triton", daemon=True)
+    _WARMING.start()
 
 
 def _take_workers():
@@ -193,6 +232,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
         return False
     dry = None
     LAST.clear()
+    LAST.update(WARM)
     start = time.perf_counter()
     try:
         dry = _read_only_copy(cache)
@@ -237,6 +277,7 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         return False
     dry = None
     LAST.clear()
+    LAST.update(WARM)
     start = time.perf_counter()
     try:
         dry = _read_only_copy(cache)

@@ -63,8 +63,22 @@ if triton is not None:
         return tl.sum(packed, axis=0)
 
     @triton.jit
+    def _round(key_a, key_b, threshold, r, k):
+        """One round of the threshold's search: its next two bits (of 32, the highest first), so that still
+        count(key >= threshold) >= k."""
+        step = 1 << (30 - 2 * r)  # (an int32: the candidates are made by int64 additions)
+        t1 = threshold + step
+        t2 = t1 + step
+        t3 = t2 + step
+        counts = _counts(key_a, t1, t2, t3) + _counts(key_b, t1, t2, t3)
+        n1 = counts & 0x1FFFFF
+        n2 = (counts >> 21) & 0x1FFFFF
+        n3 = counts >> 42
+        return tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, threshold)))
+
+    @triton.jit
     def _top_k_kernel(ranks, source_ids, ids, values, W, k, H, S, L, stride_b, stride_h, HEAD: tl.constexpr,
-                      TAIL: tl.constexpr, SOURCE_IDS: tl.constexpr):
+                      TAIL: tl.constexpr, SOURCE_IDS: tl.constexpr, UNROLLED: tl.constexpr):
         """Program p: segment p % S (ranks [s * L, s * L + L), the last one to W) of row p // S; its k best go to
         outputs [p * k, p * k + k), with their positions in the row, or `source_ids` at those positions."""
         program = tl.program_id(0)
@@ -78,17 +92,12 @@ if triton is not None:
         offs_a, x_a, key_a = _keys(base, start, end, HEAD)  # the segment as a power-of-two head and a short tail:
         offs_b, x_b, key_b = _keys(base, start + HEAD, end, TAIL)  # 2176 ranks cost 2048 + 128, not 4096
         threshold = tl.full((), 0, tl.int64)  # count(key >= threshold) >= k throughout
-        for r in range(16):  # two bits a round, the highest first (a loop, not unrolled: 16 unrolled rounds took
-            # 2.3-2.6 s to compile for sm_90 on the CI machine, the loop 0.5-0.56 s; forty-second session)
-            step = 1 << (30 - 2 * r)  # (an int32: the candidates are made by int64 additions)
-            t1 = threshold + step
-            t2 = t1 + step
-            t3 = t2 + step
-            counts = _counts(key_a, t1, t2, t3) + _counts(key_b, t1, t2, t3)
-            n1 = counts & 0x1FFFFF
-            n2 = (counts >> 21) & 0x1FFFFF
-            n3 = counts >> 42
-            threshold = tl.where(n3 >= k, t3, tl.where(n2 >= k, t2, tl.where(n1 >= k, t1, threshold)))
+        if UNROLLED:  # two bits a round, the highest first: unrolled where a program holds ~1K ranks (two stages)
+            for r in tl.static_range(16):
+                threshold = _round(key_a, key_b, threshold, r, k)
+        else:  # a loop where it holds a whole row (one stage): see `unrolled`
+            for r in range(16):
+                threshold = _round(key_a, key_b, threshold, r, k)
         above_a, equal_a = key_a > threshold, key_a == threshold
         above_b, equal_b = key_b > threshold, key_b == threshold
         # the equal keys taken, lowest block ids first
@@ -113,6 +122,16 @@ if triton is not None:
 
 MAX_SEGMENTS = 16
 PREFERRED_SEGMENTS = 8  # (`default_segments`)
+
+
+def unrolled(segments: int) -> bool:
+    """Whether the kernel's 16 rounds are unrolled (compiled as 16 copies) or a loop: a loop compiles ~5x faster for
+    sm_90 (CI machine, `bench/compile_times.py`: 1.8 -> 0.31 s at 2,176 blocks a row, 2.6 -> 0.47 s at 8,704; the
+    first decode step's longest compilation on a new machine) and costs nothing where a program holds a whole row (H200,
+    `gpu_run.sh looptopk`, forty-third session: 2,176 blocks 10.97 against 10.78 us), but ~9% where a row is cut in
+    segments of ~1K (8,704 blocks, two stages: 18.97 against 17.47 us, ~54 us a 128K step of Qwen3-8B's 36 layers).
+    Unrolled there: a 128K prompt's prefill dwarfs a compilation, a 32K prompt's first call does not."""
+    return segments > 1
 
 
 def default_segments(W: int, k: int) -> int:
@@ -183,7 +202,7 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
     values = torch.empty((B, H, width), dtype=torch.float32, device=ranks.device)
     head, tail = row_parts(widest)
     _top_k_kernel[(B * H * S,)](ranks, ranks, ids, values, W, k, H, S, L, ranks.stride(0), ranks.stride(1),
-                                HEAD=head, TAIL=tail, SOURCE_IDS=False,
+                                HEAD=head, TAIL=tail, SOURCE_IDS=False, UNROLLED=unrolled(S),
                                 num_warps=num_warps or default_warps(head + tail))
     if S == 1:
         return ids, values
@@ -191,5 +210,5 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
     best = torch.empty((B, H, k), dtype=torch.float32, device=ranks.device)
     head, tail = row_parts(width, grows=False)
     _top_k_kernel[(B * H,)](values, ids, best_ids, best, width, k, H, 1, width, H * width, width, HEAD=head,
-                            TAIL=tail, SOURCE_IDS=True, num_warps=default_warps(head + tail))
+                            TAIL=tail, SOURCE_IDS=True, UNROLLED=unrolled(S), num_warps=default_warps(head + tail))
     return best_ids, best
