@@ -210,7 +210,7 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
     monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))
     monkeypatch.setattr(ahead, "_DONE", set())
     monkeypatch.setattr(ahead, "_WORKERS", None)
-    monkeypatch.setattr(ahead, "_start_warming", lambda: None)  # (`test_a_prefill_pays_tritons_start_up_beside_it`)
+    monkeypatch.setattr(ahead, "_start_warming", lambda device=None: None)  # (`test_a_prefill_pays_tritons_start_up_beside_it`)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cache = OasisCache(model, token_budget=128, compile_workers=2)
@@ -229,10 +229,11 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     """At a prefill where the option applies, a thread computes what a process's first kernel compilation would pay
-    first (`compute/ahead.warm_triton`: Triton's own key, the kernels' source keys) — once a process, not where a dry
-    step ran already, not on a device the option skips; a dry step after it reports what it took."""
+    first (`compute/ahead.warm_triton`: Triton's own key, the kernels' source keys, its driver, ptxas's version for the
+    device's architecture) — once a process, not where a dry step ran already, not on a device the option skips."""
     _, target = _compile_workers_or_skip()
     from triton.runtime import driver
+    from triton.backends.nvidia.compiler import get_ptxas_version
     from triton.runtime.cache import triton_key
 
     from conftest import tiny_model
@@ -245,7 +246,9 @@ def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     for name, value in (("_DONE", set()), ("_WORKERS", None), ("_WARMING", None), ("WARM", {})):
         monkeypatch.setattr(ahead, name, value)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # (an H200's, on the CPU)
     triton_key.cache_clear()
+    get_ptxas_version.cache_clear()
     cache = OasisCache(tiny_model("qwen3"), token_budget=128)
     ahead.start_workers(cache, torch.device("cpu"))  # (a device the option skips)
     assert ahead._WARMING is None
@@ -257,7 +260,9 @@ def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     thread = ahead._WARMING
     thread.join(timeout=120)
     assert not thread.is_alive() and ahead.WARM["warm_triton_s"] > 0
+    assert {"warm_key_s", "warm_driver_s", "warm_ptxas_s"} <= set(ahead.WARM), ahead.WARM
     assert triton_key.cache_info().currsize == 1  # (paid: the first compilation finds it)
+    assert get_ptxas_version.cache_info().currsize == 1  # (sm_90's ptxas asked for its version)
     assert all(kernel.hash is not None for kernel in kernels())  # (the kernels' source keys made)
     ahead.start_workers(cache, torch.device("cuda"))
     assert ahead._WARMING is thread  # (once a process)

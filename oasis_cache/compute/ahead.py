@@ -22,7 +22,9 @@ machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole 
 kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
 other layers). With `compile_workers` (research) the compilations go to worker processes a prefill started
 (`start_workers`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
-start is 3.8-4.8 s; forty-second session).
+start is 3.8-4.8 s; forty-second session). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
+start-up inside the first cache key (the hash of its own files), now paid by a thread beside the prefill
+(`warm_triton`): the first call 1.93-2.26x -> 1.67-1.98x a later one (forty-third session, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def start_workers(cache, device: torch.device) -> None:
     from ..kernels import compile_workers
 
     if compile_workers.triton is not None and _WARMING is None:
-        _start_warming()
+        _start_warming(device)
 
     count = cache.config.compile_workers
     count = compile_workers.default_count() if count is None else count
@@ -128,33 +130,65 @@ def start_workers(cache, device: torch.device) -> None:
         _WORKERS = None
 
 
-def warm_triton() -> float:
-    """What a process's first Triton compilation pays before its own work, paid now: the hash of Triton's own files
-    (`triton_key`, part of every kernel's cache key: 0.5 s on the CI machine's CPU, once a process) and the package's
-    kernels' source keys (their dependencies walked). Returns the seconds it took. Run in a thread beside a prefill
-    (`start_workers`): the main thread mostly waits for the device there, and the dry step's trace after it (1.1-1.6 s
-    on the H200 with its first cache keys inside, 0.2-0.3 s where its compilations went to workers before any key was
-    made; forty-third session) does not pay it."""
-    start = time.perf_counter()
-    from triton.runtime.cache import triton_key
+def warm_triton(device: torch.device | None = None) -> dict:
+    """What a process's first Triton compilation pays before its own work, paid now; returns the seconds of each part
+    (`warm_<part>_s`) and their sum (`warm_triton_s`). Parts: the hash of Triton's own files (`key`: `triton_key`, in
+    every kernel's cache key, 0.4-0.5 s on the H200's host and the CI machine's CPU) and the package's kernels' source
+    keys; on a CUDA `device`, Triton's CUDA driver (`driver`: its first use builds and loads a small C module with the
+    host's compiler, into the kernel cache, and asks `ldconfig` where libcuda is) and ptxas's version (`ptxas`: in the
+    backend's key, a subprocess of a large process). Each part that fails is skipped (the first compilation pays it
+    instead). Run in a thread beside a prefill (`start_workers`): the main thread mostly waits for the device there.
+    Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache, forty-third session), the key part alone: the dry step's
+    trace 1.1-1.6 -> 0.75-1.14 s, the first call 1.93-2.26x -> 1.67-1.98x a later one. The driver and ptxas parts are
+    not yet measured: predicted to take most of what is left between that trace and the 0.2-0.3 s of a trace whose
+    compilations go to worker processes (`compile_workers`, whose start touches the driver at the prefill)."""
+    seconds: dict = {}
 
-    from ..kernels.ahead import kernels
+    def part(name: str, work) -> None:
+        start = time.perf_counter()
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - (an optimization: the first compilation pays it instead)
+            return
+        seconds[f"warm_{name}_s"] = round(time.perf_counter() - start, 3)
 
-    triton_key()
-    for kernel in kernels():
-        getattr(kernel, "cache_key", None)
-    return time.perf_counter() - start
+    def key() -> None:
+        from triton.runtime.cache import triton_key
+
+        from ..kernels.ahead import kernels
+
+        triton_key()
+        for kernel in kernels():
+            getattr(kernel, "cache_key", None)
+
+    def driver() -> None:
+        from triton.runtime import driver as drivers
+
+        drivers.active.get_current_target()
+
+    def ptxas() -> None:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        major, minor = torch.cuda.get_device_capability(device)
+        get_ptxas_version(major * 10 + minor)
+
+    part("key", key)
+    if device is not None and device.type == "cuda":
+        part("driver", driver)
+        part("ptxas", ptxas)
+    seconds["warm_triton_s"] = round(sum(seconds.values()), 3)
+    return seconds
 
 
-def _start_warming() -> None:
-    """`warm_triton` in a daemon thread, once a process; what it took goes to `WARM["warm_triton_s"]`, which a dry step
-    copies to `LAST` (the bench: absent there where it had not ended when the dry step began)."""
+def _start_warming(device: torch.device | None = None) -> None:
+    """`warm_triton(device)` in a daemon thread, once a process; its seconds go to `WARM`, which a dry step copies to
+    `LAST` (the bench: absent there where it had not ended when the dry step began)."""
     global _WARMING
     import threading
 
     def warm() -> None:
         try:
-            WARM["warm_triton_s"] = round(warm_triton(), 3)
+            WARM.update(warm_triton(device))
         except Exception:  # noqa: BLE001 - (an optimization: the first compilation pays it instead)
             pass
 
