@@ -116,6 +116,32 @@ def test_decode_steps_update_state_in_place(mode):
     assert len(signatures) == 1
 
 
+@pytest.mark.parametrize("length", [1024, 2000])
+def test_a_prompts_first_completed_block_leaves_the_steady_steps_layout(length):
+    """After a prefill, the first decode step that completes a block needs no room the prefill did not make: the
+    summaries and the slot map grew at the prefill (`OasisLayer._offload_complete_blocks`), so the steady steps
+    before and after it share one replay signature — one captured graph of each kind, not a steady one captured
+    again right after the first completion (H200: ~90-110 ms at decode step 17 of every 32K call, forty-third
+    session) — and a prompt not a multiple of the top-k's row sizes meets its grown row width at the first step
+    (the dry step compiles its kernels), not ~16 steps later."""
+    model = tiny_model("qwen3", num_hidden_layers=3)
+    cache = OasisCache(model, token_budget=128, recent_tokens=32)
+    token = prompt_ids(length)
+    with torch.no_grad():
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    layer = cache.layers[0]
+    assert layer.summaries.capacity_blocks > layer.pool.num_blocks  # (room for the next block: grown at the prefill)
+    token = step(model, cache, token)  # (the first step: the cache's clocks and chosen channels are made)
+    first_seen, completed = {}, 0
+    for index in range(2, 40):
+        kind = step_kind(cache)
+        cache.prepare_step(kind)
+        first_seen.setdefault((kind, cache.replay_signature()), index)
+        completed += kind == "completing"
+        token = step(model, cache, token)
+    assert completed >= 2 and sorted(kind for kind, _ in first_seen) == ["completing", "steady"], first_seen.values()
+
+
 def test_equal_pool_stamps_mean_the_same_state_tensors(monkeypatch):
     """The replay signature reads each layer's pool stamps instead of its state tensors' addresses
     (`pools/stamped.py`): after every update in greedy decoding past the initial slots (working sets grow), sampling,
