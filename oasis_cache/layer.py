@@ -429,9 +429,11 @@ class OasisLayer(CacheLayerMixin):
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
-        if blocks.shape[3] > 1:  # a prompt's blocks (a decode step completes one at most): room for the next one now
-            self.summaries.reserve(self.pool.num_blocks + 1)  # — the growth the first completing decode step would
-            self.slot_map.reserve(self.pool.num_blocks + 1)  # make, which made a capture of each kind's step anew
+        if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at
+            # most): room for the next block now — the growth the first completing decode step would make, after
+            # which each kind of step was captured anew (`test_a_prompts_first_completed_block_leaves_...`)
+            self.summaries.reserve(self.pool.num_blocks + 1)
+            self.slot_map.reserve(self.pool.num_blocks + 1)
 
     def _real_tokens(self, n: int) -> torch.Tensor | None:
         """`[B, n, T]` bool: which tokens of the `n` blocks just completed (after the pool's earlier ones) are real,

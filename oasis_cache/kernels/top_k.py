@@ -11,8 +11,8 @@ counts packed in 64 bits) and keeps the highest candidate that still leaves k ke
 gives each its place in the output.
 
 The row is held as two parts, a power of two and the next power of two above what is left (`row_parts`): the
-ranking's width is the summaries' capacity, which grows by a sixteenth past the prompt's blocks (a 32K prompt ranks
-2,176 blocks from its 16th decode step, a 128K one 8,704), and one power of two past it doubled the work (2,048 ->
+ranking's width is the summaries' capacity, a sixteenth past the prompt's blocks from the prefill on (a 32K prompt
+ranks 2,176 blocks, a 128K one 8,704), and one power of two past it doubled the work (2,048 ->
 4,096 ranks: 8.6 -> 14.3 us on the H200) or, past 8,192, fell back to `torch.topk` + sort (~60 us a layer).
 
 Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one reduction) was slower on the H200:
@@ -150,9 +150,10 @@ def default_segments(W: int, k: int) -> int:
 def row_parts(W: int, grows: bool = True) -> tuple[int, int]:
     """`(HEAD, TAIL)`: a row of W ranks held as a power of two (the largest <= W, at least 16) and the next power of
     two >= what is left (at least 16; masked past W). Where the row `grows` with the summaries, the tail is at least a
-    sixteenth of the head: their first growth (a sixteenth, `BlockSummaries.reserve`) then keeps the kernel's
-    specialization — a prompt of 2,048 blocks ranks 2,048 + 128 before and after — instead of compiling a second one
-    at the 16th decode step (~1.5 s on a new machine). Stage two's rows (S * k candidates) do not grow."""
+    sixteenth of the head: a growth by a sixteenth (`BlockSummaries.reserve`) then keeps the kernel's specialization
+    — 2,048 blocks rank 2,048 + 128 before and after — instead of compiling a second one (~1.5 s on a new machine;
+    the first growth is made at the prefill since the forty-third session, `OasisLayer._offload_complete_blocks`).
+    Stage two's rows (S * k candidates) do not grow."""
     head = max(16, 1 << (W.bit_length() - 1))
     return head, max(16, head // 16 if grows else 16, triton.next_power_of_2(max(1, W - head)))
 
