@@ -210,7 +210,7 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
     monkeypatch.setattr(driver, "_active", compile_workers._CompileOnlyDriver(target))
     monkeypatch.setattr(ahead, "_DONE", set())
     monkeypatch.setattr(ahead, "_WORKERS", None)
-    monkeypatch.setattr(ahead, "_start_warming", lambda device=None: None)  # (`test_a_prefill_pays_tritons_start_up_beside_it`)
+    monkeypatch.setattr(ahead, "_start_warming", lambda device=None: None)  # (the next test's)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cache = OasisCache(model, token_budget=128, compile_workers=2)

@@ -79,14 +79,16 @@ def applies(cache, device: torch.device | None = None) -> bool:
     setting, transfer = cache.config.compile_ahead, cache._transfer
     if setting is False or cache.remote_tier is not None:
         return False
-    if transfer is None:
+    if transfer is not None:
+        backend, device = transfer.backend, cache.layers[cache._first_oasis_layer].device
+    elif device is None:
+        return False
+    else:
         try:
-            backend = None if device is None else resolve_backend(cache.config.backend, device)
+            backend = resolve_backend(cache.config.backend, device)
         except (ValueError, ImportError):  # (the forward itself says what is wrong)
             return False
-        return backend == "triton" and (setting is True or device.type == "cuda")
-    return transfer.backend == "triton" and (setting is True or
-                                             cache.layers[cache._first_oasis_layer].device.type == "cuda")
+    return backend == "triton" and (setting is True or device.type == "cuda")
 
 
 def warm_block_store(cache) -> None:
@@ -186,13 +188,8 @@ def _start_warming(device: torch.device | None = None) -> None:
     global _WARMING
     import threading
 
-    def warm() -> None:
-        try:
-            WARM.update(warm_triton(device))
-        except Exception:  # noqa: BLE001 - (an optimization: the first compilation pays it instead)
-            pass
-
-    _WARMING = threading.Thread(target=warm, name="oasis-warm-triton", daemon=True)
+    _WARMING = threading.Thread(target=lambda: WARM.update(warm_triton(device)), name="oasis-warm-triton",
+                                daemon=True)  # (each part of `warm_triton` catches its own failure)
     _WARMING.start()
 
 

@@ -106,11 +106,11 @@ def _send_to(processes, compilations: Compilations, swapped: list, previous):
 @contextlib.contextmanager
 def compile_only(workers: int | None = None, wait: bool = True, processes=None):
     """Inside: the package's kernel launches compile instead of running — in `processes` (`CompileWorkers`, while any
-    of them runs; closed when the compilations are finished), else on `workers` threads where Triton compiles asynchronously (None: the CPUs, at most 16);
-    leaving waits for every compilation — or, with `wait=False`, leaves them compiling: the `Compilations` yielded
-    must then be finished before the kernels' next launches need them (`compute/ahead.at_prefill`; an error inside
-    waits for them). Not for use beside launches from other threads (the kernels' `run` is swapped for the
-    duration)."""
+    of them runs; closed when the compilations are finished), else on `workers` threads where Triton compiles
+    asynchronously (None: the CPUs, at most 16); leaving waits for every compilation — or, with `wait=False`, leaves
+    them compiling: the `Compilations` yielded must then be finished before the kernels' next launches need them
+    (`compute/ahead.at_prefill`; an error inside waits for them). Not for use beside launches from other threads (the
+    kernels' `run` is swapped for the duration)."""
     swapped = kernels()
     for kernel in swapped:
         kernel.run = functools.partial(_warm_up, kernel)  # (an instance attribute: `kernel[grid](...)` finds it)
