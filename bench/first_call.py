@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 import time
 import traceback
 from pathlib import Path
@@ -113,6 +114,10 @@ def child(args) -> dict:
         options["ahead_at_prefill"] = True
     if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
         options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
+    if args.warm_parts is not None:  # (research: which parts of Triton's start-up the prefill's thread pays)
+        from oasis_cache.compute import ahead
+
+        ahead.WARM_PARTS = tuple(part for part in args.warm_parts.split(",") if part)
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -123,8 +128,12 @@ def child(args) -> dict:
     dry_step = None  # `compile_ahead`'s dry step in the first call (compute/ahead.py's LAST)
     compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
     # TORCH_LOGS=recompiles), Triton kernels written to the cache
+    pinned = []  # per call: the previous call's cache still alive at this call's start, and torch's pinned pool
+    previous = None  # (a weak reference to the previous call's cache)
     for call in range(args.calls):
         cache = None if args.dense else OasisCache(model, token_budget=args.budget, **options)
+        alive = previous is not None and previous() is not None
+        before = host_pinned_stats() if cuda else {}
         clock = Stamps()
         graphs, wall = counters["stats"]["unique_graphs"], time.time()
         if args.profile and call == args.profile_call:
@@ -150,6 +159,11 @@ def child(args) -> dict:
             dry_step = {k: round(v, 3) for k, v in ahead.LAST.items()} or None
         compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
                                   "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
+        after = host_pinned_stats() if cuda else {}
+        pinned.append(dict(previous_alive=alive, **{k: round(after[k] - before.get(k, 0), 3) for k in after
+                                                    if k.startswith("new_")}, **{k: v for k, v in after.items()
+                                                                                 if not k.startswith("new_")}))
+        previous = weakref.ref(cache) if cache is not None else None
         del cache
     if any(c["graphs"] for c in compiled_per_call):  # (the compilation's phases once it is done)
         from torch._dynamo.utils import compile_times
@@ -163,7 +177,19 @@ def child(args) -> dict:
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
             "stalls": stalls, "dry_step": dry_step,
-            "compiled_per_call": compiled_per_call}
+            "compiled_per_call": compiled_per_call, "pinned": pinned}
+
+
+def host_pinned_stats() -> dict:
+    """torch's pinned host pool now: `new_*` counters (a call's difference is what it pinned anew) and the pool's
+    size (GiB it owns: handed out and cached)."""
+    import torch
+
+    stats = torch.cuda.host_memory_stats()
+    return {"new_blocks": stats.get("num_host_alloc", 0),
+            "new_gib": stats.get("allocated_bytes.allocated", 0) / 2**30,
+            "new_pin_s": stats.get("host_alloc_time.total", 0) / 1e6,
+            "owned_gib": round(stats.get("allocated_bytes.current", 0) / 2**30, 2)}
 
 
 def triton_cache_dir() -> str:
@@ -238,6 +264,9 @@ def main(argv=None):
     parser.add_argument("--compile-workers", default=None,
                         help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
                              "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
+    parser.add_argument("--warm-parts", default=None,
+                        help="compute/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
+                             "pays, comma-separated (key,driver,ptxas; '' none)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile one call of each child (its thread; "
@@ -266,6 +295,7 @@ def main(argv=None):
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
+              + (f", warm parts '{args.warm_parts}'" if args.warm_parts is not None else "")
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", dense (no OasisCache)" if args.dense else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
@@ -287,6 +317,7 @@ def main(argv=None):
         command += ["--no-compile-ahead"] if args.no_compile_ahead else []
         command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
         command += ["--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
+        command += ["--warm-parts", args.warm_parts] if args.warm_parts is not None else []
         command += ["--dense"] if args.dense else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \
@@ -304,7 +335,7 @@ def main(argv=None):
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
                    call_starts_s=result["call_starts_s"], stalls=result["stalls"], dry_step=result.get("dry_step"),
-                   compiled_per_call=result["compiled_per_call"])
+                   compiled_per_call=result["compiled_per_call"], pinned=result.get("pinned"))
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
@@ -323,6 +354,8 @@ def main(argv=None):
                 print(f"   call {call} compiled: {done['graphs']} dynamo graphs, "
                       "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
                       flush=True)
+        for call, seen in enumerate(row["pinned"] or []):
+            print(f"   call {call} pinned: " + ", ".join(f"{k} {v}" for k, v in seen.items()), flush=True)
         if row["dry_step"]:
             print("   compile_ahead's dry step (call 0): " + ", ".join(f"{k} {v}" for k, v in row["dry_step"].items()),
                   flush=True)

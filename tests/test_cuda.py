@@ -608,6 +608,52 @@ def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(mon
     assert torch.equal(out.sequences, again.sequences)
 
 
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES[::2] + EAGER_MODES[:1],
+                         ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(mode):
+    """A cache nothing references any more is freed with its last reference, not at Python's next collection, so the
+    next cache of the same shape takes its pinned blocks from torch's host allocator instead of pinning anew. The
+    H200 (forty-fourth session): a captured step's kept output held its cache (`past_key_values`), a reference
+    cycle; each later 32K `generate` of an 8B model pinned 5 GiB anew (1.7-2.0 s) and the pinned pool grew by as
+    much per call until a collection."""
+    import weakref
+
+    from conftest import random_head
+
+    model = tiny_model("qwen3", num_hidden_layers=4).cuda()  # (a head reads three of its layers' hidden states)
+    mode = dict(mode)
+    static_head = mode.pop("static_head", None)
+    if mode["lookahead"] == "eagle3":
+        mode["draft"] = random_head(model)
+    inputs = on_cuda({"input_ids": prompt_ids(300)})
+    gc.collect()  # (caches earlier tests left in reference cycles go now)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        pinned, pools = [], []
+        for _ in range(3):
+            cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4, **mode)
+            if static_head:
+                cache.ride_along.static_head = static_head
+            generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
+            assert (cache.captured_steps is not None) == mode.get("cuda_graph", True)
+            if mode.get("cuda_graph", True) and static_head is None:  # (the head's own graph: eager target steps)
+                assert cache.captured_steps.captures > 0
+            torch.cuda.synchronize()
+            pools.append(cache.host_nbytes())
+            gone = weakref.ref(cache)
+            del cache
+            held = gone()
+            assert held is None, f"the dropped cache lives on, held by {[type(r) for r in gc.get_referrers(held)]}"
+            pinned.append(torch.cuda.host_memory_stats()["allocated_bytes.allocated"])  # (bytes pinned so far)
+        assert pools[2] > 0
+        if static_head is None:  # (the head's own graph pins ~12% of this tiny pool anew per cache: not yet known why)
+            assert pinned[2] - pinned[1] < pools[2] / 10, (pinned, pools)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_pinned_host_memory_is_released(monkeypatch):
     """Caches of different shapes made and dropped one after another leave pinned memory in torch's caching host
     allocator (issue 20: a process died at its next 128K cache); a reset, or a host pool that would not fit

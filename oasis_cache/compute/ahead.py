@@ -132,6 +132,9 @@ def start_workers(cache, device: torch.device) -> None:
         _WORKERS = None
 
 
+WARM_PARTS = ("key", "driver", "ptxas")  # research: the parts `warm_triton` pays (bench/first_call.py --warm-parts)
+
+
 def warm_triton(device: torch.device | None = None) -> dict:
     """What a process's first Triton compilation pays before its own work, paid now; returns the seconds of each part
     (`warm_<part>_s`) and their sum (`warm_triton_s`). Parts: the hash of Triton's own files (`key`: `triton_key`, in
@@ -174,10 +177,12 @@ def warm_triton(device: torch.device | None = None) -> dict:
         major, minor = torch.cuda.get_device_capability(device)
         get_ptxas_version(major * 10 + minor)
 
-    part("key", key)
+    if "key" in WARM_PARTS:
+        part("key", key)
     if device is not None and device.type == "cuda":
-        part("driver", driver)
-        part("ptxas", ptxas)
+        for name, work in (("driver", driver), ("ptxas", ptxas)):
+            if name in WARM_PARTS:
+                part(name, work)
     seconds["warm_triton_s"] = round(sum(seconds.values()), 3)
     return seconds
 
