@@ -128,6 +128,8 @@ def child(args) -> dict:
     dry_step = None  # `compile_ahead`'s dry step in the first call (compute/ahead.py's LAST)
     compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
     # TORCH_LOGS=recompiles), Triton kernels written to the cache
+    routed = trace_captured_steps()  # per forward: which way the captured steps' router went, its host ms
+    branches = []  # per call: `routed` of its forwards
     pinned = []  # per call: the previous call's cache still alive at this call's start, and torch's pinned pool
     previous = None  # (a weak reference to the previous call's cache)
     for call in range(args.calls):
@@ -140,6 +142,7 @@ def child(args) -> dict:
             import cProfile
             profile = cProfile.Profile()
             profile.enable()
+        routed.clear()
         t0 = time.perf_counter()
         starts.append(t0)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
@@ -159,6 +162,7 @@ def child(args) -> dict:
             dry_step = {k: round(v, 3) for k, v in ahead.LAST.items()} or None
         compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
                                   "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
+        branches.append(list(routed))
         after = host_pinned_stats() if cuda else {}
         pinned.append(dict(previous_alive=alive, **{k: round(after[k] - before.get(k, 0), 3) for k in after
                                                     if k.startswith("new_")}, **{k: v for k, v in after.items()
@@ -177,7 +181,30 @@ def child(args) -> dict:
     return {"load_s": load_s, "generate_s": times, "first_token_s": first_token, "compile_phases": compile_phases,
             "steps_ms": steps, "call_starts_s": [round(t - starts[0], 3) for t in starts],
             "stalls": stalls, "dry_step": dry_step,
-            "compiled_per_call": compiled_per_call, "pinned": pinned}
+            "compiled_per_call": compiled_per_call, "pinned": pinned, "routed": branches}
+
+
+def trace_captured_steps() -> list:
+    """Record, for every forward the captured steps' router takes (`CapturedSteps.forward`: prefill chunks and
+    decode steps), which way it went — `eager` (not replayable), `first` (a cache's first eager step on the capture
+    stream), `capture` (captured, then replayed once), `replay` — and its host milliseconds (launches; the device's
+    own time shows in the token clock). Returns the list the records go to (the caller clears it per call)."""
+    from oasis_cache.compute import captured_step
+
+    records: list = []
+    forward = captured_step.CapturedSteps.forward
+
+    def traced(self, runner, cache, kwargs):
+        had_stream, captures, replays = self.stream is not None, self.captures, self.replays
+        start = time.perf_counter()
+        out = forward(self, runner, cache, kwargs)
+        kind = ("capture" if self.captures > captures else "replay" if self.replays > replays
+                else "first" if not had_stream and self.stream is not None else "eager")
+        records.append((kind, round((time.perf_counter() - start) * 1e3, 1)))
+        return out
+
+    captured_step.CapturedSteps.forward = traced
+    return records
 
 
 def host_pinned_stats() -> dict:
@@ -335,7 +362,8 @@ def main(argv=None):
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
                    call_starts_s=result["call_starts_s"], stalls=result["stalls"], dry_step=result.get("dry_step"),
-                   compiled_per_call=result["compiled_per_call"], pinned=result.get("pinned"))
+                   compiled_per_call=result["compiled_per_call"], pinned=result.get("pinned"),
+                   routed=result.get("routed"))
         if row["fresh_kernel_cache"]:
             row["triton"] = triton_kernels(kernel_cache)
         rows.append(row)
@@ -354,6 +382,12 @@ def main(argv=None):
                 print(f"   call {call} compiled: {done['graphs']} dynamo graphs, "
                       "Triton kernels " + (", ".join(f"{n} x{c}" for n, c in done["triton"].items()) or "none"),
                       flush=True)
+        for call, routed in enumerate(row["routed"] or []):  # (the prompt's forwards, then one per decode step)
+            decode = routed[-len(row["steps_ms"][call]):] if routed and row["steps_ms"][call] else []
+            shown = [(i + 1, r) for i, r in enumerate(decode) if i < 4 or 15 <= i <= 16 or r[1] >= 50]
+            if shown:
+                print(f"   call {call} router (decode step: way, host ms): "
+                      + ", ".join(f"{i}: {kind} {ms:.0f}" for i, (kind, ms) in shown[:10]), flush=True)
         for call, seen in enumerate(row["pinned"] or []):
             print(f"   call {call} pinned: " + ", ".join(f"{k} {v}" for k, v in seen.items()), flush=True)
         if row["dry_step"]:

@@ -305,7 +305,8 @@ def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
 
 def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     """`bench/first_call.py` (issue 21's first call against later ones) on a tiny model, CPU: a child's calls, their
-    first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step)."""
+    first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step), and
+    whether each call's cache outlived it."""
     rows = {}
     for mode in ("oasis", "dense"):
         out = tmp_path / f"{mode}.json"
@@ -320,3 +321,6 @@ def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     for row in rows.values():
         assert len(row["generate_s"]) == 2 and len(row["first_token_s"]) == 2 and min(row["generate_s"]) > 0, row
     assert rows["dense"]["dry_step"] is None
+    # the previous call's cache is gone when the next call starts (a cycle would keep it, and its pools, alive)
+    assert [seen["previous_alive"] for seen in rows["oasis"]["pinned"]] == [False, False]
+    assert rows["oasis"]["routed"] == [[], []]  # (no captured steps on the CPU: the router is never asked)

@@ -621,3 +621,40 @@ def test_where_the_weights_are_changes_when_they_move_only():
     assert moved != before
     model.to(torch.float64)
     assert weights_where_they_are(model) != moved
+
+
+def test_a_captured_steps_kept_output_does_not_hold_its_cache():
+    """A captured step keeps its forward's output (the logits are the graph's buffer), but not the cache in it
+    (`past_key_values`): the cycle cache -> graphs -> output -> cache kept a dropped cache and its pinned host pools
+    alive until Python's next collection (H200, forty-fourth session: 5 GiB pinned anew at each later 32K call). The
+    output handed back per step carries the cache and a copy of the logits."""
+    import gc
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from oasis_cache.compute.captured_step import _Graph
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    cache = OasisCache(model, token_budget=128)
+    logits = torch.randn(1, 1, 8)
+    slot = _Graph()
+    output = CausalLMOutputWithPast(logits=logits, past_key_values=cache)  # (transformers 5.2x names it `cache`)
+    names = list(output.keys())
+    slot.keep(output, cache)
+    del output
+
+    def reaches(root, target) -> bool:
+        seen, todo = set(), [root]
+        while todo:
+            obj = todo.pop()
+            if obj is target:
+                return True
+            if id(obj) not in seen and not isinstance(obj, torch.Tensor):
+                seen.add(id(obj))
+                todo.extend(gc.get_referents(obj))
+        return False
+
+    assert not reaches(slot, cache) and reaches(slot, logits)
+    out = slot.result(cache)
+    assert isinstance(out, CausalLMOutputWithPast) and list(out.keys()) == names and out[names[1]] is cache
+    assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()

@@ -143,10 +143,10 @@ def warm_triton(device: torch.device | None = None) -> dict:
     host's compiler, into the kernel cache, and asks `ldconfig` where libcuda is) and ptxas's version (`ptxas`: in the
     backend's key, a subprocess of a large process). Each part that fails is skipped (the first compilation pays it
     instead). Run in a thread beside a prefill (`start_workers`): the main thread mostly waits for the device there.
-    Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache, forty-third session), the key part alone: the dry step's
-    trace 1.1-1.6 -> 0.75-1.14 s, the first call 1.93-2.26x -> 1.67-1.98x a later one. The driver and ptxas parts are
-    not yet measured: predicted to take most of what is left between that trace and the 0.2-0.3 s of a trace whose
-    compilations go to worker processes (`compile_workers`, whose start touches the driver at the prefill)."""
+    Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache), the key part alone (forty-third session): the dry
+    step's trace 1.1-1.6 -> 0.75-1.14 s, the first call 1.93-2.26x -> 1.67-1.98x a later one; the driver part too
+    (forty-fourth, alternating with the key part alone): trace 1.15-1.34 -> 0.66-0.69 s, dry step 2.56-2.68 ->
+    1.79-1.82 s, first call 1.90-2.37x -> 1.70-1.75x."""
     seconds: dict = {}
 
     def part(name: str, work) -> None:
