@@ -48,6 +48,10 @@
 #             replay captured steps since the eighteenth)
 #   firstcall  bench/first_call.py: a process's first generate against its later ones, a new machine's kernel cache
 #   firstcallunaligned  firstcall's first process with a 32,000-token prompt (CONTEXT): 2,000 blocks, not a power of two
+#   firstcallwarm  the parts of Triton's start-up the first prefill's thread pays (WARM_MODES), alternating
+#   firstcallprofile  cProfile of a later call (call 2) of one process
+#   pinnedhuge  bench/pinned_alloc.py: 5 GiB pinned by torch (fast_pinning) against memory mapped with transparent huge
+#             pages and registered (PINNED_CASES)
 #   compiletimes  bench/compile_times.py --together on this host's CPU: each kernel's compilation, all serially, all in threads
 #   capped128k  a 24 GiB card at 128K x 1 with the package's defaults: no --prefill-chunk (the cache chunks the prefill)
 #   compiled  dense, dense-compiled (StaticCache + torch.compile "reduce-overhead": CUDA graphs) and offload at 32K x
@@ -182,6 +186,7 @@ for arg in "$@"; do
     firstcalldense) for v in dense oasis; do python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 1 --fresh-kernel-cache $([ $v = dense ] && echo --dense) --out "$OUT/first-call-qwen3-8b-32k-$v-$RANDOM.json" 2>&1 | grep --line-buffered -v Warning | grep -v "^     \|slowest" | sed "s/^/$v: /" | tee -a "$OUT/first-call-dense.log"; done ;;  # issue 21: the dense baseline's first call against its later ones (DynamicCache: a process's first CUDA work, which oasis pays too), then oasis's, each a new process and kernel cache
     firstcallnoahead) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --no-compile-ahead --out "$OUT/first-call-qwen3-8b-32k-no-compile-ahead.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-noahead.log" ;;  # issue 21: the first call without the dry step
     pinned) python3 bench/pinned_alloc.py --out "$OUT/pinned-alloc.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pinned-alloc.log" ;;  # issue 21, first call: pinning the host pools (2.0 s of a first prefill at 32K x 1), alone, threaded, registered, beside device work
+    pinnedhuge) python3 bench/pinned_alloc.py --cases ${PINNED_CASES:-runtime mmap hugepages hugeone runtime mmap hugepages hugeone} --out "$OUT/pinned-huge.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pinned-huge.log" ;;  # issue 21, first call: the pools' 5 GiB at 32K pinned in ~1.4 s of the first prefill (forty-fourth session); whether memory the package maps itself with transparent huge pages registers faster than torch's malloc + register (fast_pinning, "runtime")
     fusedmemory) python3 bench/fused_memory.py --layers 8 --history 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fused-memory.log" ;;  # issue 21: fuse_projections' device memory (fortieth session: +16.8 GiB from copies, fixed)
     firstcallcompiled) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32 --calls 3 --processes 2 --fresh-kernel-cache --compile-decode --out "$OUT/first-call-qwen3-8b-32k-compile-decode.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-compiled.log" ;;  # issue 21 item 4 with compile_decode
     firstcallauto) python3 bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 512 --calls 6 --processes 1 --out "$OUT/first-call-qwen3-8b-32k-auto.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/first-call-auto.log" ;;  # issue 21: the default compile_decode=None compiles after 2048 steps (call 5 of 511 steps each)
