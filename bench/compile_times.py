@@ -45,6 +45,10 @@ def main() -> None:
     parser.add_argument("--together", action="store_true",
                         help="then all of them one after another, and all at once in threads (one each): how much "
                              "of the compilations Python's GIL serializes, as in a dry step (`kernels/ahead.py`)")
+    parser.add_argument("--stages", action="store_true",
+                        help="also each compilation's stages (Triton's compilation listener): the front end "
+                             "(`ir`: Python walks the kernel's syntax tree), then ttir, ttgir, llir, ptx, cubin "
+                             "(ptxas, a subprocess); medians over the repeats, ms")
     args = parser.parse_args()
     sys.path.insert(0, args.root)
     import torch
@@ -66,14 +70,29 @@ def main() -> None:
         for kernel in kernels:
             kernel.device_caches.clear()
 
+    stages: dict = {}  # kernel name: [{stage: ms}] per compilation (`--stages`)
+
+    def listen(src, metadata, metadata_group, times, cache_hit) -> None:
+        if not cache_hit:
+            parts = {"ir": times.ir_initialization / 1e3, **{k: v / 1e3 for k, v in times.lowering_stages}}
+            stages.setdefault(getattr(src, "name", "?"), []).append(parts)
+
+    if args.stages:
+        triton.knobs.compilation.listener = listen
+
     def timed(name: str, launch) -> None:
         times = []
+        stages.clear()
         for _ in range(args.repeats):
             fresh_cache()
             start = time.perf_counter()
             launch()
             times.append(time.perf_counter() - start)
         print(f"{name}: {statistics.median(times):.2f} s ({', '.join(f'{t:.2f}' for t in times)})", flush=True)
+        for kernel, runs in stages.items():
+            names = list(runs[0])
+            print(f"   {kernel}: " + ", ".join(f"{n} {statistics.median(r.get(n, 0.0) for r in runs):.0f}"
+                                              for n in names) + " ms", flush=True)
 
     fresh_cache()
     start = time.perf_counter()
