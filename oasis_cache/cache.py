@@ -695,7 +695,7 @@ class OasisCache(Cache):
                                self.config.max_decode_tokens)
         past = self.get_seq_length(self._first_oasis_layer)
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] > self.config.max_decode_tokens:
-            ahead.start_workers(self, tokens.device)  # (a prefill: Triton's start-up, any compile workers, beside it)
+            ahead.beside_prefill(self, tokens.device)  # (a prefill: Triton's start-up, any compile workers, beside it)
         try:
             if spans is not None:
                 self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)

@@ -193,7 +193,7 @@ def test_compile_workers_option_is_checked():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engine(monkeypatch):
-    """`compute/ahead.start_workers` runs as a cache's first prefill begins, before its transfer engine exists (it
+    """`compute/ahead.beside_prefill` runs as a cache's first prefill begins, before its transfer engine exists (it
     starts at the first layer's update): the option is judged from the prefill's device then (the forty-second
     session's first GPU run started no worker for that reason). With `compile_workers=0`, the default, none start."""
     _, target = _compile_workers_or_skip()
@@ -216,13 +216,13 @@ def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engi
     cache = OasisCache(model, token_budget=128, compile_workers=2)
     assert cache._transfer is None and ahead.applies(cache, cuda) and not ahead.applies(cache, cpu)
     assert not ahead.applies(OasisCache(model, token_budget=128, compile_ahead=False), cuda)
-    ahead.start_workers(cache, cpu)
-    ahead.start_workers(OasisCache(model, token_budget=128), cuda)
+    ahead.beside_prefill(cache, cpu)
+    ahead.beside_prefill(OasisCache(model, token_budget=128), cuda)
     assert started == []
-    ahead.start_workers(cache, cuda)
+    ahead.beside_prefill(cache, cuda)
     assert started == [(2, target, triton_cache_dir())] and ahead._take_workers() == "workers"
     ahead._DONE.add("a dry step ran")
-    ahead.start_workers(cache, cuda)
+    ahead.beside_prefill(cache, cuda)
     assert len(started) == 1 and ahead._take_workers() is None
 
 
@@ -250,13 +250,13 @@ def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     triton_key.cache_clear()
     get_ptxas_version.cache_clear()
     cache = OasisCache(tiny_model("qwen3"), token_budget=128)
-    ahead.start_workers(cache, torch.device("cpu"))  # (a device the option skips)
+    ahead.beside_prefill(cache, torch.device("cpu"))  # (a device the option skips)
     assert ahead._WARMING is None
     ahead._DONE.add("a dry step ran")
-    ahead.start_workers(cache, torch.device("cuda"))
+    ahead.beside_prefill(cache, torch.device("cuda"))
     assert ahead._WARMING is None
     ahead._DONE.clear()
-    ahead.start_workers(cache, torch.device("cuda"))
+    ahead.beside_prefill(cache, torch.device("cuda"))
     thread = ahead._WARMING
     thread.join(timeout=120)
     assert not thread.is_alive() and ahead.WARM["warm_triton_s"] > 0
@@ -264,7 +264,7 @@ def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     assert triton_key.cache_info().currsize == 1  # (paid: the first compilation finds it)
     assert get_ptxas_version.cache_info().currsize == 1  # (sm_90's ptxas asked for its version)
     assert all(kernel.hash is not None for kernel in kernels())  # (the kernels' source keys made)
-    ahead.start_workers(cache, torch.device("cuda"))
+    ahead.beside_prefill(cache, torch.device("cuda"))
     assert ahead._WARMING is thread  # (once a process)
 
 

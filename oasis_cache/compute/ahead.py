@@ -21,7 +21,7 @@ whole 4.2 s later. With one layer traced (forty-first session): 0.93 -> 0.64 s w
 machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the
 kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
 other layers). With `compile_workers` (research) the compilations go to worker processes a prefill started
-(`start_workers`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
+(`beside_prefill`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
 start is 3.8-4.8 s; forty-second session). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
 start-up inside the first cache key (the hash of its own files), now paid by a thread beside the prefill
 (`warm_triton`): the first call 1.93-2.26x -> 1.67-1.98x a later one (forty-third session, docs/perf.md).
@@ -41,7 +41,7 @@ from ..pools.host_kv import READ_ONLY_COPY
 
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
 LAST: dict = {}  # the last dry step's phases (s): `bench/first_call.py` prints them
-_WORKERS = None  # compile workers a prefill started (`start_workers`) for the dry step after it
+_WORKERS = None  # compile workers a prefill started (`beside_prefill`) for the dry step after it
 _WARMING = None  # the thread a prefill started for Triton's start-up (`warm_triton`)
 WARM: dict = {}  # what it took, once it ended (`_start_warming`)
 
@@ -105,9 +105,9 @@ def warm_block_store(cache) -> None:
     transfer.offload(layer.pool, block, layer.summaries.count)
 
 
-def start_workers(cache, device: torch.device) -> None:
-    """At a prefill on `device`, where no dry step has run in this process yet and the option is on for `cache`: pay
-    Triton's once-a-process start-up beside the prefill (`warm_triton`), and start the compile workers
+def beside_prefill(cache, device: torch.device) -> None:
+    """What a prefill on `device` starts beside it, where no dry step has run in this process yet and the option is
+    on for `cache`: a thread paying Triton's once-a-process start-up (`warm_triton`), and the compile workers
     (`OasisConfig.compile_workers`, `kernels/compile_workers.py`), so that they are ready (torch and Triton imported,
     Triton's start-up paid) when the dry step after the prefill sends them its kernels. Nothing where Triton is
     interpreted, or where the target or the workers cannot be had (the dry step then compiles in threads)."""
@@ -142,7 +142,7 @@ def warm_triton(device: torch.device | None = None) -> dict:
     keys; on a CUDA `device`, Triton's CUDA driver (`driver`: its first use builds and loads a small C module with the
     host's compiler, into the kernel cache, and asks `ldconfig` where libcuda is) and ptxas's version (`ptxas`: in the
     backend's key, a subprocess of a large process). Each part that fails is skipped (the first compilation pays it
-    instead). Run in a thread beside a prefill (`start_workers`): the main thread mostly waits for the device there.
+    instead). Run in a thread beside a prefill (`beside_prefill`): the main thread mostly waits for the device there.
     Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache), the key part alone (forty-third session): the dry
     step's trace 1.1-1.6 -> 0.75-1.14 s, the first call 1.93-2.26x -> 1.67-1.98x a later one; the driver part too
     (forty-fourth, alternating with the key part alone): trace 1.15-1.34 -> 0.66-0.69 s, dry step 2.56-2.68 ->
