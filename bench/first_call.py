@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import weakref
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

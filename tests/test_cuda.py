@@ -647,7 +647,8 @@ def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(
             assert held is None, f"the dropped cache lives on, held by {[type(r) for r in gc.get_referrers(held)]}"
             pinned.append(torch.cuda.host_memory_stats()["allocated_bytes.allocated"])  # (bytes pinned so far)
         assert pools[2] > 0
-        if static_head is None:  # (the head's own graph pins ~12% of this tiny pool anew per cache: not yet known why)
+        if static_head is None:  # (with the head's own graph ~12% of this tiny pool is pinned anew per cache: likely
+            # `torch.cuda.graph`, which empties torch's caches as it begins a capture; docs/status.md)
             assert pinned[2] - pinned[1] < pools[2] / 10, (pinned, pools)
     finally:
         if enabled:
