@@ -24,6 +24,10 @@ Cases (each child a new process, so torch's caching host allocator starts empty)
              register seconds apart, the AnonHugePages gained, and whether torch then sees the memory as pinned
   mmap       the same without `MADV_HUGEPAGE` (4 KiB pages: the control)
   hugeone    `hugepages` as one region for all the chunks, registered in one call
+  tunable    `runtime` with glibc asked to back malloc's mappings with transparent huge pages
+             (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35, read at a process's start): torch's own pinning on
+             huge pages, if the machine's glibc has the tunable
+Every case also reports the AnonHugePages it gained (`anon_huge_gib`): whether its memory came as huge pages.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ def child(case: str, chunks: int, chunk_mib: int, layers: int, layer_ms: float) 
 
     result = {"case": case, "matmul_ms": per_matmul * 1000, "matmuls_per_layer": per_layer}
     start = time.perf_counter()
-    if case == "runtime":
+    huge_at_start = anon_huge_bytes()
+    if case in ("runtime", "tunable"):
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from oasis_cache.memory.host_memory import use_fast_pinning
 
         result["fast_pinning"] = use_fast_pinning()
         start = time.perf_counter()
-    if case in ("alloc", "register", "runtime"):
+    if case in ("alloc", "register", "runtime", "tunable"):
         pin(chunks)
     elif case == "threads4":
         threads = [threading.Thread(target=pin, args=(chunks // 4,)) for _ in range(4)]
@@ -105,6 +110,7 @@ def child(case: str, chunks: int, chunk_mib: int, layers: int, layer_ms: float) 
     torch.cuda.synchronize()
     result["seconds"] = time.perf_counter() - start
     result["pinned_gib"] = len(kept) * nbytes / 2**30
+    result.setdefault("anon_huge_gib", (anon_huge_bytes() - huge_at_start) / 2**30)
     return result
 
 
@@ -169,6 +175,8 @@ def main() -> None:
         env = dict(os.environ)
         if case == "register":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+        if case == "tunable":
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
         command = [sys.executable, __file__, "--child", case, "--chunks", str(args.chunks), "--chunk-mib",
                    str(args.chunk_mib), "--layers", str(args.layers), "--layer-ms", str(args.layer_ms)]
         out = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -179,6 +187,7 @@ def main() -> None:
         rows.append(row)
         extra = f"  pin call {row['pin_call_s']:.3f} s" if "pin_call_s" in row else ""
         extra += f"  use_fast_pinning() -> {row['fast_pinning']}" if "fast_pinning" in row else ""
+        extra += f"  AnonHugePages +{row['anon_huge_gib']:.2f} GiB" if "touch_s" not in row else ""
         extra += (f"  touch {row['touch_s']:.3f} s, register {row['register_s']:.3f} s (errors "
                   f"{row['register_errors']}), AnonHugePages +{row['anon_huge_gib']:.2f} GiB, is_pinned "
                   f"{row['is_pinned']}, copied {row['copied']}") if "touch_s" in row else ""
