@@ -164,9 +164,8 @@ def child(args) -> dict:
                                   "triton": triton_kernels(kernel_dir, since=wall)["kernels"] if kernel_dir else {}})
         branches.append(list(routed))
         after = host_pinned_stats() if cuda else {}
-        pinned.append(dict(previous_alive=alive, **{k: round(after[k] - before.get(k, 0), 3) for k in after
-                                                    if k.startswith("new_")}, **{k: v for k, v in after.items()
-                                                                                 if not k.startswith("new_")}))
+        pinned.append({"previous_alive": alive, **{k: round(v - before[k], 3) if k.startswith("new_") else v
+                                                   for k, v in after.items()}})  # (`new_*`: pinned by this call)
         previous = weakref.ref(cache) if cache is not None else None
         del cache
     if any(c["graphs"] for c in compiled_per_call):  # (the compilation's phases once it is done)

@@ -128,14 +128,14 @@ def map_and_register(case: str, chunks: int, nbytes: int, kept: list) -> dict:
 
     import torch
 
-    huge, align = 2 << 20, case != "mmap"
+    huge, advise = 2 << 20, case != "mmap"
     sizes = [chunks * nbytes] if case == "hugeone" else [nbytes] * chunks
     touch_s = register_s = 0.0
     huge_before = anon_huge_bytes()
     errors = set()
     for size in sizes:
         region = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if align:
+        if advise:
             region.madvise(mmap.MADV_HUGEPAGE)
         whole = torch.frombuffer(region, dtype=torch.uint8)
         skip = (-whole.data_ptr()) % huge

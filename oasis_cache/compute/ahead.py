@@ -177,12 +177,10 @@ def warm_triton(device: torch.device | None = None) -> dict:
         major, minor = torch.cuda.get_device_capability(device)
         get_ptxas_version(major * 10 + minor)
 
-    if "key" in WARM_PARTS:
-        part("key", key)
-    if device is not None and device.type == "cuda":
-        for name, work in (("driver", driver), ("ptxas", ptxas)):
-            if name in WARM_PARTS:
-                part(name, work)
+    parts = (("key", key), ("driver", driver), ("ptxas", ptxas))
+    for name, work in parts if device is not None and device.type == "cuda" else parts[:1]:
+        if name in WARM_PARTS:
+            part(name, work)
     seconds["warm_triton_s"] = round(sum(seconds.values()), 3)
     return seconds
 
