@@ -114,6 +114,8 @@ def child(args) -> dict:
         options["ahead_at_prefill"] = True
     if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
         options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
+    if args.pinned_regions:  # (research: the prefill's host chunks in one region the package maps and registers)
+        options["pinned_regions"] = True
     if args.warm_parts is not None:  # (research: which parts of Triton's start-up the prefill's thread pays)
         from oasis_cache.compute import ahead
 
@@ -208,14 +210,19 @@ def trace_captured_steps() -> list:
 
 def host_pinned_stats() -> dict:
     """torch's pinned host pool now: `new_*` counters (a call's difference is what it pinned anew) and the pool's
-    size (GiB it owns: handed out and cached)."""
+    size (GiB it owns: handed out and cached); the package's own regions (`memory/pinned_regions.py`): GiB mapped
+    (a call's difference: mapped anew) and held."""
     import torch
+
+    from oasis_cache.memory.pinned_regions import REGIONS
 
     stats = torch.cuda.host_memory_stats()
     return {"new_blocks": stats.get("num_host_alloc", 0),
             "new_gib": stats.get("allocated_bytes.allocated", 0) / 2**30,
             "new_pin_s": stats.get("host_alloc_time.total", 0) / 1e6,
-            "owned_gib": round(stats.get("allocated_bytes.current", 0) / 2**30, 2)}
+            "owned_gib": round(stats.get("allocated_bytes.current", 0) / 2**30, 2),
+            "new_region_gib": REGIONS.mapped_total / 2**30,
+            "region_gib": round(REGIONS.held_bytes() / 2**30, 2)}
 
 
 def triton_cache_dir() -> str:
@@ -290,6 +297,9 @@ def main(argv=None):
     parser.add_argument("--compile-workers", default=None,
                         help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
                              "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
+    parser.add_argument("--pinned-regions", action="store_true",
+                        help="OasisCache(..., pinned_regions=True): the prefill's host chunks in one region the "
+                             "package maps and registers, not from torch's allocator (fast_pinning)")
     parser.add_argument("--warm-parts", default=None,
                         help="compute/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
                              "pays, comma-separated (key,driver,ptxas; '' none)")
@@ -344,6 +354,7 @@ def main(argv=None):
         command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
         command += ["--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
         command += ["--warm-parts", args.warm_parts] if args.warm_parts is not None else []
+        command += ["--pinned-regions"] if args.pinned_regions else []
         command += ["--dense"] if args.dense else []
         command += ["--stall-monitor"] if args.stall_monitor else []
         command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \

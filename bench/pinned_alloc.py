@@ -109,7 +109,7 @@ def child(case: str, chunks: int, chunk_mib: int, layers: int, layer_ms: float) 
         raise ValueError(case)
     torch.cuda.synchronize()
     result["seconds"] = time.perf_counter() - start
-    result["pinned_gib"] = len(kept) * nbytes / 2**30
+    result["pinned_gib"] = sum(t.numel() * t.element_size() for t in kept) / 2**30
     result.setdefault("anon_huge_gib", (anon_huge_bytes() - huge_at_start) / 2**30)
     return result
 

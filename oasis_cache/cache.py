@@ -25,6 +25,7 @@ from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
 from .memory import TransferEngine
 from .memory.device_memory import device_room
+from .memory import pinned_regions
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
@@ -234,6 +235,7 @@ class OasisCache(Cache):
             self.counters.decode_tokens += Qn
         else:
             self._check_host_room(Qn, key_states)
+            self._reserve_pinned(Qn, key_states)
             if self._chunked_prefill and self.prefill_resident is None:
                 self.prefill_resident = self._resident_room(self._chunked_prefill, key_states)
             self.counters.dense_forwards += 1
@@ -274,6 +276,22 @@ class OasisCache(Cache):
             tokens = self.get_seq_length(self._first_oasis_layer) + new_tokens
             check_host_room(needed, f"the host pool of {len(layers)} layers for {tokens} tokens x {B} sequences ({H} "
                                     f"KV heads of {D}, {key_states.dtype})")
+
+    def _reserve_pinned(self, new_tokens: int, key_states: torch.Tensor) -> None:
+        """At a CUDA prefill's first full-attention layer (after the room check): every host chunk its pools will
+        take for `new_tokens` (a prompt prefilled in chunks: all of it) set aside in one region the package pins
+        (`memory/pinned_regions.py`, `OasisConfig.pinned_regions`; a no-op outside `route_forward`'s prefill)."""
+        if not self.config.pinned_regions or key_states.device.type != "cuda":
+            return
+        if self._chunked_prefill:
+            new_tokens = max(new_tokens, self._chunked_prefill - self.get_seq_length(self._first_oasis_layer))
+        wanted = {}
+        for layer in self.layers:
+            if isinstance(layer, OasisLayer):
+                nbytes, count = layer.host_chunks_for(new_tokens, key_states)
+                wanted[nbytes] = wanted.get(nbytes, 0) + count
+        for nbytes, count in wanted.items():
+            pinned_regions.reserve_for_forward(nbytes, count)
 
     @property
     def transfer(self) -> TransferEngine:
@@ -672,7 +690,7 @@ class OasisCache(Cache):
         steps where there are any, else the model's own forward. Running out of device memory in a prefill raises a
         MemoryError that names the sizes and what to lower."""
         from .compute import ahead
-        from .compute.prefill import prefill_chunks, run_chunks
+        from .compute.prefill import prefill_chunks
 
         model, running = self._model(), getattr(getattr(runner, "eager_forward", None), "__self__", None)
         if running is not None and model is not None and running is not model:
@@ -694,8 +712,18 @@ class OasisCache(Cache):
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
                                self.config.max_decode_tokens)
         past = self.get_seq_length(self._first_oasis_layer)
-        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] > self.config.max_decode_tokens:
-            ahead.beside_prefill(self, tokens.device)  # (a prefill: Triton's start-up, any compile workers, beside it)
+        if not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+                and tokens.shape[1] > self.config.max_decode_tokens):
+            return self._route(runner, kwargs, tokens, spans, past)
+        ahead.beside_prefill(self, tokens.device)  # (a prefill: Triton's start-up, any compile workers, beside it)
+        with pinned_regions.reserving():  # (its host chunks, set aside at its first layer: `_reserve_pinned`)
+            return self._route(runner, kwargs, tokens, spans, past)
+
+    def _route(self, runner, kwargs, tokens, spans, past):
+        """`route_forward`'s way: the prefill's chunks (`spans`), a dry step first where one is wanted, one forward."""
+        from .compute import ahead
+        from .compute.prefill import run_chunks
+
         try:
             if spans is not None:
                 self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)

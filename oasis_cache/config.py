@@ -193,6 +193,13 @@ class OasisConfig:
             H200 host, 5 GiB in 16 MiB chunks: 1.9-2.2 -> 0.72 s; Qwen3-8B at 32K x 1, the first token 3.0-3.2 ->
             2.0-2.7 s in every call of a process (`memory/host_memory.py`, docs/perf.md, forty-first session).
             True (default); False leaves torch's settings as they are.
+        pinned_regions: a CUDA prefill reserves, at its first full-attention layer, every host chunk its pools will
+            take as one region the package maps on transparent huge pages, touches and registers itself, reused by
+            later prefills once their caches are gone (`memory/pinned_regions.py`); chunks added later (decode
+            growth, forks) still come from torch's allocator. Research: on the H200's host 5 GiB pin in 0.25-0.27 s
+            this way against 0.78-1.22 s through torch's allocator with `fast_pinning`, but the first `generate` at
+            32K x 1 gained nothing (the pinning overlaps the prefill's device work: first token 2.73-2.74 s against
+            2.60-2.75; docs/perf.md, forty-fifth session). False (default): every chunk from torch's allocator.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -244,6 +251,7 @@ class OasisConfig:
     ahead_at_prefill: bool = False
     compile_workers: int | None = 0
     fast_pinning: bool = True
+    pinned_regions: bool = False
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
@@ -362,6 +370,8 @@ class OasisConfig:
                              f"{self.compile_workers!r}.")
         if self.fast_pinning not in (True, False):
             raise ValueError(f"fast_pinning must be True or False, got {self.fast_pinning!r}.")
+        if self.pinned_regions not in (True, False):
+            raise ValueError(f"pinned_regions must be True or False, got {self.pinned_regions!r}.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:

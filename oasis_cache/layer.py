@@ -464,13 +464,18 @@ class OasisLayer(CacheLayerMixin):
     def host_bytes_for(self, new_tokens: int, like: torch.Tensor) -> int:
         """Host bytes this layer's pool would add to hold `new_tokens` more tokens (shaped like `like`, `[B, Hkv, q,
         D]`, before the layer initializes), the blocks it reserves ahead included."""
+        chunk_nbytes, chunks = self.host_chunks_for(new_tokens, like)
+        return chunks * chunk_nbytes
+
+    def host_chunks_for(self, new_tokens: int, like: torch.Tensor) -> tuple[int, int]:
+        """(bytes of one chunk, chunks) this layer's pool would add for `new_tokens` more tokens (`host_bytes_for`)."""
         T = self.config.block_size
         B, H, _, D = like.shape
         block_nbytes = 2 * B * H * T * D * like.element_size()
         C = fitted_chunk_blocks(self.config.host_chunk_blocks, block_nbytes, like.device.type == "cuda")
         blocks = (self.get_seq_length() + new_tokens) // T + 1 + HOST_GROWTH_SPREAD
         chunks = -(-blocks // C) - (len(self.pool.chunks) if self.is_initialized else 0)
-        return max(0, chunks) * C * block_nbytes
+        return C * block_nbytes, max(0, chunks)
 
     def reserve_slots(self, num_blocks: int) -> None:
         """Working-set slots for a context of `num_blocks` complete blocks: as many as a step may select from it, up

@@ -111,9 +111,16 @@ def random_head(model, draft_vocab: int = 64, scale: float = 0.1, seed: int = 0)
 def drafts_of_two_generates(model, cache, prompt: torch.Tensor, extend: torch.Tensor) -> torch.Tensor:
     """Generate 12 tokens after `prompt`, then 12 more after (that + `extend`), through `cache` (eagle3): the drafts
     the ride-along made at the 22 decode steps, `[B, 22]`."""
-    ride = cache.ride_along
-    drafts, draft = [], ride._draft
-    ride._draft = lambda token, rode: drafts.append(draft(token, rode).clone()) or drafts[-1]
+    import types
+
+    ride, drafts, draft = cache.ride_along, [], type(cache.ride_along)._draft
+
+    def recording(self, token, rode):  # (a bound method: a dry step's copy of the cache binds it to its own copy of
+        out = draft(self, token, rode)  # the ride-along, whose drafts are not this cache's: `compute/ahead.py`)
+        if self is ride:
+            drafts.append(out.clone())
+        return out
+    ride._draft = types.MethodType(recording, ride)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     first = model.generate(input_ids=prompt, past_key_values=cache, **kw)
     model.generate(input_ids=torch.cat((first, extend), 1), past_key_values=cache, **kw)

@@ -6,15 +6,15 @@ own key/value into the ring at a slot kept on the device, advances that slot and
 leaves the draft (target ids) in `draft` `[B, 1]`. Every buffer is written in place, so a decode step captured
 whole (`compute/captured_step.py`) may run this call inside its own graph. On CUDA the call is captured once and
 replayed (one launch instead of ~60; the default on CUDA, `RideAlong.static_head`); `use_graph=False` runs the same
-function eagerly (CPU, tests, and inside a captured decode step). Capturing synchronizes the device once (when the
-ring first fills), never in later steps.
+function eagerly (CPU, tests, and inside a captured decode step). The capture (once, when the ring first fills)
+does not synchronize the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..compute.captured_step import no_collection_while_capturing
+from ..compute.captured_step import capture_stream, no_collection_while_capturing
 from .eagle3 import Eagle3Head
 from .head_window import HeadKV
 
@@ -48,20 +48,31 @@ class StaticDraftStep:
         self.position.add_(1)
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(self.token.device)
-        side.wait_stream(torch.cuda.current_stream(self.token.device))
-        with torch.cuda.stream(side):
-            self._run(write=False)  # warm-up (library handles, workspaces), the ring untouched
-        torch.cuda.current_stream(self.token.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+        """Warm up and capture on the process's capture stream (`captured_step.capture_stream`), with
+        `capture_begin`/`capture_end` rather than `torch.cuda.graph`: the latter synchronizes the device and empties
+        torch's device and pinned host caches as it begins, so every cache pinned its host pools anew, and a stream
+        of its own would add a cuBLAS workspace per cache."""
+        device = self.token.device
+        stream, caller = capture_stream(device), torch.cuda.current_stream(device)
+        stream.wait_stream(caller)
+        graph = torch.cuda.CUDAGraph()
         try:
-            with no_collection_while_capturing(), torch.cuda.graph(self.graph):
-                self._run()
+            with torch.cuda.stream(stream):
+                self._run(write=False)  # warm-up (library handles, workspaces), the ring untouched
+                with no_collection_while_capturing():
+                    graph.capture_begin(capture_error_mode="relaxed")
+                    try:
+                        self._run()
+                    finally:
+                        graph.capture_end()
         except RuntimeError as error:
             raise RuntimeError(
                 f"Capturing the draft head's decode step as a CUDA graph failed ({error}). Run it without a graph: "
                 "`cache.ride_along.static_head = None` (or \"eager\")."
             ) from error
+        finally:
+            caller.wait_stream(stream)
+        self.graph = graph
 
     def __call__(self, features: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """features `[B, 1, 3Ht]`, token `[B, 1]` -> the draft `[B, 1]` (a buffer the next call overwrites)."""
