@@ -51,6 +51,7 @@
 #   firstcallwarm  the parts of Triton's start-up the first prefill's thread pays (WARM_MODES), alternating
 #   firstcallregions  the prefill's host chunks in the package's own region (research) against torch's (REGION_MODES)
 #   firstcallprofile  cProfile of a later call (call 2) of one process
+#   chunkattention  bench/chunk_attention.py: a chunk over its past, lower-right mask against cuDNN's two parts merged
 #   pinnedhuge  bench/pinned_alloc.py: 5 GiB pinned by torch (fast_pinning) against memory mapped with transparent huge
 #             pages and registered (PINNED_CASES)
 #   compiletimes  bench/compile_times.py --together on this host's CPU: each kernel's compilation, all serially, all in threads
@@ -283,6 +284,7 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
     chain) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods oasis-previous-captured oasis-eagle3-captured@headonly oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-chain.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-chain-b$b.log" | tail -5; done ;;
     lookaheads) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 4 --statistic mean --methods dense oasis-none-captured oasis-previous-captured oasis-eagle3-captured --out "$OUT/decode-qwen3-8b-32k-b$b-lookaheads.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-lookaheads-b$b.log" | tail -6; done ;;
     prefill) for b in ${PREFILL_BATCHES:-1 4}; do python3 bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch $b --repeats 3 --profile "${PREFILL_PROFILE:-25}" ${PREFILL_GENERATE:+--generate} --out "$OUT/prefill-qwen3-8b-32k-b$b${PREFILL_GENERATE:+-generate}.json" 2>&1 | grep --line-buffered -v Warning | tail -5; done ;;
+    chunkattention) python3 bench/chunk_attention.py --out "$OUT/chunk-attention.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/chunk-attention.log" ;;  # a prompt chunk's attention over its past: SDPA's lower-right mask (flash) against cuDNN's past and chunk merged (compute/dense.SPLIT_PAST)
     attnkernel) python3 bench/attention_kernel.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/attention-kernel.log" ;;
     kernel) for spec in "1:dense oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured@sdpa oasis-eagle3-captured" "4:oasis-previous-captured@sdpa oasis-previous-captured oasis-eagle3-captured"; do b=${spec%%:*}
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b$b-kernel.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-kernel-b$b.log" | tail -6; done ;;

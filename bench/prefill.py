@@ -1,6 +1,8 @@
 """Prefill time: dense (`DynamicCache`, one forward) against OasisCache's chunked prefill with the prompt's keys and
 values kept on the device between chunks (`resident_prefill`, the default) and read back from the host pool at every
-chunk (`resident_prefill=False`, the behaviour before the twentieth session).
+chunk (`resident_prefill=False`, the behaviour before the twentieth session); `oasis-masked`: resident, with a chunk's
+attention over its past by SDPA's lower-right causal mask (`compute/dense.SPLIT_PAST` off, before the forty-fifth
+session).
 
     python bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch 4     # the H200 figure
     python bench/prefill.py --model qwen25-coder-0.5b --context 8192 --chunk-tokens 1024 # real weights, CPU
@@ -34,14 +36,18 @@ from models import load_model  # noqa: E402
 
 from oasis_cache import OasisCache  # noqa: E402
 
-METHODS = ("dense", "dense-chunked", "oasis-resident", "oasis-host")
+METHODS = ("dense", "dense-chunked", "oasis-resident", "oasis-host", "oasis-masked")
 
 
 def build(model, method: str, args):
     if method.startswith("dense"):
         return DynamicCache()
+    from oasis_cache.compute import dense
+
+    dense.SPLIT_PAST = method != "oasis-masked"  # (oasis-masked: a chunk over its past by SDPA's lower-right mask,
+    # as before the forty-fifth session; the others merge cuDNN's past and chunk)
     return OasisCache(model, token_budget=args.budget, prefill_chunk_tokens=args.chunk_tokens,
-                      resident_prefill=method == "oasis-resident")
+                      resident_prefill=method in ("oasis-resident", "oasis-masked"))
 
 
 def prefill(model, ids, cache, device, chunk_tokens: int = 0,

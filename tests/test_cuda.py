@@ -658,6 +658,34 @@ def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(
             gc.enable()
 
 
+@pytest.mark.parametrize("past", [16, 1000, 8192])
+def test_a_chunk_over_its_past_by_cudnn_merged_equals_the_lower_right_mask(past):
+    """`compute.dense.SPLIT_PAST` (default): a chunk's queries over their past without a mask and over themselves
+    causally, both by cuDNN with log-sum-exps, merged (`_past_then_chunk`), equal SDPA with a lower-right causal mask
+    within bf16's rounding, and both equal float32 attention as closely; grouped query heads as a layer has them."""
+    from oasis_cache.compute import dense
+
+    torch.manual_seed(0)
+    Qn, D = 512, 128
+    q = torch.randn(2, 8, Qn, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, past + Qn, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    calls = []
+    split = dense._past_then_chunk
+    try:
+        dense._past_then_chunk = lambda *a: calls.append(1) or split(*a)
+        dense.SPLIT_PAST = False
+        masked = dense.dense_causal_attention(q, k, v, None, D ** -0.5)
+        dense.SPLIT_PAST = True
+        merged = dense.dense_causal_attention(q, k, v, None, D ** -0.5)
+    finally:
+        dense._past_then_chunk, dense.SPLIT_PAST = split, True
+    assert calls == [1] and not dense._CUDNN["failed"]
+    reference = dense.dense_causal_attention(q.float(), k.float(), v.float(), None, D ** -0.5)
+    for out in (masked, merged):
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+    assert (merged.float() - reference).abs().max() <= 2 * (masked.float() - reference).abs().max() + 1e-3
+
+
 def test_a_prefill_pins_its_pools_in_one_region_reused_by_the_next_cache():
     """`OasisConfig.pinned_regions` (research): a CUDA prefill's host chunks come from a region the package maps and
     registers itself (`memory/pinned_regions.py`), read by the gather as torch's pinned chunks are (the same tokens

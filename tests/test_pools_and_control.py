@@ -469,6 +469,27 @@ def test_summary_channels_are_the_prompts_whatever_its_chunks_batch_and_padding(
         assert tokens == runs[0][1], chunk
 
 
+def test_attention_over_two_sets_of_keys_merges_into_attention_over_both():
+    """`compute.dense.merge_partial` (a prompt's chunk over its past and over itself, each with its log-sum-exp, on
+    CUDA by cuDNN: `_past_then_chunk`) equals one softmax over all the keys, in both log-sum-exp shapes."""
+    from oasis_cache.compute import dense
+
+    torch.manual_seed(0)
+    B, H, Qn, P, D = 2, 3, 6, 11, 8
+    q, k, v = torch.randn(B, H, Qn, D), torch.randn(B, H, P + Qn, D) * 2, torch.randn(B, H, P + Qn, D)
+    scores = q @ k.transpose(-1, -2) * 0.4
+    scores[..., P:] = scores[..., P:].masked_fill(torch.ones(Qn, Qn, dtype=torch.bool).triu(1), float("-inf"))
+    whole = torch.softmax(scores, -1) @ v
+    past, own = scores[..., :P], scores[..., P:]
+    merged = dense.merge_partial(torch.softmax(past, -1) @ v[:, :, :P], past.logsumexp(-1),
+                                 torch.softmax(own, -1) @ v[:, :, P:], own.logsumexp(-1)[..., None])
+    torch.testing.assert_close(merged, whole)
+    half = dense.merge_partial((torch.softmax(past, -1) @ v[:, :, :P]).bfloat16(), past.logsumexp(-1),
+                               (torch.softmax(own, -1) @ v[:, :, P:]).bfloat16(), own.logsumexp(-1))
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), whole, atol=2e-2, rtol=2e-2)
+
+
 def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     """`compute.dense.dense_causal_attention` for Qn new queries after a past: no mask, an all-visible mask (one
     batched SDPA call, as without a mask), left padding (a call per sequence) and a hole in the mask all equal an
