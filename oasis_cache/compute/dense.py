@@ -39,6 +39,8 @@ def _sdpa_causal(query, keys, values, scale):
     if SPLIT_PAST and _cudnn_applies(query, keys):
         try:
             return _past_then_chunk(query, keys, values, scale)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:  # (cuDNN refused these shapes: SDPA's own way from now on)
             _CUDNN["failed"] = True
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(Qn, L), scale=scale)
