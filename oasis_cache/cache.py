@@ -23,9 +23,8 @@ from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
-from .memory import TransferEngine
+from .memory import TransferEngine, pinned_regions
 from .memory.device_memory import device_room
-from .memory import pinned_regions
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend

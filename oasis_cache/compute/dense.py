@@ -1,7 +1,8 @@
 """Dense causal attention for prefill and long extends: the new queries are the last Qn of L positions (aligned to
 the bottom right), padding respected, and no `[B, Qn, L]` mask is built for the common cases:
 
-- no padding: SDPA's own causal (`is_causal`, or `causal_lower_right` when there is a past);
+- no padding: SDPA's own causal (`is_causal`; after a past, on CUDA, the past without a mask and the new queries'
+  own tokens causally, merged by log-sum-exp: `_past_then_chunk`; else `causal_lower_right`);
 - a mask that hides nothing (generate's all-ones): as without one;
 - left padding (what `generate` produces): one SDPA call per sequence on its unpadded tokens;
 - any other mask: explicit boolean masks for bounded chunks of queries.
@@ -53,12 +54,13 @@ def _sdpa_causal(query, keys, values, scale):
 # their own chunk causally, both by cuDNN with log-sum-exps, merged (`_past_then_chunk`).
 SPLIT_PAST = True
 _CUDNN = {"failed": False}
+SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call
 
 
 def _cudnn_applies(query, keys) -> bool:
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 128
-            and not _CUDNN["failed"] and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.backends.cuda.cudnn_sdp_enabled())
+            and query.shape[2] >= SPLIT_MIN_QUERIES and not _CUDNN["failed"]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cuda.cudnn_sdp_enabled())
 
 
 def _past_then_chunk(query, keys, values, scale):
