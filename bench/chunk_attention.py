@@ -6,7 +6,7 @@ past without a mask and the chunk causally, both by cuDNN with log-sum-exps, mer
 
 Qwen3-8B's heads (32 query heads over 8 KV heads of 128, expanded as `dense_causal_attention` expands them), one
 layer, a chunk of `--chunk` queries after pasts of `--pasts` tokens; each way timed with CUDA events (median of
-`--repeats`, the two ways interleaved) and compared with float32 attention of the same inputs (max abs error).
+`--repeats`, the two ways interleaved, each timed call after three untimed: `gather.timed`) and compared with float32 attention of the same inputs (max abs error).
 """
 
 from __future__ import annotations
@@ -22,20 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gather import timed  # noqa: E402
 
 from oasis_cache.compute import dense  # noqa: E402
-
-
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def main() -> None:
@@ -68,7 +59,7 @@ def main() -> None:
         times = {False: [], True: []}
         for _ in range(args.repeats):
             for split in (False, True):
-                times[split] += timed(lambda: way(split), 1)
+                times[split].append(timed(lambda: way(split), repeats=1))  # (3 calls to warm, 1 timed)
         row = {"past": past, "keys": L,
                "mask_ms": statistics.median(times[False]), "split_ms": statistics.median(times[True]),
                "mask_err": (outs[False].float() - reference).abs().max().item(),
