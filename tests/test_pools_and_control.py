@@ -481,9 +481,12 @@ def test_attention_over_two_sets_of_keys_merges_into_attention_over_both():
     scores[..., P:] = scores[..., P:].masked_fill(torch.ones(Qn, Qn, dtype=torch.bool).triu(1), float("-inf"))
     whole = torch.softmax(scores, -1) @ v
     past, own = scores[..., :P], scores[..., P:]
+    own_out = torch.softmax(own, -1) @ v[:, :, P:]
+    kept = own_out.clone()
     merged = dense.merge_partial(torch.softmax(past, -1) @ v[:, :, :P], past.logsumexp(-1),
-                                 torch.softmax(own, -1) @ v[:, :, P:], own.logsumexp(-1)[..., None])
+                                 own_out, own.logsumexp(-1)[..., None])
     torch.testing.assert_close(merged, whole)
+    assert torch.equal(own_out, kept)  # (the parts are left as they were)
     half = dense.merge_partial((torch.softmax(past, -1) @ v[:, :, :P]).bfloat16(), past.logsumexp(-1),
                                (torch.softmax(own, -1) @ v[:, :, P:]).bfloat16(), own.logsumexp(-1))
     assert half.dtype == torch.bfloat16

@@ -79,7 +79,8 @@ def merge_partial(first, first_lse, second, second_lse):
     their log-sum-exps `[B, H, Qn]` or `[B, H, Qn, 1]` (float32); in `first`'s dtype."""
     shape = (*first.shape[:3], 1)
     weight = torch.sigmoid(first_lse.view(shape) - second_lse.view(shape))  # first's share of the softmax's mass
-    return torch.lerp(second.float(), first.float(), weight).to(first.dtype)
+    merged = second.to(torch.float32, copy=True)  # (a copy in float32 too: the caller's tensor stays as it was)
+    return merged.lerp_(first.float(), weight).to(first.dtype)
 
 
 def dense_causal_attention(
