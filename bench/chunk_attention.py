@@ -6,7 +6,9 @@ past without a mask and the chunk causally, both by cuDNN with log-sum-exps, mer
 
 Qwen3-8B's heads (32 query heads over 8 KV heads of 128, expanded as `dense_causal_attention` expands them), one
 layer, a chunk of `--chunk` queries after pasts of `--pasts` tokens; each way timed with CUDA events (median of
-`--repeats`, the two ways interleaved, each timed call after three untimed: `gather.timed`) and compared with float32 attention of the same inputs (max abs error).
+`--repeats`, the two ways interleaved, each timed call after three untimed: `gather.timed`) and compared with
+float32 attention of the same inputs (max abs error). The first call of each way at each shape is timed apart (wall
+clock: what building cuDNN's plans for a new shape costs a process's first prefill).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +57,13 @@ def main() -> None:
             dense.SPLIT_PAST = split
             return dense.dense_causal_attention(q, k, v, None, scale)
 
-        outs = {split: way(split) for split in (False, True)}  # (warm-up: each kernel met once)
+        outs, first_ms = {}, {}
+        for split in (False, True):  # the first call of each way at this shape: cuDNN builds its plans for it
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs[split] = way(split)
+            torch.cuda.synchronize()
+            first_ms[split] = (time.perf_counter() - start) * 1e3
         reference = dense.dense_causal_attention(q.float(), k.float(), v.float(), None, scale)
         times = {False: [], True: []}
         for _ in range(args.repeats):
@@ -62,13 +71,15 @@ def main() -> None:
                 times[split].append(timed(lambda: way(split), repeats=1))  # (3 calls to warm, 1 timed)
         row = {"past": past, "keys": L,
                "mask_ms": statistics.median(times[False]), "split_ms": statistics.median(times[True]),
+               "first_mask_ms": first_ms[False], "first_split_ms": first_ms[True],
                "mask_err": (outs[False].float() - reference).abs().max().item(),
                "split_err": (outs[True].float() - reference).abs().max().item(),
                "split_vs_mask": (outs[True].float() - outs[False].float()).abs().max().item()}
         rows.append(row)
         print(f"past {past:6d}: lower-right mask {row['mask_ms']:7.2f} ms, split {row['split_ms']:7.2f} ms "
               f"({row['mask_ms'] / row['split_ms']:.2f}x); max error against fp32 {row['mask_err']:.2e} / "
-              f"{row['split_err']:.2e}; between them {row['split_vs_mask']:.2e}")
+              f"{row['split_err']:.2e}; between them {row['split_vs_mask']:.2e}; first call at this shape "
+              f"{row['first_mask_ms']:.1f} / {row['first_split_ms']:.1f} ms")
         del q, k, v, outs, reference
     dense.SPLIT_PAST = True
     if args.out:
