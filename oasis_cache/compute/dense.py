@@ -37,7 +37,7 @@ def _sdpa_causal(query, keys, values, scale):
     keys, values = _expand_kv_heads(query, keys, values)
     if Qn == L:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
-    if SPLIT_PAST and _cudnn_applies(query, keys):
+    if SPLIT_PAST and _cudnn_applies(query):
         try:
             return _past_then_chunk(query, keys, values, scale)
         except torch.OutOfMemoryError:
@@ -57,10 +57,11 @@ _CUDNN = {"failed": False}
 SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call
 
 
-def _cudnn_applies(query, keys) -> bool:
+def _cudnn_applies(query) -> bool:
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 128
             and query.shape[2] >= SPLIT_MIN_QUERIES and not _CUDNN["failed"]
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cuda.cudnn_sdp_enabled())
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.backends.cuda.cudnn_sdp_enabled())
 
 
 def _past_then_chunk(query, keys, values, scale):
