@@ -79,6 +79,15 @@ def prefill(model, ids, cache, device, chunk_tokens: int = 0,
 
 
 def main(argv=None):
+    from oasis_cache.compute import dense
+
+    try:
+        run(argv)
+    finally:
+        dense.SPLIT_PAST = True  # (`oasis-masked` turns it off for its calls; the process's default again)
+
+
+def run(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="qwen3-8b, llama-3.1-8b, tiny (random weights), "
                                                             "smollm2 or qwen25-coder-0.5b (real weights)")

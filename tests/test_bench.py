@@ -213,17 +213,20 @@ def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
 
 
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
-    """`bench/prefill.py`: dense (whole and in the cache's chunks) and both chunked oasis prefills (past resident on
-    the device, past from the host pool) timed in turns on one prompt; their last logits agree; `--profile` writes
+    """`bench/prefill.py`: dense (whole and in the cache's chunks) and the chunked oasis prefills (past resident on
+    the device, past from the host pool, resident with the chunk's past by SDPA's mask) timed in turns on one prompt; their last logits agree; `--profile` writes
     each method's top ops beside the JSON."""
     sys.path.insert(0, str(ROOT / "bench"))
     import prefill
+
+    from oasis_cache.compute import dense
 
     out = tmp_path / "prefill.json"
     prefill.main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "600", "--batch", "2",
                   "--chunk-tokens", "256", "--repeats", "1", "--profile", "5", "--out", str(out)])
     record = json.loads(out.read_text())
-    assert set(record["rows"]) == {"dense", "dense-chunked", "oasis-resident", "oasis-host"} and record["machine"]
+    assert set(record["rows"]) == {"dense", "dense-chunked", "oasis-resident", "oasis-host", "oasis-masked"}
+    assert record["machine"] and dense.SPLIT_PAST  # (`oasis-masked` turned it off for its calls only)
     for row in record["rows"].values():
         assert len(row["runs_s"]) == 1 and row["median_s"] > 0 and row["max_logit_diff_to_dense"] < 1e-4
     for method in record["rows"]:
@@ -233,7 +236,7 @@ def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     prefill.main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "600", "--batch", "2",
                   "--chunk-tokens", "256", "--repeats", "1", "--generate", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"dense", "oasis-resident", "oasis-host"}
+    assert set(rows) == {"dense", "oasis-resident", "oasis-host", "oasis-masked"}
     assert all(row["max_logit_diff_to_dense"] < 1e-4 for row in rows.values())
 
 
