@@ -50,8 +50,8 @@ class StaticDraftStep:
     def _capture(self) -> None:
         """Warm up and capture on the process's capture stream (`captured_step.capture_stream`), with
         `capture_begin`/`capture_end` rather than `torch.cuda.graph`: the latter synchronizes the device and empties
-        torch's device and pinned host caches as it begins, so every cache pinned its host pools anew, and a stream
-        of its own would add a cuBLAS workspace per cache."""
+        torch's device and pinned host caches as it begins (each new cache pinned part of its host pools anew: the
+        CUDA dropped-cache test), and a stream of its own would add a cuBLAS workspace per cache."""
         device = self.token.device
         stream, caller = capture_stream(device), torch.cuda.current_stream(device)
         stream.wait_stream(caller)
