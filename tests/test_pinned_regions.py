@@ -69,3 +69,15 @@ def test_a_forwards_stash_hands_out_what_it_reserved_and_gives_back_the_rest(mon
     del taken
     regions.release_unused()
     assert regions.regions == []
+
+
+def test_a_refused_region_leaves_the_rest_to_torch_and_is_not_tried_again(monkeypatch):
+    regions = PinnedRegions(register=False)
+    tries = []
+
+    def refused(*args):
+        tries.append(args)
+        raise MemoryError("cudaHostRegister of 2097152 bytes failed (CUDA error 2)")
+    monkeypatch.setattr(pinned_regions, "Region", refused)
+    assert regions.reserve(4096, 3) == [] and regions.reserve(4096, 3) == []
+    assert len(tries) == 1 and "CUDA error 2" in regions.refused and regions.regions == []

@@ -98,6 +98,7 @@ class PinnedRegions:
         self.free: dict[int, list[tuple[Region, int]]] = {}  # chunk bytes -> (region, address) free for reuse
         self.returned: list[tuple[Region, int]] = []  # came back; reused after a device synchronization
         self.mapped_total = 0  # bytes ever mapped (a measure of what was pinned anew)
+        self.refused = None  # why a region could not be had (then none is tried again in this process)
 
     @property
     def available(self) -> bool:
@@ -105,7 +106,7 @@ class PinnedRegions:
 
     def reserve(self, chunk_nbytes: int, count: int) -> list[torch.Tensor]:
         """Up to `count` chunks of `chunk_nbytes` bytes (uint8 tensors, page-locked where registering): free ones
-        first, the rest from one new region (fewer where it cannot be mapped or registered). Not for a decode step:
+        first, the rest from one new region (fewer where a region was refused: `refused`). Not for a decode step:
         may synchronize the device (when chunks came back since the last reserve, before they are handed out
         again)."""
         if count <= 0:
@@ -114,11 +115,12 @@ class PinnedRegions:
             self._take_back()
             free = self.free.get(chunk_nbytes, [])
             taken = [free.pop() for _ in range(min(count, len(free)))]
-            if len(taken) < count:
+            if len(taken) < count and self.refused is None:
                 try:
                     region = Region(self._libc, chunk_nbytes, count - len(taken), self._registers())
-                except MemoryError:  # (mapping or registering refused, e.g. a locked-memory limit: the pools take
-                    region = None  # the rest from torch's allocator, as with the option off)
+                except MemoryError as error:  # (mapping or registering refused, e.g. a locked-memory limit: the
+                    region, self.refused = None, str(error)  # pools take the rest from torch's allocator, and no
+                    # later reservation of the process tries again)
                 if region is not None:
                     self.regions.append(region)
                     self.mapped_total += region.size
