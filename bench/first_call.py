@@ -208,6 +208,24 @@ def trace_captured_steps() -> list:
     return records
 
 
+PARENT_ONLY = ("processes", "fresh_kernel_cache", "child_stderr", "out", "child", "profile")  # (the parent's own)
+
+
+def child_command(parser, args, index: int) -> list[str]:
+    """The command of child `index`: every option the parent was given, but its own (`PARENT_ONLY`), as parsed (a
+    new option reaches the children without being listed here); `--profile` to a file of the child's."""
+    command = [sys.executable, __file__, "--child"]
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in PARENT_ONLY or not action.option_strings or value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            command += [action.option_strings[0]] if value else []
+        else:
+            command += [action.option_strings[0], str(value)]
+    return command + (["--profile", f"{args.profile}.{index}"] if args.profile else [])
+
+
 def host_pinned_stats() -> dict:
     """torch's pinned host pool now: `new_*` counters (a call's difference is what it pinned anew) and the pool's
     size (GiB it owns: handed out and cached); the package's own regions (`memory/pinned_regions.py`): GiB mapped
@@ -268,7 +286,7 @@ def print_profile(path: str, top: int = 25) -> None:
             print("     " + line.strip()[:200], flush=True)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--device", default="cuda")
@@ -317,6 +335,11 @@ def main(argv=None):
                         "TORCH_LOGS=recompiles: why a graph compiles)")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)), flush=True)
@@ -331,6 +354,7 @@ def main(argv=None):
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
+              + (", pinned_regions" if args.pinned_regions else "")
               + (f", warm parts '{args.warm_parts}'" if args.warm_parts is not None else "")
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", dense (no OasisCache)" if args.dense else "")
@@ -344,22 +368,7 @@ def main(argv=None):
         if kernel_cache:
             env["TRITON_CACHE_DIR"] = kernel_cache  # empty for the first child, filled by it for the later ones
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(kernel_cache, "inductor")  # (compile_decode's kernels)
-        command = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device, "--dtype",
-                   args.dtype, "--context", str(args.context), "--budget", str(args.budget), "--new-tokens",
-                   str(args.new_tokens), "--calls", str(args.calls)]
-        command += ["--compile-decode"] if args.compile_decode else []
-        command += ["--fuse-projections"] if args.fuse_projections else []
-        command += ["--compile-ahead"] if args.compile_ahead else []
-        command += ["--no-compile-ahead"] if args.no_compile_ahead else []
-        command += ["--ahead-at-prefill"] if args.ahead_at_prefill else []
-        command += ["--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
-        command += ["--warm-parts", args.warm_parts] if args.warm_parts is not None else []
-        command += ["--pinned-regions"] if args.pinned_regions else []
-        command += ["--dense"] if args.dense else []
-        command += ["--stall-monitor"] if args.stall_monitor else []
-        command += ["--profile", f"{args.profile}.{index}", "--profile-call", str(args.profile_call)] \
-            if args.profile else []
-        command += ["--compile-after-steps", str(args.compile_after_steps)] if args.compile_after_steps else []
+        command = child_command(parser, args, index)
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if args.child_stderr:
             Path(args.child_stderr, f"child-{index}.log").write_text(done.stderr)

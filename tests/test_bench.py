@@ -306,6 +306,29 @@ def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
         assert line in run.stdout, run.stdout
 
 
+def test_first_call_bench_gives_its_children_every_option_but_its_own():
+    """`bench/first_call.py`'s children parse what the parent was given (a new option reaches them without being
+    listed twice: `--pinned-regions` did not, and a run labelled torch pinned by regions), the parent's own options
+    left out and `--profile` a file per child."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import first_call
+
+    parser = first_call.build_parser()
+    given = ["--model", "tiny", "--context", "300", "--pinned-regions", "--dense", "--warm-parts", "",
+             "--compile-workers", "auto", "--compile-after-steps", "5", "--processes", "3", "--out", "x.json",
+             "--fresh-kernel-cache", "--profile", "/tmp/p", "--profile-call", "2"]
+    args = parser.parse_args(given)
+    command = first_call.child_command(parser, args, 1)
+    assert command[:3] == [sys.executable, first_call.__file__, "--child"]
+    child = parser.parse_args(command[2:])
+    for name, value in vars(args).items():
+        if name in ("processes", "out", "fresh_kernel_cache", "profile", "child"):
+            continue
+        assert getattr(child, name) == value, name
+    assert child.child and child.profile == "/tmp/p.1" and child.out == "" and not child.fresh_kernel_cache
+    assert child.processes == parser.get_default("processes")
+
+
 def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     """`bench/first_call.py` (issue 21's first call against later ones) on a tiny model, CPU: a child's calls, their
     first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step), and
