@@ -214,8 +214,8 @@ def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
 
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     """`bench/prefill.py`: dense (whole and in the cache's chunks) and the chunked oasis prefills (past resident on
-    the device, past from the host pool, resident with the chunk's past by SDPA's mask) timed in turns on one prompt; their last logits agree; `--profile` writes
-    each method's top ops beside the JSON."""
+    the device, past from the host pool, resident with the chunk's past by SDPA's mask) timed in turns on one prompt;
+    their last logits agree; `--profile` writes each method's top ops beside the JSON."""
     sys.path.insert(0, str(ROOT / "bench"))
     import prefill
 
