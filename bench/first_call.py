@@ -5,8 +5,9 @@
     python bench/first_call.py --model qwen3-8b --context 32768 --compile-decode   # with OasisConfig.compile_decode
 
 Runs `--processes` fresh child processes one after another (the first one starts with empty Triton and inductor
-kernel caches when `--fresh-kernel-cache` is given: what a new machine pays; the later ones find the kernels on disk,
-as every later process on that machine does). Each child loads the model, then calls `model.generate` `--calls`
+kernel caches and an empty driver JIT cache, where cuDNN's runtime-compiled attention kernels land, when
+`--fresh-kernel-cache` is given: what a new machine pays, but for its cold disk; the later ones find the kernels on
+disk, as every later process on that machine does; the JIT cache since the forty-sixth session). Each child loads the model, then calls `model.generate` `--calls`
 times, each with a fresh `OasisCache(model, token_budget=--budget)` on the same random prompt, and reports each call's
 wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
 
@@ -110,8 +111,8 @@ def child(args) -> dict:
         options["compile_after_steps"] = args.compile_after_steps
     if args.compile_ahead or args.no_compile_ahead:  # (default: a dry first decode step on CUDA, compute/ahead.py)
         options["compile_ahead"] = bool(args.compile_ahead)
-    if args.ahead_at_prefill:  # (research: the dry step's compilations started during the prefill)
-        options["ahead_at_prefill"] = True
+    if args.ahead_at_prefill or args.no_ahead_at_prefill:  # (the dry step's compilations during the prefill: default)
+        options["ahead_at_prefill"] = bool(args.ahead_at_prefill)
     if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
         options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
     if args.pinned_regions:  # (research: the prefill's host chunks in one region the package maps and registers)
@@ -120,6 +121,10 @@ def child(args) -> dict:
         from oasis_cache.compute import ahead
 
         ahead.WARM_PARTS = tuple(part for part in args.warm_parts.split(",") if part)
+    if args.split_warm_queries is not None:  # (the first chunk's warm-up of the later chunks' attention kernels)
+        from oasis_cache.compute import dense
+
+        dense.SPLIT_WARM_QUERIES = args.split_warm_queries
     times, first_token, steps, starts = [], [], [], []
     compile_phases = {}
     monitor = StallMonitor() if args.stall_monitor else None
@@ -297,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--fresh-kernel-cache", action="store_true",
-                        help="the first child starts with an empty Triton cache (TRITON_CACHE_DIR in a new folder)")
+                        help="the first child starts with empty Triton, inductor and driver JIT caches (TRITON_CACHE_DIR, "
+                             "TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH in a new folder)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
@@ -308,7 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OasisCache(..., compile_ahead=False): each kernel compiles at its first launch")
     parser.add_argument("--ahead-at-prefill", action="store_true",
                         help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
-                             "prefill, at its first attention layer (research; its phases print as the dry step's)")
+                             "prefill, at its first attention layer (the default since the forty-sixth session; its "
+                             "phases print as the dry step's)")
+    parser.add_argument("--no-ahead-at-prefill", action="store_true",
+                        help="OasisCache(..., ahead_at_prefill=False): the dry step runs before the first decode step")
     parser.add_argument("--dense", action="store_true",
                         help="no OasisCache: generate's own dense cache (DynamicCache), the baseline's first call "
                              "against its later ones (a process's first CUDA work, which oasis pays too)")
@@ -321,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-parts", default=None,
                         help="compute/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
                              "pays, comma-separated (key,driver,ptxas; '' none)")
+    parser.add_argument("--split-warm-queries", type=int, default=None,
+                        help="compute/dense.SPLIT_WARM_QUERIES: queries of the first chunk's warm-up of the later "
+                             "chunks' cuDNN kernels, in a thread (0: none)")
     parser.add_argument("--stall-monitor", action="store_true",
                         help="record where the threads stood whenever the GIL was held 20 ms or more (see above)")
     parser.add_argument("--profile", default="", help="cProfile one call of each child (its thread; "
@@ -354,8 +366,10 @@ def main(argv=None):
               + (", compile_decode" if args.compile_decode else "") + (", compile_ahead" if args.compile_ahead else "")
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
+              + (", ahead_at_prefill=False" if args.no_ahead_at_prefill else "")
               + (", pinned_regions" if args.pinned_regions else "")
               + (f", warm parts '{args.warm_parts}'" if args.warm_parts is not None else "")
+              + (f", split warm-up {args.split_warm_queries}" if args.split_warm_queries is not None else "")
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", dense (no OasisCache)" if args.dense else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
@@ -368,6 +382,7 @@ def main(argv=None):
         if kernel_cache:
             env["TRITON_CACHE_DIR"] = kernel_cache  # empty for the first child, filled by it for the later ones
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(kernel_cache, "inductor")  # (compile_decode's kernels)
+            env["CUDA_CACHE_PATH"] = os.path.join(kernel_cache, "nv")  # the driver's JIT cache (cuDNN's kernels)
         command = child_command(parser, args, index)
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if args.child_stderr:

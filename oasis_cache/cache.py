@@ -721,14 +721,16 @@ class OasisCache(Cache):
     def _route(self, runner, kwargs, tokens, spans, past):
         """`route_forward`'s way: the prefill's chunks (`spans`), a dry step first where one is wanted, one forward."""
         from .compute import ahead
+        from .compute.dense import chunks_follow
         from .compute.prefill import run_chunks
 
         try:
             if spans is not None:
                 self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)
                 try:
-                    return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
-                                      self.config.progress)
+                    with chunks_follow():  # (the first chunk warms the later ones' attention kernels)
+                        return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
+                                          self.config.progress)
                 finally:
                     self._chunked_prefill = self.prefill_resident = None
                     for layer in self.layers:

@@ -172,12 +172,13 @@ class OasisConfig:
             a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 14.1-16.1 -> 11.3-11.8 s, no change
             once the kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run
             it under Triton's interpreter). False: never.
-        ahead_at_prefill: research, with `compile_ahead` on: the dry step runs during the prefill instead — one
-            decode token at the first attention layer of a read-only copy, once the whole prompt is in that layer —
-            and its compilations go on while the prefill's other layers run; the first decode step waits for what is
-            left (`compute/ahead.at_prefill`). Not with a ride-along draft. Off: on the H200 the first call was
-            unchanged (the trace moves into the prefill, step 1 still waits 2.1-2.2 s; docs/perf.md, forty-second
-            session).
+        ahead_at_prefill: with `compile_ahead` on: the dry step runs during the prefill instead — one decode token
+            at the first attention layer of a read-only copy, once the whole prompt is in that layer — and its
+            compilations go on while the prefill's other layers run; the first decode step waits for what is left
+            (`compute/ahead.at_prefill`). Not with a ride-along draft (the dry step runs before the first decode step
+            then). On by default since the forty-sixth session: H200, Qwen3-8B at 32K x 1, new kernel and JIT caches,
+            alternating, the first `generate` 6.62-7.05 -> 5.36-5.82 s (off in the forty-second, when the trace took
+            every layer and the prefill was not yet device-bound; docs/perf.md).
         compile_workers: with `compile_ahead` on, where no dry step has run in the process yet: worker processes
             started at the prefill (torch and Triton imported, Triton's start-up paid while the prefill runs) that
             compile the dry step's kernels side by side (`kernels/compile_workers.py`: threads take turns on the
@@ -248,7 +249,7 @@ class OasisConfig:
     compile_after_steps: int = COMPILE_AFTER_STEPS
     fuse_projections: bool = False
     compile_ahead: bool | None = None
-    ahead_at_prefill: bool = False
+    ahead_at_prefill: bool = True
     compile_workers: int | None = 0
     fast_pinning: bool = True
     pinned_regions: bool = False

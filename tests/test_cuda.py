@@ -524,8 +524,8 @@ def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, w
     options = dict(token_budget=128, recent_tokens=32, lookahead=lookahead)
     calls = []
     monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: calls.append(run(*a)) or calls[-1])
-    first = generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, **options),
-                     {"input_ids": ids}, **kw)
+    first = generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, ahead_at_prefill=False,
+                                       **options), {"input_ids": ids}, **kw)
     assert calls == [True]
     if workers:
         assert 1 <= ahead.LAST["workers"] <= workers and ahead.LAST["failed"] == 0 and ahead.LAST["sent"] >= 4, \
@@ -684,6 +684,29 @@ def test_a_chunk_over_its_past_by_cudnn_merged_equals_the_lower_right_mask(past)
     for out in (masked, merged):
         torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
     assert (merged.float() - reference).abs().max() <= 2 * (masked.float() - reference).abs().max() + 1e-3
+
+
+def test_a_prompts_first_chunk_warms_cudnns_kernels_in_a_thread_and_decodes_the_same(monkeypatch):
+    """`compute.dense.warm_split_past`: a prompt prefilled in chunks starts the later chunks' cuDNN calls in a thread
+    at its first chunk; on CUDA that thread's calls run without error (bf16, grouped heads), it has ended when
+    `generate` returns, and the tokens and the first step's logits equal a run without it."""
+    from oasis_cache.compute import dense
+
+    model = tiny_model("llama", num_key_value_heads=2, num_attention_heads=4).cuda().to(torch.bfloat16)
+    inputs = on_cuda({"input_ids": prompt_ids(1200)})
+    runs = []
+    for queries in (dense.SPLIT_WARM_QUERIES or 1024, 0):
+        monkeypatch.setattr(dense, "SPLIT_WARM_QUERIES", queries)
+        monkeypatch.setattr(dense, "_WARM_THREADS", {})
+        monkeypatch.setattr(dense, "WARM_FAILED", {})
+        cache = OasisCache(model, token_budget=256, prefill_chunk_tokens=512)
+        out = model.generate(**inputs, max_new_tokens=16, do_sample=False, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences[0, 1200:].tolist(), out.logits[0].float()))
+        assert len(dense._WARM_THREADS) == (1 if queries else 0) and not dense.WARM_FAILED, dense.WARM_FAILED
+        assert not any(thread.is_alive() for thread in dense._WARM_THREADS.values())
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1])
 
 
 def test_a_prefill_pins_its_pools_in_one_region_reused_by_the_next_cache():

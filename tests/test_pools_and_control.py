@@ -535,3 +535,89 @@ def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     assert layout == (True, True, [4, 0, 1]) and dense.mask_layout(left) is layout
     assert dense.mask_layout(left.clone()) == layout and dense.mask_layout(left.clone()) is not layout
     assert dense.mask_layout(hole)[0] is False
+
+
+def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monkeypatch):
+    """A prompt prefilled in chunks: its first chunk starts the later chunks' attention (`_past_then_chunk`, cuDNN's
+    kernels on CUDA) once, in a thread, on `SPLIT_WARM_QUERIES` queries over twice as many keys laid out in memory as
+    the chunk's own; the thread has ended when `generate` returns, a later prompt starts none, nor does a prompt in
+    one forward, and the tokens are those of a run without it. (On CPU `_cudnn_applies` is made True and the split
+    computed by the masked call: what runs in the thread is recorded.)"""
+    import threading
+
+    import torch.nn.functional as F
+    from conftest import prompt_ids, tiny_model
+    from torch.nn.attention.bias import causal_lower_right
+
+    from oasis_cache import OasisCache
+    from oasis_cache.compute import dense
+
+    calls = []
+
+    def split(q, k, v, scale):
+        calls.append((threading.current_thread() is threading.main_thread(), tuple(q.shape), tuple(k.shape),
+                      dense._order(q), dense._order(k)))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                              scale=scale)
+
+    squares = []
+    sdpa = dense._sdpa_causal
+
+    def watched(query, keys, values, scale):
+        if query.shape[2] == keys.shape[2]:
+            squares.append((dense._order(query), dense._order(dense._expand_kv_heads(query, keys, values)[0])))
+        return sdpa(query, keys, values, scale)
+
+    monkeypatch.setattr(dense, "_cudnn_applies", lambda query: query.shape[2] >= dense.SPLIT_MIN_QUERIES)
+    monkeypatch.setattr(dense, "_past_then_chunk", split)
+    monkeypatch.setattr(dense, "_sdpa_causal", watched)
+    monkeypatch.setattr(dense, "_WARM_THREADS", {})
+    monkeypatch.setattr(dense, "SPLIT_WARM_QUERIES", 32)
+    model = tiny_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    inputs = {"input_ids": prompt_ids(640)}
+
+    def run(chunk: int) -> list:
+        cache = OasisCache(model, token_budget=128, prefill_chunk_tokens=chunk)
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        return out[0, 640:].tolist()
+
+    tokens = run(256)  # chunks of 256, 256, 128 tokens
+    warm = [call for call in calls if not call[0]]
+    assert len(warm) == 1 and len(dense._WARM_THREADS) == 1, calls
+    assert not any(thread.is_alive() for thread in dense._WARM_THREADS.values())
+    _, q_shape, k_shape, q_order, k_order = warm[0]
+    assert q_shape == (1, 4, 32, 16) and k_shape == (1, 4, 64, 16)  # (the model's heads and head size)
+    assert (q_order, k_order) == squares[0]  # laid out as the first chunk's query and keys
+    assert sum(1 for call in calls if call[0]) == 2 * 2  # the later chunks' own calls: 2 chunks x 2 layers
+    calls.clear()
+    assert run(256) == tokens and not [call for call in calls if not call[0]]  # once a process
+    monkeypatch.setattr(dense, "_WARM_THREADS", {})
+    assert run(0) == tokens and not dense._WARM_THREADS  # one forward: nothing follows its chunk
+    monkeypatch.setattr(dense, "SPLIT_WARM_QUERIES", 0)
+    assert run(256) == tokens and not dense._WARM_THREADS
+
+
+@pytest.mark.parametrize("budget_heads", [1, 2])
+def test_grouped_heads_attend_in_slices_of_kv_heads_past_the_expansion_bound(budget_heads, monkeypatch):
+    """`compute.dense.EXPAND_BYTES`: where a layer's keys and values expanded for grouped query heads would pass it,
+    the attention runs in slices of KV heads (each slice's query heads with it), a remainder included; the output
+    equals one call's, for a chunk over a past and a square prompt, and the calls expand no more than the bound."""
+    from oasis_cache.compute import dense
+
+    torch.manual_seed(0)
+    B, Hkv, G, D = 2, 3, 4, 8
+    expanded = []
+    expand = dense._expand_kv_heads
+    monkeypatch.setattr(dense, "_expand_kv_heads",
+                        lambda q, k, v: expanded.append(k.shape[1]) or expand(q, k, v))
+    for Qn, L in ((5, 19), (12, 12)):
+        q, k, v = torch.randn(B, Hkv * G, Qn, D), torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+        whole = dense.dense_causal_attention(q, k, v, None, 0.3)
+        assert expanded == [Hkv]
+        per_head = 2 * B * G * L * D * k.element_size()
+        monkeypatch.setattr(dense, "EXPAND_BYTES", budget_heads * per_head + per_head // 2)
+        sliced = dense.dense_causal_attention(q, k, v, None, 0.3)
+        monkeypatch.setattr(dense, "EXPAND_BYTES", 1 << 29)
+        assert expanded[1:] == [budget_heads] * (Hkv // budget_heads) + [Hkv % budget_heads] * (Hkv % budget_heads > 0)
+        torch.testing.assert_close(sliced, whole, atol=0, rtol=0)
+        expanded.clear()

@@ -693,3 +693,38 @@ def test_progress_bar_over_a_chunked_prefill(capsys):
     quiet = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64)  # off by default
     generate(model, quiet, {"input_ids": prompt_ids(300)}, max_new_tokens=2, do_sample=False)
     assert "prefill" not in capsys.readouterr().err
+
+
+def test_forwards_recording_autograd_make_no_dry_copy(monkeypatch):
+    """The dry decode step (`compile_ahead`, at the prefill by default or before the first decode step) copies the
+    cache; after forwards that record autograd (a user's `model(...)` without `torch.no_grad()`), the state tensors
+    are in autograd's graph and cannot be copied: neither dry way is tried then, and the forwards run (on CUDA the
+    prefill raised at its first layer once `ahead_at_prefill` was the default: the forty-sixth session's CUDA
+    suite). Under `torch.no_grad()` both are tried. (On CPU the option is made to apply and the copy records.)"""
+    from oasis_cache.compute import ahead
+
+    copies = []
+
+    def no_room(cache):
+        copies.append(cache)
+        raise torch.OutOfMemoryError("(recorded)")  # (either dry way then goes on without its copy)
+
+    monkeypatch.setattr(ahead, "applies", lambda cache, device=None: True)
+    monkeypatch.setattr(ahead, "_read_only_copy", no_room)
+    model = tiny_model("llama")
+    ids = prompt_ids(200)
+
+    def forwards(ahead_at_prefill: bool) -> None:
+        monkeypatch.setattr(ahead, "_DONE", set())
+        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, compile_ahead=True,
+                           ahead_at_prefill=ahead_at_prefill)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+
+    for at_prefill in (True, False):
+        forwards(at_prefill)
+        assert copies == [], at_prefill
+        with torch.no_grad():
+            forwards(at_prefill)
+        assert len(copies) == 1, at_prefill
+        copies.clear()

@@ -13,6 +13,7 @@ never in decode).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -32,10 +33,33 @@ def _expand_kv_heads(query, keys, values):
     return keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
 
 
+# Largest keys and values expanded for grouped query heads at once (`_sdpa_causal`): a prefill's chunk over a long
+# past attends in slices of KV heads past it. Qwen3-8B at 32K x 8 under a 24 GiB cap ran out of memory expanding 1 GiB
+# of keys (4.3 GB of K and V a layer at 16K x 8; forty-sixth session); at 32K x 1 (67 MB a KV head) nothing changes.
+EXPAND_BYTES = 1 << 29
+
+
 def _sdpa_causal(query, keys, values, scale):
+    B, Hkv, L, D = keys.shape
+    G = query.shape[1] // Hkv
+    per_head = 2 * B * G * L * D * keys.element_size()  # one KV head's keys and values, expanded
+    heads = max(1, EXPAND_BYTES // per_head) if G > 1 else Hkv
+    if heads >= Hkv:
+        return _sdpa_causal_heads(query, keys, values, scale)
+    out = torch.empty_like(query)
+    for h in range(0, Hkv, heads):
+        e = min(h + heads, Hkv)
+        out[:, h * G : e * G] = _sdpa_causal_heads(query[:, h * G : e * G], keys[:, h:e], values[:, h:e], scale)
+    return out
+
+
+def _sdpa_causal_heads(query, keys, values, scale):
     Qn, L = query.shape[2], keys.shape[2]
     keys, values = _expand_kv_heads(query, keys, values)
     if Qn == L:
+        if (getattr(_chunks_follow, "on", False) and SPLIT_PAST and SPLIT_WARM_QUERIES and _cudnn_applies(query)
+                and not torch.compiler.is_dynamo_compiling()):
+            warm_split_past(query, keys, scale)
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
     if SPLIT_PAST and _cudnn_applies(query):
         try:
@@ -73,6 +97,76 @@ def _past_then_chunk(query, keys, values, scale):
     past, past_lse = cudnn(query, keys[:, :, :P], values[:, :, :P], None, True, 0.0, False, False, scale=scale)[:2]
     own, own_lse = cudnn(query, keys[:, :, P:], values[:, :, P:], None, True, 0.0, True, False, scale=scale)[:2]
     return merge_partial(past, past_lse, own, own_lse)
+
+
+# A prompt's first chunk starts cuDNN's kernels of the chunks after it in a thread (`warm_split_past`): on a machine
+# whose driver has not yet compiled them (its JIT cache, ~/.nv/ComputeCache), the first chunk after a past paid
+# ~1 s for them (H200, a new machine's first process: chunk 2 of a 32K prompt 1.32 s against 0.36 later; docs/perf.md,
+# forty-sixth session). Queries of the warm-up call (0: none).
+SPLIT_WARM_QUERIES = 1024
+_chunks_follow = threading.local()  # `.on` while a prompt is prefilled in chunks (`chunks_follow`)
+_WARM_THREADS: dict = {}  # what was warmed in this process -> its thread (`warm_split_past`)
+WARM_FAILED: dict = {}  # what was warmed -> the error its thread met (`warm_split_past`; tests and benches read it)
+
+
+class chunks_follow:
+    """While a prompt is prefilled in chunks (`OasisCache._route`): a first chunk's square attention starts the
+    later chunks' cuDNN kernels in a thread (`warm_split_past`); on leaving, the threads it started are joined, so
+    none is inside a CUDA call when a decode step is captured."""
+
+    def __enter__(self):
+        self.before = getattr(_chunks_follow, "on", False)
+        _chunks_follow.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _chunks_follow.on = self.before
+        if not self.before:
+            join_warm_threads()
+        return False
+
+
+def join_warm_threads() -> None:
+    for thread in list(_WARM_THREADS.values()):
+        thread.join()
+
+
+def _order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """`tensor`'s dimensions from outermost to innermost in memory."""
+    return tuple(sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d)))
+
+
+def _laid_out(shape: list[int], order: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """Zeros of `shape` whose dimensions lie in memory in `order` (outermost first)."""
+    laid = torch.zeros([shape[d] for d in order], dtype=dtype, device=device)
+    return laid.permute([order.index(d) for d in range(len(shape))])
+
+
+def warm_split_past(query: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
+    """`_past_then_chunk` once in a daemon thread, on its own stream, with `SPLIT_WARM_QUERIES` queries over twice as
+    many keys, laid out in memory as `query` `[B, Hq, Qn, D]` and `keys` (heads expanded) are: the driver compiles
+    cuDNN's two kernels there while the first chunk runs, instead of in the second chunk. Once a process per dtype,
+    device, heads, head size and layouts; a failure is left to the real call (which falls back to the masked way)."""
+    H, D, dtype, device = query.shape[1], query.shape[3], query.dtype, query.device
+    q_order, k_order = _order(query), _order(keys)
+    what = (dtype, device, H, D, q_order, k_order)
+    if what in _WARM_THREADS:
+        return
+    n = SPLIT_WARM_QUERIES
+
+    def run():
+        try:
+            side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+            with torch.no_grad(), side:
+                q = _laid_out([1, H, n, D], q_order, dtype, device)
+                k, v = (_laid_out([1, H, 2 * n, D], k_order, dtype, device) for _ in range(2))
+                _past_then_chunk(q, k, v, scale)
+        except Exception as error:  # noqa: BLE001 - (a warm-up: the real call compiles, or falls back, itself)
+            WARM_FAILED[what] = repr(error)
+
+    thread = threading.Thread(target=run, name="oasis-warm-cudnn", daemon=True)
+    _WARM_THREADS[what] = thread
+    thread.start()
 
 
 def merge_partial(first, first_lse, second, second_lse):

@@ -1,0 +1,83 @@
+"""Where a capped prefill runs out of device memory: `generate` of a few tokens on a random-weight model under a
+per-process cap, once per variant of the package's prefill (its defaults; the chunk attention by SDPA's mask instead
+of cuDNN's two parts; the dry step after the prefill instead of during it; no warm-up thread), in one process.
+
+    python bench/prefill_peak.py --model qwen3-8b --context 32768 --batch 8 --cap-gib 24
+
+Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError), the peak
+allocated and reserved GiB (issue 21: 32K x 8 ran under a 24 GiB cap in the sixteenth session, not in the forty-sixth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+VARIANTS = ("default", "masked", "dry-after", "no-warm")
+
+
+def run(model, ids, variant: str, budget: int, new_tokens: int) -> dict:
+    from oasis_cache import OasisCache
+    from oasis_cache.compute import dense
+
+    split, warm = dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES
+    dense.SPLIT_PAST = variant != "masked"
+    dense.SPLIT_WARM_QUERIES = 0 if variant == "no-warm" else warm
+    cache = OasisCache(model, token_budget=budget, **({"ahead_at_prefill": False} if variant == "dry-after" else {}))
+    torch.cuda.reset_peak_memory_stats()
+    row = dict(variant=variant)
+    try:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
+        torch.cuda.synchronize()
+        row["ok"] = True
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        row["ok"] = False
+        row["error"] = str(error).splitlines()[0][:240]
+        if error.__cause__ is not None:
+            row["cause"] = str(error.__cause__).splitlines()[0][:400]
+    finally:
+        dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES = split, warm
+    row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    del cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    from models import load_model
+
+    torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    model, vocab = load_model(args.model, "cuda", torch.bfloat16)
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (args.batch, args.context), device="cuda")
+    rows = []
+    for variant in args.variants:
+        rows.append(run(model, ids, variant, args.budget, args.new_tokens))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(argv=sys.argv, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
