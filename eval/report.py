@@ -245,16 +245,21 @@ def past_on_device(prefix: list[tuple[torch.Tensor, torch.Tensor]], cache):
              if isinstance(layer, OasisLayer) and i < len(prefix)}
     original = TransferEngine.load_range
 
-    def load_range(engine, pool, start, end):
+    def load_range(engine, pool, start, end, out=None):
         i = pools.get(id(pool))
         if i is None or start != 0 or pool.first_block != 0 or pool.remote is not None or \
                 end > pool.num_blocks or end * pool.block_size > prefix[i][0].shape[2]:
-            return original(engine, pool, start, end)
+            return original(engine, pool, start, end, out=out)
         keys, values = prefix[i]
         B, H, _, D = keys.shape
         past_on_device.reads += 1
-        kv = torch.stack((keys[:, :, : end * pool.block_size], values[:, :, : end * pool.block_size]))
-        return kv.view(2, B, H, end, pool.block_size, D)  # [2, B, Hkv, end, T, D], as the original returns it
+        T = pool.block_size
+        if out is not None:  # (written where the caller wants it, as the original does)
+            out[0].copy_(keys[:, :, : end * T].view(B, H, end, T, D))
+            out[1].copy_(values[:, :, : end * T].view(B, H, end, T, D))
+            return out
+        kv = torch.stack((keys[:, :, : end * T], values[:, :, : end * T]))
+        return kv.view(2, B, H, end, T, D)  # [2, B, Hkv, end, T, D], as the original returns it
 
     TransferEngine.load_range = load_range
     try:

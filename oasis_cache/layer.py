@@ -235,11 +235,13 @@ class OasisLayer(CacheLayerMixin):
         tokens = self._cache.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
             return self._attend_resident(query, visible, scale, tokens)
-        past = self._cache.transfer.load_range(self.pool, 0, self.pool.num_blocks)  # [2, B, H, NB, T, D]
-        two, B, H, NB, T, D = past.shape
-        keys = torch.cat((past[0].reshape(B, H, NB * T, D), self.recent.kv[0]), dim=2)
-        values = torch.cat((past[1].reshape(B, H, NB * T, D), self.recent.kv[1]), dim=2)
-        return dense_causal_attention(query, keys, values, visible, scale)
+        recent = self.recent.kv  # [2, B, Hkv, r, D]
+        two, B, H, r, D = recent.shape
+        NB, T = self.pool.num_blocks, self.pool.block_size
+        kv = torch.empty((2, B, H, NB * T + r, D), dtype=recent.dtype, device=recent.device)
+        self._cache.transfer.load_range(self.pool, 0, NB, out=kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
+        kv[:, :, :, NB * T :] = recent
+        return dense_causal_attention(query, kv[0], kv[1], visible, scale)
 
     def _attend_resident(self, query, visible, scale, tokens: int):
         """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
@@ -250,10 +252,10 @@ class OasisLayer(CacheLayerMixin):
         NB, T = self.pool.num_blocks, self.pool.block_size
         recent = self.recent.kv  # [2, B, Hkv, r, D], positions NB * T on
         if self.resident_kv is None:
-            past = self._cache.transfer.load_range(self.pool, 0, NB)  # [2, B, H, NB, T, D]
-            _, B, H, _, _, D = past.shape
+            _, B, H, _, D = recent.shape
             self.resident_kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
-            self.resident_kv[:, :, :, : NB * T] = past.reshape(2, B, H, NB * T, D)
+            self._cache.transfer.load_range(self.pool, 0, NB,
+                                            out=self.resident_kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
         return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,

@@ -216,6 +216,12 @@ def test_host_pool_offload_and_load_roundtrip_across_chunks():
     assert pool.num_blocks == 9 and len(pool.chunks) == 3
     assert torch.equal(engine.load_range(pool, 0, 9), torch.cat([first, second], dim=3))
     assert torch.equal(engine.load_range(pool, 2, 7), torch.cat([first, second], dim=3)[:, :, :, 2:7])
+    # written into the first tokens of a `[2, B, H, L, D]` buffer (a dense forward's keys and values), the rest kept
+    buffer = torch.full((2, B, H, 7 * T + 3, D), 7.0)
+    into = buffer[:, :, :, : 5 * T].view(2, B, H, 5, T, D)
+    assert engine.load_range(pool, 2, 7, out=into) is into
+    assert torch.equal(into, torch.cat([first, second], dim=3)[:, :, :, 2:7])
+    assert (buffer[:, :, :, 5 * T :] == 7.0).all()
 
 
 def test_pinned_chunks_fill_the_power_of_two_allocation_torch_makes():

@@ -622,7 +622,8 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
     model = tiny_model("llama")
     layers = model.config.num_hidden_layers
     loads, load_range = [], TransferEngine.load_range
-    monkeypatch.setattr(TransferEngine, "load_range", lambda self, *a: loads.append(1) or load_range(self, *a))
+    monkeypatch.setattr(TransferEngine, "load_range",
+                        lambda self, *a, **k: loads.append(1) or load_range(self, *a, **k))
     options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0, prefill_chunk_tokens=64,
                    lookahead="previous")
     first, second = prompt_ids(300), prompt_ids(200, seed=7)

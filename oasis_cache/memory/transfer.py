@@ -142,12 +142,19 @@ class TransferEngine:
             self.streams.compute_waits(self._offloaded.get(id(pool)))
 
     # --------------------------------------------------------------------------------------------- host -> device
-    def load_range(self, pool: HostKVPool, start: int, end: int) -> torch.Tensor:
-        """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`."""
+    def load_range(self, pool: HostKVPool, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`. `out`: a device
+        tensor of that shape (e.g. a view of a `[2, B, Hkv, L, D]` buffer's first tokens) written and returned — one
+        host chunk's transfer at a time beside it instead of the whole range twice (its chunks, then them joined)."""
         self._wait_offloads(pool)
         if pool.remote is not None and start < pool.first_block:  # a dense read of blocks in a store: all of them
             self.wait_host_reads()  # come local (`crop` into them, a dense step over the past: not the sparse path)
             pool.fetch_all_remote()
+        if out is not None:
+            for chunk, lo, hi, offset in pool.spans(start, end):
+                part = chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory)  # [n, 2, B, Hkv, T, D]
+                out[:, :, :, offset : offset + hi - lo].copy_(part.permute(1, 2, 3, 0, 4, 5))
+            return out
         parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
         if not parts:
             shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
