@@ -729,3 +729,31 @@ def test_forwards_recording_autograd_make_no_dry_copy(monkeypatch):
             forwards(at_prefill)
         assert len(copies) == 1, at_prefill
         copies.clear()
+
+
+def test_a_prefill_without_room_for_the_dry_copy_leaves_it_to_the_first_decode_step(monkeypatch):
+    """`ahead_at_prefill` (the default) copies the cache beside the prefill's activations; where there is no room for
+    the copy then (`_room_for_copy`: a capped card, a large batch), the dry step runs before the first decode step
+    instead, where the prefill's activations are gone — not never (before the forty-sixth session the prefill marked
+    it done either way). (On CPU the option is made to apply and the copy records.)"""
+    from oasis_cache.compute import ahead
+
+    copies, room = [], iter([False, True])
+
+    def copy_of(cache):
+        copies.append(cache)
+        raise torch.OutOfMemoryError("(recorded)")
+
+    monkeypatch.setattr(ahead, "applies", lambda cache, device=None: True)
+    monkeypatch.setattr(ahead, "_read_only_copy", copy_of)
+    monkeypatch.setattr(ahead, "_room_for_copy", lambda cache: next(room))
+    monkeypatch.setattr(ahead, "_DONE", set())
+    dry_steps = []
+    monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: dry_steps.append(1) or run(*a))
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, compile_ahead=True)
+    with torch.no_grad():
+        out = model(input_ids=prompt_ids(200), past_key_values=cache, use_cache=True)
+        assert copies == [] and dry_steps == []  # no room beside the prefill
+        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert dry_steps == [1] and len(copies) == 1

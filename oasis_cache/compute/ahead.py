@@ -260,10 +260,10 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     if (cache.ride_along is not None or not layer.decodes(1) or not applies(cache)
             or step in _DONE or torch.is_grad_enabled()):  # (no block in the pool yet: a step would attend densely)
         return False  # (recording autograd: the state tensors are in its graph, a copy of them cannot be made)
+    if not _room_for_copy(cache):  # (beside the prefill's activations: the dry step after it may find room)
+        return False
     _DONE.add(step)
     cache._ahead_asked.add((B, 1))
-    if not _room_for_copy(cache):
-        return False
     dry = None
     LAST.clear()
     LAST.update(WARM)
