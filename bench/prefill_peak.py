@@ -3,6 +3,7 @@ per-process cap, once per variant of the package's prefill (its defaults; the ch
 of cuDNN's two parts; the dry step after the prefill instead of during it; no warm-up thread), in one process.
 
     python bench/prefill_peak.py --model qwen3-8b --context 32768 --batch 8 --cap-gib 24
+    python bench/prefill_peak.py --model tiny --device cpu --context 600 --batch 2 --chunk-tokens 256   # smoke
 
 Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError), the peak
 allocated and reserved GiB (issue 21: 32K x 8 ran under a 24 GiB cap in the sixteenth session, not in the forty-sixth).
@@ -24,20 +25,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 VARIANTS = ("default", "masked", "dry-after", "no-warm")
 
 
-def run(model, ids, variant: str, budget: int, new_tokens: int) -> dict:
+def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: int | None = None) -> dict:
     from oasis_cache import OasisCache
+    from oasis_cache.compat import generate_cache_argument
     from oasis_cache.compute import dense
 
     split, warm = dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES
     dense.SPLIT_PAST = variant != "masked"
     dense.SPLIT_WARM_QUERIES = 0 if variant == "no-warm" else warm
-    cache = OasisCache(model, token_budget=budget, **({"ahead_at_prefill": False} if variant == "dry-after" else {}))
-    torch.cuda.reset_peak_memory_stats()
+    options = {"ahead_at_prefill": False} if variant == "dry-after" else {}
+    if chunk_tokens is not None:
+        options["prefill_chunk_tokens"] = chunk_tokens
+    cache = OasisCache(model, token_budget=budget, **options)
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     row = dict(variant=variant)
     try:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
-        torch.cuda.synchronize()
+                       min_new_tokens=new_tokens, do_sample=False, **{generate_cache_argument(model): cache})
+        if cuda:
+            torch.cuda.synchronize()
         row["ok"] = True
     except (torch.OutOfMemoryError, MemoryError) as error:
         row["ok"] = False
@@ -46,17 +54,21 @@ def run(model, ids, variant: str, budget: int, new_tokens: int) -> dict:
             row["cause"] = str(error.__cause__).splitlines()[0][:400]
     finally:
         dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES = split, warm
-    row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    if cuda:
+        row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     del cache
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return row
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="prefill_chunk_tokens (the cache's default)")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cap-gib", type=float, default=24.0)
@@ -67,13 +79,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from models import load_model
 
-    torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
-    model, vocab = load_model(args.model, "cuda", torch.bfloat16)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and args.cap_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            args.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    model, vocab = load_model(args.model, args.device, torch.bfloat16 if cuda else torch.float32)
     torch.manual_seed(1)
-    ids = torch.randint(0, vocab, (args.batch, args.context), device="cuda")
+    ids = torch.randint(0, vocab, (args.batch, args.context), device=args.device)
     rows = []
     for variant in args.variants:
-        rows.append(run(model, ids, variant, args.budget, args.new_tokens))
+        rows.append(run(model, ids, variant, args.budget, args.new_tokens, args.chunk_tokens))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(argv=sys.argv, rows=rows), indent=1))

@@ -350,3 +350,20 @@ def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     # the previous call's cache is gone when the next call starts (a cycle would keep it, and its pools, alive)
     assert [seen["previous_alive"] for seen in rows["oasis"]["pinned"]] == [False, False]
     assert rows["oasis"]["routed"] == [[], []]  # (no captured steps on the CPU: the router is never asked)
+
+
+def test_prefill_peak_bench_runs_every_variant_and_restores_the_module_constants(tmp_path, capsys):
+    """`bench/prefill_peak.py` (CPU smoke; on CUDA it caps the process and reports peaks): each variant's `generate`
+    over a prompt prefilled in chunks runs, and the module constants a variant changes are back afterwards."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import prefill_peak
+
+    from oasis_cache.compute import dense
+
+    before = (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES)
+    out = tmp_path / "peak.json"
+    prefill_peak.main(["--model", "tiny", "--device", "cpu", "--context", "600", "--batch", "2", "--budget", "128",
+                       "--chunk-tokens", "256", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["variant"] for row in rows] == list(prefill_peak.VARIANTS) and all(row["ok"] for row in rows)
+    assert (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES) == before
