@@ -7,9 +7,9 @@
 Runs `--processes` fresh child processes one after another (the first one starts with empty Triton and inductor
 kernel caches and an empty driver JIT cache, where cuDNN's runtime-compiled attention kernels land, when
 `--fresh-kernel-cache` is given: what a new machine pays, but for its cold disk; the later ones find the kernels on
-disk, as every later process on that machine does; the JIT cache since the forty-sixth session). Each child loads the model, then calls `model.generate` `--calls`
-times, each with a fresh `OasisCache(model, token_budget=--budget)` on the same random prompt, and reports each call's
-wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
+disk, as every later process on that machine does; the JIT cache since the forty-sixth session). Each child loads the
+model, then calls `model.generate` `--calls` times, each with a fresh `OasisCache(model, token_budget=--budget)` on
+the same random prompt, and reports each call's wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
 
 Where a first call's extra time goes: each call's time to its first new token (the prefill) and the decode after it;
 with `--compile-decode`, dynamo's and inductor's own phases of the child's first call (`torch._dynamo.utils.
@@ -302,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--fresh-kernel-cache", action="store_true",
-                        help="the first child starts with empty Triton, inductor and driver JIT caches (TRITON_CACHE_DIR, "
-                             "TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH in a new folder)")
+                        help="the first child starts with empty Triton, inductor and driver JIT caches "
+                             "(TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH in a new folder)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")

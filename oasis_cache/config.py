@@ -176,9 +176,10 @@ class OasisConfig:
             at the first attention layer of a read-only copy, once the whole prompt is in that layer — and its
             compilations go on while the prefill's other layers run; the first decode step waits for what is left
             (`compute/ahead.at_prefill`). Not with a ride-along draft, nor without room for the copy beside the
-            prefill's activations (the dry step runs before the first decode step then). On by default since the forty-sixth session: H200, Qwen3-8B at 32K x 1, new kernel and JIT caches,
-            alternating, the first `generate` 6.62-7.05 -> 5.36-5.82 s (off in the forty-second, when the trace took
-            every layer and the prefill was not yet device-bound; docs/perf.md).
+            prefill's activations (the dry step runs before the first decode step then). On by default since the
+            forty-sixth session: H200, Qwen3-8B at 32K x 1, new kernel and JIT caches, alternating, the first
+            `generate` 6.62-7.05 -> 5.36-5.82 s (off in the forty-second, when the trace took every layer and the
+            prefill was not yet device-bound; docs/perf.md).
         compile_workers: with `compile_ahead` on, where no dry step has run in the process yet: worker processes
             started at the prefill (torch and Triton imported, Triton's start-up paid while the prefill runs) that
             compile the dry step's kernels side by side (`kernels/compile_workers.py`: threads take turns on the
