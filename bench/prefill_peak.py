@@ -5,8 +5,9 @@ of cuDNN's two parts; the dry step after the prefill instead of during it; no wa
     python bench/prefill_peak.py --model qwen3-8b --context 32768 --batch 8 --cap-gib 24
     python bench/prefill_peak.py --model tiny --device cpu --context 600 --batch 2 --chunk-tokens 256   # smoke
 
-Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError), the peak
-allocated and reserved GiB (issue 21: 32K x 8 ran under a 24 GiB cap in the sixteenth session, not in the forty-sixth).
+Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError, the frames that
+made the request, the bytes reserved but split unused and the allocator's retries), the peak allocated and reserved
+GiB (issue 21: 32K x 8 ran under a 24 GiB cap in the sixteenth session, not in the forty-sixth).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import gc
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -50,8 +52,15 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
     except (torch.OutOfMemoryError, MemoryError) as error:
         row["ok"] = False
         row["error"] = str(error).splitlines()[0][:240]
-        if error.__cause__ is not None:
-            row["cause"] = str(error.__cause__).splitlines()[0][:400]
+        cause = error.__cause__ if error.__cause__ is not None else error
+        if cause is not error:
+            row["cause"] = str(cause).splitlines()[0][:400]
+        frames = traceback.extract_tb(cause.__traceback__)  # where the request was made: the innermost frames
+        row["where"] = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]]
+        if cuda:
+            stats = torch.cuda.memory_stats()
+            row["inactive_split_gib"] = round(stats.get("inactive_split_bytes.all.current", 0) / 2**30, 2)
+            row["alloc_retries"] = stats.get("num_alloc_retries", 0)
     finally:
         dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES = split, warm
     if cuda:
