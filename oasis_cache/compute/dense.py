@@ -156,8 +156,10 @@ def warm_split_past(query: torch.Tensor, keys: torch.Tensor, scale: float) -> No
 
     def run():
         try:
-            side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
-            with torch.no_grad(), side:
+            with torch.no_grad(), contextlib.ExitStack() as on:
+                if device.type == "cuda":  # (this thread's current device and stream: the query's device, its own)
+                    on.enter_context(torch.cuda.device(device))
+                    on.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
                 q = _laid_out([1, H, n, D], q_order, dtype, device)
                 k, v = (_laid_out([1, H, 2 * n, D], k_order, dtype, device) for _ in range(2))
                 _past_then_chunk(q, k, v, scale)
