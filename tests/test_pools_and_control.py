@@ -627,3 +627,43 @@ def test_grouped_heads_attend_in_slices_of_kv_heads_past_the_expansion_bound(bud
         assert expanded[1:] == [budget_heads] * (Hkv // budget_heads) + [Hkv % budget_heads] * (Hkv % budget_heads > 0)
         torch.testing.assert_close(sliced, whole, atol=0, rtol=0)
         expanded.clear()
+
+
+def test_the_split_on_unexpanded_grouped_heads_where_asked_and_expanded_once_refused(monkeypatch):
+    """`compute.dense.SPLIT_GQA` (research): a chunk after its past hands the split (`_past_then_chunk`, cuDNN on
+    CUDA) its keys and values with their own KV heads; where that call raises a RuntimeError, the same call runs on
+    expanded heads and later chunks go expanded directly. Off (the default): always expanded. (On CPU `_cudnn_applies`
+    is made True and the split is the masked call on expanded heads; what it received is recorded.)"""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from oasis_cache.compute import dense
+
+    heads, refuse = [], []
+
+    def split(q, k, v, scale):
+        heads.append(k.shape[1])
+        if refuse and k.shape[1] != q.shape[1]:
+            raise RuntimeError("(refused)")
+        k, v = dense._expand_kv_heads(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                              scale=scale)
+
+    monkeypatch.setattr(dense, "_cudnn_applies", lambda query: True)
+    monkeypatch.setattr(dense, "_past_then_chunk", split)
+    monkeypatch.setattr(dense, "_CUDNN", {"failed": False, "gqa_failed": False})
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 21, 16), torch.randn(2, 2, 21, 16)
+    expanded = dense.dense_causal_attention(q, k, v, None, 0.25)
+    assert heads == [8]
+    monkeypatch.setattr(dense, "SPLIT_GQA", True)
+    heads.clear()
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, None, 0.25), expanded, atol=0, rtol=0)
+    assert heads == [2]
+    refuse.append(True)
+    heads.clear()
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, None, 0.25), expanded, atol=0, rtol=0)
+    assert heads == [2, 8] and dense._CUDNN["gqa_failed"] and not dense._CUDNN["failed"]
+    heads.clear()
+    dense.dense_causal_attention(q, k, v, None, 0.25)
+    assert heads == [8]  # refused once: expanded from then on

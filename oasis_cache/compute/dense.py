@@ -42,6 +42,14 @@ EXPAND_BYTES = 1 << 29
 def _sdpa_causal(query, keys, values, scale):
     B, Hkv, L, D = keys.shape
     G = query.shape[1] // Hkv
+    if (G > 1 and SPLIT_GQA and query.shape[2] != L and SPLIT_PAST and _cudnn_applies(query)
+            and not _CUDNN["gqa_failed"]):
+        try:
+            return _past_then_chunk(query, keys, values, scale)  # (cuDNN reads the grouped heads: no expansion)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # (this cuDNN refused fewer KV heads: expanded from now on)
+            _CUDNN["gqa_failed"] = True
     per_head = 2 * B * G * L * D * keys.element_size()  # one KV head's keys and values, expanded
     heads = max(1, EXPAND_BYTES // per_head) if G > 1 else Hkv
     if heads >= Hkv:
@@ -77,7 +85,11 @@ def _sdpa_causal_heads(query, keys, values, scale):
 # square ones; docs/perf.md, forty-fifth session). With SPLIT_PAST the queries attend the past without a mask and
 # their own chunk causally, both by cuDNN with log-sum-exps, merged (`_past_then_chunk`).
 SPLIT_PAST = True
-_CUDNN = {"failed": False}
+_CUDNN = {"failed": False, "gqa_failed": False}
+# Research, off: the split's cuDNN calls on the unexpanded keys and values (PyTorch's cuDNN attention takes fewer KV
+# heads than query heads), with no `[B, Hq, L, D]` copies; a refusal turns it off for the process. Not measured yet
+# (`bench/chunk_attention.py`'s `gqa` way); the first chunk's warm-up (`warm_split_past`) warms the expanded calls.
+SPLIT_GQA = False
 SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call
 
 
