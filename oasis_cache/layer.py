@@ -235,13 +235,25 @@ class OasisLayer(CacheLayerMixin):
         tokens = self._cache.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
             return self._attend_resident(query, visible, scale, tokens)
-        recent = self.recent.kv  # [2, B, Hkv, r, D]
-        two, B, H, r, D = recent.shape
-        NB, T = self.pool.num_blocks, self.pool.block_size
-        kv = torch.empty((2, B, H, NB * T + r, D), dtype=recent.dtype, device=recent.device)
-        self._cache.transfer.load_range(self.pool, 0, NB, out=kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
-        kv[:, :, :, NB * T :] = recent
+        kv = self._whole_kv()
         return dense_causal_attention(query, kv[0], kv[1], visible, scale)
+
+    def _past_kv(self, tokens: int) -> torch.Tensor:
+        """A new `[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read
+        from host memory a host chunk at a time into it (`TransferEngine.load_range(out=)`); the rest unwritten."""
+        recent = self.recent.kv  # [2, B, Hkv, r, D]
+        _, B, H, _, D = recent.shape
+        NB, T = self.pool.num_blocks, self.pool.block_size
+        kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
+        self._cache.transfer.load_range(self.pool, 0, NB, out=kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
+        return kv
+
+    def _whole_kv(self) -> torch.Tensor:
+        """Every cached token's keys and values, `[2, B, Hkv, N, D]`: the pool's blocks, then the recent tokens."""
+        start = self.pool.num_blocks * self.pool.block_size
+        kv = self._past_kv(start + self.recent.kv.shape[3])
+        kv[:, :, :, start:] = self.recent.kv
+        return kv
 
     def _attend_resident(self, query, visible, scale, tokens: int):
         """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
@@ -252,10 +264,7 @@ class OasisLayer(CacheLayerMixin):
         NB, T = self.pool.num_blocks, self.pool.block_size
         recent = self.recent.kv  # [2, B, Hkv, r, D], positions NB * T on
         if self.resident_kv is None:
-            _, B, H, _, D = recent.shape
-            self.resident_kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
-            self._cache.transfer.load_range(self.pool, 0, NB,
-                                            out=self.resident_kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
+            self.resident_kv = self._past_kv(tokens)
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
         return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
@@ -526,9 +535,7 @@ class OasisLayer(CacheLayerMixin):
     def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token's keys and values, `[B, Hkv, N, D]` each, gathered from the host pool and the recent
         tokens (for tests and debugging; moves the whole layer)."""
-        past = self._cache.transfer.load_range(self.pool, 0, self.pool.num_blocks)
-        two, B, H, NB, T, D = past.shape
-        kv = torch.cat((past.reshape(2, B, H, NB * T, D), self.recent.kv), dim=3)
+        kv = self._whole_kv()
         return kv[0], kv[1]
 
     def device_nbytes(self) -> dict:

@@ -44,12 +44,9 @@ def _sdpa_causal(query, keys, values, scale):
     G = query.shape[1] // Hkv
     if (G > 1 and SPLIT_GQA and query.shape[2] != L and SPLIT_PAST and _cudnn_applies(query)
             and not _CUDNN["gqa_failed"]):
-        try:
-            return _past_then_chunk(query, keys, values, scale)  # (cuDNN reads the grouped heads: no expansion)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # (this cuDNN refused fewer KV heads: expanded from now on)
-            _CUDNN["gqa_failed"] = True
+        out = _split_unless_refused(query, keys, values, scale, "gqa_failed")  # (cuDNN reads the grouped heads)
+        if out is not None:
+            return out
     per_head = 2 * B * G * L * D * keys.element_size()  # one KV head's keys and values, expanded
     heads = max(1, EXPAND_BYTES // per_head) if G > 1 else Hkv
     if heads >= Hkv:
@@ -70,13 +67,22 @@ def _sdpa_causal_heads(query, keys, values, scale):
             warm_split_past(query, keys, scale)
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
     if SPLIT_PAST and _cudnn_applies(query):
-        try:
-            return _past_then_chunk(query, keys, values, scale)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # (cuDNN refused these shapes: SDPA's own way from now on)
-            _CUDNN["failed"] = True
+        out = _split_unless_refused(query, keys, values, scale, "failed")
+        if out is not None:
+            return out
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(Qn, L), scale=scale)
+
+
+def _split_unless_refused(query, keys, values, scale, flag: str):
+    """`_past_then_chunk`, or None where cuDNN refuses it (a RuntimeError other than running out of memory): then
+    `_CUDNN[flag]` is set and the process takes the other way from now on."""
+    try:
+        return _past_then_chunk(query, keys, values, scale)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        _CUDNN[flag] = True
+        return None
 
 
 # Queries after a past (a chunk of a prompt prefilled in chunks, an extend): SDPA's lower-right causal mask runs its
@@ -102,7 +108,7 @@ def _cudnn_applies(query) -> bool:
 
 def _past_then_chunk(query, keys, values, scale):
     """Attention of `query` `[B, H, Qn, D]` (the last Qn of L positions) over `keys`/`values` `[B, H, L, D]` (heads
-    expanded): over the L - Qn past positions without a mask and over the last Qn causally, each cuDNN's kernel with
+    expanded; with `SPLIT_GQA`, `[B, Hkv, L, D]`): over the L - Qn past positions without a mask and over the last Qn causally, each cuDNN's kernel with
     its log-sum-exp `[B, H, Qn, 1]`, merged as one softmax over all L would weigh them."""
     P = keys.shape[2] - query.shape[2]
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
