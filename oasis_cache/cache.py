@@ -147,6 +147,7 @@ class OasisCache(Cache):
         self._forward_memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once
         self._chunked_prefill = None  # tokens of the prompt being prefilled in chunks (`route_forward`)
         self.prefill_resident = None  # its tokens while its keys and values stay on the device, False: they do not
+        self.prefill_past = None  # while they do not: one buffer for a chunk's past, every layer's (`past_buffer`)
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
@@ -259,6 +260,24 @@ class OasisCache(Cache):
         else:
             room = available_host_bytes() or 0  # (the host pools are counted there too: they are in host memory)
         return tokens if needed <= room // 2 else False
+
+    def past_buffer(self, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        """A device buffer `[2, B, Hkv, tokens, D]` (B, Hkv, D, dtype and device those of `like`, a layer's
+        `[2, B, Hkv, r, D]`) for a dense forward's past read from host memory (`OasisLayer._past_kv`). While a prompt
+        is prefilled in chunks whose keys and values do not stay on the device, the first `tokens` positions of one
+        buffer sized for the whole prompt, shared by every layer and chunk (each layer's attention has read it before
+        the next layer writes it: one stream): a new past of a larger size at each chunk and layer left the
+        allocator's segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap: 2.5 GiB free in split segments, out of
+        memory; forty-seventh session). Else a new one."""
+        _, B, H, _, D = like.shape
+        if self._chunked_prefill and self.prefill_resident is False and tokens <= self._chunked_prefill:
+            shape = (2, B, H, self._chunked_prefill, D)
+            past = self.prefill_past
+            if past is None or past.shape != shape or past.dtype != like.dtype or past.device != like.device:
+                self.prefill_past = None  # (a layer of other heads: its own buffer, the first dropped first)
+                past = self.prefill_past = torch.empty(shape, dtype=like.dtype, device=like.device)
+            return past[:, :, :, :tokens]
+        return torch.empty((2, B, H, tokens, D), dtype=like.dtype, device=like.device)
 
     def _start_engine(self, device) -> None:
         self._streams = PrefetchStreams(device, measure=self.measure)
@@ -732,7 +751,7 @@ class OasisCache(Cache):
                         return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
                                           self.config.progress)
                 finally:
-                    self._chunked_prefill = self.prefill_resident = None
+                    self._chunked_prefill = self.prefill_resident = self.prefill_past = None
                     for layer in self.layers:
                         if isinstance(layer, OasisLayer):
                             layer.resident_kv = None

@@ -238,20 +238,25 @@ class OasisLayer(CacheLayerMixin):
         kv = self._whole_kv()
         return dense_causal_attention(query, kv[0], kv[1], visible, scale)
 
-    def _past_kv(self, tokens: int) -> torch.Tensor:
-        """A new `[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read
-        from host memory a host chunk at a time into it (`TransferEngine.load_range(out=)`); the rest unwritten."""
+    def _past_kv(self, tokens: int, shared: bool = True) -> torch.Tensor:
+        """`[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read from host
+        memory a host chunk at a time into it (`TransferEngine.load_range(out=)`); the rest unwritten. `shared`: the
+        cache's buffer for a dense forward's past where it has one (`OasisCache.past_buffer`), else a new tensor."""
         recent = self.recent.kv  # [2, B, Hkv, r, D]
         _, B, H, _, D = recent.shape
         NB, T = self.pool.num_blocks, self.pool.block_size
-        kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
+        if shared:
+            kv = self._cache.past_buffer(recent, tokens)
+        else:
+            kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
         self._cache.transfer.load_range(self.pool, 0, NB, out=kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
         return kv
 
-    def _whole_kv(self) -> torch.Tensor:
-        """Every cached token's keys and values, `[2, B, Hkv, N, D]`: the pool's blocks, then the recent tokens."""
+    def _whole_kv(self, shared: bool = True) -> torch.Tensor:
+        """Every cached token's keys and values, `[2, B, Hkv, N, D]`: the pool's blocks, then the recent tokens
+        (`shared`: as `_past_kv`'s)."""
         start = self.pool.num_blocks * self.pool.block_size
-        kv = self._past_kv(start + self.recent.kv.shape[3])
+        kv = self._past_kv(start + self.recent.kv.shape[3], shared)
         kv[:, :, :, start:] = self.recent.kv
         return kv
 
@@ -264,7 +269,7 @@ class OasisLayer(CacheLayerMixin):
         NB, T = self.pool.num_blocks, self.pool.block_size
         recent = self.recent.kv  # [2, B, Hkv, r, D], positions NB * T on
         if self.resident_kv is None:
-            self.resident_kv = self._past_kv(tokens)
+            self.resident_kv = self._past_kv(tokens, shared=False)
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
         return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
@@ -438,6 +443,13 @@ class OasisLayer(CacheLayerMixin):
         if blocks is None:
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
+        if self._cache._chunked_prefill and blocks.shape[3] > 1:
+            # A prompt prefilled in chunks: room for all its blocks (and the next) at once, not more at each chunk —
+            # tensors of a new size at each chunk and layer, among the chunks' activations, left the allocator's
+            # segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap; forty-seventh session).
+            whole = self._cache._chunked_prefill // self.config.block_size + 1
+            self.summaries.reserve(whole)
+            self.slot_map.reserve(whole)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
         if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at
@@ -534,8 +546,8 @@ class OasisLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------------- inspection
     def full_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token's keys and values, `[B, Hkv, N, D]` each, gathered from the host pool and the recent
-        tokens (for tests and debugging; moves the whole layer)."""
-        kv = self._whole_kv()
+        tokens (for tests and debugging; moves the whole layer; a new tensor, not a chunked prefill's buffer)."""
+        kv = self._whole_kv(shared=False)
         return kv[0], kv[1]
 
     def device_nbytes(self) -> dict:

@@ -543,12 +543,14 @@ def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     assert dense.mask_layout(hole)[0] is False
 
 
-def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monkeypatch):
+@pytest.mark.parametrize("way", ["grouped", "expanded", "refused"])
+def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monkeypatch, way):
     """A prompt prefilled in chunks: its first chunk starts the later chunks' attention (`_past_then_chunk`, cuDNN's
-    kernels on CUDA) once, in a thread, on `SPLIT_WARM_QUERIES` queries over twice as many keys laid out in memory as
-    the chunk's own; the thread has ended when `generate` returns, a later prompt starts none, nor does a prompt in
-    one forward, and the tokens are those of a run without it. (On CPU `_cudnn_applies` is made True and the split
-    computed by the masked call: what runs in the thread is recorded.)"""
+    kernels on CUDA) once, in a thread, on `SPLIT_WARM_QUERIES` queries over twice as many keys, as the later chunks
+    call it: queries laid out as the chunk's, keys with their own KV heads laid out as the chunk's (`SPLIT_GQA`), or
+    expanded to the query heads (off, or refused once). The thread has ended when `generate` returns, a later prompt
+    starts none, nor does a prompt in one forward, and the tokens are those of a run without it. (On CPU
+    `_cudnn_applies` is made True and the split computed by the masked call: what runs in the thread is recorded.)"""
     import threading
 
     import torch.nn.functional as F
@@ -563,6 +565,7 @@ def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monk
     def split(q, k, v, scale):
         calls.append((threading.current_thread() is threading.main_thread(), tuple(q.shape), tuple(k.shape),
                       dense._order(q), dense._order(k)))
+        k, v = dense._expand_kv_heads(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
                                               scale=scale)
 
@@ -571,7 +574,8 @@ def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monk
 
     def watched(query, keys, values, scale):
         if query.shape[2] == keys.shape[2]:
-            squares.append((dense._order(query), dense._order(dense._expand_kv_heads(query, keys, values)[0])))
+            squares.append((dense._order(query), dense._order(keys),
+                            dense._order(dense._expand_kv_heads(query, keys, values)[0])))
         return sdpa(query, keys, values, scale)
 
     monkeypatch.setattr(dense, "_cudnn_applies", lambda query: query.shape[2] >= dense.SPLIT_MIN_QUERIES)
@@ -579,6 +583,8 @@ def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monk
     monkeypatch.setattr(dense, "_sdpa_causal", watched)
     monkeypatch.setattr(dense, "_WARM_THREADS", {})
     monkeypatch.setattr(dense, "SPLIT_WARM_QUERIES", 32)
+    monkeypatch.setattr(dense, "SPLIT_GQA", way != "expanded")
+    monkeypatch.setattr(dense, "_CUDNN", {"failed": False, "gqa_failed": way == "refused"})
     model = tiny_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     inputs = {"input_ids": prompt_ids(640)}
 
@@ -591,10 +597,13 @@ def test_a_prompts_first_chunk_warms_the_later_chunks_attention_in_a_thread(monk
     warm = [call for call in calls if not call[0]]
     assert len(warm) == 1 and len(dense._WARM_THREADS) == 1, calls
     assert not any(thread.is_alive() for thread in dense._WARM_THREADS.values())
+    heads = 2 if way == "grouped" else 4
     _, q_shape, k_shape, q_order, k_order = warm[0]
-    assert q_shape == (1, 4, 32, 16) and k_shape == (1, 4, 64, 16)  # (the model's heads and head size)
-    assert (q_order, k_order) == squares[0]  # laid out as the first chunk's query and keys
-    assert sum(1 for call in calls if call[0]) == 2 * 2  # the later chunks' own calls: 2 chunks x 2 layers
+    assert q_shape == (1, 4, 32, 16) and k_shape == (1, heads, 64, 16)  # (the model's heads and head size)
+    chunk_q, chunk_k, chunk_expanded = squares[0]  # laid out as the first chunk's query and (its own or expanded) keys
+    assert (q_order, k_order) == (chunk_q, chunk_k if way == "grouped" else chunk_expanded)
+    chunks = [call for call in calls if call[0]]  # the later chunks' own calls: 2 chunks x 2 layers
+    assert len(chunks) == 2 * 2 and {call[2][1] for call in chunks} == {heads}
     calls.clear()
     assert run(256) == tokens and not [call for call in calls if not call[0]]  # once a process
     monkeypatch.setattr(dense, "_WARM_THREADS", {})
@@ -630,10 +639,10 @@ def test_grouped_heads_attend_in_slices_of_kv_heads_past_the_expansion_bound(bud
 
 
 def test_the_split_on_unexpanded_grouped_heads_where_asked_and_expanded_once_refused(monkeypatch):
-    """`compute.dense.SPLIT_GQA` (research): a chunk after its past hands the split (`_past_then_chunk`, cuDNN on
+    """`compute.dense.SPLIT_GQA` (the default): a chunk after its past hands the split (`_past_then_chunk`, cuDNN on
     CUDA) its keys and values with their own KV heads; where that call raises a RuntimeError, the same call runs on
-    expanded heads and later chunks go expanded directly. Off (the default): always expanded. (On CPU `_cudnn_applies`
-    is made True and the split is the masked call on expanded heads; what it received is recorded.)"""
+    expanded heads and later chunks go expanded directly. Off: always expanded. (On CPU `_cudnn_applies` is made
+    True and the split is the masked call on expanded heads; what it received is recorded.)"""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
@@ -654,6 +663,7 @@ def test_the_split_on_unexpanded_grouped_heads_where_asked_and_expanded_once_ref
     monkeypatch.setattr(dense, "_CUDNN", {"failed": False, "gqa_failed": False})
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 21, 16), torch.randn(2, 2, 21, 16)
+    monkeypatch.setattr(dense, "SPLIT_GQA", False)
     expanded = dense.dense_causal_attention(q, k, v, None, 0.25)
     assert heads == [8]
     monkeypatch.setattr(dense, "SPLIT_GQA", True)
@@ -667,3 +677,4 @@ def test_the_split_on_unexpanded_grouped_heads_where_asked_and_expanded_once_ref
     heads.clear()
     dense.dense_causal_attention(q, k, v, None, 0.25)
     assert heads == [8]  # refused once: expanded from then on
+

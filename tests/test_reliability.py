@@ -615,7 +615,9 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
     """`resident_prefill` (default): a prompt prefilled in chunks keeps its keys and values on the device until its
     last chunk, so each layer reads its past from the host pool once (at the first chunk: a conversation's earlier
     turns) instead of at every chunk; the same tokens and logits as reading it back each time; dropped after the
-    prefill. Without room for it (half of what the process may still take) the chunks read the host pool."""
+    prefill. Without room for it (half of what the process may still take) the chunks read the host pool, every
+    layer and chunk of a prefill into one buffer sized for the prompt (`OasisCache.past_buffer`: a past of a new size
+    at each read split the allocator's segments), dropped after the prefill."""
     import oasis_cache.cache as cache_module
     from oasis_cache.memory.transfer import TransferEngine
 
@@ -623,7 +625,8 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
     layers = model.config.num_hidden_layers
     loads, load_range = [], TransferEngine.load_range
     monkeypatch.setattr(TransferEngine, "load_range",
-                        lambda self, *a, **k: loads.append(1) or load_range(self, *a, **k))
+                        lambda self, *a, **k: loads.append(k["out"].untyped_storage().data_ptr())
+                        or load_range(self, *a, **k))
     options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0, prefill_chunk_tokens=64,
                    lookahead="previous")
     first, second = prompt_ids(300), prompt_ids(200, seed=7)
@@ -634,18 +637,54 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
         cache = OasisCache(model, resident_prefill=resident, **options)
         loads.clear()
         out = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
-        prefill_loads = len(loads)
+        prefill_loads, buffers = len(loads), {0: set(loads)}
         turn = torch.cat([out.sequences, second], dim=1)  # the conversation goes on: a long message, in chunks
         loads.clear()
         again = generate(model, cache, {"input_ids": turn}, max_new_tokens=6, do_sample=False)
         runs[name] = (out, again, prefill_loads, len(loads))
-        assert cache.prefill_resident is None and all(
+        buffers[1] = set(loads)
+        assert [len(b) for b in buffers.values()] == ([1, 1] if name != "resident" else [layers, layers]), name
+        assert cache.prefill_resident is None and cache.prefill_past is None and all(
             layer.resident_kv is None for layer in cache.layers if isinstance(layer, OasisLayer))
     assert runs["resident"][2:] == (layers, layers)  # once per layer and prefill
     assert runs["host"][2:] == runs["no room"][2:] == (5 * layers, 3 * layers)  # once per layer and chunk
     for name in ("host", "no room"):
         for a, b in zip(runs["resident"][:2], runs[name][:2]):
             assert same_as_dense(a, b)
+
+
+def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
+    """A prompt prefilled in chunks: each layer's block summaries and block -> slot table are sized for the whole
+    prompt at its first chunk (one new tensor each, not a larger one at every chunk: those, among the chunks'
+    activations, split the allocator's segments), with room for the first decode step's block; the tokens and logits
+    are those of the prompt in one forward."""
+    from oasis_cache.pools.slot_map import SlotMap
+    from oasis_cache.pools.summaries import BlockSummaries
+
+    model = tiny_model("llama")
+    prompt = prompt_ids(1200)  # (75 blocks: past the 64 a first growth makes room for)
+    grown, grow, reserve = [], BlockSummaries._grown, SlotMap.reserve
+    monkeypatch.setattr(BlockSummaries, "_grown", lambda self, *a: grown.append(("summaries", id(self))) or grow(self, *a))
+
+    def table(self, n):
+        before = self.capacity_blocks
+        reserve(self, n)
+        if self.capacity_blocks != before:
+            grown.append(("slot_map", id(self)))
+
+    monkeypatch.setattr(SlotMap, "reserve", table)
+    options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, lookahead="previous")
+    cache = OasisCache(model, prefill_chunk_tokens=128, **options)
+    chunked = generate(model, cache, {"input_ids": prompt}, max_new_tokens=4, do_sample=False)
+    layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
+    summaries = layers[0].summaries
+    kinds = sum(t is not None for t in (summaries.levels, summaries.codes, summaries.scales))
+    assert len(grown) == len(layers) * (kinds + 1), grown  # once per layer and tensor
+    assert all(layer.summaries.capacity_blocks >= 1200 // 16 + 1 for layer in layers)
+    grown.clear()
+    cache = OasisCache(model, **options)
+    whole = generate(model, cache, {"input_ids": prompt}, max_new_tokens=4, do_sample=False)
+    assert same_as_dense(chunked, whole)
 
 
 def test_forwards_that_need_every_position_are_not_split():

@@ -343,18 +343,22 @@ def _room_for_copy(cache) -> bool:
 
 def _read_only_copy(cache):
     """The dry steps' copy of `cache`: host chunks shared read-only, device state copied — not the prompt's keys and
-    values a chunked prefill keeps on the device (`resident_kv`, a prefill's own), eager (nothing is captured from a
+    values a chunked prefill keeps on the device (`resident_kv`) nor its buffer for a chunk's past (`prefill_past`),
+    a prefill's own —, eager (nothing is captured from a
     step whose launches do not run), not a step of the model's count, not inside a chunked prefill."""
     from ..layer import OasisLayer
 
     held = [(layer, layer.resident_kv) for layer in cache.layers if isinstance(layer, OasisLayer)]
+    past = cache.prefill_past
     for layer, _ in held:
         layer.resident_kv = None
+    cache.prefill_past = None
     try:
         dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
     finally:
         for layer, kept in held:
             layer.resident_kv = kept
+        cache.prefill_past = past
     dry.captured_steps = None
     dry._compile_later = False
     dry._chunked_prefill = dry.prefill_resident = None

@@ -42,8 +42,11 @@ EXPAND_BYTES = 1 << 29
 def _sdpa_causal(query, keys, values, scale):
     B, Hkv, L, D = keys.shape
     G = query.shape[1] // Hkv
-    if (G > 1 and SPLIT_GQA and query.shape[2] != L and SPLIT_PAST and _cudnn_applies(query)
-            and not _CUDNN["gqa_failed"]):
+    if query.shape[2] == L:
+        if (getattr(_chunks_follow, "on", False) and SPLIT_PAST and SPLIT_WARM_QUERIES and _cudnn_applies(query)
+                and not torch.compiler.is_dynamo_compiling()):
+            warm_split_past(query, keys, scale)
+    elif G > 1 and _split_gqa(query):
         out = _split_unless_refused(query, keys, values, scale, "gqa_failed")  # (cuDNN reads the grouped heads)
         if out is not None:
             return out
@@ -62,9 +65,6 @@ def _sdpa_causal_heads(query, keys, values, scale):
     Qn, L = query.shape[2], keys.shape[2]
     keys, values = _expand_kv_heads(query, keys, values)
     if Qn == L:
-        if (getattr(_chunks_follow, "on", False) and SPLIT_PAST and SPLIT_WARM_QUERIES and _cudnn_applies(query)
-                and not torch.compiler.is_dynamo_compiling()):
-            warm_split_past(query, keys, scale)
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
     if SPLIT_PAST and _cudnn_applies(query):
         out = _split_unless_refused(query, keys, values, scale, "failed")
@@ -92,10 +92,11 @@ def _split_unless_refused(query, keys, values, scale, flag: str):
 # their own chunk causally, both by cuDNN with log-sum-exps, merged (`_past_then_chunk`).
 SPLIT_PAST = True
 _CUDNN = {"failed": False, "gqa_failed": False}
-# Research, off: the split's cuDNN calls on the unexpanded keys and values (PyTorch's cuDNN attention takes fewer KV
-# heads than query heads), with no `[B, Hq, L, D]` copies; a refusal turns it off for the process. Not measured yet
-# (`bench/chunk_attention.py`'s `gqa` way); the first chunk's warm-up (`warm_split_past`) warms the expanded calls.
-SPLIT_GQA = False
+# The split's cuDNN calls on the unexpanded keys and values (PyTorch's cuDNN attention takes fewer KV heads than query
+# heads): no `[B, Hq, L, D]` copies; a refusal turns it off for the process. H200, a chunk of 8,192 over 8-123K past
+# tokens: bit-equal to the split on expanded heads and 3-7% faster (`bench/chunk_attention.py`'s `gqa` way; docs/perf.md,
+# forty-seventh session).
+SPLIT_GQA = True
 SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call
 
 
@@ -106,10 +107,16 @@ def _cudnn_applies(query) -> bool:
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
+def _split_gqa(query) -> bool:
+    """Whether a chunk after its past hands the split its keys and values with their own (fewer) heads."""
+    return SPLIT_GQA and SPLIT_PAST and _cudnn_applies(query) and not _CUDNN["gqa_failed"]
+
+
 def _past_then_chunk(query, keys, values, scale):
-    """Attention of `query` `[B, H, Qn, D]` (the last Qn of L positions) over `keys`/`values` `[B, H, L, D]` (heads
-    expanded; with `SPLIT_GQA`, `[B, Hkv, L, D]`): over the L - Qn past positions without a mask and over the last Qn causally, each cuDNN's kernel with
-    its log-sum-exp `[B, H, Qn, 1]`, merged as one softmax over all L would weigh them."""
+    """Attention of `query` `[B, H, Qn, D]` (the last Qn of L positions) over `keys`/`values` `[B, Hk, L, D]` (Hk = H,
+    heads expanded, or the KV heads with `SPLIT_GQA`): over the L - Qn past positions without a mask and over the
+    last Qn causally, each cuDNN's kernel with its log-sum-exp `[B, H, Qn, 1]`, merged as one softmax over all L would
+    weigh them."""
     P = keys.shape[2] - query.shape[2]
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
     past, past_lse = cudnn(query, keys[:, :, :P], values[:, :, :P], None, True, 0.0, False, False, scale=scale)[:2]
@@ -162,12 +169,16 @@ def _laid_out(shape: list[int], order: tuple[int, ...], dtype, device) -> torch.
 
 def warm_split_past(query: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
     """`_past_then_chunk` once in a daemon thread, on its own stream, with `SPLIT_WARM_QUERIES` queries over twice as
-    many keys, laid out in memory as `query` `[B, Hq, Qn, D]` and `keys` (heads expanded) are: the driver compiles
-    cuDNN's two kernels there while the first chunk runs, instead of in the second chunk. Once a process per dtype,
-    device, heads, head size and layouts; a failure is left to the real call (which falls back to the masked way)."""
+    many keys, as the later chunks will call it: queries laid out in memory as `query` `[B, Hq, Qn, D]`, keys as
+    `keys` `[B, Hkv, Qn, D]` with their own heads (`SPLIT_GQA`) or expanded to Hq (contiguous, as
+    `_expand_kv_heads` makes them). The driver compiles cuDNN's two kernels there while the first chunk runs, instead
+    of in the second chunk. Once a process per dtype, device, heads, head size and layouts; a failure is left to the
+    real call (which falls back to expanded heads, or to the masked way)."""
     H, D, dtype, device = query.shape[1], query.shape[3], query.dtype, query.device
-    q_order, k_order = _order(query), _order(keys)
-    what = (dtype, device, H, D, q_order, k_order)
+    grouped = keys.shape[1] != H and _split_gqa(query)
+    Hk = keys.shape[1] if grouped else H
+    q_order, k_order = _order(query), _order(keys) if grouped or keys.shape[1] == H else tuple(range(keys.dim()))
+    what = (dtype, device, H, Hk, D, q_order, k_order)
     if what in _WARM_THREADS:
         return
     n = SPLIT_WARM_QUERIES
@@ -179,7 +190,7 @@ def warm_split_past(query: torch.Tensor, keys: torch.Tensor, scale: float) -> No
                     on.enter_context(torch.cuda.device(device))
                     on.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
                 q = _laid_out([1, H, n, D], q_order, dtype, device)
-                k, v = (_laid_out([1, H, 2 * n, D], k_order, dtype, device) for _ in range(2))
+                k, v = (_laid_out([1, Hk, 2 * n, D], k_order, dtype, device) for _ in range(2))
                 _past_then_chunk(q, k, v, scale)
         except Exception as error:  # noqa: BLE001 - (a warm-up: the real call compiles, or falls back, itself)
             WARM_FAILED[what] = repr(error)
