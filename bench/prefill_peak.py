@@ -6,8 +6,9 @@ of cuDNN's two parts; the dry step after the prefill instead of during it; no wa
     python bench/prefill_peak.py --model tiny --device cpu --context 600 --batch 2 --chunk-tokens 256   # smoke
 
 Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError, the frames that
-made the request, the bytes reserved but split unused and the allocator's retries), the peak allocated and reserved
-GiB (issue 21: 32K x 8 ran under a 24 GiB cap in the sixteenth session, not in the forty-sixth).
+made the request, the bytes reserved but split unused and the allocator's retries; with `--history`, which
+allocations hold the split segments), the peak allocated and reserved GiB (issue 21: 32K x 8 ran under a 24 GiB cap
+in the sixteenth session, not in the forty-sixth).
 """
 
 from __future__ import annotations
@@ -27,7 +28,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 VARIANTS = ("default", "masked", "dry-after", "no-warm")
 
 
-def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: int | None = None) -> dict:
+def _made_by(frames: list) -> str:
+    """The innermost frame of the package or transformers that made an allocation (else the innermost one)."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "oasis_cache" in name or "transformers" in name:
+            return f"{Path(name).name}:{frame.get('line')} {frame.get('name')}"
+    return f"{Path(frames[0].get('filename', '?')).name}:{frames[0].get('line')}" if frames else "?"
+
+
+def split_segments(snapshot: dict, top: int = 10) -> dict:
+    """From `torch.cuda.memory._snapshot()` (taken with history recorded): the bytes each stream's segments reserve
+    and hold, and, in segments with 2 MiB or more free beside live blocks (what `inactive_split_bytes` counts),
+    which allocations hold them there, by the frame that made them (the largest `top`)."""
+    streams, holders, split = {}, {}, 0
+    for segment in snapshot.get("segments", []):
+        stream = str(segment.get("stream", "?"))
+        reserved, held = streams.get(stream, (0, 0))
+        streams[stream] = (reserved + segment["total_size"], held + segment.get("allocated_size", 0))
+        blocks = segment.get("blocks", [])
+        free = sum(b["size"] for b in blocks if b.get("state") == "inactive")
+        live = [b for b in blocks if b.get("state", "").startswith("active")]
+        if free < 2**21 or not live:
+            continue
+        split += free
+        for block in live:
+            where = _made_by(block.get("frames", []))
+            n, size, beside = holders.get(where, (0, 0, 0))
+            holders[where] = (n + 1, size + block["size"], beside + free // len(live))
+    ranked = sorted(holders.items(), key=lambda item: -item[1][2])[:top]
+    gib = 2**30
+    return dict(
+        streams={k: [round(v[0] / gib, 2), round(v[1] / gib, 2)] for k, v in streams.items()},  # reserved, allocated
+        split_free_gib=round(split / gib, 2),
+        holders=[dict(where=w, blocks=n, gib=round(size / gib, 3), free_beside_gib=round(beside / gib, 3))
+                 for w, (n, size, beside) in ranked])
+
+
+def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: int | None = None,
+        history: bool = False) -> dict:
     from oasis_cache import OasisCache
     from oasis_cache.compat import generate_cache_argument
     from oasis_cache.compute import dense
@@ -42,6 +81,8 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
     cuda = ids.is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        if history:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
     row = dict(variant=variant)
     try:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -61,8 +102,12 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
             stats = torch.cuda.memory_stats()
             row["inactive_split_gib"] = round(stats.get("inactive_split_bytes.all.current", 0) / 2**30, 2)
             row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+            if history:
+                row["segments"] = split_segments(torch.cuda.memory._snapshot())
     finally:
         dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES = split, warm
+        if cuda and history:
+            torch.cuda.memory._record_memory_history(enabled=None)
     if cuda:
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
@@ -84,6 +129,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--history", action="store_true",
+                        help="record the allocator's history: an out-of-memory row names what holds split segments")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     from models import load_model
@@ -97,7 +144,7 @@ def main(argv=None) -> None:
     ids = torch.randint(0, vocab, (args.batch, args.context), device=args.device)
     rows = []
     for variant in args.variants:
-        rows.append(run(model, ids, variant, args.budget, args.new_tokens, args.chunk_tokens))
+        rows.append(run(model, ids, variant, args.budget, args.new_tokens, args.chunk_tokens, args.history))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(argv=sys.argv, rows=rows), indent=1))
