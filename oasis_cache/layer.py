@@ -444,12 +444,14 @@ class OasisLayer(CacheLayerMixin):
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         if self._cache._chunked_prefill and blocks.shape[3] > 1:
-            # A prompt prefilled in chunks: room for all its blocks (and the next) at once, not more at each chunk —
-            # tensors of a new size at each chunk and layer, among the chunks' activations, left the allocator's
-            # segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap; forty-seventh session).
+            # A prompt prefilled in chunks: room for all its blocks (and the next) at once, and the working set's
+            # slots for them, not more at each chunk — tensors of a new size at each chunk and layer, among the
+            # chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap;
+            # forty-seventh session).
             whole = self._cache._chunked_prefill // self.config.block_size + 1
             self.summaries.reserve(whole)
             self.slot_map.reserve(whole)
+            self.reserve_slots(whole)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
         if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at

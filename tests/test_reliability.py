@@ -654,12 +654,13 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
 
 
 def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
-    """A prompt prefilled in chunks: each layer's block summaries and block -> slot table are sized for the whole
-    prompt at its first chunk (one new tensor each, not a larger one at every chunk: those, among the chunks'
-    activations, split the allocator's segments), with room for the first decode step's block; the tokens and logits
-    are those of the prompt in one forward."""
+    """A prompt prefilled in chunks: each layer's block summaries, block -> slot table and working set are sized for
+    the whole prompt at its first chunk (one new tensor each, not a larger one at every chunk: those, among the
+    chunks' activations, split the allocator's segments), with room for the first decode step's block; the tokens
+    and logits are those of the prompt in one forward."""
     from oasis_cache.pools.slot_map import SlotMap
     from oasis_cache.pools.summaries import BlockSummaries
+    from oasis_cache.pools.working_set import WorkingSet
 
     model = tiny_model("llama")
     prompt = prompt_ids(1200)  # (75 blocks: past the 64 a first growth makes room for)
@@ -673,13 +674,16 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
             grown.append(("slot_map", id(self)))
 
     monkeypatch.setattr(SlotMap, "reserve", table)
-    options = dict(token_budget=96, sink_tokens=16, recent_tokens=16, lookahead="previous")
+    slots = WorkingSet.grown
+    monkeypatch.setattr(WorkingSet, "grown", lambda self, n: grown.append(("working_set", n)) or slots(self, n))
+    options = dict(token_budget=1024, sink_tokens=16, recent_tokens=16, lookahead="previous")  # (~64 slots)
     cache = OasisCache(model, prefill_chunk_tokens=128, **options)
     chunked = generate(model, cache, {"input_ids": prompt}, max_new_tokens=4, do_sample=False)
     layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
     summaries = layers[0].summaries
     kinds = sum(t is not None for t in (summaries.levels, summaries.codes, summaries.scales))
-    assert len(grown) == len(layers) * (kinds + 1), grown  # once per layer and tensor
+    assert len(grown) == len(layers) * (kinds + 2), grown  # once per layer and tensor
+    assert [n for what, n in grown if what == "working_set"] == [cache.config.slots] * len(layers)  # (all at once)
     assert all(layer.summaries.capacity_blocks >= 1200 // 16 + 1 for layer in layers)
     grown.clear()
     cache = OasisCache(model, **options)
