@@ -158,7 +158,8 @@ class OasisCache(Cache):
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self.captured_steps = _captured_steps_for(model, text_config, self.config)
-        self._weights_at = None  # `captured_step.weights_where_they_are` at the last prefill (captured steps only)
+        self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
+        # steps only: `captured_step.weights_where_they_are`, `module_settings`)
         from .compute.captured_step import CapturedForward
 
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
@@ -722,9 +723,10 @@ class OasisCache(Cache):
                              f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
         if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
                 and tokens.dim() >= 2 and tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS)):
-            from .compute.captured_step import weights_where_they_are
+            from .compute.captured_step import module_settings, weights_where_they_are
 
-            self._weights_at = weights_where_they_are(model)  # (a prefill: steps captured before a rebinding recapture)
+            # (a prefill: steps captured before a rebinding, or an adapter or flag switched, capture anew)
+            self._model_as_run = (weights_where_they_are(model), module_settings(model))
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
@@ -851,8 +853,8 @@ class OasisCache(Cache):
         tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while
         it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
         counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
-        store whether its local pool holds blocks yet and its deferred records' tensors, and whether the layers run
-        compiled (`compiles_decode`). Equal signatures: the graph captured under one is valid under the other —
+        store whether its local pool holds blocks yet and its deferred records' tensors, whether the layers run
+        compiled (`compiles_decode`), and the model's weights' addresses and modules' settings at the last prefill. Equal signatures: the graph captured under one is valid under the other —
         past `slots` blocks a completed block does not invalidate it (selection reads the block count on the
         device)."""
         cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
@@ -874,7 +876,7 @@ class OasisCache(Cache):
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
         return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
-                self.compiles_decode(), self._weights_at)
+                self.compiles_decode(), self._model_as_run)
 
     def compiles_decode(self) -> bool:
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):

@@ -623,6 +623,48 @@ def test_where_the_weights_are_changes_when_they_move_only():
     assert weights_where_they_are(model) != moved
 
 
+def test_the_modules_settings_change_when_a_setting_does_only():
+    """`module_settings` (with the weights' addresses, part of a captured cache's replay signature, taken at each
+    prefill): the same across `generate` calls with an OasisCache and across in-place weight updates; another number
+    once a module's plain setting changes — `train()`, an attention's `scaling`, a PEFT-style adapter switched or
+    disabled (a name, a flag), a dict of per-adapter scales — and the first number again once it is set back."""
+    from oasis_cache.compute.captured_step import module_settings
+
+    class Adapted(torch.nn.Module):  # (what PEFT's LoRA layers keep: names, flags, per-adapter dicts)
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self._active_adapter = ["default"]
+            self._disable_adapters = False
+            self.scaling = {"default": 2.0, "other": 0.5}
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    model = tiny_model("qwen3", num_hidden_layers=4)  # (a draft head reads three layers)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = Adapted(attention.q_proj)
+    before = module_settings(model)
+    ids = prompt_ids(40)
+    for draft in ({}, {"lookahead": "eagle3", "draft": random_head(model)}):  # (the ride-along's hooks too)
+        for _ in range(2):
+            cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **draft)
+            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            assert module_settings(model) == before
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.0)
+    assert module_settings(model) == before
+    changes = [(model, "training", True), (attention, "scaling", attention.scaling * 2),
+               (attention.q_proj, "_active_adapter", ["other"]), (attention.q_proj, "_disable_adapters", True),
+               (attention.q_proj, "scaling", {"default": 1.0, "other": 0.5})]
+    for module, name, value in changes:
+        kept = getattr(module, name)
+        module.__dict__[name] = value
+        assert module_settings(model) != before, name
+        module.__dict__[name] = kept
+        assert module_settings(model) == before, name
+
+
 def test_a_captured_steps_kept_output_does_not_hold_its_cache():
     """A captured step keeps its forward's output (the logits are the graph's buffer), but not the cache in it
     (`past_key_values`): the cycle cache -> graphs -> output -> cache kept a dropped cache and its pinned host pools

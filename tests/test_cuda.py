@@ -503,6 +503,30 @@ def test_a_cache_reused_after_its_model_moved_captures_its_steps_anew():
     del squatters
 
 
+def test_a_cache_reused_after_a_module_setting_changed_captures_its_steps_anew():
+    """Steps captured, then a setting that moves no tensor changed between two calls of a cache that continues the
+    conversation (every attention's `scaling`, a Python number the captured kernels were launched with — as a LoRA
+    adapter switched is a name): the second call decodes what a cache that never captures decodes, because the
+    prefill saw the settings change (`captured_step.module_settings`) and the steps were captured anew."""
+    model = tiny_model("qwen3").cuda()
+    ids = prompt_ids(300).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False)
+    options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
+    cache, eager = OasisCache(model, **options), OasisCache(model, cuda_graph=False, **options)
+    first = generate(model, cache, {"input_ids": ids}, **kw)
+    assert torch.equal(first.sequences, generate(model, eager, {"input_ids": ids}, **kw).sequences)
+    captures = cache.captured_steps.captures
+    assert captures > 0
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 4.0  # (sharper attention: other tokens)
+    follow = torch.cat([first.sequences, prompt_ids(20, seed=5).cuda()], dim=1)
+    second = generate(model, cache, {"input_ids": follow}, **kw)
+    again = generate(model, eager, {"input_ids": follow}, **kw)
+    assert torch.equal(second.sequences, again.sequences)
+    torch.testing.assert_close(torch.stack(second.logits), torch.stack(again.logits))
+    assert cache.captured_steps.captures > captures
+
+
 @pytest.mark.parametrize("lookahead", ["none", "previous"])
 @pytest.mark.parametrize("workers", [2, 0], ids=["processes", "threads"])
 def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, workers, monkeypatch, tmp_path):
