@@ -148,6 +148,7 @@ class OasisCache(Cache):
         self._chunked_prefill = None  # tokens of the prompt being prefilled in chunks (`route_forward`)
         self.prefill_resident = None  # its tokens while its keys and values stay on the device, False: they do not
         self.prefill_past = None  # while they do not: one buffer for a chunk's past, every layer's (`past_buffer`)
+        self._failed_chunk = None  # tokens a sequence of the last chunk that ran out of memory (`_run_chunks`)
         self._transfer: TransferEngine | None = None
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
@@ -743,15 +744,13 @@ class OasisCache(Cache):
         """`route_forward`'s way: the prefill's chunks (`spans`), a dry step first where one is wanted, one forward."""
         from .compute import ahead
         from .compute.dense import chunks_follow
-        from .compute.prefill import run_chunks
 
         try:
             if spans is not None:
                 self._chunked_prefill = past + spans[-1][1]  # (tokens: `_start_forward` decides on residency)
                 try:
                     with chunks_follow():  # (the first chunk warms the later ones' attention kernels)
-                        return run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
-                                          self.config.progress)
+                        return self._run_chunks(runner, kwargs, spans, past)
                 finally:
                     self._chunked_prefill = self.prefill_resident = self.prefill_past = None
                     for layer in self.layers:
@@ -769,14 +768,49 @@ class OasisCache(Cache):
             device = tokens.device
             free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
             chunk = (spans[0][1] - spans[0][0]) if spans else N
+            smaller = self._failed_chunk or chunk
+            tried = f" (and of {B} x {smaller} after it)" if spans and smaller < chunk else ""
             raise MemoryError(
                 f"OasisCache: the prefill of {B} x {N} tokens ran out of device memory in forwards of {B} x {chunk} "
-                f"tokens ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now). Lower "
+                f"tokens{tried} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now). Lower "
                 f"prefill_chunk_tokens (now {self.config.prefill_chunk_tokens}; e.g. "
                 f"OasisCache(model, token_budget=..., "
                 f"prefill_chunk_tokens={max(self.config.block_size, B * chunk // 2)})), the batch, or token_budget. "
                 f"This cache is incomplete: cache.reset() before reusing it."
             ) from error
+
+    def _run_chunks(self, runner, kwargs, spans, past):
+        """The prefill's chunks (`compute/prefill.run_chunks`). A chunk that runs out of device memory is undone
+        (`ChunkMarks`) and the prompt goes on from its start in chunks of half as many tokens, with a warning, up to
+        `prefill.SHRINK_RETRIES` times; then the error goes on (to `_route`'s MemoryError). Models whose every layer
+        is this cache's only: another layer (a sliding window's) cannot be cropped back."""
+        import warnings
+
+        from .compute import prefill
+
+        marks, self._failed_chunk = prefill.ChunkMarks(self, past), None
+        T, shortest, shrinks = self.config.block_size, self.config.max_decode_tokens, 0
+        while True:
+            try:
+                return prefill.run_chunks(lambda **chunk: self._forward_one(runner, chunk), kwargs, spans, past,
+                                          self.config.progress, before_chunk=marks)
+            except torch.OutOfMemoryError:
+                start, end = marks.span or (0, 0)
+                length = (end - start) // 2 // T * T
+                if shrinks == prefill.SHRINK_RETRIES or not self.all_oasis_layers or length < T:
+                    self._failed_chunk = end - start  # (for `_route`'s message)
+                    raise
+            # (out of the except clause: the error's frames, which hold the chunk's activations, are gone)
+            shrinks += 1
+            marks.undo()
+            device = self.layers[self._first_oasis_layer].device
+            if device is not None and device.type == "cuda":
+                torch.cuda.empty_cache()  # (what the failed chunk left cached goes back, whole segments)
+            B = next(v for v in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if v is not None).shape[0]
+            warnings.warn(f"OasisCache: a prefill chunk of {B} x {end - start} tokens ran out of device memory; "
+                          f"going on from token {past + start} in chunks of {B} x {length} (set prefill_chunk_tokens="
+                          f"{B * length} to start there).", RuntimeWarning, stacklevel=2)
+            spans = prefill.spans_from(start, spans[-1][1], length, shortest)
 
     def _forward_one(self, runner, kwargs: dict):
         if self._compile_later:  # (counted before the step: its layers all run compiled or all not)

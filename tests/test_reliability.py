@@ -691,6 +691,71 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
     assert same_as_dense(chunked, whole)
 
 
+@pytest.mark.parametrize("where", ["in a layer", "after the layers"])
+def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypatch, where):
+    """A chunk of a chunked prefill that runs out of device memory — in a layer (some layers hold its tokens, some
+    not) or after every layer (a draft head's ride-along read it) — is undone and the prompt goes on from its start
+    in chunks of half the tokens, with a warning naming the setting: the tokens and logits of a prefill that never
+    failed (dense-equal budget), its channel weights, its tokens counted once; the ride-along as it was where the
+    chunk did not reach it, else started over. A chunk that keeps failing ends in the MemoryError after
+    `prefill.SHRINK_RETRIES` halvings."""
+    from oasis_cache.compute import prefill
+    from oasis_cache.pools.summaries import BlockSummaries
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    prompt = {"input_ids": prompt_ids(700)}
+    options = dict(token_budget=1024, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128, lookahead="eagle3",
+                   draft=random_head(model), exact=True)
+    weights, fix = [], BlockSummaries.fix_channels  # (each layer's channel weights at the prefill's end)
+    monkeypatch.setattr(BlockSummaries, "fix_channels", lambda self: weights.append(self.channel_weight) or fix(self))
+    reference_cache = OasisCache(model, **options)
+    reference = generate(model, reference_cache, prompt, max_new_tokens=8, do_sample=False)
+    reference_weights = list(weights)
+    chunks, starts, failures = [], [], []  # (the forward at token 256 fails `fail_times` times)
+    update = OasisLayer.update
+
+    def failing(self, key_states, *args, **kwargs):
+        if self.layer_idx == 0 and key_states.shape[2] > 1:
+            chunks.append(key_states.shape[2])
+            starts.append(self.get_seq_length())
+        if where == "in a layer" and self.layer_idx == 2 and starts[-1] == 256 and len(failures) < fail_times:
+            failures.append(len(chunks))
+            raise torch.OutOfMemoryError("CUDA out of memory. (a test's)")
+        return update(self, key_states, *args, **kwargs)
+
+    def after_layers(module, args):  # (the LM head: after the ride-along read the chunk's rows)
+        if where == "after the layers" and starts[-1] == 256 and len(failures) < fail_times:
+            failures.append(len(chunks))
+            raise torch.OutOfMemoryError("CUDA out of memory. (a test's)")
+
+    monkeypatch.setattr(OasisLayer, "update", failing)
+    model.lm_head.register_forward_pre_hook(after_layers)
+    fail_times = 1
+    weights.clear()
+    cache = OasisCache(model, **options)
+    with pytest.warns(RuntimeWarning, match=r"1 x 128 tokens ran out of device memory; going on from token 256 in "
+                                            r"chunks of 1 x 64 \(set prefill_chunk_tokens=64"):
+        out = generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
+    assert chunks[:6] == [128, 128, 128, 64, 64, 64] and failures == [3]
+    assert same_as_dense(reference, out)
+    assert len(weights) == len(reference_weights) == 4
+    for a, b in zip(reference_weights, weights):
+        torch.testing.assert_close(a, b)
+    stats, expected, shortest = cache.stats(), reference_cache.stats(), cache.config.max_decode_tokens
+    assert stats["prefill_tokens"] == expected["prefill_tokens"] == 700  # (the undone chunk's forward not counted)
+    forwards = 2 + len(prefill.spans_from(256, 700, 64, shortest)) - len(prefill.spans_from(0, 700, 128, shortest))
+    assert stats["dense_forwards"] == expected["dense_forwards"] + forwards
+    rows, expected_rows = cache.ride_along._rows, reference_cache.ride_along._rows
+    assert rows == expected_rows if where == "in a layer" else rows < expected_rows
+    chunks.clear(), starts.clear(), failures.clear()
+    fail_times = 99
+    cache = OasisCache(model, **options)
+    with pytest.warns(RuntimeWarning), pytest.raises(MemoryError, match=r"ran out of device memory in forwards of 1 x "
+                                                                       r"128 tokens \(and of 1 x 16 after it\)"):
+        generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
+    assert len(failures) == prefill.SHRINK_RETRIES + 1 and chunks[-1] == 128 // 2**prefill.SHRINK_RETRIES
+
+
 def test_forwards_that_need_every_position_are_not_split():
     model = tiny_model("llama")
     ids = prompt_ids(300)

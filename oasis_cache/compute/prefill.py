@@ -40,25 +40,32 @@ def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int, shortest: i
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         return None  # (a 4D mask would need cutting along both of its last dims)
     keep = kwargs.get("logits_to_keep")
-    length = max(block_size, chunk_tokens // B // block_size * block_size)
-    spans = [(start, min(N, start + length)) for start in range(0, N, length)]
-    if len(spans) > 1 and spans[-1][1] - spans[-1][0] <= shortest:
-        spans[-2:] = [(spans[-2][0], N)]
+    spans = spans_from(0, N, max(block_size, chunk_tokens // B // block_size * block_size), shortest)
     if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= spans[-1][1] - spans[-1][0]:
         return None  # all logits (0 or None), or indices: the whole forward
     return spans
 
 
-def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, progress: bool = False):
+def spans_from(start: int, end: int, length: int, shortest: int = 0) -> list[tuple[int, int]]:
+    """`[(start, start + length), ...]` up to `end`; a last span of at most `shortest` tokens joins the one before."""
+    spans = [(at, min(end, at + length)) for at in range(start, end, length)]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] <= shortest:
+        spans[-2:] = [(spans[-2][0], end)]
+    return spans
+
+
+def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, progress: bool = False,
+               before_chunk=None):
     """Call `forward(**chunk_kwargs)` per span (`past`: tokens the cache held before the call); returns the last
     output. The mask `[B, past + N]` is cut at each chunk's end; positions `[B, N]` and cache positions `[N]` are
-    the chunk's. `progress`: a tqdm bar over the prompt's tokens."""
+    the chunk's. `progress`: a tqdm bar over the prompt's tokens (from the first span's start). `before_chunk`:
+    called with each span before its forward."""
     out = None
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=spans[-1][1], unit="tok", desc="prefill")
+        bar = tqdm(total=spans[-1][1], initial=spans[0][0], unit="tok", desc="prefill")
     for i, (start, end) in enumerate(spans):
         chunk = dict(kwargs)
         for key in ("input_ids", "inputs_embeds"):
@@ -74,9 +81,59 @@ def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, p
         if i < len(spans) - 1:
             chunk["logits_to_keep"] = 1  # only the last chunk's logits are returned
         out = None  # (the previous chunk's activations and logits go before the next chunk runs)
+        if before_chunk is not None:
+            before_chunk(start, end)
         out = forward(**chunk)
         if bar is not None:
             bar.update(end - start)
     if bar is not None:
         bar.close()
     return out
+
+
+# A chunk that runs out of device memory is undone and the rest of the prompt runs again from its start, in chunks of
+# half the tokens, up to this many times in one prefill (`OasisCache._route`, `ChunkMarks`): a prefill at the edge of
+# a card (the allocator's segments split by earlier chunks: Qwen3-8B, 32K x 8 under a 24 GiB cap, forty-seventh
+# session) goes on instead of failing. 0: the first out-of-memory error ends the prefill.
+SHRINK_RETRIES = 3
+
+
+class ChunkMarks:
+    """What a chunked prefill's chunk changes in `cache` beyond its tokens' keys and values, marked before each chunk
+    (`run_chunks`' `before_chunk`), so that a chunk that ran out of device memory can be undone (`undo`): every
+    full-attention layer cropped back to the chunk's start, the summaries' channel weights as they were, the
+    counters as they were, a draft head's ride-along started over if the chunk reached it."""
+
+    def __init__(self, cache, past: int):
+        self.cache, self.past = cache, past
+        self.span = None
+
+    def __call__(self, start: int, end: int) -> None:
+        from ..layer import OasisLayer
+
+        self.span = (start, end)
+        layers = [layer for layer in self.cache.layers if isinstance(layer, OasisLayer)]
+        self.weights = [layer.summaries.channel_weight if layer.is_initialized else None for layer in layers]
+        counters = self.cache.counters
+        self.counted = (counters.dense_forwards, counters.prefill_tokens)
+
+    def undo(self) -> int:
+        """Undo the chunk marked last; returns its start (tokens of the call)."""
+        from ..layer import OasisLayer
+
+        cache, (start, end) = self.cache, self.span
+        keep = self.past + start
+        layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
+        reached = all(layer.is_initialized and layer.get_seq_length() >= self.past + end for layer in layers)
+        for layer, weight in zip(layers, self.weights):
+            if layer.is_initialized:
+                held = layer.get_seq_length()
+                if held > keep:
+                    layer.crop(keep - held)
+                layer.summaries.channel_weight = weight
+                layer.resident_kv = None  # (the rest reads its past from host memory: `prefill_resident` False)
+        cache.prefill_resident = False
+        cache.counters.dense_forwards, cache.counters.prefill_tokens = self.counted
+        if reached and cache.ride_along is not None:  # (the head may have read the chunk: it starts over)
+            cache.ride_along.reset()
+        return start
