@@ -524,11 +524,15 @@ class OasisCache(Cache):
             B, _, N, _ = source.keys.shape
             tokens = torch.empty((B, N), dtype=torch.long, device="meta")  # (only its shape is read)
             spans = prefill_chunks(dict(input_ids=tokens, logits_to_keep=1), cfg.prefill_chunk_tokens,
-                                   cfg.block_size, cfg.max_decode_tokens) or [(0, N)]
-            for start, end in spans:
-                layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
-                clear_pending()
-                layer._offload_complete_blocks()
+                                   cfg.block_size, cfg.max_decode_tokens)
+            cache._chunked_prefill = N if spans else None  # (the pools sized for all of it at once, as a prefill's)
+            try:
+                for start, end in spans or [(0, N)]:
+                    layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
+                    clear_pending()
+                    layer._offload_complete_blocks()
+            finally:
+                cache._chunked_prefill = None
         return cache
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
