@@ -447,7 +447,7 @@ class OasisLayer(CacheLayerMixin):
             # A prompt prefilled in chunks: room for all its blocks (and the next) at once, and the working set's
             # slots for them, not more at each chunk — tensors of a new size at each chunk and layer, among the
             # chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap;
-            # forty-seventh session).
+            # forty-seventh session). (The summaries' capacity is that of the prompt's blocks grown one by one.)
             whole = self._cache._chunked_prefill // self.config.block_size + 1
             self.summaries.reserve(whole)
             self.slot_map.reserve(whole)

@@ -307,6 +307,28 @@ def test_summaries_grow_and_truncate():
     assert s.view()[0].shape == (1, 2, 7, 4)
 
 
+def test_the_summaries_capacity_is_that_of_the_largest_count_reserved_whatever_the_steps():
+    """`capacity_for`: a multiple of 64 blocks, at most a sixteenth over the count past 1,024; a prompt's blocks
+    reserved at once (a chunked prefill), one reservation at a time (growth block by block) or in a fork's two parts
+    end at the same capacity, which decides the order of equal-scored blocks in the selection."""
+    from oasis_cache.pools.summaries import capacity_for
+
+    for n in [1, 63, 64, 65, 1000, 1024, 1025, 2049, 8193, 131072 // 16 + 1]:
+        c = capacity_for(n)
+        assert c >= n and c % 64 == 0 and c - n < max(64, n // 16)
+    rng = torch.Generator().manual_seed(0)
+    for final in (75, 1100, 2305, 9000):
+        ways = [[final], list(range(1, final + 1)), [final // 3, final]]
+        ways.append(sorted(torch.randint(1, final + 1, (12,), generator=rng).tolist()) + [final])
+        capacities = set()
+        for steps in ways:
+            s = BlockSummaries(1, 1, 4, torch.float32, "cpu", 16, key_bits=True)
+            for n in steps:
+                s.reserve(n)
+            capacities.add(s.capacity_blocks)
+        assert capacities == {capacity_for(final)}, final
+
+
 def test_key_bits_follow_growth_truncation_and_batch_reorder():
     B, H, T, D = 3, 2, 16, 5
     blocks = torch.randn(B, H, 90, T, D)

@@ -27,7 +27,8 @@ those blocks' codes and levels on the chosen channels (their fp8 scales stay: po
 
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
-sixteenth (at least 64 blocks) when full: the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
+sixteenth (at least 64 blocks) when full, on fixed steps (`capacity_for`: the same capacity for the same blocks
+however they came, since the forty-seventh session): the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
 with codes at bf16), with at most 1/16 of slack (a quarter until the tenth session: 1.6 points of device KV at 32K),
 and is reallocated O(log N) times over a sequence (each growth, a recapture of the captured steps: every 2048 decode
 tokens at 32K, 8192 at 128K).
@@ -140,6 +141,16 @@ def fp8_levels_for(requested: bool | None, scorer: str, device: torch.device, us
     return requested
 
 
+def capacity_for(num_blocks: int) -> int:
+    """The summaries' capacity for `num_blocks` blocks: rounded up to a multiple of 64 blocks, or of a sixteenth of
+    the power of two at or below it past 1,024 (at most 1/16 more). A function of the largest count ever reserved,
+    not of the steps that reached it: a prompt prefilled in chunks (its whole length reserved at once), one grown
+    block by block and a fork that prefilled part of it end with the same capacity — the selection ranks blocks over
+    it, and blocks of equal score are taken in an order that depends on it."""
+    step = max(64, (1 << max(0, num_blocks.bit_length() - 1)) // 16)
+    return -(-num_blocks // step) * step
+
+
 class BlockSummaries(Stamped):
     def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device, block_size: int, key_bits: bool,
                  fp8_levels: bool = False, kept_channels: int | None = None):
@@ -177,10 +188,10 @@ class BlockSummaries(Stamped):
         return self.levels.shape[3]
 
     def reserve(self, num_blocks: int) -> None:
-        """Make room for `num_blocks` blocks (grows by a sixteenth, at least 64 blocks; new tensors)."""
+        """Make room for `num_blocks` blocks (new tensors of `capacity_for(num_blocks)`)."""
         if num_blocks <= self.capacity_blocks:
             return
-        capacity = max(num_blocks, self.capacity_blocks * 17 // 16, self.capacity_blocks + 64)
+        capacity = capacity_for(num_blocks)
         self.levels = self._grown(self.levels, 3, capacity)
         if self.codes is not None:
             self.codes = self._grown(self.codes, 2, capacity)
