@@ -801,7 +801,8 @@ class OasisCache(Cache):
             except torch.OutOfMemoryError:
                 start, end = marks.span or (0, 0)
                 length = (end - start) // 2 // T * T
-                if shrinks == prefill.SHRINK_RETRIES or not self.all_oasis_layers or length < T:
+                if (shrinks == prefill.SHRINK_RETRIES or not self.all_oasis_layers or length < T
+                        or not marks.undoable()):
                     self._failed_chunk = end - start  # (for `_route`'s message)
                     raise
             # (out of the except clause: the error's frames, which hold the chunk's activations, are gone)
@@ -892,9 +893,9 @@ class OasisCache(Cache):
         it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
         counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
         store whether its local pool holds blocks yet and its deferred records' tensors, whether the layers run
-        compiled (`compiles_decode`), and the model's weights' addresses and modules' settings at the last prefill. Equal signatures: the graph captured under one is valid under the other —
-        past `slots` blocks a completed block does not invalidate it (selection reads the block count on the
-        device)."""
+        compiled (`compiles_decode`), and the model's weights' addresses and modules' settings at the last prefill.
+        Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a completed
+        block does not invalidate it (selection reads the block count on the device)."""
         cfg, of_length = self.config, {}  # (what depends on the block count and length alone, once per value)
 
         def of(layer):  # (the fetch cap after a block completes too: a completing step's prefetch uses it)

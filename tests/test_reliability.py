@@ -665,7 +665,8 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
     model = tiny_model("llama")
     prompt = prompt_ids(1200)  # (75 blocks: past the 64 a first growth makes room for)
     grown, grow, reserve = [], BlockSummaries._grown, SlotMap.reserve
-    monkeypatch.setattr(BlockSummaries, "_grown", lambda self, *a: grown.append(("summaries", id(self))) or grow(self, *a))
+    monkeypatch.setattr(BlockSummaries, "_grown",
+                        lambda self, *a: grown.append(("summaries", id(self))) or grow(self, *a))
 
     def table(self, n):
         before = self.capacity_blocks
@@ -754,6 +755,31 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
                                                                        r"128 tokens \(and of 1 x 16 after it\)"):
         generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
     assert len(failures) == prefill.SHRINK_RETRIES + 1 and chunks[-1] == 128 // 2**prefill.SHRINK_RETRIES
+
+
+def test_a_chunk_out_of_memory_inside_a_layers_bookkeeping_is_not_retried(monkeypatch):
+    """A chunk that runs out of device memory where a layer cannot be cropped back — its blocks in the host pool,
+    their summaries not written — ends in the MemoryError at once: no smaller chunks over an inconsistent layer."""
+    import warnings
+
+    from oasis_cache.pools.summaries import BlockSummaries
+
+    model = tiny_model("llama")
+    append, calls = BlockSummaries.append, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # (the third chunk's first layer)
+            raise torch.OutOfMemoryError("CUDA out of memory. (a test's)")
+        return append(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockSummaries, "append", failing)
+    cache = OasisCache(model, token_budget=1024, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no "going on" warning)
+        with pytest.raises(MemoryError, match="ran out of device memory in forwards of 1 x 128 tokens \\("):
+            generate(model, cache, {"input_ids": prompt_ids(700)}, max_new_tokens=2, do_sample=False)
+    assert len(calls) == 5
 
 
 def test_forwards_that_need_every_position_are_not_split():

@@ -344,8 +344,8 @@ def _room_for_copy(cache) -> bool:
 def _read_only_copy(cache):
     """The dry steps' copy of `cache`: host chunks shared read-only, device state copied — not the prompt's keys and
     values a chunked prefill keeps on the device (`resident_kv`) nor its buffer for a chunk's past (`prefill_past`),
-    a prefill's own —, eager (nothing is captured from a
-    step whose launches do not run), not a step of the model's count, not inside a chunked prefill."""
+    a prefill's own —, eager (nothing is captured from a step whose launches do not run), not a step of the model's
+    count, not inside a chunked prefill."""
     from ..layer import OasisLayer
 
     held = [(layer, layer.resident_kv) for layer in cache.layers if isinstance(layer, OasisLayer)]

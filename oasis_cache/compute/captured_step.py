@@ -20,8 +20,9 @@ length) into static buffers and replays the graph of its kind captured for the c
 current layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the
 slots).
 Any other call runs the eager forward. Selection ranks blocks over the summaries' capacity and reads the block count
-on the device, so a completed block does not change the layout; a new one (a capacity grew: summaries by a sixteenth, on fixed steps,
-the slot map by half, the gather's address table by double) is captured at its first step of each kind:
+on the device, so a completed block does not change the layout; a new one (a capacity grew: summaries by a sixteenth
+on fixed steps, the slot map by half, the gather's address table by double) is captured at its first step of each
+kind:
 
     capture   the compute stream joins the side stream and pending prefetch events are forgotten (a graph may not
               wait on work outside it); the forward runs once under capture, its side-stream gathers forking from

@@ -117,8 +117,20 @@ class ChunkMarks:
         counters = self.cache.counters
         self.counted = (counters.dense_forwards, counters.prefill_tokens)
 
-    def undo(self) -> int:
-        """Undo the chunk marked last; returns its start (tokens of the call)."""
+    def undoable(self) -> bool:
+        """Whether the chunk marked last can be undone: not where a layer stopped inside its own bookkeeping (its
+        tokens neither those before the chunk nor those after it, or blocks in its host pool without summaries)."""
+        from ..layer import OasisLayer
+
+        if self.span is None:
+            return False
+        before, after = self.past + self.span[0], self.past + self.span[1]
+        return not any(layer.is_initialized and (layer.get_seq_length() not in (before, after)
+                                                 or layer.summaries.num_blocks != layer.pool.num_blocks)
+                       for layer in self.cache.layers if isinstance(layer, OasisLayer))
+
+    def undo(self) -> None:
+        """Undo the chunk marked last (`undoable`)."""
         from ..layer import OasisLayer
 
         cache, (start, end) = self.cache, self.span
@@ -136,4 +148,3 @@ class ChunkMarks:
         cache.counters.dense_forwards, cache.counters.prefill_tokens = self.counted
         if reached and cache.ride_along is not None:  # (the head may have read the chunk: it starts over)
             cache.ride_along.reset()
-        return start

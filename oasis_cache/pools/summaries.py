@@ -28,9 +28,9 @@ those blocks' codes and levels on the chosen channels (their fp8 scales stay: po
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
 sixteenth (at least 64 blocks) when full, on fixed steps (`capacity_for`: the same capacity for the same blocks
-however they came, since the forty-seventh session): the pool costs about 2/T of the keys' size (1/16 of K+V at T=16; 3/32
-with codes at bf16), with at most 1/16 of slack (a quarter until the tenth session: 1.6 points of device KV at 32K),
-and is reallocated O(log N) times over a sequence (each growth, a recapture of the captured steps: every 2048 decode
+however they came, since the forty-seventh session): the pool costs about 2/T of the keys' size (1/16 of K+V at
+T=16; 3/32 with codes at bf16), with at most 1/16 of slack (a quarter until the tenth session: 1.6 points of device
+KV at 32K), and is reallocated O(log N) times over a sequence (each growth, a recapture of the captured steps: every 2048 decode
 tokens at 32K, 8192 at 128K).
 """
 
