@@ -8,12 +8,18 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 heads=oasis_cache/draft/heads
 exclude=.git/info/exclude
+hook="$(git rev-parse --git-path hooks)/pre-commit"  # (while on, a commit is refused: it would delete the heads)
 case "${1:-}" in
   on)  git rm -r -q --cached "$heads"
        grep -qx "/$heads/" "$exclude" 2>/dev/null || echo "/$heads/" >> "$exclude"
+       mkdir -p "$(dirname "$hook")"
+       printf '#!/bin/sh\n# device_light\necho "bench/device_light.sh is on: this commit would delete the shipped heads;' > "$hook"
+       printf ' run: bash bench/device_light.sh off" >&2\nexit 1\n' >> "$hook"
+       chmod +x "$hook"
        echo "heads out of the index; 'bash bench/device_light.sh off' before any commit" ;;
   off) sed -i "\#^/$heads/\$#d" "$exclude"
        git reset -q -- "$heads"
+       grep -q "^# device_light" "$hook" 2>/dev/null && rm -f "$hook"
        git status --short -- "$heads" ;;
   *)   echo "usage: bash bench/device_light.sh on|off" >&2; exit 2 ;;
 esac
