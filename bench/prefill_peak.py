@@ -1,6 +1,7 @@
 """Where a capped prefill runs out of device memory: `generate` of a few tokens on a random-weight model under a
 per-process cap, once per variant of the package's prefill (its defaults; the chunk attention by SDPA's mask instead
-of cuDNN's two parts; the dry step after the prefill instead of during it; no warm-up thread), in one process.
+of cuDNN's two parts; the dry step after the prefill instead of during it; no warm-up thread; no retry of a chunk in
+smaller ones), in one process. A row lists the retries in smaller chunks the prefill made (`smaller_chunks`).
 
     python bench/prefill_peak.py --model qwen3-8b --context 32768 --batch 8 --cap-gib 24
     python bench/prefill_peak.py --model tiny --device cpu --context 600 --batch 2 --chunk-tokens 256   # smoke
@@ -18,6 +19,7 @@ import gc
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("default", "masked", "dry-after", "no-warm")
+VARIANTS = ("default", "masked", "dry-after", "no-warm", "no-retry")
 
 
 def _made_by(frames: list) -> str:
@@ -69,11 +71,12 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
         history: bool = False) -> dict:
     from oasis_cache import OasisCache
     from oasis_cache.compat import generate_cache_argument
-    from oasis_cache.compute import dense
+    from oasis_cache.compute import dense, prefill
 
-    split, warm = dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES
+    split, warm, retries = dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES
     dense.SPLIT_PAST = variant != "masked"
     dense.SPLIT_WARM_QUERIES = 0 if variant == "no-warm" else warm
+    prefill.SHRINK_RETRIES = 0 if variant == "no-retry" else retries
     options = {"ahead_at_prefill": False} if variant == "dry-after" else {}
     if chunk_tokens is not None:
         options["prefill_chunk_tokens"] = chunk_tokens
@@ -85,11 +88,17 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
             torch.cuda.memory._record_memory_history(max_entries=200_000)
     row = dict(variant=variant)
     try:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, **{generate_cache_argument(model): cache})
-        if cuda:
-            torch.cuda.synchronize()
-        row["ok"] = True
+        with warnings.catch_warnings(record=True) as seen:  # (a chunk retried in smaller ones warns)
+            warnings.simplefilter("always", RuntimeWarning)
+            try:
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, **{generate_cache_argument(model): cache})
+                if cuda:
+                    torch.cuda.synchronize()
+                row["ok"] = True
+            finally:
+                row["smaller_chunks"] = [str(w.message).split("; ")[1] for w in seen
+                                         if "going on from token" in str(w.message)]
     except (torch.OutOfMemoryError, MemoryError) as error:
         row["ok"] = False
         row["error"] = str(error).splitlines()[0][:240]
@@ -105,7 +114,7 @@ def run(model, ids, variant: str, budget: int, new_tokens: int, chunk_tokens: in
             if history:
                 row["segments"] = split_segments(torch.cuda.memory._snapshot())
     finally:
-        dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES = split, warm
+        dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES = split, warm, retries
         if cuda and history:
             torch.cuda.memory._record_memory_history(enabled=None)
     if cuda:

@@ -358,12 +358,13 @@ def test_prefill_peak_bench_runs_every_variant_and_restores_the_module_constants
     sys.path.insert(0, str(ROOT / "bench"))
     import prefill_peak
 
-    from oasis_cache.compute import dense
+    from oasis_cache.compute import dense, prefill
 
-    before = (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES)
+    before = (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES)
     out = tmp_path / "peak.json"
     prefill_peak.main(["--model", "tiny", "--device", "cpu", "--context", "600", "--batch", "2", "--budget", "128",
                        "--chunk-tokens", "256", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [row["variant"] for row in rows] == list(prefill_peak.VARIANTS) and all(row["ok"] for row in rows)
-    assert (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES) == before
+    assert all(row["smaller_chunks"] == [] for row in rows)  # (no chunk ran out of memory here)
+    assert (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES) == before
