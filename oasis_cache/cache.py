@@ -245,6 +245,28 @@ class OasisCache(Cache):
             self.counters.prefill_tokens += Qn
         if self._transfer is None:
             self._start_engine(key_states.device)
+        if not decode and self._chunked_prefill:
+            self._size_for_prompt(key_states)
+
+    def _size_for_prompt(self, key_states: torch.Tensor) -> None:
+        """At each chunk of a prompt prefilled in chunks, before the first full-attention layer runs (a no-op after the
+        first): every full-attention layer made and sized for the whole prompt (`OasisLayer.reserve_for_prompt`) and,
+        where the prompt's keys and values do not stay on the device, the buffer for a chunk's past
+        (`past_buffer`) — all at once, before the chunk's activations: made layer by layer among them, these tensors
+        left free memory split in the allocator's segments. A layer is made ahead only where its attention module's
+        projections are on the keys' device and give their heads and head size (else, at its first update, as
+        before); one made ahead for keys of another shape is made again then (`OasisLayer.update`)."""
+        tokens = self._chunked_prefill
+        B, H, _, D = key_states.shape
+        for idx, layer in enumerate(self.layers):
+            if not isinstance(layer, OasisLayer):
+                continue
+            if not layer.is_initialized and _projects(self._modules.get(idx), H, D, key_states.device):
+                layer.lazy_initialization(key_states[:, :, :0], key_states[:, :, :0])
+            if layer.is_initialized and layer.shaped_as(None) == layer.shaped_as(key_states):
+                layer.reserve_for_prompt(tokens)
+        if self.prefill_resident is False:
+            self.past_buffer(key_states[None], 0)
 
     def _resident_room(self, tokens: int, key_states: torch.Tensor) -> int | bool:
         """At the first chunk of a prompt prefilled in chunks: `tokens` (its keys and values stay on the device until
@@ -1129,6 +1151,16 @@ def _check_supported(model):
             f"'{ATTENTION_NAME}' attention cannot be installed."
         )
     return text_config
+
+
+def _projects(module, heads: int, head_dim: int, device: torch.device) -> bool:
+    """Whether an attention `module`'s key and value projections are on `device` and give `heads` heads of
+    `head_dim` (a layer may then be made ahead of its first update, `OasisCache._size_for_prompt`)."""
+    if module is None or getattr(module, "head_dim", head_dim) != head_dim:
+        return False
+    projections = [getattr(module, name, None) for name in ("k_proj", "v_proj")]
+    return all(isinstance(p, torch.nn.Linear) and p.weight.device == device and p.out_features == heads * head_dim
+               for p in projections)
 
 
 def _attention_modules(model) -> dict:

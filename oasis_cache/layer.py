@@ -79,6 +79,23 @@ class OasisLayer(CacheLayerMixin):
         self._draft_ranks = None  # (NB, `[B, Hkv, NB]`): the draft row's ranking, scored with the real rows'
         self.is_initialized = True
 
+    def shaped_as(self, key_states: torch.Tensor | None) -> tuple:
+        """(heads, head size, dtype, device) of `key_states` `[B, Hkv, q, D]`, or of this layer's pools (None)."""
+        if key_states is None:
+            return self.num_kv_heads, self.head_dim, self.recent.kv.dtype, self.device
+        return key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device
+
+    def reserve_for_prompt(self, tokens: int) -> None:
+        """Room for a prompt prefilled in chunks that ends at `tokens`: its blocks (and the next) in the summaries and
+        the slot table, and the working set's slots for them, at once — not more at each chunk: tensors of a new size
+        at each chunk and layer, among the chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x
+        8 under a 24 GiB cap; forty-seventh session). (The summaries' capacity is that of the blocks grown one by
+        one, `capacity_for`.)"""
+        whole = tokens // self.config.block_size + 1
+        self.summaries.reserve(whole)
+        self.slot_map.reserve(whole)
+        self.reserve_slots(whole)
+
     def choose_kernels(self) -> None:
         """Which Triton kernels this layer runs: its cache's backend on its device decides, with the config's
         toggles; the slot map and recent tokens, when made already (a cache admitted on another device), follow."""
@@ -109,6 +126,8 @@ class OasisLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------- Cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append `[B, Hkv, q, D]` new keys/values. Returns them unchanged: attention reads the cache itself."""
+        if self.is_initialized and self.get_seq_length() == 0 and self.shaped_as(key_states) != self.shaped_as(None):
+            self.reset()  # (made ahead for keys of another shape, `OasisCache._size_for_prompt`: made again)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.batch_size:
@@ -443,15 +462,8 @@ class OasisLayer(CacheLayerMixin):
         if blocks is None:
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
-        if self._cache._chunked_prefill and blocks.shape[3] > 1:
-            # A prompt prefilled in chunks: room for all its blocks (and the next) at once, and the working set's
-            # slots for them, not more at each chunk — tensors of a new size at each chunk and layer, among the
-            # chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap;
-            # forty-seventh session). (The summaries' capacity is that of the prompt's blocks grown one by one.)
-            whole = self._cache._chunked_prefill // self.config.block_size + 1
-            self.summaries.reserve(whole)
-            self.slot_map.reserve(whole)
-            self.reserve_slots(whole)
+        if self._cache._chunked_prefill and blocks.shape[3] > 1:  # (made at the first chunk's start where it could)
+            self.reserve_for_prompt(self._cache._chunked_prefill)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
         if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at

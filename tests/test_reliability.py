@@ -692,6 +692,39 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
     assert same_as_dense(chunked, whole)
 
 
+def test_a_chunked_prefill_makes_and_sizes_every_layer_before_its_first_chunk_runs(monkeypatch):
+    """`OasisCache._size_for_prompt`: at the first chunk, before any layer stores a token, every full-attention
+    layer is made and sized for the whole prompt (summaries, slot table, working set; with the past read from host
+    memory, the past buffer too): made layer by layer among the chunk's activations, they split the allocator's free
+    memory. Tokens and logits as before; a layer made ahead for keys of another shape is made again at its update."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    prompt = {"input_ids": prompt_ids(1200)}
+    options = dict(token_budget=512, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128, resident_prefill=False)
+    reference = generate(model, OasisCache(model, **options), prompt, max_new_tokens=6, do_sample=False)
+    seen, update = [], OasisLayer.update
+
+    def watched(self, key_states, *args, **kwargs):
+        if not seen:  # (the first layer's first update)
+            cache = self._cache
+            seen.append(([(layer.is_initialized and layer.summaries.capacity_blocks,
+                           layer.is_initialized and layer.working_set.num_slots) for layer in cache.layers],
+                         cache.prefill_past is not None and cache.prefill_past.shape[3]))
+        return update(self, key_states, *args, **kwargs)
+
+    monkeypatch.setattr(OasisLayer, "update", watched)
+    cache = OasisCache(model, **options)
+    out = generate(model, cache, prompt, max_new_tokens=6, do_sample=False)
+    from oasis_cache.pools.summaries import capacity_for
+
+    assert seen == [([(capacity_for(1200 // 16 + 1), cache.config.slots)] * 4, 1200)]
+    assert same_as_dense(reference, out)
+    cache = OasisCache(model, **options)
+    wrong = torch.zeros(1, 1, 0, 8)  # (one head of 8: the model's are 2 of 16)
+    cache.layers[2].lazy_initialization(wrong, wrong)
+    assert same_as_dense(reference, generate(model, cache, prompt, max_new_tokens=6, do_sample=False))
+    assert cache.layers[2].shaped_as(None) == cache.layers[0].shaped_as(None)
+
+
 @pytest.mark.parametrize("where", ["in a layer", "after the layers"])
 def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypatch, where):
     """A chunk of a chunked prefill that runs out of device memory — in a layer (some layers hold its tokens, some
