@@ -254,17 +254,17 @@ class OasisCache(Cache):
         where the prompt's keys and values do not stay on the device, the buffer for a chunk's past
         (`past_buffer`) — all at once, before the chunk's activations: made layer by layer among them, these tensors
         left free memory split in the allocator's segments. A layer is made ahead only where its attention module's
-        projections are on the keys' device and give their heads and head size (else, at its first update, as
-        before); one made ahead for keys of another shape is made again then (`OasisLayer.update`)."""
-        tokens = self._chunked_prefill
+        projections are on the keys' device and give their heads and head size (else it is made at its first update
+        and sized at the next chunk's start); one made ahead for keys of another shape is made again at its update
+        (`OasisLayer.update`)."""
         B, H, _, D = key_states.shape
         for idx, layer in enumerate(self.layers):
             if not isinstance(layer, OasisLayer):
                 continue
             if not layer.is_initialized and _projects(self._modules.get(idx), H, D, key_states.device):
                 layer.lazy_initialization(key_states[:, :, :0], key_states[:, :, :0])
-            if layer.is_initialized and layer.shaped_as(None) == layer.shaped_as(key_states):
-                layer.reserve_for_prompt(tokens)
+            if layer.is_initialized:
+                layer.reserve_for_prompt(self._chunked_prefill)
         if self.prefill_resident is False:
             self.past_buffer(key_states[None], 0)
 
@@ -547,14 +547,13 @@ class OasisCache(Cache):
             tokens = torch.empty((B, N), dtype=torch.long, device="meta")  # (only its shape is read)
             spans = prefill_chunks(dict(input_ids=tokens, logits_to_keep=1), cfg.prefill_chunk_tokens,
                                    cfg.block_size, cfg.max_decode_tokens)
-            cache._chunked_prefill = N if spans else None  # (the pools sized for all of it at once, as a prefill's)
-            try:
-                for start, end in spans or [(0, N)]:
-                    layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
-                    clear_pending()
-                    layer._offload_complete_blocks()
-            finally:
-                cache._chunked_prefill = None
+            if spans:  # (the pools sized for all of it at once, as a chunked prefill's: `_size_for_prompt`)
+                layer.lazy_initialization(source.keys[:, :, :0], source.values[:, :, :0])
+                layer.reserve_for_prompt(N)
+            for start, end in spans or [(0, N)]:
+                layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
+                clear_pending()
+                layer._offload_complete_blocks()
         return cache
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

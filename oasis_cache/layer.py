@@ -462,8 +462,6 @@ class OasisLayer(CacheLayerMixin):
         if blocks is None:
             return
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
-        if self._cache._chunked_prefill and blocks.shape[3] > 1:  # (made at the first chunk's start where it could)
-            self.reserve_for_prompt(self._cache._chunked_prefill)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
         if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at

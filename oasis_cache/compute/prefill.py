@@ -105,39 +105,34 @@ class ChunkMarks:
     counters as they were, a draft head's ride-along started over if the chunk reached it."""
 
     def __init__(self, cache, past: int):
+        from ..layer import OasisLayer
+
         self.cache, self.past = cache, past
+        self.layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
         self.span = None
 
     def __call__(self, start: int, end: int) -> None:
-        from ..layer import OasisLayer
-
         self.span = (start, end)
-        layers = [layer for layer in self.cache.layers if isinstance(layer, OasisLayer)]
-        self.weights = [layer.summaries.channel_weight if layer.is_initialized else None for layer in layers]
+        self.weights = [layer.summaries.channel_weight if layer.is_initialized else None for layer in self.layers]
         counters = self.cache.counters
         self.counted = (counters.dense_forwards, counters.prefill_tokens)
 
     def undoable(self) -> bool:
         """Whether the chunk marked last can be undone: not where a layer stopped inside its own bookkeeping (its
         tokens neither those before the chunk nor those after it, or blocks in its host pool without summaries)."""
-        from ..layer import OasisLayer
-
         if self.span is None:
             return False
         before, after = self.past + self.span[0], self.past + self.span[1]
         return not any(layer.is_initialized and (layer.get_seq_length() not in (before, after)
                                                  or layer.summaries.num_blocks != layer.pool.num_blocks)
-                       for layer in self.cache.layers if isinstance(layer, OasisLayer))
+                       for layer in self.layers)
 
     def undo(self) -> None:
         """Undo the chunk marked last (`undoable`)."""
-        from ..layer import OasisLayer
-
         cache, (start, end) = self.cache, self.span
         keep = self.past + start
-        layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
-        reached = all(layer.is_initialized and layer.get_seq_length() >= self.past + end for layer in layers)
-        for layer, weight in zip(layers, self.weights):
+        reached = all(layer.is_initialized and layer.get_seq_length() >= self.past + end for layer in self.layers)
+        for layer, weight in zip(self.layers, self.weights):
             if layer.is_initialized:
                 held = layer.get_seq_length()
                 if held > keep:
