@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.manual_seed(0)
-    rows = []
+    rows, gqa_default = [], dense.SPLIT_GQA
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; chunk {args.chunk}, {args.heads} heads over "
           f"{args.kv_heads} KV heads of {args.head_dim}, bf16; ms medians of {args.repeats}")
     for past in (int(p) for p in args.pasts.split(",")):
@@ -58,7 +58,7 @@ def main() -> None:
         def way(split):
             if split == "gqa":
                 return dense._past_then_chunk(q, k, v, scale)
-            dense.SPLIT_PAST = split
+            dense.SPLIT_PAST, dense.SPLIT_GQA = split, False  # (the mask, or the split on expanded heads)
             return dense.dense_causal_attention(q, k, v, None, scale)
 
         ways = [False, True, "gqa"]
@@ -98,7 +98,7 @@ def main() -> None:
             print(f"             gqa (unexpanded) {row['gqa_ms']:7.2f} ms, error {row['gqa_err']:.2e}, equal to the "
                   f"split bit for bit: {row['gqa_equals_split']}; first call {row['first_gqa_ms']:.1f} ms")
         del q, k, v, outs, reference
-    dense.SPLIT_PAST = True
+    dense.SPLIT_PAST, dense.SPLIT_GQA = True, gqa_default
     if args.out:
         header = {"command": " ".join(sys.argv), "machine": platform.node(), "device": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds")}

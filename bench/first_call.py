@@ -9,7 +9,8 @@ kernel caches and an empty driver JIT cache, where cuDNN's runtime-compiled atte
 `--fresh-kernel-cache` is given: what a new machine pays, but for its cold disk; the later ones find the kernels on
 disk, as every later process on that machine does; the JIT cache since the forty-sixth session). Each child loads the
 model, then calls `model.generate` `--calls` times, each with a fresh `OasisCache(model, token_budget=--budget)` on
-the same random prompt, and reports each call's wall time. Prints a table (ratio = a call's time / the child's last call) and writes JSON (`--out`).
+the same random prompt, and reports each call's wall time. Prints a table (ratio = a call's time / the child's last
+call) and writes JSON (`--out`).
 
 Where a first call's extra time goes: each call's time to its first new token (the prefill) and the decode after it;
 with `--compile-decode`, dynamo's and inductor's own phases of the child's first call (`torch._dynamo.utils.
