@@ -1,6 +1,6 @@
 """`OasisCache`: a transformers `Cache` whose full KV lives in host memory and whose decode attends, per KV head, to
 the blocks a cheap bound says matter, plus sink and recent tokens. Full-attention layers get an `OasisLayer`;
-sliding / chunked layers of hybrid models keep HF's own dynamic layer.
+sliding-window / chunked and linear-attention layers of hybrid models keep HF's own layer.
 
     cache = OasisCache(model, token_budget=2048)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
@@ -105,24 +105,32 @@ class OasisCache(Cache):
         for layer_idx, (layer_type, kwargs) in enumerate(compat.layer_types_and_kwargs(text_config)):
             if layer_type == "full_attention":
                 layers.append(OasisLayer(self, layer_idx))
-            elif layer_type in _HF_KEPT_LAYER_TYPES:
+            elif layer_type in _HF_KEPT_LAYER_TYPES or compat.holds_no_keys(layer_type):
                 layers.append(compat.dynamic_layer_class(layer_type)(**kwargs))
             else:
                 raise NotImplementedError(
                     f"OasisCache does not support layer type {layer_type!r} (layer {layer_idx} of "
-                    f"{type(model).__name__}); supported: full_attention, plus {', '.join(_HF_KEPT_LAYER_TYPES)}."
+                    f"{type(model).__name__}); supported: full_attention, plus {', '.join(_HF_KEPT_LAYER_TYPES)} and "
+                    "layers without keys and values (linear attention, convolutions), which transformers keeps."
                 )
         oasis_layers = [layer.layer_idx for layer in layers if isinstance(layer, OasisLayer)]
         if not oasis_layers:
             raise ValueError(
-                f"{type(model).__name__} has no full-attention layer (all layers are sliding-window or chunked), so "
-                "there is nothing for OasisCache to offload: its cache is already bounded. Use a DynamicCache."
+                f"{type(model).__name__} has no full-attention layer (its layers are sliding-window, chunked or "
+                "linear attention), so there is nothing for OasisCache to offload: its cache is already bounded. Use "
+                "a DynamicCache."
             )
         missing = [i for i in oasis_layers if i not in attention_modules]
         if missing:
             raise NotImplementedError(
                 f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules with a "
                 "`layer_idx` attribute); OasisCache supports decoder-only transformers models."
+            )
+        sinks = [i for i in oasis_layers if isinstance(getattr(attention_modules[i], "sinks", None), torch.Tensor)]
+        if sinks:
+            raise NotImplementedError(
+                f"{len(sinks)} full-attention layers of {type(model).__name__} add learned attention sinks "
+                "(`sinks`) to the softmax, which OasisCache's attention does not compute; use a DynamicCache."
             )
         super().__init__(layers=layers)
 
@@ -536,10 +544,10 @@ class OasisCache(Cache):
                                  f": pass the mask of exactly the tokens it holds (attention_mask[:, :N]).")
             cache.padding = Padding.of(attention_mask.to(first.keys.device).bool(), shape[0], first.keys.device)
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
-            if not getattr(source, "is_initialized", False):
-                continue
-            if not isinstance(layer, OasisLayer):
+            if not isinstance(layer, OasisLayer):  # (a linear-attention layer's state has no `is_initialized`)
                 cache.layers[idx] = copy.deepcopy(source)
+                continue
+            if not getattr(source, "is_initialized", False):
                 continue
             if cache._transfer is None:
                 cache._start_engine(source.keys.device)
@@ -994,10 +1002,10 @@ class OasisCache(Cache):
         tokens = self.get_seq_length(self._first_oasis_layer)
         lines = [f"OasisCache for {name}: {tokens} tokens cached; each decode step attends at most "
                  f"{cfg.token_budget} tokens per KV head (every token while the context fits)."]
-        kept = len(self.layers) - n_oasis
+        kept = sorted({type(layer).__name__ for layer in self.layers if not isinstance(layer, OasisLayer)})
         lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of "
-                     f"{cfg.block_size} tokens" + (f"; {kept} sliding-window layers kept by transformers"
-                                                   if kept else ""))
+                     f"{cfg.block_size} tokens" + (f"; {len(self.layers) - n_oasis} others kept by transformers "
+                                                   f"({', '.join(kept)})" if kept else ""))
         modes = {"none": "the real query selects its blocks, fetched on the critical path",
                  "previous": "each step's query predicts the next step's blocks, fetched on a side stream",
                  "eagle3": "a draft token rides beside the real one and predicts the next step's blocks"}
@@ -1094,8 +1102,8 @@ def _attach_draft(model, cache, draft):
             f"lookahead='previous' needs no head."
         )
     if any(not isinstance(layer, OasisLayer) for layer in cache.layers):
-        raise NotImplementedError("lookahead='eagle3' does not support hybrid models with sliding-window layers yet; "
-                                  "use lookahead='previous'.")
+        raise NotImplementedError("lookahead='eagle3' does not support hybrid models (sliding-window or "
+                                  "linear-attention layers) yet; use lookahead='previous'.")
     head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target_model=model)
     param = next(model.parameters())
     return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())
@@ -1141,6 +1149,11 @@ def _check_supported(model):
     if getattr(text_config, "num_kv_shared_layers", 0) or getattr(text_config, "kv_sharing_modes", None):
         raise NotImplementedError(
             f"{type(model).__name__} shares KV caches between layers, which OasisCache does not support."
+        )
+    if getattr(text_config, "cross_attention_layers", None):
+        raise NotImplementedError(
+            f"{type(model).__name__} has cross-attention layers (to an image's states), which OasisCache does not "
+            "hold; use a DynamicCache."
         )
     if getattr(text_config, "attn_logit_softcapping", None) is not None:
         raise NotImplementedError(f"{type(model).__name__} uses attention logit soft-capping, not supported.")

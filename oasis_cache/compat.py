@@ -20,6 +20,7 @@ __all__ = [
     "sdpa_mask",
     "layer_types_and_kwargs",
     "dynamic_layer_class",
+    "holds_no_keys",
     "generate_cache_argument",
 ]
 
@@ -40,6 +41,19 @@ def layer_types_and_kwargs(text_config) -> list[tuple[str, dict]]:
 def dynamic_layer_class(layer_type: str):
     """HF's own dynamic cache layer class for a layer type (sliding / chunked layers keep HF's layer)."""
     return cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+
+
+def holds_no_keys(layer_type: str) -> bool:
+    """Whether HF's layer for `layer_type` keeps no per-token keys and values: a linear-attention or convolution
+    state of fixed size (Qwen3.5 / Qwen3-Next's gated delta nets, LFM's convolutions, Mamba layers), or no cache at
+    all (a layer without attention: "dummy"). A layer holding both a state and keys ("hybrid") is not one."""
+    cls = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+    if cls is None:
+        return False
+    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if linear is not None and issubclass(cls, linear) and not issubclass(cls, cache_utils.DynamicLayer):
+        return True
+    return cls is getattr(cache_utils, "DummyLayer", object())
 
 
 def generate_cache_argument(model) -> str:

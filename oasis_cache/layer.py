@@ -136,7 +136,7 @@ class OasisLayer(CacheLayerMixin):
                 f"batch of {key_states.shape[0]}. Call `cache.reset()` (or make a new OasisCache) for a new batch."
             )
         self.recent.append(key_states, value_states)
-        leave_pending(self)
+        leave_pending(self, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:

@@ -26,9 +26,11 @@ _handoff = threading.local()
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
 
-def leave_pending(layer) -> None:
-    """Called by `OasisLayer.update`: the next attention call belongs to `layer`."""
+def leave_pending(layer, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
+    """Called by `OasisLayer.update`: the next attention call belongs to `layer`, and must be given the `key` and
+    `value` the update returned (`_check_given`)."""
     _handoff.layer = layer
+    _handoff.given = (key, value)
 
 
 def peek_pending():
@@ -37,6 +39,7 @@ def peek_pending():
 
 def clear_pending() -> None:
     _handoff.layer = None
+    _handoff.given = None
 
 
 def oasis_mask(
@@ -118,16 +121,35 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
         )
 
 
+def _check_given(layer, module, key, value, given) -> None:
+    """The attention reads the keys and values the cache holds, not the tensors it is called with: those must be the
+    ones `OasisLayer.update` returned. A model that attends something else made of them (DiffLlama's halves of the
+    values, JetMoe's repeated heads) would get other numbers silently; it is refused instead, at its first
+    full-attention layer's first attention, that layer's new tokens taken back (nothing else of the cache written
+    yet)."""
+    if given is not None and (key is not given[0] or value is not given[1]):
+        layer.crop(-given[0].shape[-2])
+        raise NotImplementedError(
+            f"{type(module).__name__} (layer {module.layer_idx}) attends keys or values other than those it wrote into "
+            "the cache (it transforms them after `cache.update`); OasisCache attends what it holds, so it cannot "
+            "serve this model. Use a DynamicCache."
+        )
+
+
 @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
-def oasis_attention_eager(module, query, key, value, attention_mask, dropout: float = 0.0,
-                          scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """`oasis_attention_forward` run as it is (also inside the `oasis::attend` op of a compiled decode step)."""
+def oasis_attention_eager(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                          check_given: bool = True, **kwargs) -> tuple[torch.Tensor, None]:
+    """`oasis_attention_forward` run as it is (also inside the `oasis::attend` op of a compiled decode step, which
+    is given other tensor objects than the update's: `check_given=False` there)."""
     layer = peek_pending()
     if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    given = getattr(_handoff, "given", None)
     clear_pending()
     layer.check_module(module)
     _check_call(module, attention_mask, dropout, kwargs)
+    if check_given:
+        _check_given(layer, module, key, value, given)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         out = layer.attend(query, attention_mask, scale)

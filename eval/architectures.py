@@ -1,0 +1,182 @@
+"""Which transformers architectures OasisCache serves. Every causal LM the installed transformers ships is built
+tiny with random weights (`tiny_model_of`) and generates greedily twice — SDPA + DynamicCache, then OasisCache with a
+budget above the context (`compare`) — and lands in one row:
+
+- `equal`: the same tokens, logits within `ATOL` (the exactness contract);
+- `refused`: OasisCache raised, naming why (at construction, or at the first forward for what only the forward shows:
+  a model that attends tensors other than those it wrote into the cache);
+- `MISMATCH`: other tokens or logits, silently — a bug (none at the last run);
+- `not built`: the tiny config did not give a model that generates densely (MLA's head sizes, encoder-only flags,
+  multimodal wrappers): nothing is said about OasisCache there.
+
+    python eval/architectures.py                          # every causal LM, two at a time, one process each
+    python eval/architectures.py --types llama qwen3_5_text gpt_oss
+    python eval/architectures.py --out docs/models.md      # the table, with the command, date and versions
+
+Each model runs in its own process (a few tiny configs still allocate gigabytes: one per process, under `--memory`).
+`tests/test_architectures.py` runs a fixed list of them with `compare` in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ATOL = 1e-3  # fp32 logits of random tiny models: sums in another order than SDPA's
+PROMPT = 150  # tokens: nine blocks of 16 in the host pool beside the sink and recent tokens
+NEW_TOKENS = 12
+# A small shape under every attribute name the configs use for it (only those a config has are set).
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,
+             num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4, shared_expert_intermediate_size=64,
+             d_model=64, n_layer=4, n_head=4, n_embd=64, num_layers=4, num_heads=4, sliding_window=32,
+             first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, ffn_hidden_size=128,
+             kv_channels=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16)
+
+
+def tiny_model_of(model_type: str, seed: int = 0):
+    """A random `[model_type]` causal LM of `SMALL` shape, in eval mode on SDPA (eager where it has none:
+    `model.dense_attention`); its layer kinds (`layer_types`) spread over its four layers, one of them full
+    attention where the model has any."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.for_model(model_type)
+    config = config.get_text_config(decoder=True)
+    for name, value in SMALL.items():
+        if hasattr(config, name):
+            try:
+                setattr(config, name, value)
+            except (AttributeError, TypeError, ValueError):  # (a derived property)
+                pass
+    kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    if kinds:
+        layer_types = [kinds[i % len(kinds)] for i in range(4)]
+        if "full_attention" in kinds and "full_attention" not in layer_types:
+            layer_types[-1] = "full_attention"
+        try:
+            config.layer_types = layer_types
+        except (AttributeError, TypeError, ValueError):  # (derived from other fields: the model's own spread)
+            pass
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(config).eval()
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # (no SDPA path: gpt-oss's sinks, ...) dense runs eagerly
+        model.set_attn_implementation("eager")
+    model.dense_attention = model.config._attn_implementation
+    return model
+
+
+def compare(model, prompt: int = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[str, str]:
+    """`(result, detail)` of a greedy `generate` through SDPA + DynamicCache and through OasisCache (budget above
+    the context): "equal", "MISMATCH", "refused" (OasisCache's error) or "not built" (dense failed)."""
+    from transformers import DynamicCache
+
+    from oasis_cache import OasisCache
+
+    ids = torch.randint(3, 200, (1, prompt), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0, eos_token_id=None)
+    try:
+        dense = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    except Exception as error:  # noqa: BLE001  (the tiny config does not run: nothing to compare)
+        return "not built", f"dense generate: {type(error).__name__}: {error}"
+    try:
+        cache = OasisCache(model, token_budget=4 * (prompt + new_tokens))
+        oasis = model.generate(ids, past_key_values=cache, **kw)
+    except (NotImplementedError, ValueError) as error:
+        return "refused", f"{type(error).__name__}: {error}"
+    finally:
+        model.set_attn_implementation(getattr(model, "dense_attention", "sdpa"))
+    worst = max((a - b).abs().max().item() for a, b in zip(dense.logits, oasis.logits))
+    same = torch.equal(dense.sequences, oasis.sequences)
+    return ("equal" if same and worst <= ATOL else "MISMATCH"), f"tokens equal: {same}; max |logit diff| {worst:.1e}"
+
+
+def _one(model_type: str) -> dict:
+    row = {"type": model_type}
+    try:
+        model = tiny_model_of(model_type)
+    except Exception as error:  # noqa: BLE001
+        return {**row, "class": "", "result": "not built", "detail": f"{type(error).__name__}: {error}"}
+    row["class"] = type(model).__name__
+    row["result"], row["detail"] = compare(model)
+    return row
+
+
+def _in_subprocess(model_type: str, memory: int, timeout: int) -> dict:
+    command = ["prlimit", f"--as={memory}", sys.executable, __file__, "--one", model_type]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "class": "", "result": "not built", "detail": f"over {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"type": model_type, "class": "", "result": "not built", "detail": tail}
+    return json.loads(lines[-1])
+
+
+def table(rows: list[dict], command: str) -> str:
+    import transformers
+
+    counts = {result: sum(row["result"] == result for row in rows) for result in
+              ("equal", "refused", "MISMATCH", "not built")}
+    lines = ["# Architectures", "",
+             f"Every causal LM of transformers {transformers.__version__} (torch {torch.__version__}), tiny with "
+             f"random weights, a {PROMPT}-token prompt and {NEW_TOKENS} greedy tokens: OasisCache (budget above the "
+             "context) against SDPA + DynamicCache. Made by `eval/architectures.py` (its docstring says what each "
+             f"result means): `{command}`, {platform.machine()} CPU, {datetime.date.today().isoformat()}.", "",
+             ", ".join(f"{n} {result}" for result, n in counts.items()) + ".", "",
+             "| model_type | class | result | detail |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        detail = row["detail"].replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {row['type']} | {row['class']} | {row['result']} | {detail[:220]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", nargs="*", help="model types (default: every causal LM transformers ships)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--memory", type=int, default=10 * 2**30, help="address-space limit per model's process")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per model")
+    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # (the per-model process: prints its row as JSON)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.one:
+        print(json.dumps(_one(args.one)), flush=True)
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    with ThreadPoolExecutor(args.workers) as pool:
+        rows = []
+        for row in pool.map(lambda t: _in_subprocess(t, args.memory, args.timeout), types):
+            print(f"{row['type']:28s} {row['class']:36s} {row['result']:9s} {row['detail'][:150]}", flush=True)
+            rows.append(row)
+    command = "python eval/architectures.py" + (f" --types {' '.join(args.types)}" if args.types else "") + \
+        (f" --out {args.out}" if args.out else "")
+    if args.out:
+        Path(args.out).write_text(table(rows, command))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Architectures beyond the four of the exactness suite: linear-attention hybrids (Qwen3.5, Qwen3-Next) in every
+generate mode, a spread of other transformers families equal to dense, and the models OasisCache must refuse —
+named, never silently wrong (`eval/architectures.py` runs every causal LM transformers ships; `docs/models.md`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from conftest import _COMMON, dense_cache, generate, left_padded, prompt_ids
+from eval.architectures import compare, tiny_model_of
+from oasis_cache import OasisCache
+from oasis_cache.compat import holds_no_keys
+
+OPTIONS = dict(token_budget=4096, block_size=16, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
+LINEAR = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+HYBRIDS = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=64)),
+}
+
+
+def tiny_hybrid(name: str):
+    """A linear-attention layer (gated delta net) then a full-attention one, random weights, SDPA."""
+    config_name, model_name, extra = HYBRIDS[name]
+    config = getattr(transformers, config_name)(**{**_COMMON, **LINEAR, **extra})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # (greedy choices away from near-ties)
+    return model
+
+
+def assert_same(dense, oasis):
+    assert torch.equal(dense.sequences, oasis.sequences), (dense.sequences, oasis.sequences)
+    for step, (a, b) in enumerate(zip(dense.logits, oasis.logits)):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4, msg=f"logits differ at step {step}")
+
+
+MODES = {
+    "greedy": ({"input_ids": prompt_ids(150)}, dict(do_sample=False)),
+    "sampling": ({"input_ids": prompt_ids(53)}, dict(do_sample=True, temperature=0.8, top_k=20)),
+    "left-padded batch": (left_padded([61, 37, 50]), dict(do_sample=False)),
+    "prefill_chunk_size": (left_padded([90, 71]), dict(do_sample=False, prefill_chunk_size=32)),
+    "beam search": ({"input_ids": prompt_ids(40)}, dict(do_sample=False, num_beams=3)),
+    "prompt lookup": ({"input_ids": prompt_ids(60)}, dict(do_sample=False, prompt_lookup_num_tokens=3)),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_linear_attention_hybrids_equal_dense(name, mode):
+    """Linear-attention layers keep transformers' own state layer; the full-attention ones are offloaded."""
+    model = tiny_hybrid(name)
+    inputs, kw = MODES[mode]
+    dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "OasisLayer"]
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_a_linear_attention_hybrid_chunks_continues_and_converts_as_dense():
+    """The cache's own chunked prefill, a second `generate` continuing the first, and `from_dynamic_cache` (the
+    linear layers' states copied with the keys) all decode as dense does."""
+    model = tiny_hybrid("qwen3_5")
+    ids = prompt_ids(300)
+    kw = dict(max_new_tokens=10, do_sample=False)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, **kw)
+    assert_same(dense, generate(model, OasisCache(model, prefill_chunk_tokens=64, **OPTIONS), {"input_ids": ids}, **kw))
+
+    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **OPTIONS)
+    for turn in range(2):  # the second turn: the first's sequences plus new text
+        inputs = {"input_ids": ids[:, :100] if turn == 0 else torch.cat([first.sequences, ids[:, 200:240]], 1)}
+        first = generate(model, dense_turns, inputs, **kw)
+        assert_same(first, generate(model, oasis_turns, inputs, **kw))
+
+    prefilled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=prefilled)
+    converted = OasisCache.from_dynamic_cache(model, prefilled, **OPTIONS)
+    assert type(converted.layers[0]).__name__ == "LinearAttentionLayer"
+    assert_same(dense, generate(model, converted, {"input_ids": ids}, **kw))
+
+
+def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
+    model = tiny_hybrid("qwen3_5")
+    cache = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=8, do_sample=False)
+    stats = cache.stats()
+    assert out.sequences.shape == (1, 308) and stats["decode_steps"] == 7
+    assert stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
+    assert "1 others kept by transformers (LinearAttentionLayer)" in str(cache)
+    with pytest.raises(NotImplementedError, match="linear-attention"):
+        OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
+
+
+def test_which_layer_kinds_are_kept():
+    assert holds_no_keys("linear_attention") and holds_no_keys("conv")
+    assert not holds_no_keys("full_attention") and not holds_no_keys("sliding_attention")
+    assert not holds_no_keys("hybrid")  # a state and keys in one layer: not kept whole, not offloaded either
+    assert not holds_no_keys("no such kind")
+
+
+# Families whose tiny random models equal dense through OasisCache (`eval/architectures.py`'s rows), one per way
+# their attention differs: query/key norms, partial rotary, biases, parallel blocks, scaling multipliers, NoPE
+# layers, sliding-window hybrids, MoE, learned positions.
+EQUAL = ["gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "falcon", "smollm3",
+         "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid"]
+
+
+@pytest.mark.parametrize("model_type", EQUAL)
+def test_other_families_equal_dense(model_type):
+    result, detail = compare(tiny_model_of(model_type))
+    assert result == "equal", detail
+
+
+@pytest.mark.parametrize("model_type, refusal", [
+    # attends a transform of what it wrote into the cache: caught at the first layer's attention
+    ("diffllama", "attends keys or values other than those it wrote"),
+    ("jetmoe", "attends keys or values other than those it wrote"),
+    # seen at construction
+    ("gpt_oss", "learned attention sinks"),
+    ("mllama", "cross-attention layers"),
+    ("deepseek_v4", "does not support layer type"),
+    ("bloom", "AttentionInterface"),
+])
+def test_models_oasis_cannot_serve_are_refused_by_name(model_type, refusal):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    model = tiny_model_of(model_type)
+    result, detail = compare(model)
+    assert result == "refused" and refusal in detail, (result, detail)
+    if "attends" in refusal:  # (refused at the first layer's attention: its new tokens taken back)
+        cache = OasisCache(model, token_budget=1024)
+        with pytest.raises(NotImplementedError, match=refusal):
+            model(prompt_ids(40), **cache.generate_kwargs())
+        assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
