@@ -59,7 +59,12 @@ def test_linear_attention_hybrids_equal_dense(name, mode):
     """Linear-attention layers keep transformers' own state layer; the full-attention ones are offloaded."""
     model = tiny_hybrid(name)
     inputs, kw = MODES[mode]
-    dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
+    try:
+        dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
+    except ValueError as error:  # (transformers 5.17: no assisted generation for models with a state)
+        if "stateful" not in str(error):
+            raise
+        pytest.skip(f"transformers refuses it with any cache: {error}")
     cache = OasisCache(model, **OPTIONS)
     assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "OasisLayer"]
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
@@ -110,7 +115,7 @@ def test_which_layer_kinds_are_kept():
 # Families whose tiny random models equal dense through OasisCache (`eval/architectures.py`'s rows), one per way
 # their attention differs: query/key norms, partial rotary, biases, parallel blocks, scaling multipliers, NoPE
 # layers, sliding-window hybrids, MoE, learned positions.
-EQUAL = ["gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "falcon", "smollm3",
+EQUAL = ["gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron", "smollm3",
          "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid"]
 
 
