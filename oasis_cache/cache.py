@@ -115,6 +115,7 @@ class OasisCache(Cache):
                 )
         oasis_layers = [layer.layer_idx for layer in layers if isinstance(layer, OasisLayer)]
         if not oasis_layers:
+            _refuse_windows_wider_than_the_context(model, text_config)
             raise ValueError(
                 f"{type(model).__name__} has no full-attention layer (its layers are sliding-window, chunked or "
                 "linear attention), so there is nothing for OasisCache to offload: its cache is already bounded. Use "
@@ -1163,6 +1164,25 @@ def _check_supported(model):
             f"'{ATTENTION_NAME}' attention cannot be installed."
         )
     return text_config
+
+
+def _refuse_windows_wider_than_the_context(model, text_config) -> None:
+    """A model whose sliding windows cover its whole context (Phi-3 / Phi-3.5's 128K variants: a window of 262,144
+    tokens, 131,072 positions) attends every token: unbounded in fact, so it is refused with the way to full
+    attention, not as a bounded cache. (Only where the layer kinds follow `sliding_window`: no `layer_types`.)"""
+    if getattr(text_config, "layer_types", None) is not None:
+        return
+    kinds = compat.layer_types_and_kwargs(text_config)
+    windows = [kwargs.get("sliding_window") for kind, kwargs in kinds if kind == "sliding_attention"]
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if not windows or not isinstance(positions, int) or not all(isinstance(w, int) for w in windows):
+        return
+    if min(windows) >= positions:
+        raise ValueError(
+            f"{type(model).__name__}'s sliding windows ({min(windows)} tokens) cover its whole context "
+            f"({positions} positions), so its layers attend every token: set `model.config.sliding_window = None` "
+            "(the same outputs, as full attention) before making the OasisCache."
+        )
 
 
 def _projects(module, heads: int, head_dim: int, device: torch.device) -> bool:

@@ -105,6 +105,23 @@ def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
         OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
 
 
+def test_sliding_windows_wider_than_the_context_name_the_way_to_full_attention():
+    """Phi-3's 128K variants: a 262,144-token window over 131,072 positions is no bound; the refusal names
+    `sliding_window = None`, after which the model is full attention with the same outputs, and is served."""
+    config = transformers.Phi3Config(**{**_COMMON, "sliding_window": 8192})  # 4,096 positions
+    config._attn_implementation = "sdpa"
+    model = transformers.Phi3ForCausalLM(config).eval()
+    inputs = {"input_ids": prompt_ids(100)}
+    windowed = generate(model, dense_cache(model), inputs, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match="sliding_window = None"):
+        OasisCache(model, **OPTIONS)
+    model.config.sliding_window = None
+    assert_same(windowed, generate(model, OasisCache(model, **OPTIONS), inputs, max_new_tokens=8, do_sample=False))
+    model.config.sliding_window = 1024  # a real bound: refused as bounded, nothing to offload
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        OasisCache(model, **OPTIONS)
+
+
 def test_which_layer_kinds_are_kept():
     assert holds_no_keys("linear_attention") and holds_no_keys("conv")
     assert not holds_no_keys("full_attention") and not holds_no_keys("sliding_attention")
