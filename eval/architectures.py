@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+WINDOW = 32  # tokens of a sliding-window layer beside full-attention ones
 ATOL = 1e-3  # fp32 logits of random tiny models: sums in another order than SDPA's
 PROMPT = 150  # tokens: nine blocks of 16 in the host pool beside the sink and recent tokens
 NEW_TOKENS = 12
@@ -41,23 +42,23 @@ NEW_TOKENS = 12
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,
              num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4, shared_expert_intermediate_size=64,
-             d_model=64, n_layer=4, n_head=4, n_embd=64, num_layers=4, num_heads=4, sliding_window=32,
+             d_model=64, n_layer=4, n_head=4, n_embd=64, num_layers=4, num_heads=4, is_decoder=True,
              first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, ffn_hidden_size=128,
              kv_channels=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
              linear_value_head_dim=16)
 
 
-def tiny_model_of(model_type: str, seed: int = 0):
-    """A random `[model_type]` causal LM of `SMALL` shape, in eval mode on SDPA (eager where it has none:
-    `model.dense_attention`); its layer kinds (`layer_types`) spread over its four layers, one of them full
-    attention where the model has any."""
+def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
+    """A random `[model_type]` causal LM of `SMALL` shape (`is_decoder=True`: BERT-like models attend causally),
+    in eval mode on SDPA (eager where it has none: `model.dense_attention`); its layer kinds (`layer_types`) spread
+    over its four layers, one of them full attention where the model has any, sliding windows of `WINDOW`."""
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.for_model(model_type)
     config = config.get_text_config(decoder=True)
-    for name, value in SMALL.items():
+    for name, value in {**SMALL, "is_decoder": is_decoder}.items():
         if hasattr(config, name):
             try:
                 setattr(config, name, value)
@@ -72,6 +73,8 @@ def tiny_model_of(model_type: str, seed: int = 0):
             config.layer_types = layer_types
         except (AttributeError, TypeError, ValueError):  # (derived from other fields: the model's own spread)
             pass
+        if "sliding_attention" in kinds and isinstance(getattr(config, "sliding_window", None), int):
+            config.sliding_window = WINDOW  # (a window the prompt passes; elsewhere the config's own window)
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     torch.manual_seed(seed)
     model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(config).eval()

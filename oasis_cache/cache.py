@@ -127,6 +127,12 @@ class OasisCache(Cache):
                 f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules with a "
                 "`layer_idx` attribute); OasisCache supports decoder-only transformers models."
             )
+        if any(getattr(attention_modules[i], "is_causal", True) is False for i in oasis_layers):
+            raise NotImplementedError(
+                f"{type(model).__name__}'s attention is not causal (each token sees the later ones: an encoder, or a "
+                "BERT-like model made without `is_decoder=True`); OasisCache serves causal decoders. Load it with "
+                "`is_decoder=True` if it is meant to generate, or use a DynamicCache."
+            )
         sinks = [i for i in oasis_layers if isinstance(getattr(attention_modules[i], "sinks", None), torch.Tensor)]
         if sinks:
             raise NotImplementedError(

@@ -131,8 +131,8 @@ def test_which_layer_kinds_are_kept():
 
 # Families whose tiny random models equal dense through OasisCache (`eval/architectures.py`'s rows), one per way
 # their attention differs: query/key norms, partial rotary, biases, parallel blocks, scaling multipliers, NoPE
-# layers, sliding-window hybrids, MoE, learned positions.
-EQUAL = ["gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron", "smollm3",
+# layers, sliding-window hybrids, MoE, learned positions, BERT made a decoder (`is_decoder=True`).
+EQUAL = ["bert", "gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron", "smollm3",
          "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid"]
 
 
@@ -151,13 +151,15 @@ def test_other_families_equal_dense(model_type):
     ("mllama", "cross-attention layers"),
     ("deepseek_v4", "does not support layer type"),
     ("bloom", "AttentionInterface"),
+    ("bert", "not causal"),  # made without is_decoder=True (below)
+    ("xlm-roberta-xl", "not causal"),
 ])
 def test_models_oasis_cannot_serve_are_refused_by_name(model_type, refusal):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    model = tiny_model_of(model_type)
+    model = tiny_model_of(model_type, is_decoder=refusal != "not causal")
     result, detail = compare(model)
     assert result == "refused" and refusal in detail, (result, detail)
     if "attends" in refusal:  # (refused at the first layer's attention: its new tokens taken back)

@@ -111,6 +111,11 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
             raise NotImplementedError(
                 f"OasisCache does not support attention with `{name}` ({type(module).__name__}); use a DynamicCache."
             )
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError(
+            f"{type(module).__name__} asks for non-causal attention (`is_causal=False`); OasisCache serves causal "
+            "decoders. Use a DynamicCache."
+        )
     if dropout and module.training:
         raise ValueError("OasisCache is an inference cache: call model.eval() (attention dropout is active).")
     if attention_mask is not None and attention_mask.dim() != 2:
