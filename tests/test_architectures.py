@@ -132,8 +132,8 @@ def test_which_layer_kinds_are_kept():
 # Families whose tiny random models equal dense through OasisCache (`eval/architectures.py`'s rows), one per way
 # their attention differs: query/key norms, partial rotary, biases, parallel blocks, scaling multipliers, NoPE
 # layers, sliding-window hybrids, MoE, learned positions, BERT made a decoder (`is_decoder=True`).
-EQUAL = ["bert", "gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron", "smollm3",
-         "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid"]
+EQUAL = ["bert", "gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron",
+         "smollm3", "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid"]
 
 
 @pytest.mark.parametrize("model_type", EQUAL)
