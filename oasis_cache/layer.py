@@ -125,7 +125,15 @@ class OasisLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------------- Cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `[B, Hkv, q, D]` new keys/values. Returns them unchanged: attention reads the cache itself."""
+        """Append `[B, Hkv, q, D]` new keys/values. Returns them unchanged: attention reads the cache itself.
+        The cache's state never records autograd: a forward that does (a user's `model(...)` without
+        `torch.no_grad()`) writes and attends as under `no_grad`, so it may follow or precede `generate`'s."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._update(key_states, value_states)
+        return self._update(key_states, value_states)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if self.is_initialized and self.get_seq_length() == 0 and self.shaped_as(key_states) != self.shaped_as(None):
             self.reset()  # (made ahead for keys of another shape, `OasisCache._size_for_prompt`: made again)
         if not self.is_initialized:
@@ -216,7 +224,14 @@ class OasisLayer(CacheLayerMixin):
         return self.is_initialized and self.pool.num_blocks > 0 and query_length <= self.config.max_decode_tokens
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None."""
+        """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None.
+        Without autograd (`update`): no gradient flows through it."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._attend(query, visible, scale)
+        return self._attend(query, visible, scale)
+
+    def _attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         cfg = self.config
         Qn = query.shape[2]
         if visible is not None and visible.shape[-1] != self.get_seq_length():

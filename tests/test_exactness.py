@@ -216,3 +216,20 @@ def test_compiled_decode_in_every_generate_mode():
         oasis = generate(model, oasis_cache_for(model, compile_decode=True, **SMALL_CHUNKS), inputs, **kw)
         assert_same_generation(dense, oasis, check_logits=check_logits)
         assert all(layer.forward.compiled is not None for layer in model.model.layers)  # (the compiled path ran)
+
+
+def test_text_generation_pipeline():
+    """`pipeline("text-generation")` passes the cache through to `generate`: the same text as dense."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w3"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w2")
+    model = tiny_model("llama")
+    text = " ".join(f"w{i % 90 + 3}" for i in range(300))
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    dense = pipe(text, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    cache = oasis_cache_for(model, token_budget=4096)
+    assert pipe(text, max_new_tokens=8, do_sample=False, **cache.generate_kwargs())[0]["generated_text"] == dense
+    assert cache.stats()["decode_steps"] == 7

@@ -139,6 +139,48 @@ def test_attention_switched_behind_a_filled_cache_is_refused_before_writing(impl
     assert torch.equal(again.sequences, dense.sequences)
 
 
+@pytest.mark.parametrize("lookahead", ["none", "previous", "eagle3"])
+def test_forwards_with_and_without_autograd_mix_on_one_cache(lookahead):
+    """A user's `model(...)` without `torch.no_grad()` between `generate` calls (scoring a continuation): the
+    cache's state records no autograd either way, so the forward neither fails on generate's views (before: "a view
+    was created in no_grad mode") nor changes what the next `generate` makes."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = prompt_ids(60)
+    draft = dict(draft=random_head(model)) if lookahead == "eagle3" else {}
+    options = dict(token_budget=1024, lookahead=lookahead, **draft)
+    expected = OasisCache(model, **options)
+    first = generate(model, expected, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences
+    cache = OasisCache(model, **options)
+    assert torch.equal(generate(model, cache, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences, first)
+    more = prompt_ids(8, seed=5)
+    with torch.no_grad():
+        reference = model(input_ids=more, **expected.generate_kwargs()).logits
+    scored = model(input_ids=more, **cache.generate_kwargs()).logits  # autograd on (the default)
+    assert scored.requires_grad
+    torch.testing.assert_close(scored.detach(), reference, atol=ATOL, rtol=1e-4)
+    after = torch.cat([first, more], dim=1)
+    assert torch.equal(generate(model, cache, {"input_ids": after}, max_new_tokens=6, do_sample=False).sequences,
+                       generate(model, expected, {"input_ids": after}, max_new_tokens=6, do_sample=False).sequences)
+
+
+def test_a_refused_attention_call_takes_its_layers_new_tokens_back():
+    """A forward the oasis attention refuses at its first full-attention layer (a 4D mask here) leaves the filled
+    cache as it was: that layer's new tokens are taken back, and the same cache goes on exactly."""
+    model = tiny_model("llama")
+    ids = prompt_ids(60)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=12, do_sample=False)
+    cache = OasisCache(model, token_budget=1024)
+    first = generate(model, cache, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    more = first[:, -1:]
+    custom = torch.ones((1, 1, 1, first.shape[1]), dtype=torch.bool)  # a 4D mask
+    with pytest.raises(NotImplementedError, match="2D padding masks"), torch.no_grad():
+        model(input_ids=more, attention_mask=custom, **cache.generate_kwargs())
+    assert [layer.get_seq_length() for layer in cache.layers] == lengths
+    again = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
+    assert torch.equal(again.sequences, dense.sequences)
+
+
 def test_device_memory_follows_the_context_not_the_budget():
     """A budget far above the context allocates what the context fills: the same bytes as a budget just above it."""
     model = tiny_model("llama")
@@ -863,17 +905,20 @@ def test_progress_bar_over_a_chunked_prefill(capsys):
     assert "prefill" not in capsys.readouterr().err
 
 
-def test_forwards_recording_autograd_make_no_dry_copy(monkeypatch):
+def test_forwards_recording_autograd_make_their_dry_copy_too(monkeypatch):
     """The dry decode step (`compile_ahead`, at the prefill by default or before the first decode step) copies the
-    cache; after forwards that record autograd (a user's `model(...)` without `torch.no_grad()`), the state tensors
-    are in autograd's graph and cannot be copied: neither dry way is tried then, and the forwards run (on CUDA the
-    prefill raised at its first layer once `ahead_at_prefill` was the default: the forty-sixth session's CUDA
-    suite). Under `torch.no_grad()` both are tried. (On CPU the option is made to apply and the copy records.)"""
+    cache. Forwards that record autograd (a user's `model(...)` without `torch.no_grad()`) once put the state tensors
+    in autograd's graph, where they cannot be copied (on CUDA the prefill raised at its first layer once
+    `ahead_at_prefill` was the default: the forty-sixth session's CUDA suite), so neither dry way was tried then; the
+    cache's state records no autograd since the forty-eighth session, so both ways copy in either mode. (On CPU the
+    option is made to apply and the copy records.)"""
     from oasis_cache.compute import ahead
 
     copies = []
 
     def no_room(cache):
+        for layer in cache.layers:
+            assert not any(t.requires_grad for t in vars(layer).values() if isinstance(t, torch.Tensor))
         copies.append(cache)
         raise torch.OutOfMemoryError("(recorded)")  # (either dry way then goes on without its copy)
 
@@ -882,19 +927,19 @@ def test_forwards_recording_autograd_make_no_dry_copy(monkeypatch):
     model = tiny_model("llama")
     ids = prompt_ids(200)
 
-    def forwards(ahead_at_prefill: bool) -> None:
+    def forwards(ahead_at_prefill: bool) -> torch.Tensor:
         monkeypatch.setattr(ahead, "_DONE", set())
         cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, compile_ahead=True,
                            ahead_at_prefill=ahead_at_prefill)
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        return model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
 
     for at_prefill in (True, False):
-        forwards(at_prefill)
-        assert copies == [], at_prefill
+        recorded = forwards(at_prefill)
+        assert len(copies) == 1 and recorded.requires_grad, at_prefill
         with torch.no_grad():
-            forwards(at_prefill)
-        assert len(copies) == 1, at_prefill
+            torch.testing.assert_close(forwards(at_prefill), recorded.detach())
+        assert len(copies) == 2, at_prefill
         copies.clear()
 
 

@@ -60,7 +60,7 @@ def wanted(cache, tokens) -> bool:
     holding some, kernels launched (the Triton backend) on a CUDA device (or `compile_ahead=True`), a local cache (an
     admitted one's copy would fetch from its store), not yet done in this process."""
     setting = cache.config.compile_ahead
-    if setting is False or torch.is_grad_enabled() or not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+    if setting is False or not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
                                 and tokens.shape[1] <= cache.config.max_decode_tokens):
         return False
     shape = tuple(tokens.shape[:2])
@@ -258,8 +258,8 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     B = query.shape[0]
     step = signature(cache, torch.empty((B, 1), device="meta"))
     if (cache.ride_along is not None or not layer.decodes(1) or not applies(cache)
-            or step in _DONE or torch.is_grad_enabled()):  # (no block in the pool yet: a step would attend densely)
-        return False  # (recording autograd: the state tensors are in its graph, a copy of them cannot be made)
+            or step in _DONE):  # (no block in the pool yet: a step would attend densely)
+        return False  # (a forward recording autograd may copy too: the cache's state never records it, `OasisLayer`)
     if not _room_for_copy(cache):  # (beside the prefill's activations: the dry step after it may find room)
         return False
     _DONE.add(step)

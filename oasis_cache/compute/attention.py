@@ -126,14 +126,12 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
         )
 
 
-def _check_given(layer, module, key, value, given) -> None:
+def _check_given(module, key, value, given) -> None:
     """The attention reads the keys and values the cache holds, not the tensors it is called with: those must be the
     ones `OasisLayer.update` returned. A model that attends something else made of them (DiffLlama's halves of the
     values, JetMoe's repeated heads) would get other numbers silently; it is refused instead, at its first
-    full-attention layer's first attention, that layer's new tokens taken back (nothing else of the cache written
-    yet)."""
+    full-attention layer's first attention (`oasis_attention_eager` takes that layer's new tokens back)."""
     if given is not None and (key is not given[0] or value is not given[1]):
-        layer.crop(-given[0].shape[-2])
         raise NotImplementedError(
             f"{type(module).__name__} (layer {module.layer_idx}) attends keys or values other than those it wrote into "
             "the cache (it transforms them after `cache.update`); OasisCache attends what it holds, so it cannot "
@@ -151,10 +149,15 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     given = getattr(_handoff, "given", None)
     clear_pending()
-    layer.check_module(module)
-    _check_call(module, attention_mask, dropout, kwargs)
-    if check_given:
-        _check_given(layer, module, key, value, given)
+    try:
+        layer.check_module(module)
+        _check_call(module, attention_mask, dropout, kwargs)
+        if check_given:
+            _check_given(module, key, value, given)
+    except (NotImplementedError, ValueError, RuntimeError):
+        if given is not None and given[0] is not None:  # the layer's new tokens taken back: as before the forward
+            layer.crop(-given[0].shape[-2])
+        raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         out = layer.attend(query, attention_mask, scale)
