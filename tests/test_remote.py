@@ -17,7 +17,7 @@ from oasis_cache.layer import OasisLayer
 from oasis_cache.pools.host_kv import HostKVPool
 from oasis_cache.remote import RemoteBlocksMissing, RemoteTier, connect
 
-from conftest import prompt_ids, tiny_model
+from conftest import generate, prompt_ids, tiny_model
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = dict(token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16, lookahead="previous")
@@ -707,3 +707,24 @@ def test_eviction_order_is_a_stable_sort_of_the_last_use():
             expected = torch.argsort(last_used, dim=1, stable=True)[:, :k]
             assert torch.equal(least_recent(last_used, k), expected)
             assert torch.equal(least_recent(last_used[2], k), expected[2])
+
+
+@pytest.mark.parametrize("kind", ["sliding", "linear"])
+def test_a_hybrid_models_other_layers_travel_with_the_record(mooncake_master, kind):
+    """A hybrid's layers of transformers' own kind — a sliding window's keys, a linear-attention layer's states —
+    travel in the admission record: the admitted cache decodes as the prefill's own."""
+    from test_architectures import tiny_hybrid
+
+    model = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
+                       use_sliding_window=True) if kind == "sliding" else tiny_hybrid("qwen3_5")
+    ids = prompt_ids(203)
+    store = connect(mooncake_master)
+    prefill, cache = published_and_admitted(model, ids, store, f"hybrid-{kind}")
+    assert type(cache.layers[0]) is type(prefill.layers[0]) and not isinstance(cache.layers[0], OasisLayer)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    admitted, own = generate(model, cache, {"input_ids": ids}, **kw), generate(model, prefill, {"input_ids": ids}, **kw)
+    assert torch.equal(admitted.sequences, own.sequences)  # (without the linear states the logits move by ~8)
+    for a, b in zip(admitted.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    cache.reset()
+    store.close()
