@@ -837,8 +837,8 @@ class OasisCache(Cache):
             except torch.OutOfMemoryError:
                 start, end = marks.span or (0, 0)
                 length = (end - start) // 2 // T * T
-                if (shrinks == prefill.SHRINK_RETRIES or not self.all_oasis_layers or length < T
-                        or not marks.undoable()):
+                if (shrinks == prefill.SHRINK_RETRIES or not self.all_oasis_layers
+                        or length < prefill.least_span(T, shortest) or not marks.undoable()):
                     self._failed_chunk = end - start  # (for `_route`'s message)
                     raise
             # (out of the except clause: the error's frames, which hold the chunk's activations, are gone)

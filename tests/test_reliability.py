@@ -531,6 +531,30 @@ def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
     assert same_as_dense(whole, chunked)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunks_no_longer_than_a_decode_forward_still_prefill(padded):
+    """`prefill_chunk_tokens` over a batch that leaves a sequence at most `max_decode_tokens` tokens a chunk: the
+    chunks grow to the least that still prefills (`prefill.least_span`: 32 tokens with blocks of 16). Chunks of 16
+    ran as decode steps, which do not write the prompt's keys and values kept on the device for the next chunk:
+    the last chunk read unwritten memory (garbage or NaN logits, forty-eighth session)."""
+    from oasis_cache.compute.prefill import least_span, prefill_chunks
+
+    model = tiny_model("llama")
+    inputs = left_padded([121, 77, 100]) if padded else {"input_ids": prompt_ids(121, batch=3)}
+    spans = prefill_chunks(dict(inputs, logits_to_keep=1), 64, 16, 16)
+    assert least_span(16, 16) == 32 and all(end - start > 16 for start, end in spans)  # (each one prefills)
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=6, do_sample=False)
+    junk = [torch.full((1 << k,), float("nan")) for k in range(8, 20) for _ in range(4)]
+    del junk  # (freed memory full of NaN: what an unwritten read would meet)
+    calls, handle = count_decoder_calls(model)
+    try:
+        oasis = generate(model, OasisCache(model, token_budget=1024, prefill_chunk_tokens=64), inputs,
+                         max_new_tokens=6, do_sample=False)
+    finally:
+        handle.remove()
+    assert calls[:4] == [32, 32, 32, 25] and same_as_dense(dense, oasis)
+
+
 @pytest.mark.parametrize("lookahead", ["previous", "eagle3"])
 def test_only_the_last_chunk_of_a_prefill_prefetches(lookahead):
     """A lookahead prefetches the next decode step's blocks after a dense forward; in a prefill the cache runs in
@@ -826,10 +850,13 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
     chunks.clear(), starts.clear(), failures.clear()
     fail_times = 99
     cache = OasisCache(model, **options)
+    # (halved down to the least chunk that still prefills, `least_span`: 128, 64, 32 — 16 tokens would decode)
+    least = prefill.least_span(cache.config.block_size, shortest)
+    halvings = min(prefill.SHRINK_RETRIES, (128 // least).bit_length() - 1)
     with pytest.warns(RuntimeWarning), pytest.raises(MemoryError, match=r"ran out of device memory in forwards of 1 x "
-                                                                       r"128 tokens \(and of 1 x 16 after it\)"):
+                                                                       rf"128 tokens \(and of 1 x {least} after it\)"):
         generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
-    assert len(failures) == prefill.SHRINK_RETRIES + 1 and chunks[-1] == 128 // 2**prefill.SHRINK_RETRIES
+    assert least == 32 and len(failures) == halvings + 1 and chunks[-1] == 128 // 2**halvings
 
 
 def test_a_chunk_out_of_memory_inside_a_layers_bookkeeping_is_not_retried(monkeypatch):

@@ -40,10 +40,19 @@ def prefill_chunks(kwargs: dict, chunk_tokens: int, block_size: int, shortest: i
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         return None  # (a 4D mask would need cutting along both of its last dims)
     keep = kwargs.get("logits_to_keep")
-    spans = spans_from(0, N, max(block_size, chunk_tokens // B // block_size * block_size), shortest)
+    spans = spans_from(0, N, max(least_span(block_size, shortest), chunk_tokens // B // block_size * block_size),
+                       shortest)
     if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= spans[-1][1] - spans[-1][0]:
         return None  # all logits (0 or None), or indices: the whole forward
     return spans
+
+
+def least_span(block_size: int, shortest: int) -> int:
+    """The fewest tokens a chunk holds: whole blocks, more than `shortest` (`max_decode_tokens`). A chunk of at most
+    that many would decode sparsely instead of running as a prefill's chunk: it would not write the prompt's keys
+    and values kept on the device (`OasisLayer.resident_kv`), and the next chunk read those positions unwritten
+    (a batch of 3 in chunks of 64 tokens: 16 a sequence, garbage logits, forty-eighth session)."""
+    return (shortest // block_size + 1) * block_size
 
 
 def spans_from(start: int, end: int, length: int, shortest: int = 0) -> list[tuple[int, int]]:
