@@ -772,6 +772,8 @@ class OasisCache(Cache):
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,
                                self.config.max_decode_tokens)
+        if spans is not None and any(compat.records_state_history(layer) for layer in self.layers):
+            spans = None  # (assisted decoding on a linear-attention hybrid: its layers' history wants whole forwards)
         past = self.get_seq_length(self._first_oasis_layer)
         if not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
                 and tokens.shape[1] > self.config.max_decode_tokens):

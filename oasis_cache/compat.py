@@ -21,6 +21,7 @@ __all__ = [
     "layer_types_and_kwargs",
     "dynamic_layer_class",
     "holds_no_keys",
+    "records_state_history",
     "generate_cache_argument",
 ]
 
@@ -54,6 +55,14 @@ def holds_no_keys(layer_type: str) -> bool:
     if linear is not None and issubclass(cls, linear) and not issubclass(cls, cache_utils.DynamicLayer):
         return True
     return cls is getattr(cache_utils, "DummyLayer", object())
+
+
+def records_state_history(layer) -> bool:
+    """Whether `layer` is a linear-attention state recording its past for a rollback (`activate_past_recording`:
+    assisted and prompt-lookup decoding). A prefill split into chunks then decoded otherwise than one forward for
+    OLMo hybrid (logits 4e-2 apart, forty-eighth session): such a prefill runs whole, as transformers runs it."""
+    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return linear is not None and isinstance(layer, linear) and bool(getattr(layer, "record_past", False))
 
 
 def generate_cache_argument(model) -> str:

@@ -93,6 +93,22 @@ def test_a_linear_attention_hybrid_chunks_continues_and_converts_as_dense():
     assert_same(dense, generate(model, converted, {"input_ids": ids}, **kw))
 
 
+def test_assisted_decoding_on_a_linear_attention_hybrid_prefills_whole():
+    """Prompt lookup records the linear layers' past for its rollbacks (`activate_past_recording`); a prefill the
+    cache split into chunks then decoded 4e-2 away from dense for OLMo hybrid: such a prefill runs whole."""
+    model = tiny_model_of("olmo_hybrid")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    inputs, kw = {"input_ids": prompt_ids(100)}, dict(do_sample=False, prompt_lookup_num_tokens=3, max_new_tokens=12)
+    try:
+        dense = generate(model, dense_cache(model), inputs, **kw)
+    except ValueError as error:  # (transformers 5.17: no assisted generation for models with a state)
+        if "stateful" not in str(error):
+            raise
+        pytest.skip(f"transformers refuses it with any cache: {error}")
+    assert_same(dense, generate(model, OasisCache(model, prefill_chunk_tokens=64, **OPTIONS), inputs, **kw))
+
+
 def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
     model = tiny_hybrid("qwen3_5")
     cache = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
