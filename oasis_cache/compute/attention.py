@@ -131,12 +131,20 @@ def _check_given(module, key, value, given) -> None:
     ones `OasisLayer.update` returned. A model that attends something else made of them (DiffLlama's halves of the
     values, JetMoe's repeated heads) would get other numbers silently; it is refused instead, at its first
     full-attention layer's first attention (`oasis_attention_eager` takes that layer's new tokens back)."""
-    if given is not None and (key is not given[0] or value is not given[1]):
+    if given is not None and not (_same_view(key, given[0]) and _same_view(value, given[1])):
         raise NotImplementedError(
             f"{type(module).__name__} (layer {module.layer_idx}) attends keys or values other than those it wrote into "
             "the cache (it transforms them after `cache.update`); OasisCache attends what it holds, so it cannot "
             "serve this model. Use a DynamicCache."
         )
+
+
+def _same_view(tensor, given) -> bool:
+    """The tensor `update` returned, or a view of the same memory with its shape and strides (a compiled region
+    between the two calls may hand over another tensor object for it)."""
+    return tensor is given or (isinstance(tensor, torch.Tensor) and isinstance(given, torch.Tensor)
+                               and tensor.data_ptr() == given.data_ptr() and tensor.shape == given.shape
+                               and tensor.stride() == given.stride() and tensor.dtype == given.dtype)
 
 
 @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
