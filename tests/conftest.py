@@ -213,6 +213,17 @@ def _no_cuda_error_left(request):
             f"{when}: {runtime.cudaGetErrorString(code).decode()} ({code})" for when, code in found), pytrace=False)
 
 
+@pytest.fixture
+def one_thread():
+    """CPU kernels on one thread for the test: a multithreaded sum rounds differently from run to run, and where two
+    caches are compared below the context's budget a near tie in the block selection may flip (the fork test: logits
+    3.6e-4 apart in 2 of 16 single-process runs on two threads, 0 of 16 on one; `-n 2` runs every test on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def mooncake_master():
     """A Mooncake Store for the whole run (`oasis_cache.remote.local_store`: `mooncake_master` and one 512 MB storage

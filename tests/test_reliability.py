@@ -289,7 +289,7 @@ def prefilled_but_the_last_chunk(model, cache, inputs):
 
 
 @pytest.mark.parametrize("mode", ["previous", "eagle3-exact"])
-def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode):
+def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode, one_thread):
     """The evaluation's shared prefill: the prompt but its last chunk prefilled once with the smallest budget, then
     per budget `fork(token_budget=b)` and `generate` on the whole prompt: the tokens a cache made with budget b
     generates (a left-padded batch, chunked prefill); a budget below the cache's is refused, naming the way."""
@@ -312,7 +312,7 @@ def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode):
         base.fork(token_budget=64)
 
 
-def test_one_eagle3_prefill_forks_to_every_mode_and_budget():
+def test_one_eagle3_prefill_forks_to_every_mode_and_budget(one_thread):
     """One prefill (but its last chunk) through an eagle3 + exact cache serves every mode: forks with
     lookahead none / previous (the head dropped, its hooks gone), eagle3 with or without exact, at larger budgets,
     each generating the tokens a cache made so generates; eagle3 from a cache without a head is refused."""
