@@ -102,7 +102,8 @@ class OasisCache(Cache):
         attention_modules = _attention_modules(model)
 
         layers = []
-        for layer_idx, (layer_type, kwargs) in enumerate(compat.layer_types_and_kwargs(text_config)):
+        kinds = compat.layer_types_and_kwargs(text_config)
+        for layer_idx, (layer_type, kwargs) in enumerate(kinds):
             if layer_type == "full_attention":
                 layers.append(OasisLayer(self, layer_idx))
             elif layer_type in _HF_KEPT_LAYER_TYPES or compat.holds_no_keys(layer_type):
@@ -115,7 +116,7 @@ class OasisCache(Cache):
                 )
         oasis_layers = [layer.layer_idx for layer in layers if isinstance(layer, OasisLayer)]
         if not oasis_layers:
-            _refuse_windows_wider_than_the_context(model, text_config)
+            _refuse_windows_wider_than_the_context(model, text_config, kinds)
             raise ValueError(
                 f"{type(model).__name__} has no full-attention layer (its layers are sliding-window, chunked or "
                 "linear attention), so there is nothing for OasisCache to offload: its cache is already bounded. Use "
@@ -1174,13 +1175,13 @@ def _check_supported(model):
     return text_config
 
 
-def _refuse_windows_wider_than_the_context(model, text_config) -> None:
+def _refuse_windows_wider_than_the_context(model, text_config, kinds: list[tuple[str, dict]]) -> None:
     """A model whose sliding windows cover its whole context (Phi-3 / Phi-3.5's 128K variants: a window of 262,144
     tokens, 131,072 positions) attends every token: unbounded in fact, so it is refused with the way to full
-    attention, not as a bounded cache. (Only where the layer kinds follow `sliding_window`: no `layer_types`.)"""
+    attention, not as a bounded cache. (Only where the layer kinds follow `sliding_window`: no `layer_types`.)
+    `kinds`: `compat.layer_types_and_kwargs(text_config)`."""
     if getattr(text_config, "layer_types", None) is not None:
         return
-    kinds = compat.layer_types_and_kwargs(text_config)
     windows = [kwargs.get("sliding_window") for kind, kwargs in kinds if kind == "sliding_attention"]
     positions = getattr(text_config, "max_position_embeddings", None)
     if not windows or not isinstance(positions, int) or not all(isinstance(w, int) for w in windows):

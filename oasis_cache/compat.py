@@ -44,6 +44,10 @@ def dynamic_layer_class(layer_type: str):
     return cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
 
 
+# transformers' linear-attention cache layers (a fixed-size state, no keys); None where a version has none
+_LINEAR_STATE = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+
+
 def holds_no_keys(layer_type: str) -> bool:
     """Whether HF's layer for `layer_type` keeps no per-token keys and values: a linear-attention or convolution
     state of fixed size (Qwen3.5 / Qwen3-Next's gated delta nets, LFM's convolutions, Mamba layers), or no cache at
@@ -51,8 +55,7 @@ def holds_no_keys(layer_type: str) -> bool:
     cls = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
     if cls is None:
         return False
-    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-    if linear is not None and issubclass(cls, linear) and not issubclass(cls, cache_utils.DynamicLayer):
+    if _LINEAR_STATE is not None and issubclass(cls, _LINEAR_STATE) and not issubclass(cls, cache_utils.DynamicLayer):
         return True
     return cls is getattr(cache_utils, "DummyLayer", object())
 
@@ -61,8 +64,7 @@ def records_state_history(layer) -> bool:
     """Whether `layer` is a linear-attention state recording its past for a rollback (`activate_past_recording`:
     assisted and prompt-lookup decoding). A prefill split into chunks then decoded otherwise than one forward for
     OLMo hybrid (logits 4e-2 apart, forty-eighth session): such a prefill runs whole, as transformers runs it."""
-    linear = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-    return linear is not None and isinstance(layer, linear) and bool(getattr(layer, "record_past", False))
+    return _LINEAR_STATE is not None and isinstance(layer, _LINEAR_STATE) and bool(getattr(layer, "record_past", False))
 
 
 def generate_cache_argument(model) -> str:

@@ -33,6 +33,16 @@ HOST_GROWTH_SPREAD = 16  # blocks: layers take their host pool's next chunk at u
 MIN_SLOTS = 16  # slots a layer starts with (fewer when the budget needs fewer); it grows them with its context
 
 
+def _without_autograd(step, *args):
+    """`step(*args)` under `torch.no_grad()` where autograd records (a user's `model(...)` without it), as it is
+    otherwise (one check, no context entered: `generate` and captured steps run without grad): the cache's state
+    never records autograd, so such a forward may follow or precede `generate`'s on one cache."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return step(*args)
+    return step(*args)
+
+
 class OasisLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
@@ -126,12 +136,8 @@ class OasisLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------- Cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append `[B, Hkv, q, D]` new keys/values. Returns them unchanged: attention reads the cache itself.
-        The cache's state never records autograd: a forward that does (a user's `model(...)` without
-        `torch.no_grad()`) writes and attends as under `no_grad`, so it may follow or precede `generate`'s."""
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return self._update(key_states, value_states)
-        return self._update(key_states, value_states)
+        The cache's state never records autograd (`_without_autograd`)."""
+        return _without_autograd(self._update, key_states, value_states)
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if self.is_initialized and self.get_seq_length() == 0 and self.shaped_as(key_states) != self.shaped_as(None):
@@ -225,11 +231,8 @@ class OasisLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None.
-        Without autograd (`update`): no gradient flows through it."""
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return self._attend(query, visible, scale)
-        return self._attend(query, visible, scale)
+        Without autograd (`_without_autograd`): no gradient flows through it."""
+        return _without_autograd(self._attend, query, visible, scale)
 
     def _attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float) -> torch.Tensor:
         cfg = self.config

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from transformers import (
     DynamicCache,
     LlamaConfig,
@@ -60,6 +61,28 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     # Spread the logits so that greedy choices are not near-ties of random weights.
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
+    return model
+
+
+LINEAR = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+HYBRIDS = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=64)),
+}
+
+
+def tiny_hybrid(name: str):
+    """A linear-attention layer (gated delta net) then a full-attention one, random weights, SDPA."""
+    config_name, model_name, extra = HYBRIDS[name]
+    config = getattr(transformers, config_name)(**{**_COMMON, **LINEAR, **extra})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # (greedy choices away from near-ties)
     return model
 
 

@@ -9,34 +9,12 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import _COMMON, dense_cache, generate, left_padded, prompt_ids
+from conftest import _COMMON, HYBRIDS, dense_cache, generate, left_padded, prompt_ids, tiny_hybrid
 from eval.architectures import compare, tiny_model_of
 from oasis_cache import OasisCache
 from oasis_cache.compat import holds_no_keys
 
 OPTIONS = dict(token_budget=4096, block_size=16, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
-LINEAR = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
-HYBRIDS = {
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=64)),
-}
-
-
-def tiny_hybrid(name: str):
-    """A linear-attention layer (gated delta net) then a full-attention one, random weights, SDPA."""
-    config_name, model_name, extra = HYBRIDS[name]
-    config = getattr(transformers, config_name)(**{**_COMMON, **LINEAR, **extra})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # (greedy choices away from near-ties)
-    return model
-
-
 def assert_same(dense, oasis):
     assert torch.equal(dense.sequences, oasis.sequences), (dense.sequences, oasis.sequences)
     for step, (a, b) in enumerate(zip(dense.logits, oasis.logits)):

@@ -17,7 +17,7 @@ from oasis_cache.layer import OasisLayer
 from oasis_cache.pools.host_kv import HostKVPool
 from oasis_cache.remote import RemoteBlocksMissing, RemoteTier, connect
 
-from conftest import generate, prompt_ids, tiny_model
+from conftest import generate, prompt_ids, tiny_hybrid, tiny_model
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = dict(token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16, lookahead="previous")
@@ -713,8 +713,6 @@ def test_eviction_order_is_a_stable_sort_of_the_last_use():
 def test_a_hybrid_models_other_layers_travel_with_the_record(mooncake_master, kind):
     """A hybrid's layers of transformers' own kind — a sliding window's keys, a linear-attention layer's states —
     travel in the admission record: the admitted cache decodes as the prefill's own."""
-    from test_architectures import tiny_hybrid
-
     model = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                        use_sliding_window=True) if kind == "sliding" else tiny_hybrid("qwen3_5")
     ids = prompt_ids(203)
