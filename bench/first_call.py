@@ -214,7 +214,8 @@ def trace_captured_steps() -> list:
     return records
 
 
-PARENT_ONLY = ("processes", "fresh_kernel_cache", "child_stderr", "out", "child", "profile")  # (the parent's own)
+PARENT_ONLY = ("processes", "fresh_kernel_cache", "child_stderr", "out", "child", "profile",
+               "warm_first")  # (the parent's own)
 
 
 def child_command(parser, args, index: int) -> list[str]:
@@ -292,6 +293,27 @@ def print_profile(path: str, top: int = 25) -> None:
             print("     " + line.strip()[:200], flush=True)
 
 
+def warm_kernel_cache(args, env: dict, kernel_cache: str | None) -> dict:
+    """`python -m oasis_cache.warm` on the benchmark model's config (written to a folder of the kernel cache's) at
+    this context, budget and dtype, in a process of `env` (the first child's kernel caches): its wall time, what it
+    printed, the Triton kernels it compiled."""
+    sys.path.insert(0, str(HERE))
+    from models import SHAPES
+
+    if args.model not in SHAPES or not kernel_cache:
+        raise SystemExit("--warm-first needs --fresh-kernel-cache and a random-weight shape (bench/models.py SHAPES)")
+    folder = os.path.join(kernel_cache, "config")
+    SHAPES[args.model]().save_pretrained(folder)
+    command = [sys.executable, "-m", "oasis_cache.warm", folder, "--context", str(args.context),
+               "--token-budget", str(args.budget), "--dtype", args.dtype, "--device", args.device]
+    start = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(HERE.parent))
+    if done.returncode:
+        raise SystemExit(f"python -m oasis_cache.warm failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    said = (done.stdout.strip().splitlines() or [""])[-1]
+    return {"wall_s": round(time.time() - start, 2), "said": said, "triton": triton_kernels(kernel_cache)["kernels"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b")
@@ -346,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the default compile_decode=None with compile_after_steps=N (research): its switch sooner")
     parser.add_argument("--child-stderr", default="", help="each child's stderr into DIR/child-<i>.log (e.g. with "
                         "TORCH_LOGS=recompiles: why a graph compiles)")
+    parser.add_argument("--warm-first", action="store_true",
+                        help="with --fresh-kernel-cache: `python -m oasis_cache.warm` for the model's config at this "
+                             "context, budget and dtype before the first child (its kernel caches), timed")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -374,16 +399,22 @@ def main(argv=None):
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", dense (no OasisCache)" if args.dense else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
-              + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else ""))
+              + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else "")
+              + (", python -m oasis_cache.warm first" if args.warm_first else ""))
     print(header, flush=True)
     kernel_cache = tempfile.mkdtemp(prefix="oasis-triton-") if args.fresh_kernel_cache else None
-    rows = []
+    rows, warmed = [], None
     for index in range(args.processes):
         env = dict(os.environ)
         if kernel_cache:
             env["TRITON_CACHE_DIR"] = kernel_cache  # empty for the first child, filled by it for the later ones
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(kernel_cache, "inductor")  # (compile_decode's kernels)
             env["CUDA_CACHE_PATH"] = os.path.join(kernel_cache, "nv")  # the driver's JIT cache (cuDNN's kernels)
+        if index == 0 and args.warm_first:
+            warmed = warm_kernel_cache(args, env, kernel_cache)
+            print(f"python -m oasis_cache.warm: {warmed['wall_s']:.1f} s (its own: {warmed['said']}); Triton "
+                  "kernels it compiled: " + (", ".join(f"{n} x{c}" for n, c in warmed["triton"].items()) or "none"),
+                  flush=True)
         command = child_command(parser, args, index)
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if args.child_stderr:
@@ -393,7 +424,8 @@ def main(argv=None):
             raise SystemExit(f"child {index} failed (exit {done.returncode}): {done.stderr[-2000:]}")
         result = json.loads(lines[-1])
         times = result["generate_s"]
-        row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0, load_s=result["load_s"],
+        row = dict(process=index, fresh_kernel_cache=bool(kernel_cache) and index == 0 and not args.warm_first,
+                   warmed_first=warmed if index == 0 else None, load_s=result["load_s"],
                    generate_s=times, first_over_last=times[0] / times[-1], first_token_s=result["first_token_s"],
                    compile_phases=result["compile_phases"], steps_ms=result["steps_ms"],
                    call_starts_s=result["call_starts_s"], stalls=result["stalls"], dry_step=result.get("dry_step"),

@@ -807,19 +807,32 @@ class OasisCache(Cache):
         except torch.OutOfMemoryError as error:
             if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:
                 raise
+            from .compute import prefill
+            from .memory.device_memory import device_room
+
             B, N = tokens.shape[:2]
             device = tokens.device
-            free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+            held = sum(self.device_nbytes().values()) / 2**30
+            room = (f" ({device_room(device) / 2**30:.1f} GiB left to this process now; the cache holds {held:.1f} "
+                    "GiB on the device)") if device.type == "cuda" else ""
             chunk = (spans[0][1] - spans[0][0]) if spans else N
             smaller = self._failed_chunk or chunk
             tried = f" (and of {B} x {smaller} after it)" if spans and smaller < chunk else ""
+            least = prefill.least_span(self.config.block_size, self.config.max_decode_tokens)
+            half = smaller // 2 // self.config.block_size * self.config.block_size
+            holders = (f"the weights and the decode working set (token_budget {self.config.token_budget} x batch {B}) "
+                       "hold the room")
+            if half < least:  # (no smaller chunk would prefill: what holds the room is not the chunk)
+                fix = f"Even the least chunk did not fit: {holders}. Lower the batch or token_budget"
+            elif smaller < chunk:  # (halved already: the chunk's activations were not what filled the room)
+                fix = (f"Smaller chunks did not fit either: {holders}. Lower the batch or token_budget (or "
+                       f"prefill_chunk_tokens further, e.g. {B * half})")
+            else:
+                fix = (f"Lower prefill_chunk_tokens (now {self.config.prefill_chunk_tokens}; e.g. OasisCache(model, "
+                       f"token_budget=..., prefill_chunk_tokens={B * half})), the batch, or token_budget")
             raise MemoryError(
                 f"OasisCache: the prefill of {B} x {N} tokens ran out of device memory in forwards of {B} x {chunk} "
-                f"tokens{tried} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now). Lower "
-                f"prefill_chunk_tokens (now {self.config.prefill_chunk_tokens}; e.g. "
-                f"OasisCache(model, token_budget=..., "
-                f"prefill_chunk_tokens={max(self.config.block_size, B * chunk // 2)})), the batch, or token_budget. "
-                f"This cache is incomplete: cache.reset() before reusing it."
+                f"tokens{tried}{room}. {fix}. This cache is incomplete: cache.reset() before reusing it."
             ) from error
 
     def _run_chunks(self, runner, kwargs, spans, past):

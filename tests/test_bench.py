@@ -316,16 +316,17 @@ def test_first_call_bench_gives_its_children_every_option_but_its_own():
     parser = first_call.build_parser()
     given = ["--model", "tiny", "--context", "300", "--pinned-regions", "--dense", "--warm-parts", "",
              "--compile-workers", "auto", "--compile-after-steps", "5", "--processes", "3", "--out", "x.json",
-             "--fresh-kernel-cache", "--profile", "/tmp/p", "--profile-call", "2"]
+             "--fresh-kernel-cache", "--profile", "/tmp/p", "--profile-call", "2", "--warm-first"]
     args = parser.parse_args(given)
     command = first_call.child_command(parser, args, 1)
     assert command[:3] == [sys.executable, first_call.__file__, "--child"]
     child = parser.parse_args(command[2:])
     for name, value in vars(args).items():
-        if name in ("processes", "out", "fresh_kernel_cache", "profile", "child"):
+        if name in ("processes", "out", "fresh_kernel_cache", "profile", "child", "warm_first"):
             continue
         assert getattr(child, name) == value, name
     assert child.child and child.profile == "/tmp/p.1" and child.out == "" and not child.fresh_kernel_cache
+    assert args.warm_first and not child.warm_first  # (the parent warms the kernel cache before the first child)
     assert child.processes == parser.get_default("processes")
 
 

@@ -898,3 +898,84 @@ def test_fork_on_cuda_decodes_what_a_copy_decodes_and_leaves_the_original(lookah
     assert torch.equal(from_original.sequences, from_twin.sequences)
     for a, b in zip(from_original.logits, from_twin.logits):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+GENERATE_ONCE = """
+import glob, json, os, sys, time
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from oasis_cache import OasisCache
+start = time.time() - 1
+config = AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+ids = torch.randint(0, config.vocab_size, (1, int(sys.argv[2])), device="cuda")
+cache = OasisCache(model, token_budget=int(sys.argv[3]))
+model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+               pad_token_id=0, **cache.generate_kwargs())
+torch.cuda.synchronize()
+names = [json.load(open(p)).get("name") for p in glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*/*.json")
+         if not os.path.basename(p).startswith("__grp__") and os.path.getmtime(p) >= start]
+print("COMPILED", json.dumps(sorted(n for n in names if n)))
+"""
+
+
+def test_a_warmed_machine_s_first_generate_compiles_no_kernel(tmp_path):
+    """`python -m oasis_cache.warm` (two layers, random weights) compiles every Triton kernel a process's first
+    `generate` of the whole model would: run in a new kernel cache, that process compiles none; without the warm-up,
+    the same process compiles the package's kernels (the check can fail)."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                             dtype="bfloat16").save_pretrained(tmp_path / "model")
+    context, budget = "2000", "512"
+
+    def compiled(cache_dir, warm_first):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "CUDA_CACHE_PATH": str(cache_dir / "nv")}
+        if warm_first:
+            subprocess.run([sys.executable, "-m", "oasis_cache.warm", str(tmp_path / "model"), "--context", context,
+                            "--token-budget", budget], env=env, check=True, capture_output=True)
+        done = subprocess.run([sys.executable, "-c", GENERATE_ONCE, str(tmp_path / "model"), context, budget],
+                              env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.split("COMPILED", 1)[1])
+
+    cold = compiled(tmp_path / "cold", warm_first=False)
+    assert {"_top_k_kernel", "_split_kernel", "_gather_blocks_kernel"} <= set(cold), cold
+    assert compiled(tmp_path / "warm", warm_first=True) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_linear_attention_hybrids_on_cuda(name):
+    """A Qwen3.5- / Qwen3-Next-shaped hybrid on CUDA (the gated delta net's torch path, the full-attention layer
+    through the Triton kernels; its steps decode eagerly, `CAPTURE_CHECKED_MODEL_TYPES`): equal to dense at a budget
+    above the context — greedy, a left-padded batch, the cache's own chunks —, and a sparse budget decodes within
+    it."""
+    from conftest import tiny_hybrid
+
+    model = tiny_hybrid(name).cuda()
+    options = dict(token_budget=4096, sink_tokens=16, recent_tokens=16)
+    for inputs, kw, extra in [
+        ({"input_ids": prompt_ids(150)}, dict(max_new_tokens=16, do_sample=False), {}),
+        (left_padded([61, 37, 50]), dict(max_new_tokens=12, do_sample=False), {}),
+        ({"input_ids": prompt_ids(300)}, dict(max_new_tokens=10, do_sample=False), dict(prefill_chunk_tokens=64)),
+    ]:
+        inputs = on_cuda(inputs)
+        dense = generate(model, dense_cache(model), inputs, **kw)
+        cache = OasisCache(model, **options, **extra)
+        assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "OasisLayer"]
+        oasis = generate(model, cache, inputs, **kw)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    stats = cache.stats()
+    assert out.sequences.shape == (1, 420) and stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
+    assert torch.isfinite(torch.stack(out.logits)).all()

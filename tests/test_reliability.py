@@ -854,9 +854,19 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
     least = prefill.least_span(cache.config.block_size, shortest)
     halvings = min(prefill.SHRINK_RETRIES, (128 // least).bit_length() - 1)
     with pytest.warns(RuntimeWarning), pytest.raises(MemoryError, match=r"ran out of device memory in forwards of 1 x "
-                                                                       rf"128 tokens \(and of 1 x {least} after it\)"):
+                                                                       rf"128 tokens \(and of 1 x {least} after it\)\. "
+                                                                       r"Even the least chunk did not fit"):
         generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
     assert least == 32 and len(failures) == halvings + 1 and chunks[-1] == 128 // 2**halvings
+    if where == "in a layer":  # (halvings stop before the least chunk: the working set named first)
+        monkeypatch.setattr(prefill, "SHRINK_RETRIES", 1)
+        failures.clear()
+        with pytest.warns(RuntimeWarning), pytest.raises(MemoryError, match=r"\(and of 1 x 64 after it\)\. Smaller "
+                                                                           r"chunks did not fit either: .* Lower the "
+                                                                           r"batch or token_budget \(or "
+                                                                           r"prefill_chunk_tokens further, e\.g\. 32"):
+            generate(model, OasisCache(model, **options), prompt, max_new_tokens=8, do_sample=False)
+        assert len(failures) == 2
 
 
 def test_a_chunk_out_of_memory_inside_a_layers_bookkeeping_is_not_retried(monkeypatch):
@@ -879,7 +889,8 @@ def test_a_chunk_out_of_memory_inside_a_layers_bookkeeping_is_not_retried(monkey
     cache = OasisCache(model, token_budget=1024, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (no "going on" warning)
-        with pytest.raises(MemoryError, match="ran out of device memory in forwards of 1 x 128 tokens \\("):
+        with pytest.raises(MemoryError, match=r"in forwards of 1 x 128 tokens\. Lower prefill_chunk_tokens \(now "
+                                              r"128; e\.g\. .*prefill_chunk_tokens=64\)\), the batch"):
             generate(model, cache, {"input_ids": prompt_ids(700)}, max_new_tokens=2, do_sample=False)
     assert len(calls) == 5
 
