@@ -979,3 +979,27 @@ def test_linear_attention_hybrids_on_cuda(name):
     stats = cache.stats()
     assert out.sequences.shape == (1, 420) and stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
     assert torch.isfinite(torch.stack(out.logits)).all()
+
+
+def test_a_qwen3_5_hybrid_s_steps_replay_captured_as_they_decode_eagerly():
+    """Qwen3.5's linear-attention layers keep their states at fixed addresses (transformers copies into them), so its
+    decode steps can be captured: `cuda_graph=True` replays them with dense's tokens and logits (the check before
+    `CAPTURE_CHECKED_MODEL_TYPES` takes it: `cuda_graph=None` captures it then)."""
+    from conftest import tiny_hybrid
+
+    model = tiny_hybrid("qwen3_5").cuda()
+    for inputs in ({"input_ids": prompt_ids(150)}, left_padded([61, 37, 50])):
+        inputs = on_cuda(inputs)
+        dense = generate(model, dense_cache(model), inputs, max_new_tokens=40, do_sample=False)
+        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, cuda_graph=True)
+        oasis = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
+        assert cache.captured_steps.replays > 20
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=True)
+    eager = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=False)
+    inputs = on_cuda({"input_ids": prompt_ids(400)})
+    captured = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
+    assert cache.captured_steps.replays > 20
+    assert torch.equal(captured.sequences, generate(model, eager, inputs, max_new_tokens=40, do_sample=False).sequences)
