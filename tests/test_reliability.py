@@ -1007,3 +1007,17 @@ def test_a_prefill_without_room_for_the_dry_copy_leaves_it_to_the_first_decode_s
         assert copies == [] and dry_steps == []  # no room beside the prefill
         model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     assert dry_steps == [1] and len(copies) == 1
+
+
+def test_output_attentions_says_that_no_weights_come_back():
+    """`output_attentions=True` gets no attention weights from the oasis attention (as from SDPA, which warns too):
+    a warning names it and the way to them; the tokens are dense's."""
+    from oasis_cache.compute import attention
+
+    model = tiny_model("llama")
+    inputs, kw = {"input_ids": prompt_ids(60)}, dict(max_new_tokens=4, do_sample=False, output_attentions=True)
+    dense = generate(model, dense_cache(model), inputs, **kw)
+    attention._warn_no_weights.cache_clear()
+    with pytest.warns(UserWarning, match="returns no attention weights.*DynamicCache and attn_implementation='eager'"):
+        oasis = generate(model, OasisCache(model, token_budget=1024), inputs, **kw)
+    assert torch.equal(dense.sequences, oasis.sequences)

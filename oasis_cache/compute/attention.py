@@ -13,7 +13,9 @@ the top left); sliding / chunked / custom patterns and static caches get SDPA's 
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -116,6 +118,8 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
             f"{type(module).__name__} asks for non-causal attention (`is_causal=False`); OasisCache serves causal "
             "decoders. Use a DynamicCache."
         )
+    if kwargs.get("output_attentions"):
+        _warn_no_weights()
     if dropout and module.training:
         raise ValueError("OasisCache is an inference cache: call model.eval() (attention dropout is active).")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -124,6 +128,14 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
             "it supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as "
             "[batch, tokens]."
         )
+
+
+@functools.cache
+def _warn_no_weights() -> None:
+    """Once a process: `output_attentions=True` gets no weights from this attention (as from SDPA's)."""
+    warnings.warn("OasisCache's attention returns no attention weights: with output_attentions=True the outputs' "
+                  "`attentions` stay empty (a sparse step's weights are not dense attention's either). For the "
+                  "weights, generate with a DynamicCache and attn_implementation='eager'.", UserWarning, stacklevel=4)
 
 
 def _check_given(module, key, value, given) -> None:
