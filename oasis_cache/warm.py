@@ -1,7 +1,7 @@
 """Compile a machine's kernels for a model's shapes before its first `generate` (issue 21: the first call).
 
     python -m oasis_cache.warm path/to/model --context 32768            # once per machine (and per shape)
-    python -m oasis_cache.warm path/to/model --context 32768 --batch 4 --token-budget 4096
+    python -m oasis_cache.warm path/to/model --context 8192 32768 131072 --batch 4 --token-budget 4096
 
 A process's first `generate` with an OasisCache compiles the package's Triton kernels for its shapes and has the
 driver compile cuDNN's attention kernels for the prompt's chunks: on a new machine it takes ~2.3x a later call
@@ -42,17 +42,19 @@ def first_layers(config):
     return config
 
 
-def warm(config, context: int, batch: int = 1, token_budget: int = 2048, dtype: torch.dtype | None = None,
+def warm(config, context: int | list[int], batch: int = 1, token_budget: int = 2048, dtype: torch.dtype | None = None,
          device: str | torch.device = "cuda", new_tokens: int = 20, **cache_options) -> dict:
     """One `generate` of `config`'s first layers (`first_layers`) with random weights over a random prompt of
-    `batch x context` tokens and `new_tokens` greedy ones, through `OasisCache(model, token_budget=token_budget,
-    **cache_options)`: the kernels a real model of this config compiles at its first `generate` in a process, now
-    on disk. `new_tokens` (20) passes a block's completion (16 tokens a block). Returns `{"seconds", "layers"}`."""
+    `batch x context` tokens (each of several contexts in turn) and `new_tokens` greedy ones, through
+    `OasisCache(model, token_budget=token_budget, **cache_options)`: the kernels a real model of this config compiles
+    at its first `generate` in a process, now on disk. `new_tokens` (20) passes a block's completion (16 tokens a
+    block). Returns `{"seconds", "layers"}`."""
     from transformers import AutoModelForCausalLM
 
     from .cache import OasisCache
 
-    if context < 1 or batch < 1 or new_tokens < 1:
+    contexts = [context] if isinstance(context, int) else list(context)
+    if not contexts or min(contexts) < 1 or batch < 1 or new_tokens < 1:
         raise ValueError(f"warm: context, batch and new_tokens must be positive, got {context}, {batch}, {new_tokens}.")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -67,11 +69,13 @@ def warm(config, context: int, batch: int = 1, token_budget: int = 2048, dtype: 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(small, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, text.vocab_size, (batch, context), generator=generator).to(device)
-    cache = OasisCache(model, token_budget=token_budget, **cache_options)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache.generate_kwargs())
+    for tokens in contexts:
+        ids = torch.randint(0, text.vocab_size, (batch, tokens), generator=generator).to(device)
+        cache = OasisCache(model, token_budget=token_budget, **cache_options)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **cache.generate_kwargs())
+        del cache
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"seconds": time.perf_counter() - start, "layers": text.num_hidden_layers}
@@ -81,7 +85,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m oasis_cache.warm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a model directory (its config.json is read), a config.json, or a hub id")
-    parser.add_argument("--context", type=int, required=True, help="prompt tokens a sequence, as you will run")
+    parser.add_argument("--context", type=int, nargs="+", required=True,
+                        help="prompt tokens a sequence, as you will run (several: each in turn)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the config's, else bfloat16)")
@@ -92,7 +97,7 @@ def main(argv=None) -> None:
     from transformers import AutoConfig
 
     source = Path(args.model)
-    if args.context < 1 or args.batch < 1:
+    if min(args.context) < 1 or args.batch < 1:
         parser.error("--context and --batch must be positive")
     config = AutoConfig.from_pretrained(str(source.parent if source.name == "config.json" else args.model))
     dtype = getattr(torch, args.dtype, None) if args.dtype else None
@@ -106,7 +111,7 @@ def main(argv=None) -> None:
     except ValueError as error:  # (the cache's options: OasisConfig names what is wrong)
         parser.exit(2, f"{parser.prog}: {error}\n")
     print(f"warmed {type(config).__name__} ({done['layers']} of {config.get_text_config().num_hidden_layers} layers "
-          f"run) at {args.batch} x {args.context}, token_budget {args.token_budget}, on {args.device}: "
+          f"run) at {args.batch} x {' / '.join(map(str, args.context))}, token_budget {args.token_budget}, on {args.device}: "
           f"{done['seconds']:.1f} s", flush=True)
 
 

@@ -31,7 +31,7 @@ def test_first_layers_keep_one_of_each_kind_and_at_least_two():
 def test_warm_runs_a_generate_of_the_first_layers_on_the_cpu():
     config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    done = warm(config, context=200, token_budget=64, device="cpu", dtype=torch.float32, sink_tokens=16,
+    done = warm(config, context=[200, 90], token_budget=64, device="cpu", dtype=torch.float32, sink_tokens=16,
                 recent_tokens=16)
     assert done["layers"] == 2 and done["seconds"] > 0
     with pytest.raises(ValueError, match="context, batch and new_tokens must be positive"):
@@ -42,10 +42,10 @@ def test_the_command_reads_a_config_folder_and_names_what_is_wrong(tmp_path):
     transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
     run = [sys.executable, "-m", "oasis_cache.warm", str(tmp_path)]
-    done = subprocess.run(run + ["--context", "100", "--device", "cpu", "--dtype", "float32"], capture_output=True,
-                          text=True)
+    done = subprocess.run(run + ["--context", "100", "60", "--device", "cpu", "--dtype", "float32"],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "warmed LlamaConfig (2 of 3 layers run) at 1 x 100, token_budget 2048, on cpu" in done.stdout
+    assert "warmed LlamaConfig (2 of 3 layers run) at 1 x 100 / 60, token_budget 2048, on cpu" in done.stdout
     done = subprocess.run(run + ["--context", "100", "--device", "cpu", "--dtype", "int"], capture_output=True,
                           text=True)
     assert done.returncode == 2 and "--dtype 'int' is not a floating-point torch dtype" in done.stderr
