@@ -135,10 +135,10 @@ class OasisCache(Cache):
                 "`is_decoder=True` if it is meant to generate, or use a DynamicCache."
             )
         sinks = [i for i in oasis_layers if isinstance(getattr(attention_modules[i], "sinks", None), torch.Tensor)]
-        if sinks:
-            raise NotImplementedError(
-                f"{len(sinks)} full-attention layers of {type(model).__name__} add learned attention sinks "
-                "(`sinks`) to the softmax, which OasisCache's attention does not compute; use a DynamicCache."
+        if sinks and self.config.compile_decode:  # (learned sinks: the torch attention, `compute/sinks.py`)
+            raise ValueError(
+                f"compile_decode=True: {type(model).__name__}'s attention adds learned sinks, which the compiled "
+                "decode step does not carry. Drop compile_decode (its steps then run as they are)."
             )
         super().__init__(layers=layers)
 

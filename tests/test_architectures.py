@@ -141,7 +141,6 @@ def test_other_families_equal_dense(model_type):
     ("diffllama", "attends keys or values other than those it wrote"),
     ("jetmoe", "attends keys or values other than those it wrote"),
     # seen at construction
-    ("gpt_oss", "learned attention sinks"),
     ("mllama", "cross-attention layers"),
     ("deepseek_v4", "does not support layer type"),
     ("bloom", "AttentionInterface"),
@@ -161,3 +160,83 @@ def test_models_oasis_cannot_serve_are_refused_by_name(model_type, refusal):
         with pytest.raises(NotImplementedError, match=refusal):
             model(prompt_ids(40), **cache.generate_kwargs())
         assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
+
+
+def tiny_sinks_model(model_type: str = "gpt_oss"):
+    """A model with learned attention sinks (`s_aux`), its sinks drawn large enough to move every softmax, on its
+    eager attention (gpt-oss has no SDPA path)."""
+    model = tiny_model_of(model_type)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 1.5)
+    return model
+
+
+def sinks_dense(model, inputs, **kw):
+    model.set_attn_implementation(model.dense_attention)
+    return generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, **kw)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_learned_attention_sinks_equal_dense(mode):
+    """gpt-oss's sinks (one logit per query head in every softmax's sum, `compute/sinks.py`), in its full-attention
+    layers (the cache's) and sliding ones (transformers'), in every generate mode."""
+    model = tiny_sinks_model()
+    inputs, kw = MODES[mode]
+    dense = sinks_dense(model, inputs, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    assert [type(layer).__name__ for layer in cache.layers][:2] == ["DynamicSlidingWindowLayer", "OasisLayer"]
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_learned_sinks_through_the_cache_s_chunks_turns_and_lookaheads_and_they_count():
+    """The cache's own chunked prefill (a chunk over its past kept on the device), a second turn, each lookahead,
+    exact: dense's tokens; a sparse budget decodes within it; and the sinks move the outputs (the check can fail)."""
+    model = tiny_sinks_model()
+    ids = prompt_ids(300)
+    dense = sinks_dense(model, {"input_ids": ids})
+    for options in (dict(prefill_chunk_tokens=64), dict(lookahead="none"), dict(lookahead="previous", exact=True)):
+        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids}, seed=7,
+                                    max_new_tokens=16))
+    turns = OasisCache(model, **OPTIONS)
+    first = generate(model, turns, {"input_ids": ids[:, :100]}, max_new_tokens=8, do_sample=False)
+    second = {"input_ids": torch.cat([first.sequences, ids[:, 200:240]], 1)}
+    second_dense = sinks_dense(model, second)
+    model.set_attn_implementation("oasis")  # (the dense run switched the model away from the cache's attention)
+    assert_same(second_dense, generate(model, turns, second, seed=7, max_new_tokens=16))
+
+    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
+    assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.fill_(-1e4)  # (no weight to the sinks: another model)
+    moved = generate(model, OasisCache(model, **OPTIONS), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    assert not all(torch.allclose(a, b, atol=1e-2) for a, b in zip(dense.logits, moved.logits))
+
+
+def test_learned_sinks_of_another_shape_and_a_compiled_decode_are_refused_by_name():
+    model = tiny_sinks_model()
+    with pytest.raises(ValueError, match="learned sinks, which the compiled decode step does not carry"):
+        OasisCache(model, token_budget=1024, compile_decode=True)
+    attention = next(m for m in model.modules() if getattr(m, "layer_idx", None) == 1 and hasattr(m, "sinks"))
+    attention.sinks = torch.nn.Parameter(torch.zeros(2))  # (one per KV head: not what the cache computes)
+    cache = OasisCache(model, token_budget=1024)
+    with pytest.raises(NotImplementedError, match=r"sinks of shape \(2,\); OasisCache computes one learned sink "
+                                                  r"logit per query head \(\[4\]\)"):
+        model(prompt_ids(40), **cache.generate_kwargs())
+    assert all(layer.get_seq_length() == 0 for layer in cache.layers[1:2])  # (its new tokens taken back)
+
+
+@pytest.mark.parametrize("model_type", ["flint", "granite_swa", "granitemoe_swa"])
+def test_other_families_with_learned_sinks_equal_dense(model_type):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    result, detail = compare(tiny_sinks_model(model_type))
+    assert result == "equal", detail

@@ -23,9 +23,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..compat import causal_mask_function, sdpa_mask
 from . import compiled_ops
 from .dense import dense_causal_attention
+from .sinks import attention_with_sinks, check_sinks
 
 _handoff = threading.local()
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+_UNSUPPORTED_KWARGS = ("softcap", "sinks", "position_bias")  # (learned sinks come as `s_aux`: served)
 
 
 def leave_pending(layer, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
@@ -101,6 +102,8 @@ def oasis_attention_forward(
     returns `[B, Qn, Hq, D]` like every transformers attention function."""
     if torch.compiler.is_dynamo_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
         _check_call(module, attention_mask, dropout, kwargs)
+        if kwargs.get("s_aux") is not None:  # (OasisCache refuses compile_decode for such models first)
+            raise NotImplementedError("compile_decode does not carry attention sinks (`s_aux`); compile_decode=False.")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return compiled_ops.traced_attention(module, query, key, value, attention_mask, scale)
     return oasis_attention_eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -174,13 +177,15 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
         _check_call(module, attention_mask, dropout, kwargs)
         if check_given:
             _check_given(module, key, value, given)
+        sinks = kwargs.get("s_aux")  # learned sinks (gpt-oss): `compute/sinks.py`
+        sinks = None if sinks is None else check_sinks(sinks, query, module)
     except (NotImplementedError, ValueError, RuntimeError):
         if given is not None and given[0] is not None:  # the layer's new tokens taken back: as before the forward
             layer.crop(-given[0].shape[-2])
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
-        out = layer.attend(query, attention_mask, scale)
+        out = layer.attend(query, attention_mask, scale, sinks)
     except BaseException:
         if layer._cache.streams is not None:
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error
@@ -193,9 +198,25 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     tokens after a past whose mask was dropped (nothing hidden: `oasis_mask` notes their sizes) aligned to the bottom
     right."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # (a sliding-window layer of a model with learned sinks: gpt-oss)
+        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, check_sinks(sinks, query, module))
     if attention_mask is not None and attention_mask.dim() == 2:
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is None and getattr(_handoff, "bottom_right", None) == (query.shape[2], key.shape[2]):
         return dense_causal_attention(query, key, value, None, scale).transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks):
+    """`_sdpa_fallback` for a layer with learned sinks (`compute/sinks.py`): the mask transformers made for SDPA
+    (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom right)."""
+    if attention_mask is None or attention_mask.dim() == 2:
+        visible = None if attention_mask is None else attention_mask[:, : key.shape[2]].to(torch.bool)
+        out = attention_with_sinks(query, key, value, scale, sinks, visible=visible)
+    else:
+        mask = attention_mask[..., : key.shape[2]]
+        seen = mask if mask.dtype == torch.bool else mask > float("-inf")
+        out = attention_with_sinks(query, key, value, scale, sinks, mask=seen)
+    return out.transpose(1, 2).contiguous(), None

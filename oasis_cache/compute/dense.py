@@ -210,7 +210,8 @@ def merge_partial(first, first_lse, second, second_lse):
 
 
 def dense_causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the last Qn positions over all L.
 
@@ -219,9 +220,14 @@ def dense_causal_attention(
         keys, values: `[B, Hkv, L, D]`.
         visible: `[B, L]` bool (False = padding), or None.
         scale: softmax scale.
+        sinks: `[Hq]` learned sink logits, or None (`compute/sinks.py`: then the scores explicitly).
     Returns:
         `[B, Hq, Qn, D]`; rows of padding queries are finite but meaningless.
     """
+    if sinks is not None:
+        from .sinks import attention_with_sinks
+
+        return attention_with_sinks(query, keys, values, scale, sinks, visible=visible)
     if visible is None:
         return _sdpa_causal(query, keys, values, scale)
     B, Hq, Qn, D = query.shape

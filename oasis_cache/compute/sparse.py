@@ -27,7 +27,7 @@ def new_token_bias(num_queries: int, group: int, length: int, slot_tokens: int, 
 
 def sparse_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
-    bias: torch.Tensor, last_visible: torch.Tensor | None = None,
+    bias: torch.Tensor, last_visible: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     Args:
@@ -40,6 +40,7 @@ def sparse_attention(
             per forward for all layers: `OasisCache.new_token_bias`).
         last_visible: `[B, Hkv, L]` bool or None: what the last new token (a riding draft row) sees instead of
             `visible` (`OasisConfig.draft_sees_its_blocks`).
+        sinks: `[Hq]` learned sink logits (`compute/sinks.py`) or None.
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -53,5 +54,12 @@ def sparse_attention(
     if last_visible is not None:
         rows = torch.arange(G * Qn, device=query.device) % Qn == Qn - 1  # (g, Qn - 1): the last new token's rows
         mask = torch.where(rows[:, None] & ~last_visible[:, :, None, :], float("-inf"), mask)
+    if sinks is not None:  # the scores explicitly, the sinks in the softmax's sum (float32)
+        from .sinks import grouped_sinks
+
+        scores = (grouped.float() @ keys.float().transpose(-1, -2)) * scale + mask.float()  # [B, Hkv, G * Qn, L]
+        sink = grouped_sinks(sinks, Hkv, Qn)[None, :, :, None]
+        total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+        return (torch.exp(scores - total) @ values.float()).to(query.dtype).reshape(B, Hq, Qn, D)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)
