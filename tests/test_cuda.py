@@ -1003,3 +1003,24 @@ def test_a_qwen3_5_hybrid_s_steps_replay_captured_as_they_decode_eagerly():
     captured = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
     assert cache.captured_steps.replays > 20
     assert torch.equal(captured.sequences, generate(model, eager, inputs, max_new_tokens=40, do_sample=False).sequences)
+
+
+def test_learned_attention_sinks_on_cuda():
+    """gpt-oss's learned sinks on CUDA (the attention in torch, `compute/sinks.py`; the selection and gather through
+    the Triton kernels): dense eager's tokens and logits at a budget above the context, in one prompt, a left-padded
+    batch and the cache's own chunks; a sparse budget decodes within it."""
+    from test_architectures import sinks_dense, tiny_sinks_model
+
+    model = tiny_sinks_model().cuda()
+    for inputs, extra in [({"input_ids": prompt_ids(150)}, {}), (left_padded([61, 37, 50]), {}),
+                          ({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))]:
+        inputs = on_cuda(inputs)
+        dense = sinks_dense(model, inputs, do_sample=False)
+        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
+        oasis = generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
