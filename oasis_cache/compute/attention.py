@@ -217,6 +217,6 @@ def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks
         out = attention_with_sinks(query, key, value, scale, sinks, visible=visible)
     else:
         mask = attention_mask[..., : key.shape[2]]
-        seen = mask if mask.dtype == torch.bool else mask > float("-inf")
+        seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (-inf or dtype's min)
         out = attention_with_sinks(query, key, value, scale, sinks, mask=seen)
     return out.transpose(1, 2).contiguous(), None
