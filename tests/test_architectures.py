@@ -240,3 +240,31 @@ def test_other_families_with_learned_sinks_equal_dense(model_type):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     result, detail = compare(tiny_sinks_model(model_type))
     assert result == "equal", detail
+
+
+@pytest.mark.parametrize("case", ["square", "after a past", "left-padded", "other mask"])
+def test_sinks_through_a_kernel_s_log_sum_exp_equal_explicit_scores(case, monkeypatch):
+    """`compute/sinks.py`: the kernel way (the flash kernel for CPU here, cuDNN's on CUDA: output scaled by
+    sigmoid(lse - sink)) equals the explicit scores, grouped query heads, with the past split from the chunk."""
+    from oasis_cache.compute import sinks as sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, L, D = 3, 8, 2, 96, 16
+    Qn = L if case in ("square", "left-padded") else 40
+    query, keys, values = (torch.randn(shape, generator=g) for shape in ((B, Hq, Qn, D), (B, Hkv, L, D),
+                                                                         (B, Hkv, L, D)))
+    sinks = torch.randn(Hq, generator=g) * 2
+    visible = None
+    if case == "left-padded":
+        visible = torch.arange(L)[None] >= torch.tensor([0, 20, 50])[:, None]
+    elif case == "other mask":
+        visible = torch.rand(B, L, generator=g) > 0.3
+    fast = sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, visible=visible)
+    explicit = sink_attention._explicit(query, keys, values, 0.25, sinks, visible, None)
+    rows = slice(None) if visible is None else visible[:, None, L - Qn:, None]  # (padding rows: meaningless)
+    torch.testing.assert_close(torch.where(rows, fast, 0) if visible is not None else fast,
+                               torch.where(rows, explicit, 0) if visible is not None else explicit,
+                               atol=1e-5, rtol=1e-5)
+    if case != "other mask":  # (the kernel way is taken: the explicit scores are not computed)
+        monkeypatch.setattr(sink_attention, "_explicit", lambda *args: pytest.fail("explicit scores computed"))
+        sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, visible=visible)

@@ -4,11 +4,14 @@ may give part of its weight to nothing:
 
     out = sum_j exp(s_j - Z) v_j,   Z = log(exp(sink_h) + sum_j exp(s_j))
 
-The torch way here computes the scores explicitly (float32), in bounded chunks of queries: the dense attention of a
-prefill or an extend (`dense_causal_attention(..., sinks=)`), the sparse one of a decode step
-(`sparse_attention(..., sinks=)`) and the layers transformers keeps (sliding windows: `oasis_attention_eager`'s
-fallback). Equal to transformers' eager attention of these models within float rounding. The package's Triton
-decode kernel and cuDNN's split prefill do not take sinks: a model with sinks decodes through these.
+A kernel that returns its log-sum-exp gives the same by scaling its output: `out * sigmoid(lse - sink)`. The dense
+attention of a prefill or an extend (`dense_causal_attention(..., sinks=)`) takes that way where it can — cuDNN's
+attention on CUDA (bf16 / fp16, as `dense._past_then_chunk` calls it: the past and the chunk's own tokens, merged),
+the flash kernel for CPU — for prompts without padding or left-padded (one call per sequence). Elsewhere the scores
+are explicit (float32, in bounded chunks of queries): other masks, the sparse attention of a decode step
+(`sparse_attention(..., sinks=)`; the package's Triton decode kernel does not take sinks) and the layers transformers
+keeps (sliding windows: `oasis_attention_eager`'s fallback). Equal to transformers' eager attention of these models
+within float rounding.
 """
 
 from __future__ import annotations
@@ -29,6 +32,53 @@ def check_sinks(sinks, query: torch.Tensor, module) -> torch.Tensor:
     return sinks
 
 
+_KERNEL = {"refused": False}  # cuDNN refused a call (a RuntimeError other than memory): explicit scores from then on
+
+
+def _with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """`(out [B, H, Qn, D], lse [B, H, Qn, 1] float32)` of `query` (the last Qn of L positions) over `keys`,
+    `values` `[B, Hkv, L, D]`, causal from the bottom right, by a kernel that returns its log-sum-exp: cuDNN's on
+    CUDA (where `dense._cudnn_applies`), the flash kernel for CPU; the past and the queries' own tokens separately,
+    merged. None where neither applies."""
+    from . import dense
+
+    if query.is_cuda:
+        if _KERNEL["refused"] or not dense._cudnn_applies(query):
+            return None
+
+        def run(q, k, v, causal):
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=scale)[:2]
+    elif query.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        def run(q, k, v, causal):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    else:
+        return None
+    keys, values = dense._expand_kv_heads(query, keys, values)
+    shape = (*query.shape[:3], 1)
+    P = keys.shape[2] - query.shape[2]
+    try:
+        own, own_lse = run(query, keys[:, :, P:], values[:, :, P:], True)
+        if P == 0:
+            return own, own_lse.float().view(shape)
+        past, past_lse = run(query, keys[:, :, :P], values[:, :, :P], False)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        if not query.is_cuda:
+            raise
+        _KERNEL["refused"] = True
+        return None
+    lse = torch.logaddexp(past_lse.float().view(shape), own_lse.float().view(shape))
+    return dense.merge_partial(past, past_lse, own, own_lse), lse
+
+
+def _scaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`out` `[B, Hq, Qn, D]` of a softmax whose log-sum-exp is `lse` `[B, Hq, Qn, 1]`, with each head's sink logit
+    joining the sum."""
+    return (out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1, 1))).to(out.dtype)
+
+
 def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                          sinks: torch.Tensor, visible: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,6 +87,29 @@ def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.
     L]` (True: seen) where given; else causally (aligned to the bottom right) among the tokens `visible` `[B, L]`
     shows (None: all), a hidden query seeing itself (its row is meaningless, not empty). Returns `[B, Hq, Qn, D]` in
     `query`'s dtype."""
+    if mask is None:
+        from .dense import mask_layout
+
+        left, padded, firsts = (True, False, []) if visible is None else mask_layout(visible)
+        if left and not padded:
+            done = _with_lse(query, keys, values, scale)
+            if done is not None:
+                return _scaled(*done, sinks)
+        elif left:
+            out, L, Qn = torch.zeros_like(query), keys.shape[2], query.shape[2]  # (padding rows: meaningless)
+            for b, start in enumerate(firsts):  # one call per sequence on its own tokens, as `dense` does
+                q_start = max(0, start - (L - Qn))
+                if q_start < Qn:
+                    q, k, v = query[b:b + 1, :, q_start:], keys[b:b + 1, :, start:], values[b:b + 1, :, start:]
+                    part = _with_lse(q, k, v, scale)
+                    out[b:b + 1, :, q_start:] = (_explicit(q, k, v, scale, sinks, None, None) if part is None
+                                                 else _scaled(*part, sinks))
+            return out
+    return _explicit(query, keys, values, scale, sinks, visible, mask)
+
+
+def _explicit(query, keys, values, scale, sinks, visible, mask) -> torch.Tensor:
+    """`attention_with_sinks` with its scores computed: float32, in chunks of at most `_SCORE_ELEMENTS`."""
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
