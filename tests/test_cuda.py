@@ -1024,3 +1024,21 @@ def test_learned_attention_sinks_on_cuda():
     cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+
+
+@pytest.mark.parametrize("past", [0, 200])
+def test_sinks_through_cudnn_s_log_sum_exp_equal_explicit_scores(past, monkeypatch):
+    """On CUDA in bf16 with ≥ 128 queries the dense attention with sinks runs cuDNN's kernels with their log-sum-exp
+    (the past and the chunk's own tokens merged), not explicit scores: equal to the explicit float32 scores within
+    bf16's rounding."""
+    from oasis_cache.compute import sinks as sink_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Hq, Hkv, Qn, D = 2, 8, 2, 256, 64
+    query = torch.randn((B, Hq, Qn, D), generator=g, device="cuda").bfloat16()
+    keys, values = (torch.randn((B, Hkv, past + Qn, D), generator=g, device="cuda").bfloat16() for _ in range(2))
+    sinks = torch.randn(Hq, generator=g, device="cuda") * 2
+    explicit = sink_attention._explicit(query, keys, values, D ** -0.5, sinks, None, None)
+    monkeypatch.setattr(sink_attention, "_explicit", lambda *args: pytest.fail("explicit scores computed"))
+    fast = sink_attention.attention_with_sinks(query, keys, values, D ** -0.5, sinks)
+    torch.testing.assert_close(fast.float(), explicit.float(), atol=2e-2, rtol=2e-2)
