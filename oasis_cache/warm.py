@@ -67,7 +67,7 @@ def warm(config, context: int | list[int], batch: int = 1, token_budget: int = 2
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     start = time.perf_counter()
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(small, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(text, dtype=dtype).eval()  # (a multimodal config: its text model)
     generator = torch.Generator().manual_seed(0)
     for tokens in contexts:
         ids = torch.randint(0, text.vocab_size, (batch, tokens), generator=generator).to(device)

@@ -52,3 +52,14 @@ def test_the_command_reads_a_config_folder_and_names_what_is_wrong(tmp_path):
     if not torch.cuda.is_available():
         done = subprocess.run(run + ["--context", "100"], capture_output=True, text=True)
         assert done.returncode == 2 and "no CUDA device" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_warm_takes_a_multimodal_config_s_text_model():
+    """A config with a text config inside (Qwen3.5's, with its vision tower): its text model's first layers run."""
+    text = {**_COMMON, **LINEAR, "num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2}
+    config = transformers.Qwen3_5Config(text_config=text)
+    small = first_layers(config)
+    assert small.get_text_config().num_hidden_layers == 2 and config.get_text_config().num_hidden_layers == 4
+    done = warm(config, context=120, token_budget=64, device="cpu", dtype=torch.float32, sink_tokens=16,
+                recent_tokens=16)
+    assert done["layers"] == 2
