@@ -185,7 +185,9 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
-        out = layer.attend(query, attention_mask, scale, sinks)
+        # (no `sinks` argument unless the model has them: wrappers of `attend` with its older signature still fit)
+        out = layer.attend(query, attention_mask, scale) if sinks is None else layer.attend(query, attention_mask,
+                                                                                            scale, sinks)
     except BaseException:
         if layer._cache.streams is not None:
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error
