@@ -59,11 +59,11 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
     config = AutoConfig.for_model(model_type)
     config = config.get_text_config(decoder=True)
     for name, value in {**SMALL, "is_decoder": is_decoder}.items():
-        if hasattr(config, name):
-            try:
+        try:  # (a per-layer attribute, Gemma 4's head_dim, raises even to `hasattr`: set below)
+            if hasattr(config, name):
                 setattr(config, name, value)
-            except (AttributeError, TypeError, ValueError):  # (a derived property)
-                pass
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # (a derived property)
+            pass
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
     if kinds:
         layer_types = [kinds[i % len(kinds)] for i in range(4)]
@@ -75,6 +75,14 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
             pass
         if "sliding_attention" in kinds and isinstance(getattr(config, "sliding_window", None), int):
             config.sliding_window = WINDOW  # (a window the prompt passes; elsewhere the config's own window)
+        if getattr(config, "per_layer_config", None) is not None:  # (Gemma 4: its full layers' wider heads, made anew:
+            settings = config.to_dict()  # a per-layer setting takes effect at construction only)
+            for key in ("model_type", "transformers_version", "architectures"):
+                settings.pop(key, None)
+            settings.update(head_dim=SMALL["head_dim"], per_layer_config={
+                f"{i:02d}": {"head_dim": 2 * SMALL["head_dim"]} for i, kind in enumerate(config.layer_types)
+                if kind == "full_attention"})
+            config = type(config)(**settings)
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     torch.manual_seed(seed)
     model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(config).eval()

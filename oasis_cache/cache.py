@@ -1169,7 +1169,10 @@ def _check_supported(model):
         raise NotImplementedError(
             f"{type(model).__name__} uses multi-head latent attention (MLA), which OasisCache does not support."
         )
-    if getattr(text_config, "num_kv_shared_layers", 0) or getattr(text_config, "kv_sharing_modes", None):
+    # ("store": a layer keeps what its cache update returned for later layers or an assistant to read; "reuse": a
+    # layer attends another layer's keys and values — that one is refused. Gemma 4 without shared layers stores only.)
+    if getattr(text_config, "num_kv_shared_layers", 0) or any(
+            mode not in (None, "store") for mode in (getattr(text_config, "kv_sharing_modes", None) or ())):
         raise NotImplementedError(
             f"{type(model).__name__} shares KV caches between layers, which OasisCache does not support."
         )

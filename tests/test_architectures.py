@@ -268,3 +268,26 @@ def test_sinks_through_a_kernel_s_log_sum_exp_equal_explicit_scores(case, monkey
     if case != "other mask":  # (the kernel way is taken: the explicit scores are not computed)
         monkeypatch.setattr(sink_attention, "_explicit", lambda *args: pytest.fail("explicit scores computed"))
         sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, visible=visible)
+
+
+def test_gemma4_without_shared_layers_is_served_and_with_them_refused():
+    """Gemma 4's full-attention layers with their own (wider) head size, keys equal to values or not: dense's
+    tokens; its configs always name a KV-sharing mode ("store": a layer keeps what its update returned), refused only
+    where a layer reuses another's keys and values (`num_kv_shared_layers`, the small Gemma 4s)."""
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    model = tiny_model_of("gemma4_text")
+    full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    assert full and all(model.model.layers[i].self_attn.head_dim == 32 for i in full)  # (16 in the sliding ones)
+    settings = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    for k_eq_v in (False, True):
+        torch.manual_seed(0)
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**settings,
+                                                                              "attention_k_eq_v": k_eq_v})).eval()
+        model.set_attn_implementation("sdpa")
+        result, detail = compare(model)
+        assert result == "equal", (k_eq_v, detail)
+    shared = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**settings,
+                                                                          "num_kv_shared_layers": 2})).eval()
+    with pytest.raises(NotImplementedError, match="shares KV caches between layers"):
+        OasisCache(shared, token_budget=1024)
