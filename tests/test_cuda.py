@@ -1042,3 +1042,31 @@ def test_sinks_through_cudnn_s_log_sum_exp_equal_explicit_scores(past, monkeypat
     monkeypatch.setattr(sink_attention, "_explicit", lambda *args: pytest.fail("explicit scores computed"))
     fast = sink_attention.attention_with_sinks(query, keys, values, D ** -0.5, sinks)
     torch.testing.assert_close(fast.float(), explicit.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gemma4_s_wide_heads_through_the_kernels():
+    """Gemma 4's full-attention layers have 512-wide heads (256 in its sliding ones): the Triton kernels (selection,
+    gather, decode attention) at that width, greedy tokens equal to dense at a budget above the context and a sparse
+    budget decoding within it."""
+    import transformers
+
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    from eval.architectures import tiny_model_of
+
+    settings = {k: v for k, v in tiny_model_of("gemma4_text").config.to_dict().items()
+                if k not in ("model_type", "transformers_version")}
+    settings.update(head_dim=256, per_layer_config={"01": {"head_dim": 512}, "03": {"head_dim": 512}})
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**settings)).eval().cuda()
+    model.set_attn_implementation("sdpa")
+    inputs = on_cuda({"input_ids": prompt_ids(150)})
+    dense = generate(model, dense_cache(model), inputs, max_new_tokens=16, do_sample=False)
+    oasis = generate(model, OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16), inputs,
+                     max_new_tokens=16, do_sample=False)
+    assert torch.equal(dense.sequences, oasis.sequences)
+    for a, b in zip(dense.logits, oasis.logits):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
