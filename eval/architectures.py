@@ -75,8 +75,8 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
             pass
         if "sliding_attention" in kinds and isinstance(getattr(config, "sliding_window", None), int):
             config.sliding_window = WINDOW  # (a window the prompt passes; elsewhere the config's own window)
-        if getattr(config, "per_layer_config", None) is not None:  # (Gemma 4: its full layers' wider heads, made anew:
-            settings = config.to_dict()  # a per-layer setting takes effect at construction only)
+        if config.to_dict().get("per_layer_config"):  # (Gemma 4: its full layers' wider heads, made anew: a
+            settings = config.to_dict()  # per-layer setting takes effect at construction only)
             for key in ("model_type", "transformers_version", "architectures"):
                 settings.pop(key, None)
             settings.update(head_dim=SMALL["head_dim"], per_layer_config={
