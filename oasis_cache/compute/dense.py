@@ -224,26 +224,30 @@ def dense_causal_attention(
     Returns:
         `[B, Hq, Qn, D]`; rows of padding queries are finite but meaningless.
     """
+    causal = _sdpa_causal  # (unpadded, causal from the bottom right; with sinks, `compute/sinks.py`'s)
     if sinks is not None:
-        from .sinks import attention_with_sinks
+        from . import sinks as sink_attention
 
-        return attention_with_sinks(query, keys, values, scale, sinks, visible=visible)
+        def causal(q, k, v, scale):
+            return sink_attention.causal_with_sinks(q, k, v, scale, sinks)
     if visible is None:
-        return _sdpa_causal(query, keys, values, scale)
+        return causal(query, keys, values, scale)
     B, Hq, Qn, D = query.shape
     L = keys.shape[2]
     left, padded, firsts = mask_layout(visible)
     if left and not padded:  # nothing hidden (generate's all-ones mask): one batched call
-        return _sdpa_causal(query, keys, values, scale)
+        return causal(query, keys, values, scale)
     if left:
         out = torch.zeros_like(query)
         for b, start in enumerate(firsts):
             q_start = max(0, start - (L - Qn))
             if q_start < Qn:
-                out[b : b + 1, :, q_start:] = _sdpa_causal(
+                out[b : b + 1, :, q_start:] = causal(
                     query[b : b + 1, :, q_start:], keys[b : b + 1, :, start:], values[b : b + 1, :, start:], scale
                 )
         return out
+    if sinks is not None:
+        return sink_attention._explicit(query, keys, values, scale, sinks, visible, None)
     return _explicit_mask_attention(query, keys, values, visible, scale)
 
 

@@ -7,7 +7,8 @@ may give part of its weight to nothing:
 A kernel that returns its log-sum-exp gives the same by scaling its output: `out * sigmoid(lse - sink)`. The dense
 attention of a prefill or an extend (`dense_causal_attention(..., sinks=)`) takes that way where it can — cuDNN's
 attention on CUDA (bf16 / fp16, as `dense._past_then_chunk` calls it: the past and the chunk's own tokens, merged),
-the flash kernel for CPU — for prompts without padding or left-padded (one call per sequence). Elsewhere the scores
+the flash kernel for CPU — for prompts without padding or left-padded (one call per sequence, as it lays out any
+prompt). Elsewhere the scores
 are explicit (float32, in bounded chunks of queries): other masks, the sparse attention of a decode step
 (`sparse_attention(..., sinks=)`; the package's Triton decode kernel does not take sinks) and the layers transformers
 keeps (sliding windows: `oasis_attention_eager`'s fallback). Equal to transformers' eager attention of these models
@@ -79,37 +80,32 @@ def _scaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.
     return (out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1, 1))).to(out.dtype)
 
 
+def causal_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """`dense_causal_attention`'s unpadded call with sinks: through a kernel's log-sum-exp (`_with_lse`) where one
+    applies, else the explicit scores."""
+    done = _with_lse(query, keys, values, scale)
+    return _explicit(query, keys, values, scale, sinks, None, None) if done is None else _scaled(*done, sinks)
+
+
 def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                          sinks: torch.Tensor, visible: torch.Tensor | None = None,
                          mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query` `[B, Hq, Qn, D]` (the last Qn of L positions) over `keys`, `values` `[B, Hkv, L, D]`
     with one sink logit per query head (`sinks` `[Hq]`). What each query sees: `mask`, bool `[B or 1, Hq or 1, Qn,
-    L]` (True: seen) where given; else causally (aligned to the bottom right) among the tokens `visible` `[B, L]`
-    shows (None: all), a hidden query seeing itself (its row is meaningless, not empty). Returns `[B, Hq, Qn, D]` in
-    `query`'s dtype."""
-    if mask is None:
-        from .dense import mask_layout
+    L]` (True: seen) where given (explicit scores); else causally (aligned to the bottom right) among the tokens
+    `visible` `[B, L]` shows (None: all), as `dense_causal_attention` lays out a mask (padding rows meaningless).
+    Returns `[B, Hq, Qn, D]` in `query`'s dtype."""
+    if mask is not None:
+        return _explicit(query, keys, values, scale, sinks, None, mask)
+    from .dense import dense_causal_attention
 
-        left, padded, firsts = (True, False, []) if visible is None else mask_layout(visible)
-        if left and not padded:
-            done = _with_lse(query, keys, values, scale)
-            if done is not None:
-                return _scaled(*done, sinks)
-        elif left:
-            out, L, Qn = torch.zeros_like(query), keys.shape[2], query.shape[2]  # (padding rows: meaningless)
-            for b, start in enumerate(firsts):  # one call per sequence on its own tokens, as `dense` does
-                q_start = max(0, start - (L - Qn))
-                if q_start < Qn:
-                    q, k, v = query[b:b + 1, :, q_start:], keys[b:b + 1, :, start:], values[b:b + 1, :, start:]
-                    part = _with_lse(q, k, v, scale)
-                    out[b:b + 1, :, q_start:] = (_explicit(q, k, v, scale, sinks, None, None) if part is None
-                                                 else _scaled(*part, sinks))
-            return out
-    return _explicit(query, keys, values, scale, sinks, visible, mask)
+    return dense_causal_attention(query, keys, values, visible, scale, sinks)
 
 
 def _explicit(query, keys, values, scale, sinks, visible, mask) -> torch.Tensor:
-    """`attention_with_sinks` with its scores computed: float32, in chunks of at most `_SCORE_ELEMENTS`."""
+    """Attention with sinks, its scores computed (float32, in chunks of at most `_SCORE_ELEMENTS`): what a query sees
+    as `attention_with_sinks` says, a hidden query (`visible`) seeing itself."""
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -132,10 +128,16 @@ def _explicit(query, keys, values, scale, sinks, visible, mask) -> torch.Tensor:
             if visible is not None:
                 seen = (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
             seen = seen[:, None, None] if seen.dim() == 3 else seen
-        scores = scores.masked_fill(~seen, float("-inf"))
-        total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)  # the sink joins the sum
-        out[:, :, lo:hi] = (torch.exp(scores - total) @ v).view(B, Hq, hi - lo, D).to(query.dtype)
+        out[:, :, lo:hi] = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), sink, v).view(
+            B, Hq, hi - lo, D).to(query.dtype)
     return out
+
+
+def softmax_with_sinks(scores: torch.Tensor, sink: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`softmax(scores) @ values` with `sink` (broadcast to `scores[..., :1]`) joining the softmax's sum; float32
+    `scores` `[..., r, L]`, masked with -inf."""
+    total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+    return torch.exp(scores - total) @ values
 
 
 def grouped_sinks(sinks: torch.Tensor, num_kv_heads: int, num_queries: int) -> torch.Tensor:

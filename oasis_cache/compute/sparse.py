@@ -55,11 +55,10 @@ def sparse_attention(
         rows = torch.arange(G * Qn, device=query.device) % Qn == Qn - 1  # (g, Qn - 1): the last new token's rows
         mask = torch.where(rows[:, None] & ~last_visible[:, :, None, :], float("-inf"), mask)
     if sinks is not None:  # the scores explicitly, the sinks in the softmax's sum (float32)
-        from .sinks import grouped_sinks
+        from .sinks import grouped_sinks, softmax_with_sinks
 
         scores = (grouped.float() @ keys.float().transpose(-1, -2)) * scale + mask.float()  # [B, Hkv, G * Qn, L]
-        sink = grouped_sinks(sinks, Hkv, Qn)[None, :, :, None]
-        total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
-        return (torch.exp(scores - total) @ values.float()).to(query.dtype).reshape(B, Hq, Qn, D)
+        out = softmax_with_sinks(scores, grouped_sinks(sinks, Hkv, Qn)[None, :, :, None], values.float())
+        return out.to(query.dtype).reshape(B, Hq, Qn, D)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)
