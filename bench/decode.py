@@ -58,7 +58,7 @@ import oasis_cache  # noqa: E402,F401
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.config import OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
-from models import load_model  # noqa: E402
+from models import dense_attention, load_model  # noqa: E402
 
 METHODS = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact")  # default; oasis-eagle3 on request
 SDPA_METHODS = ("dense", "offload", "dense-compiled")  # HF's attention, no OasisCache
@@ -67,13 +67,13 @@ SDPA_METHODS = ("dense", "offload", "dense-compiled")  # HF's attention, no Oasi
 def make_cache(method: str, model, args, capacity: int = 0):
     """The method's cache; `capacity`: the tokens a static cache holds (dense-compiled)."""
     if method == "dense-compiled":
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(dense_attention(model))
         return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "dense":
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(dense_attention(model))
         return DynamicCache(config=model.config)
     if method == "offload":
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(dense_attention(model))
         return DynamicCache(config=model.config, offloading=True)
     method, _, variant = method.partition("@")
     # (uncompiled unless the variant compiles: the default would compile after 2,048 steps of the model, midway)

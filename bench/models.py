@@ -6,7 +6,7 @@ twenty-seventh session), a real model's selection is stable."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen3Config
 
 SHAPES = {
     "qwen3-8b": lambda: Qwen3Config(
@@ -17,6 +17,11 @@ SHAPES = {
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, rope_theta=5e5, max_position_embeddings=262144, rms_norm_eps=1e-5,
+    ),
+    # learned attention sinks (one logit per head in each softmax) and 128-token sliding layers beside full ones
+    "gpt-oss-20b": lambda: GptOssConfig(
+        num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
+        layer_types=["sliding_attention", "full_attention"] * 12,
     ),
     "tiny": lambda: Qwen3Config(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -37,11 +42,19 @@ def load_model(name: str, device: str, dtype: torch.dtype, tokenizer: bool = Fal
         model, tok = load_offline(name, device=device, dtype=dtype)
         return (model, model.config.vocab_size, tok) if tokenizer else (model, model.config.vocab_size)
     config = SHAPES[name]()
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = dense_attention(config)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return (model.eval(), config.vocab_size) + ((None,) if tokenizer else ())
+
+
+def dense_attention(config_or_model) -> str:
+    """HF's attention for a dense baseline: "sdpa", or "eager" where the model has no SDPA path (gpt-oss: its sinks)."""
+    from transformers import AutoModelForCausalLM as auto
+
+    model_class = auto._model_mapping[type(getattr(config_or_model, "config", config_or_model))]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def code_prompt(name: str, tokenizer, batch: int, context: int) -> torch.Tensor:

@@ -65,6 +65,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=24)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens")
     parser.add_argument("--out", default=None, help="directory for the tables")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the synced steps' host work")
     args = parser.parse_args()
@@ -76,7 +77,9 @@ def main():
         cache = make_cache(method, model, args)
         kw = {generate_cache_argument(model): cache, "use_cache": True}
         with torch.no_grad():
-            out = model(input_ids=ids.to(args.device), logits_to_keep=1, **kw)
+            chunk = args.prefill_chunk or args.context
+            for start in range(0, args.context, chunk):
+                out = model(input_ids=ids[:, start:start + chunk].to(args.device), logits_to_keep=1, **kw)
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(args.warmup):  # warm-up: compilation, and both captured steps (one completes a block)
                 token = model(input_ids=token, **kw).logits[:, -1:].argmax(-1)

@@ -14,7 +14,7 @@ import dataclasses
 import weakref
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from . import compat
 from .compute import compiled_layers, compiled_ops
@@ -23,6 +23,7 @@ from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
 from .layer import OasisLayer
+from .window import WindowLayer
 from .memory import TransferEngine, pinned_regions
 from .memory.device_memory import device_room
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
@@ -106,6 +107,8 @@ class OasisCache(Cache):
         for layer_idx, (layer_type, kwargs) in enumerate(kinds):
             if layer_type == "full_attention":
                 layers.append(OasisLayer(self, layer_idx))
+            elif compat.dynamic_layer_class(layer_type) is DynamicSlidingWindowLayer:  # (its steady steps in place)
+                layers.append(WindowLayer(clear_from=_padding_reader(self), **kwargs))
             elif layer_type in _HF_KEPT_LAYER_TYPES or compat.holds_no_keys(layer_type):
                 layers.append(compat.dynamic_layer_class(layer_type)(**kwargs))
             else:
@@ -519,7 +522,8 @@ class OasisCache(Cache):
                 if layer.is_initialized:
                     dynamic.layers[idx].update(*layer.full_kv())
             else:
-                dynamic.layers[idx] = copy.deepcopy(layer)
+                window = isinstance(layer, WindowLayer)
+                dynamic.layers[idx] = layer.as_transformers() if window else copy.deepcopy(layer)
         return dynamic
 
     @classmethod
@@ -553,7 +557,8 @@ class OasisCache(Cache):
             cache.padding = Padding.of(attention_mask.to(first.keys.device).bool(), shape[0], first.keys.device)
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
             if not isinstance(layer, OasisLayer):  # (a linear-attention layer's state has no `is_initialized`)
-                cache.layers[idx] = copy.deepcopy(source)
+                cache.layers[idx] = (WindowLayer.of(source, _padding_reader(cache)) if isinstance(layer, WindowLayer)
+                                     and type(source) is DynamicSlidingWindowLayer else copy.deepcopy(source))
                 continue
             if not getattr(source, "is_initialized", False):
                 continue
@@ -656,6 +661,8 @@ class OasisCache(Cache):
         for layer in new.layers:
             if isinstance(layer, OasisLayer):
                 layer._cache = weakref.proxy(new)
+            elif isinstance(layer, WindowLayer):
+                layer.clear_from = _padding_reader(new)
         new.captured_steps = None
         if self.captured_steps is not None:
             from .compute.captured_step import CapturedSteps
@@ -912,7 +919,8 @@ class OasisCache(Cache):
 
     def steady_step(self) -> bool:
         """Whether the next one-token decode forward is a steady step (host state only): it decodes sparsely and
-        completes no block, on a cache of full-attention layers only, outside measurement mode, with a riding draft
+        completes no block, on a cache of full-attention layers (and linear-attention ones, updated in place, and
+        sliding windows in a steady step: `_replays`), outside measurement mode, with a riding draft
         only once the head's call runs on static buffers (`RideAlong.replayable`) — every shape, buffer and host
         decision is that of the step before."""
         return self._decode_step_of_fixed_shapes() and not self.layers[self._first_oasis_layer].completes_block()
@@ -929,7 +937,7 @@ class OasisCache(Cache):
         layer = self.layers[self._first_oasis_layer]
         return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
                 and layer.recent.num_tokens + 1 <= self.config.block_size
-                and all(isinstance(other, OasisLayer) for other in self.layers)
+                and all(isinstance(other, OasisLayer) or _replays(other) for other in self.layers)
                 and (self.ride_along is None or self.ride_along.replayable(layer.batch_size)))
 
     def prepare_step(self, kind: str) -> None:
@@ -937,13 +945,15 @@ class OasisCache(Cache):
         block in every pool (capacities that grow here change the replay signature: the step is captured anew)."""
         if kind == "completing":
             for layer in self.layers:
-                layer.prepare_completion()
+                if isinstance(layer, OasisLayer):  # (a linear-attention layer's state has no blocks)
+                    layer.prepare_completion()
 
     def replay_signature(self) -> tuple:
         """What a captured step depends on beyond tensor contents: every layer's prediction flag, fetch cap and state
         tensors (their pools' stamps, `pools/stamped.py`: they change when a capacity grows), its block count while
         it is small enough to decide the selection's shapes (NB <= slots: every block selected), the cache's device
-        counters and address tables, the padding record's tensors (addresses and shape), for a layer admitted from a
+        counters and address tables, the padding record's tensors (addresses and shape), the state tensors' addresses
+        of linear-attention layers (`compat.state_addresses`), for a layer admitted from a
         store whether its local pool holds blocks yet and its deferred records' tensors, whether the layers run
         compiled (`compiles_decode`), and the model's weights' addresses and modules' settings at the last prefill.
         Equal signatures: the graph captured under one is valid under the other — past `slots` blocks a completed
@@ -966,8 +976,10 @@ class OasisCache(Cache):
         padding = self.padding  # a step without a mask reads the record's tensors (a new prefill makes new ones)
         padded = () if padding is None or padding.tokens is None else (
             padding.tokens.data_ptr(), tuple(padding.tokens.shape), padding.first.data_ptr())
-        return (layers, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding, padded,
-                self.compiles_decode(), self._model_as_run)
+        kept = tuple(layer.state_addresses() if isinstance(layer, WindowLayer) else compat.state_addresses(layer)
+                     for layer in self.layers if not isinstance(layer, OasisLayer))
+        return (layers, kept, clocks, counts, self._transfer.address_tables() if self._transfer else (), riding,
+                padded, self.compiles_decode(), self._model_as_run)
 
     def compiles_decode(self) -> bool:
         """Whether this cache's decode-sized layer calls run compiled now (`compute/compiled_layers.py`):
@@ -999,7 +1011,11 @@ class OasisCache(Cache):
         counters.decode_steps += 1
         counters.decode_tokens += 1
         riding = 0 if self.ride_along is None else 1  # the draft row's key stood in the recent region
-        for layer in self.layers:  # all OasisLayers (`replayable_step`)
+        for layer in self.layers:
+            if isinstance(layer, WindowLayer):
+                layer.advance_replayed_step()
+            if not isinstance(layer, OasisLayer):  # (a linear-attention state: the replay updated it in place)
+                continue
             layer.recent.num_tokens += 1
             counters.record_layer_step(layer.batch_size * layer.num_kv_heads, layer.recent.num_tokens + riding)
             if kind == "completing":
@@ -1130,6 +1146,25 @@ def _attach_draft(model, cache, draft):
     head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target_model=model)
     param = next(model.parameters())
     return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())
+
+
+def _padding_reader(cache):
+    """For a `WindowLayer` of `cache`: the position from which every sequence's tokens are real (its padding
+    record), or None where not known."""
+    ref = weakref.ref(cache)
+
+    def clear_from():
+        owner = ref()
+        return None if owner is None or owner.padding is None else owner.padding.clear_from
+    return clear_from
+
+
+def _replays(layer) -> bool:
+    """Whether a layer transformers keeps lets the next one-token step be captured: a window in a steady step, a
+    linear-attention state updated in place, a layer holding nothing (`compat.state_addresses`)."""
+    if isinstance(layer, WindowLayer):
+        return layer.steady_step()
+    return compat.state_addresses(layer) is not None
 
 
 def _captured_steps_for(model, text_config, config: OasisConfig):

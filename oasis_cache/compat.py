@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import cache_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -65,6 +66,22 @@ def records_state_history(layer) -> bool:
     assisted and prompt-lookup decoding). A prefill split into chunks then decoded otherwise than one forward for
     OLMo hybrid (logits 4e-2 apart, forty-eighth session): such a prefill runs whole, as transformers runs it."""
     return _LINEAR_STATE is not None and isinstance(layer, _LINEAR_STATE) and bool(getattr(layer, "record_past", False))
+
+
+def state_addresses(layer) -> tuple | None:
+    """What a captured decode step needs of a layer transformers keeps (not an `OasisLayer`): the addresses of a
+    linear-attention layer's states, which its updates copy into (transformers marks them static for CUDA graphs; a
+    new prefill of another shape makes new ones: part of the replay signature), `()` for a layer holding nothing
+    ("dummy"), or None where no step can be captured: a sliding window's keys (a new tensor each step), a
+    linear-attention state recording its past (assisted decoding), or a layer holding a state and keys both."""
+    if isinstance(layer, getattr(cache_utils, "DummyLayer", ())):
+        return ()
+    if (_LINEAR_STATE is None or not isinstance(layer, _LINEAR_STATE) or isinstance(layer, cache_utils.DynamicLayer)
+            or getattr(layer, "record_past", False)):
+        return None
+    states = (*layer.conv_states.values(), *layer.recurrent_states.values(),
+              getattr(layer, "cumulative_length_linear", None))  # (5.24+: the layer's token count on the device)
+    return tuple(t.data_ptr() for t in states if isinstance(t, torch.Tensor))
 
 
 def generate_cache_argument(model) -> str:

@@ -366,7 +366,7 @@ class OasisLayer(CacheLayerMixin):
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
         recent_visible = cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
-        kernel = self.attention_kernel and sinks is None  # (the kernel takes no sinks: `compute/sinks.py`)
+        kernel = self.attention_kernel
         if not kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
             ws.set_recent_visible(recent_visible)
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
@@ -383,7 +383,7 @@ class OasisLayer(CacheLayerMixin):
         keys, values, mask = ws.attendable()
         if kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
-                                   recent_visible=recent_visible)
+                                   recent_visible=recent_visible, sinks=sinks)
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)

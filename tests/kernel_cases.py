@@ -10,6 +10,8 @@ import torch
 
 from oasis_cache.compute.sparse import new_token_bias, sparse_attention
 from oasis_cache.control import rank_blocks
+import oasis_cache.kernels.block_scores as block_scores_module
+import oasis_cache.kernels.decode_attention as decode_attention_module
 from oasis_cache.kernels.block_scores import block_scores
 from oasis_cache.kernels.decode_attention import decode_attention
 from oasis_cache.kernels.gather import gather_blocks
@@ -203,7 +205,50 @@ def check_decode(B, H, G, Qn, D, slot_tokens, R, count, dtype, splits, device) -
                                tickets=tickets)
         if not torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance) or tickets.any():
             return False
+    # Learned sinks (gpt-oss): one logit per query head in each softmax's sum, some far above the scores (a row
+    # then mostly attends to its sink), some far below; a row seeing nothing gets 0 either way. Both launch forms.
+    sinks = (torch.randn(H * G, generator=g) * 4).to(dtype)
+    sinks[0] = 30.0
+    seen = apart.clone()
+    seen[:, :, slot_tokens:] = recent  # (what `apart` stands for: its own recent part is inverted, and not read)
+    expected = sparse_attention(query.float(), kv[0].float(), kv[1].float(), seen, D ** -0.5, bias, sinks=sinks)
+    for fused in (None, tickets):
+        got = decode_attention(query.to(device), kv[0].to(device), kv[1].to(device), apart.to(device),
+                               counter.to(device), slot_tokens, D ** -0.5, splits, recent_visible=recent.to(device),
+                               tickets=fused, sinks=sinks.to(device))
+        if not torch.allclose(got.cpu().float(), expected, atol=tolerance, rtol=tolerance):
+            return False
     return True
+
+
+def check_refused_tiles(module, kernel, smallest, check, *case, device) -> bool:
+    """`check(*case)` where the device refuses `kernel`'s launches with tiles (`BLOCK` / `BLOCK_N`) above
+    `smallest` for lack of shared memory (as a 512-wide float32 head on the H100): the launch halves its tile
+    until one fits (`kernels/fitting.py`), the result unchanged, and only tiles of `smallest` ran."""
+    from triton.runtime.errors import OutOfResources
+
+    import oasis_cache.kernels.fitting as fitting
+
+    real, ran = getattr(module, kernel), []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tile = kwargs.get("BLOCK", kwargs.get("BLOCK_N"))
+                if tile > smallest:
+                    raise OutOfResources(tile * 4096, smallest * 4096, "shared memory")
+                ran.append(tile)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    setattr(module, kernel, Refusing())
+    fitting._fitted.clear()
+    try:
+        ok = check(*case, device=device)
+    finally:
+        setattr(module, kernel, real)
+        fitting._fitted.clear()
+    return ok and bool(ran) and set(ran) == {smallest}
 
 
 # (B, Hkv, S, K, NB, steps, max_fetch)
@@ -338,6 +383,10 @@ CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], parti
           ("append", APPEND_CASES, check_append),
           ("top-k", TOP_K_CASES, check_top_k),
           ("decode", DECODE_CASES, check_decode),
+          ("decode-refused-tiles", DECODE_CASES[:1], partial(check_refused_tiles, decode_attention_module,
+                                                             "_split_kernel", 16, check_decode)),
+          ("scores-refused-tiles", SCORE_CASES[3:4], partial(check_refused_tiles, block_scores_module,
+                                                             "_block_scores_kernel", 16, check_scores)),
           ("grouped-linear", GROUPED_CASES, check_grouped)]
 
 

@@ -1,7 +1,8 @@
 """Run as a script under TRITON_INTERPRET=1: the whole decode pipeline with backend="triton" on CPU tensors (kernels
 interpreted), against dense generation and against the masked-dense reference. Exit code 0 = all agree.
-`python pipeline_with_kernels.py [dense|sparse|draft]`: one part (default: all) — budget >= context against dense;
-sparse decode against the masked reference; a riding draft row and half-channel summaries."""
+`python pipeline_with_kernels.py [dense|sparse|draft|sinks]`: one part (default: all) — budget >= context against
+dense; sparse decode against the masked reference; a riding draft row and half-channel summaries; learned sinks
+(gpt-oss) through the decode kernel."""
 
 from __future__ import annotations
 
@@ -17,19 +18,42 @@ from conftest import dense_cache, generate, left_padded, random_head, tiny_model
 
 
 def main(part: str = "all"):
-    if part not in ("all", "dense", "sparse", "draft"):
-        sys.exit(f"unknown part {part!r}: all, dense, sparse or draft")
+    if part not in ("all", "dense", "sparse", "draft", "sinks"):
+        sys.exit(f"unknown part {part!r}: all, dense, sparse, draft or sinks")
     model = tiny_model("qwen3")
     inputs = left_padded([150, 121])
     kw = dict(max_new_tokens=6, do_sample=False)
-    ok = sparse_ok = ride_ok = half_ok = True
+    ok = sparse_ok = ride_ok = half_ok = sinks_ok = True
     if part in ("all", "dense"):
         ok = dense_part(model, inputs)
     if part in ("all", "sparse"):
         sparse_ok = sparse_part(model, inputs, kw)
     if part in ("all", "draft"):
         ride_ok, half_ok = draft_part(inputs, kw)
-    sys.exit(0 if ok and sparse_ok and ride_ok and half_ok else 1)
+    if part in ("all", "sinks"):
+        sinks_ok = sinks_part(inputs)
+    sys.exit(0 if ok and sparse_ok and ride_ok and half_ok and sinks_ok else 1)
+
+
+def sinks_part(inputs) -> bool:
+    """gpt-oss's learned sinks with the decode kernel (the sink in its combine): dense eager's tokens and logits at
+    a budget above the context; at a sparse one the torch attention's (`attention_kernel=False`) over the same
+    selections."""
+    from test_architectures import sinks_dense, tiny_sinks_model
+
+    model = tiny_sinks_model()
+    dense = sinks_dense(model, inputs, do_sample=False)
+    options = dict(backend="triton", sink_tokens=16, recent_tokens=16)
+    full = generate(model, OasisCache(model, token_budget=512, **options), inputs, seed=7, max_new_tokens=16,
+                    do_sample=False)
+    ok = torch.equal(dense.sequences, full.sequences)
+    ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(dense.logits, full.logits))
+    kernel, plain = (generate(model, OasisCache(model, token_budget=64, attention_kernel=use, **options), inputs,
+                              seed=7, max_new_tokens=16, do_sample=False) for use in (True, False))
+    sparse_ok = torch.equal(kernel.sequences, plain.sequences)
+    sparse_ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(kernel.logits, plain.logits))
+    print("sinks: budget >= context equals dense:", ok, "; sparse, kernel equals torch attention:", sparse_ok)
+    return ok and sparse_ok
 
 
 def dense_part(model, inputs) -> bool:

@@ -143,7 +143,7 @@ def test_hybrid_model_keeps_sliding_layers_and_matches_dense():
     model = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                        use_sliding_window=True)
     cache = oasis_cache_for(model)
-    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "OasisLayer"]
+    assert [type(layer).__name__ for layer in cache.layers] == ["WindowLayer", "OasisLayer"]
     inputs = {"input_ids": prompt_ids(100)}
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=10, do_sample=False)
     oasis = generate(model, oasis_cache_for(model), inputs, max_new_tokens=10, do_sample=False)

@@ -99,6 +99,34 @@ def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
         OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
 
 
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
+    """Its linear-attention states are updated in place (transformers copies into them), so a one-token decode step
+    is one a CUDA graph may replay (`step_kind`: CUDA replays it, CPU asks the same question), the states' addresses
+    in the replay signature and unchanged across steps; a sliding window's keys (a new tensor each step) or a state
+    recording its past for assisted decoding keep every step eager."""
+    from oasis_cache import compat
+
+    model = tiny_hybrid(name)
+    cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
+    kinds, signatures = [], []
+    with torch.no_grad():
+        out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
+        for _ in range(4):
+            kinds.append(cache.step_kind())
+            signatures.append(cache.replay_signature()[1])
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    linear = cache.layers[0]
+    assert kinds[1:] == ["steady"] * 3  # (the first decode step fixes the summaries' channels: eager)
+    assert signatures[1] == signatures[3] and len(signatures[1][0]) >= 2
+    assert signatures[1][0][0] == linear.conv_states[0].data_ptr()
+    linear.record_past = True
+    assert cache.step_kind() is None and compat.state_addresses(linear) is None
+    linear.record_past = False
+    assert cache.step_kind() == "steady"
+    assert compat.state_addresses(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=8)) is None
+
+
 def test_sliding_windows_wider_than_the_context_name_the_way_to_full_attention():
     """Phi-3's 128K variants: a 262,144-token window over 131,072 positions is no bound; the refusal names
     `sliding_window = None`, after which the model is full attention with the same outputs, and is served."""
@@ -187,7 +215,7 @@ def test_learned_attention_sinks_equal_dense(mode):
     inputs, kw = MODES[mode]
     dense = sinks_dense(model, inputs, **kw)
     cache = OasisCache(model, **OPTIONS)
-    assert [type(layer).__name__ for layer in cache.layers][:2] == ["DynamicSlidingWindowLayer", "OasisLayer"]
+    assert [type(layer).__name__ for layer in cache.layers][:2] == ["WindowLayer", "OasisLayer"]
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
@@ -268,6 +296,40 @@ def test_sinks_through_a_kernel_s_log_sum_exp_equal_explicit_scores(case, monkey
     if case != "other mask":  # (the kernel way is taken: the explicit scores are not computed)
         monkeypatch.setattr(sink_attention, "_explicit", lambda *args: pytest.fail("explicit scores computed"))
         sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, visible=visible)
+
+
+@pytest.mark.parametrize("chunk_rows", [False, True])
+def test_a_sliding_window_s_sinks_score_only_the_window(chunk_rows, monkeypatch):
+    """A sliding layer with learned sinks (gpt-oss's every other layer): given its window, each chunk of queries
+    scores only the keys within the window of one of them — the same output as scoring every key under the mask,
+    left padding and a past included, whether the queries fit one chunk or many; and fewer scores (a prompt's
+    sliding layers cost O(L * window), not O(L^2))."""
+    from oasis_cache.compute import sinks as sink_attention
+    from transformers.masking_utils import sliding_window_overlay
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, Qn, P, D, W = 2, 4, 2, 60, 7, 16, 8  # (P: the past window's tokens before the queries)
+    L = P + Qn
+    query, keys, values = (torch.randn(shape, generator=g) for shape in ((B, Hq, Qn, D), (B, Hkv, L, D),
+                                                                         (B, Hkv, L, D)))
+    sinks = torch.randn(Hq, generator=g) * 2
+    q_pos, k_pos = torch.arange(P, L)[:, None], torch.arange(L)[None]
+    window = sliding_window_overlay(W)(0, 0, q_pos, k_pos) & (k_pos <= q_pos)  # [Qn, L], as transformers masks
+    padded = k_pos >= torch.tensor([0, 20])[:, None]  # [B, L]: the second sequence left-padded
+    mask = (window[None] & padded[:, None])[:, None]  # [B, 1, Qn, L]
+    if chunk_rows:
+        monkeypatch.setattr(sink_attention, "_SCORE_ELEMENTS", B * Hq * 3 * (W + 2))  # a few rows a chunk
+    scored = []
+    softmax = sink_attention.softmax_with_sinks
+    monkeypatch.setattr(sink_attention, "softmax_with_sinks",
+                        lambda scores, *args: scored.append(scores.shape[-2] * scores.shape[-1]) or softmax(scores,
+                                                                                                           *args))
+    windowed = sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, mask=mask, window=W)
+    windowed_scores, scored[:] = sum(scored), []
+    everything = sink_attention.attention_with_sinks(query, keys, values, 0.25, sinks, mask=mask)
+    rows = mask.any(-1, keepdim=True)  # (a fully padded query row: meaningless)
+    torch.testing.assert_close(torch.where(rows, windowed, 0), torch.where(rows, everything, 0), atol=1e-5, rtol=1e-5)
+    assert windowed_scores < sum(scored) / 2 if chunk_rows else windowed_scores == sum(scored)  # (one chunk: all)
 
 
 def test_gemma4_without_shared_layers_is_served_and_with_them_refused():

@@ -700,3 +700,55 @@ def test_a_captured_steps_kept_output_does_not_hold_its_cache():
     out = slot.result(cache)
     assert isinstance(out, CausalLMOutputWithPast) and list(out.keys()) == names and out[names[1]] is cache
     assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text"])
+def test_sliding_windows_decode_in_place_once_full(model_type):
+    """A model with sliding-window layers beside full ones (gpt-oss with learned sinks, Gemma 3): once a window is
+    full and holds no padding, its one-token steps write into a ring at a fixed address (`window.WindowLayer`),
+    so the steps are ones a CUDA graph may replay — every kept tensor where it was, one replay signature — and
+    `advance_replayed_step` has an eager step's host effects (its token count); the tokens stay dense's (the
+    equality tests of tests/test_architectures.py run the same layers in every generate mode)."""
+    from conftest import generate, left_padded
+    from eval.architectures import tiny_model_of
+    from transformers import DynamicCache
+    from oasis_cache.window import WindowLayer
+
+    model, twin = tiny_model_of(model_type), tiny_model_of(model_type)
+    options = dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, lookahead="previous")
+    caches, tokens = [], []
+    for m in (model, twin):
+        cache = OasisCache(m, **options)
+        with torch.no_grad():
+            token = prompt_ids(400)
+            for _ in range(3):
+                token = m(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        caches.append(cache)
+        tokens.append(token)
+    eager, replayed = caches
+    windows = [layer for layer in eager.layers if isinstance(layer, WindowLayer)]
+    assert windows and all(layer.steady_step() for layer in windows)
+    token, counts, signatures = tokens[0], {"steady": 0, "completing": 0}, set()
+    for _ in range(36):
+        assert host_state_of(eager) == host_state_of(replayed)
+        kind = step_kind(eager)
+        for cache in (eager, replayed):
+            cache.prepare_step(kind)
+        replayed.advance_replayed_step(kind)
+        signatures.add(eager.replay_signature())
+        before = {p: t for p, t in tensors_of(eager).items() if ".chunks[" not in p}
+        token = step(model, eager, token)
+        assert {p: t for p, t in tensors_of(eager).items() if ".chunks[" not in p} == before, kind
+        counts[kind] += 1
+    assert host_state_of(eager) == host_state_of(replayed)
+    assert counts["steady"] >= 30 and counts["completing"] >= 2 and len(signatures) == 1
+    # dense's tokens and logits: steady steps attend with no mask (as a replayed one does); a left-padded batch's
+    # window holds padding for its first ~20 steps (transformers' mask applies), none after
+    for inputs in ({"input_ids": prompt_ids(200)}, left_padded([40, 10])):
+        model.set_attn_implementation(model.dense_attention)  # (gpt-oss: eager, it has no SDPA path)
+        dense = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=40, do_sample=False)
+        oasis = generate(model, OasisCache(model, token_budget=4096, recent_tokens=32), inputs, max_new_tokens=40,
+                         do_sample=False)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)

@@ -981,13 +981,14 @@ def test_linear_attention_hybrids_on_cuda(name):
     assert torch.isfinite(torch.stack(out.logits)).all()
 
 
-def test_a_qwen3_5_hybrid_s_steps_replay_captured_as_they_decode_eagerly():
-    """Qwen3.5's linear-attention layers keep their states at fixed addresses (transformers copies into them), so its
-    decode steps can be captured: `cuda_graph=True` replays them with dense's tokens and logits (the check before
-    `CAPTURE_CHECKED_MODEL_TYPES` takes it: `cuda_graph=None` captures it then)."""
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_a_linear_attention_hybrid_s_steps_replay_captured_as_they_decode_eagerly(name):
+    """Qwen3.5's and Qwen3-Next's linear-attention layers keep their states at fixed addresses (transformers copies
+    into them), so their decode steps can be captured: `cuda_graph=True` replays them with dense's tokens and logits
+    (the check before `CAPTURE_CHECKED_MODEL_TYPES` takes them: `cuda_graph=None` captures them then)."""
     from conftest import tiny_hybrid
 
-    model = tiny_hybrid("qwen3_5").cuda()
+    model = tiny_hybrid(name).cuda()
     for inputs in ({"input_ids": prompt_ids(150)}, left_padded([61, 37, 50])):
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, max_new_tokens=40, do_sample=False)
@@ -1006,9 +1007,10 @@ def test_a_qwen3_5_hybrid_s_steps_replay_captured_as_they_decode_eagerly():
 
 
 def test_learned_attention_sinks_on_cuda():
-    """gpt-oss's learned sinks on CUDA (the attention in torch, `compute/sinks.py`; the selection and gather through
-    the Triton kernels): dense eager's tokens and logits at a budget above the context, in one prompt, a left-padded
-    batch and the cache's own chunks; a sparse budget decodes within it."""
+    """gpt-oss's learned sinks on CUDA (the prefill through cuDNN's log-sum-exp, `compute/sinks.py`; decode steps
+    through the Triton decode kernel, the sink in its combine): dense eager's tokens and logits at a budget above the
+    context, in one prompt, a left-padded batch and the cache's own chunks; a sparse budget decodes within it, with
+    the tokens of the torch attention (`attention_kernel=False`) over the same selections."""
     from test_architectures import sinks_dense, tiny_sinks_model
 
     model = tiny_sinks_model().cuda()
@@ -1024,6 +1026,11 @@ def test_learned_attention_sinks_on_cuda():
     cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    plain = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, attention_kernel=False)
+    torch_out = generate(model, plain, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert torch.equal(out.sequences, torch_out.sequences)
+    for a, b in zip(torch_out.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("past", [0, 200])

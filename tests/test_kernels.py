@@ -30,7 +30,7 @@ def test_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("part", ["dense", "sparse", "draft"])
+@pytest.mark.parametrize("part", ["dense", "sparse", "draft", "sinks"])
 def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     run = subprocess.run([sys.executable, str(HERE / "pipeline_with_kernels.py"), part], env=env,

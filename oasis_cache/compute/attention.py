@@ -36,6 +36,13 @@ def leave_pending(layer, key: torch.Tensor | None = None, value: torch.Tensor | 
     _handoff.given = (key, value)
 
 
+def window_sees_all(keys: torch.Tensor) -> None:
+    """Called by `WindowLayer.update` on a steady step: the attention given `keys` (the whole window, no padding
+    in it) has its one new token see every key, whatever mask transformers made (a replayed step's would be stale:
+    it reads the layer's host-side count)."""
+    _handoff.sees_all = keys
+
+
 def peek_pending():
     return getattr(_handoff, "layer", None)
 
@@ -200,9 +207,15 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     tokens after a past whose mask was dropped (nothing hidden: `oasis_mask` notes their sizes) aligned to the bottom
     right."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(_handoff, "sees_all", None) is not None:
+        if _handoff.sees_all is key and query.shape[2] == 1:  # a steady window step (`window.WindowLayer`)
+            attention_mask = None
+        _handoff.sees_all = None
     sinks = kwargs.get("s_aux")
     if sinks is not None:  # (a sliding-window layer of a model with learned sinks: gpt-oss)
-        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, check_sinks(sinks, query, module))
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, check_sinks(sinks, query, module),
+                                    window)
     if attention_mask is not None and attention_mask.dim() == 2:
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
@@ -211,14 +224,17 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks):
+def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window=None):
     """`_sdpa_fallback` for a layer with learned sinks (`compute/sinks.py`): the mask transformers made for SDPA
-    (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom right)."""
+    (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom right).
+    `window`: the layer's sliding window (transformers' mask hides keys `window` or more positions back), so each
+    query's scores need only the keys of its window."""
     if attention_mask is None or attention_mask.dim() == 2:
         visible = None if attention_mask is None else attention_mask[:, : key.shape[2]].to(torch.bool)
         out = attention_with_sinks(query, key, value, scale, sinks, visible=visible)
     else:
         mask = attention_mask[..., : key.shape[2]]
         seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (-inf or dtype's min)
-        out = attention_with_sinks(query, key, value, scale, sinks, mask=seen)
+        out = attention_with_sinks(query, key, value, scale, sinks, mask=seen,
+                                   window=window if isinstance(window, int) and window > 0 else None)
     return out.transpose(1, 2).contiguous(), None

@@ -8,11 +8,11 @@ A kernel that returns its log-sum-exp gives the same by scaling its output: `out
 attention of a prefill or an extend (`dense_causal_attention(..., sinks=)`) takes that way where it can — cuDNN's
 attention on CUDA (bf16 / fp16, as `dense._past_then_chunk` calls it: the past and the chunk's own tokens, merged),
 the flash kernel for CPU — for prompts without padding or left-padded (one call per sequence, as it lays out any
-prompt). Elsewhere the scores
-are explicit (float32, in bounded chunks of queries): other masks, the sparse attention of a decode step
-(`sparse_attention(..., sinks=)`; the package's Triton decode kernel does not take sinks) and the layers transformers
-keeps (sliding windows: `oasis_attention_eager`'s fallback). Equal to transformers' eager attention of these models
-within float rounding.
+prompt). A decode step's sparse attention on the Triton backend adds the sink to each query head's sum where
+the kernel combines its splits (`kernels/decode_attention.py`). Elsewhere the scores are explicit (float32, in
+bounded chunks of queries): other masks, the torch backend's sparse step (`sparse_attention(..., sinks=)`) and the
+layers transformers keeps (sliding windows: `oasis_attention_eager`'s fallback). Equal to transformers' eager
+attention of these models within float rounding.
 """
 
 from __future__ import annotations
@@ -90,46 +90,59 @@ def causal_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                          sinks: torch.Tensor, visible: torch.Tensor | None = None,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of `query` `[B, Hq, Qn, D]` (the last Qn of L positions) over `keys`, `values` `[B, Hkv, L, D]`
     with one sink logit per query head (`sinks` `[Hq]`). What each query sees: `mask`, bool `[B or 1, Hq or 1, Qn,
-    L]` (True: seen) where given (explicit scores); else causally (aligned to the bottom right) among the tokens
-    `visible` `[B, L]` shows (None: all), as `dense_causal_attention` lays out a mask (padding rows meaningless).
-    Returns `[B, Hq, Qn, D]` in `query`'s dtype."""
+    L]` (True: seen) where given (explicit scores; with `window`, a sliding window's mask: query i sees no key
+    `window` or more positions before it, so only those keys are scored); else causally (aligned to the bottom
+    right) among the tokens `visible` `[B, L]` shows (None: all), as `dense_causal_attention` lays out a mask
+    (padding rows meaningless). Returns `[B, Hq, Qn, D]` in `query`'s dtype."""
     if mask is not None:
-        return _explicit(query, keys, values, scale, sinks, None, mask)
+        return _explicit(query, keys, values, scale, sinks, None, mask, window)
     from .dense import dense_causal_attention
 
     return dense_causal_attention(query, keys, values, visible, scale, sinks)
 
 
-def _explicit(query, keys, values, scale, sinks, visible, mask) -> torch.Tensor:
+def _explicit(query, keys, values, scale, sinks, visible, mask, window=None) -> torch.Tensor:
     """Attention with sinks, its scores computed (float32, in chunks of at most `_SCORE_ELEMENTS`): what a query sees
-    as `attention_with_sinks` says, a hidden query (`visible`) seeing itself."""
+    as `attention_with_sinks` says, a hidden query (`visible`) seeing itself. With `mask` and `window`, the keys of
+    a chunk of queries are those within `window` positions of one of them (the mask hides the others)."""
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
+    windowed = mask is not None and window is not None and window < L
     k = keys.float()[:, :, None]  # [B, Hkv, 1, L, D]
     v = values.float()[:, :, None]
     sink = sinks.float().view(1, Hkv, G, 1, 1)
-    rows = max(1, min(Qn, _SCORE_ELEMENTS // max(1, B * Hq * L)))
+    per_row = B * Hq
+    if windowed:  # r rows score r + window - 1 keys: the most rows within the budget
+        rows = int(((window - 1) ** 2 + 4 * _SCORE_ELEMENTS / per_row) ** 0.5 - (window - 1)) // 2
+    else:
+        rows = _SCORE_ELEMENTS // max(1, per_row * L)
+    rows = max(1, min(Qn, rows))
     key_pos = torch.arange(L, device=query.device)
     out = torch.empty_like(query)
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
+        first, last = 0, L  # the keys these rows may see
+        if windowed:  # (row r is position L - Qn + r; it sees keys after r's position - window)
+            first = max(0, L - Qn + lo - window + 1)
+            last = L - Qn + hi
         q = query[:, :, lo:hi].float().view(B, Hkv, G, hi - lo, D)
-        scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hkv, G, r, L]
+        scores = (q @ k[..., first:last, :].transpose(-1, -2)) * scale  # [B, Hkv, G, r, L']
         if mask is not None:
-            seen = mask[:, :, lo:hi]
-            seen = seen.view(seen.shape[0], Hkv, G, hi - lo, L) if seen.shape[1] == Hq else seen[:, :, None]
+            seen = mask[:, :, lo:hi, first:last]
+            seen = (seen.view(seen.shape[0], Hkv, G, hi - lo, last - first) if seen.shape[1] == Hq
+                    else seen[:, :, None])
         else:
             q_pos = torch.arange(L - Qn + lo, L - Qn + hi, device=query.device)
             seen = key_pos[None, :] <= q_pos[:, None]  # [r, L]
             if visible is not None:
                 seen = (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
             seen = seen[:, None, None] if seen.dim() == 3 else seen
-        out[:, :, lo:hi] = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), sink, v).view(
-            B, Hq, hi - lo, D).to(query.dtype)
+        out[:, :, lo:hi] = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), sink,
+                                              v[..., first:last, :]).view(B, Hq, hi - lo, D).to(query.dtype)
     return out
 
 

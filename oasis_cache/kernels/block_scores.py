@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .fitting import launch_fitting
 from .gather import triton
 
 if triton is not None:
@@ -159,17 +160,23 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     shape = (B, H, 2, num_blocks) if split_last else (B, H, num_blocks)
     scores = torch.empty(shape, dtype=torch.float32, device=query.device)
     bits = codes is not None
-    BLOCK_N = blocks_per_program or default_blocks_per_program(B, bits)
-    grid = (B * H, triton.cdiv(num_blocks, BLOCK_N))
     rows = triton.next_power_of_2(R)
-    _block_scores_kernel[grid](
-        query, levels, codes if bits else levels, scales if scales is not None else scores,
-        channels.contiguous() if channels is not None else levels, _as_int8(forced),
-        _as_int8(allowed), scores,
-        H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
-        R_POW2=max(16, rows),  # tensor-core products need 16 rows
-        D_POW2=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        TOKENS=block_size if bits else 0, IEEE=torch.float32 in (levels.dtype, query.dtype),
-        SCALED=scales is not None, SPLIT_LAST=split_last, GATHER=channels is not None, num_warps=num_warps,
-    )
+    D_POW2 = max(16, triton.next_power_of_2(D))
+    ieee = torch.float32 in (levels.dtype, query.dtype)
+
+    def launch(BLOCK_N: int) -> None:
+        _block_scores_kernel[(B * H, triton.cdiv(num_blocks, BLOCK_N))](
+            query, levels, codes if bits else levels, scales if scales is not None else scores,
+            channels.contiguous() if channels is not None else levels, _as_int8(forced),
+            _as_int8(allowed), scores,
+            H, Hq // H, Qn, *query.stride(), D, num_blocks, NBcap, B * H,
+            R_POW2=max(16, rows),  # tensor-core products need 16 rows
+            D_POW2=D_POW2, BLOCK_N=BLOCK_N,
+            TOKENS=block_size if bits else 0, IEEE=ieee,
+            SCALED=scales is not None, SPLIT_LAST=split_last, GATHER=channels is not None, num_warps=num_warps,
+        )
+
+    # (wide float32 summaries may not fit the tile in a small card's shared memory: fewer, `kernels/fitting.py`)
+    launch_fitting((query.device, query.dtype, levels.dtype, rows, D_POW2, bits, block_size, num_warps),
+                   blocks_per_program or default_blocks_per_program(B, bits), launch)
     return scores

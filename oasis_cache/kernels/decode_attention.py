@@ -3,7 +3,8 @@ materialized mask and without copying the query or the output.
 
 What it computes is `compute/sparse.py`'s `sparse_attention`: each new query row attends to the working set's visible
 tokens, and new token i (of Qn) sees working-set token j iff j <= slot_tokens + count - Qn + i (count: the recent
-tokens, `[1]` int64 read on the device, so a captured step replays with its new value).
+tokens, `[1]` int64 read on the device, so a captured step replays with its new value). With `sinks` (`[Hq]`, a
+learned logit per query head: gpt-oss), each head's sink joins its softmax's sum where the splits are combined.
 
 Shapes and strides:
     query          `[B, Hq, Qn, D]`, any strides with D contiguous (transformers hands a transposed view of
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .fitting import launch_fitting
 from .gather import triton
 
 BLOCK_N = 64  # keys per tile
@@ -49,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        query, keys, values, visible, recent_visible, count, part_acc, part_stats, tickets, out,
+        query, keys, values, visible, recent_visible, count, part_acc, part_stats, tickets, sinks, out,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kl,
         stride_vb, stride_vh, stride_vl,
@@ -57,7 +59,7 @@ if triton is not None:
         H, L, D, slot_tokens, scale, keys_per_split, splits,
         G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr, BLOCK: tl.constexpr,
         IEEE: tl.constexpr, RECENT_APART: tl.constexpr, FUSED: tl.constexpr, SPLITS_POW2: tl.constexpr,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -109,15 +111,16 @@ if triton is not None:
             ticket = tl.atomic_add(tickets + bh, 1, sem="acq_rel")
             if ticket == splits - 1:
                 for first in range(0, G * QN * D_POW2, CHUNK):
-                    _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, first + tl.arange(0, CHUNK), G, QN,
-                                   ROWS, D_POW2, SPLITS_POW2)
+                    _combine_chunk(part_acc, part_stats, sinks, out, bh, H, D, splits, first + tl.arange(0, CHUNK), G,
+                                   QN, ROWS, D_POW2, SPLITS_POW2, HAS_SINKS)
                 tl.store(tickets + bh, 0)  # (ready for the next launch)
 
     @triton.jit
-    def _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, flat, G: tl.constexpr, QN: tl.constexpr,
-                       ROWS: tl.constexpr, D_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    def _combine_chunk(part_acc, part_stats, sinks, out, bh, H, D, splits, flat, G: tl.constexpr, QN: tl.constexpr,
+                       ROWS: tl.constexpr, D_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr, HAS_SINKS: tl.constexpr):
         """Output of KV head `bh`'s (row, dim) pairs `flat` `[CHUNK]` from its splits' partials (read from L2:
-        written by other programs of the same launch where fused)."""
+        written by other programs of the same launch where fused); with `HAS_SINKS`, the query head's learned sink
+        logit joins the softmax's sum (a score without a value: `compute/sinks.py`)."""
         b, h = bh // H, bh % H
         row, dim = flat // D_POW2, flat % D_POW2
         ok = (row < G * QN) & (dim < D)
@@ -127,25 +130,31 @@ if triton is not None:
         m_all = tl.load(part_stats + (part[:, None] * 2) * ROWS + row[None, :], mask=both, other=-float("inf"),
                         cache_modifier=".cg")
         m = tl.max(m_all, 0)
+        token, head = row % QN, h * G + row // QN
+        if HAS_SINKS:
+            sink = tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32)
+            m = tl.maximum(m, sink)
         base = tl.where(m == -float("inf"), 0.0, m)
         weight = tl.exp(m_all - base[None, :])  # [SPLITS_POW2, CHUNK]; 0 where a split saw nothing (or is none)
         total = tl.sum(weight * tl.load(part_stats + (part[:, None] * 2 + 1) * ROWS + row[None, :], mask=both,
                                         other=0.0, cache_modifier=".cg"), 0)
+        if HAS_SINKS:
+            total += tl.exp(sink - base)
         acc = tl.sum(weight * tl.load(part_acc + (part[:, None] * ROWS + row[None, :]) * D_POW2 + dim[None, :],
                                       mask=both, other=0.0, cache_modifier=".cg"), 0)
         result = acc / tl.where(total > 0, total, 1.0)  # a row that sees nothing gets 0
-        token, head = row % QN, h * G + row // QN
         tl.store(out + ((b * QN + token) * (H * G) + head) * D + dim, result.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _combine_kernel(
-        part_acc, part_stats, out, H, D, splits,
+        part_acc, part_stats, sinks, out, H, D, splits,
         G: tl.constexpr, QN: tl.constexpr, ROWS: tl.constexpr, D_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0).to(tl.int64)
         flat = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)  # (row, dim) pairs of the real rows
-        _combine_chunk(part_acc, part_stats, out, bh, H, D, splits, flat, G, QN, ROWS, D_POW2, SPLITS_POW2)
+        _combine_chunk(part_acc, part_stats, sinks, out, bh, H, D, splits, flat, G, QN, ROWS, D_POW2, SPLITS_POW2,
+                       HAS_SINKS)
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -159,13 +168,15 @@ def _programs_wanted(device: torch.device) -> int:
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                      count: torch.Tensor, slot_tokens: int, scale: float, splits: int | None = None,
-                     recent_visible: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
+                     recent_visible: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`query` `[B, Hq, Qn, D]`, `keys`/`values` `[B, Hkv, L, D]`, `visible` `[B, Hkv, L]` bool, `count` `[1]` int64
     (the recent tokens, the new ones included) -> `[B, Hq, Qn, D]` (a view of a contiguous `[B, Qn, Hq, D]`).
     `splits`: key ranges per KV head (None: about two programs per SM, at least two tiles of keys each).
     `recent_visible` `[B or 1, 1, L - slot_tokens]` bool: the recent region's mask, read instead of `visible`'s.
     `tickets` `[>= B*Hkv]` int32, all 0 (the caller's, not used by another launch at the same time; left at 0): one
-    launch, the last split of each KV head combining (module docstring); None: two launches."""
+    launch, the last split of each KV head combining (module docstring); None: two launches. `sinks` `[Hq]`: learned
+    sink logits (gpt-oss), one more term of each query head's softmax sum, or None."""
     B, Hq, Qn, D = query.shape
     H, L = keys.shape[1], keys.shape[2]
     G = Hq // H
@@ -182,35 +193,46 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if tickets is not None and (tickets.dtype != torch.int32 or tickets.numel() < B * H or not tickets.is_contiguous()):
         raise ValueError(f"decode_attention needs `tickets` as a contiguous int32 tensor of at least {B * H} zeros, "
                          f"got {tuple(tickets.shape)} {tickets.dtype}")
-    if splits is None:
-        splits = max(1, min(triton.cdiv(L, 2 * BLOCK_N), _programs_wanted(query.device) // (B * H)))
-    keys_per_split = BLOCK_N * triton.cdiv(triton.cdiv(L, splits), BLOCK_N)
-    splits = triton.cdiv(L, keys_per_split)
     ROWS = max(16, triton.next_power_of_2(G * Qn))  # tensor-core products need 16 rows
     D_POW2 = max(16, triton.next_power_of_2(D))
-    part_acc = torch.empty((B * H, splits, ROWS, D_POW2), dtype=torch.float32, device=query.device)
-    part_stats = torch.empty((B * H, splits, 2, ROWS), dtype=torch.float32, device=query.device)
     ieee = torch.float32 in (query.dtype, keys.dtype)  # TF32 products are exact for bf16 / fp16 inputs only
     out = torch.empty((B, Qn, Hq, D), dtype=query.dtype, device=query.device)
-    SPLITS_POW2 = triton.next_power_of_2(splits)
-    CHUNK = min(triton.next_power_of_2(G * Qn * D_POW2), max(16, COMBINE_TILE // SPLITS_POW2))
     fused = tickets is not None
-    _split_kernel[(B * H, splits)](
-        query, keys, values, visible.view(torch.int8),
-        recent_visible.view(torch.int8) if apart else visible.view(torch.int8), count, part_acc, part_stats,
-        tickets if fused else count, out,
-        query.stride(0), query.stride(1), query.stride(2),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        visible.stride(0), visible.stride(1),
-        recent_visible.stride(0) if apart and recent_visible.shape[0] > 1 else 0,
-        H, L, D, slot_tokens, scale, keys_per_split, splits,
-        G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=BLOCK_N, IEEE=ieee, RECENT_APART=apart, FUSED=fused,
-        SPLITS_POW2=SPLITS_POW2, CHUNK=CHUNK,
-    )
+    has_sinks = sinks is not None
+    if has_sinks and (sinks.shape != (Hq,) or not sinks.is_contiguous()):
+        raise ValueError(f"decode_attention needs `sinks` as a contiguous [{Hq}] tensor, got {tuple(sinks.shape)}")
+    wanted = splits
+
+    def launch(block: int):
+        """The split launch with `block` keys a tile; its splits and fp32 scratch."""
+        splits = wanted or max(1, min(triton.cdiv(L, 2 * block), _programs_wanted(query.device) // (B * H)))
+        keys_per_split = block * triton.cdiv(triton.cdiv(L, splits), block)
+        splits = triton.cdiv(L, keys_per_split)
+        part_acc = torch.empty((B * H, splits, ROWS, D_POW2), dtype=torch.float32, device=query.device)
+        part_stats = torch.empty((B * H, splits, 2, ROWS), dtype=torch.float32, device=query.device)
+        SPLITS_POW2 = triton.next_power_of_2(splits)
+        CHUNK = min(triton.next_power_of_2(G * Qn * D_POW2), max(16, COMBINE_TILE // SPLITS_POW2))
+        _split_kernel[(B * H, splits)](
+            query, keys, values, visible.view(torch.int8),
+            recent_visible.view(torch.int8) if apart else visible.view(torch.int8), count, part_acc, part_stats,
+            tickets if fused else count, sinks if has_sinks else count, out,
+            query.stride(0), query.stride(1), query.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2),
+            visible.stride(0), visible.stride(1),
+            recent_visible.stride(0) if apart and recent_visible.shape[0] > 1 else 0,
+            H, L, D, slot_tokens, scale, keys_per_split, splits,
+            G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, BLOCK=block, IEEE=ieee, RECENT_APART=apart, FUSED=fused,
+            SPLITS_POW2=SPLITS_POW2, CHUNK=CHUNK, HAS_SINKS=has_sinks,
+        )
+        return part_acc, part_stats, splits, SPLITS_POW2, CHUNK
+
+    # (a wide head in float32 may not fit 64 keys a tile in shared memory: fewer, `kernels/fitting.py`)
+    part_acc, part_stats, splits, SPLITS_POW2, CHUNK = launch_fitting(
+        (query.device, query.dtype, keys.dtype, D_POW2, ROWS, apart, fused), BLOCK_N, launch)
     if fused:
         return out.transpose(1, 2)
     _combine_kernel[(B * H, triton.cdiv(G * Qn * D_POW2, CHUNK))](
-        part_acc, part_stats, out, H, D, splits, G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2, SPLITS_POW2=SPLITS_POW2,
-        CHUNK=CHUNK)
+        part_acc, part_stats, sinks if has_sinks else count, out, H, D, splits, G=G, QN=Qn, ROWS=ROWS, D_POW2=D_POW2,
+        SPLITS_POW2=SPLITS_POW2, CHUNK=CHUNK, HAS_SINKS=has_sinks)
     return out.transpose(1, 2)
