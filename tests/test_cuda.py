@@ -1006,6 +1006,27 @@ def test_a_linear_attention_hybrid_s_steps_replay_captured_as_they_decode_eagerl
     assert torch.equal(captured.sequences, generate(model, eager, inputs, max_new_tokens=40, do_sample=False).sequences)
 
 
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text"])
+def test_sliding_window_models_replay_captured_steps_as_they_decode_eagerly(model_type):
+    """Sliding windows beside full layers (gpt-oss with learned sinks, Gemma 3): once a window is full and clear of
+    padding its steps write in place (`window.WindowLayer`), so `cuda_graph=True` replays them — eager's tokens and
+    logits, unpadded and in a left-padded batch whose window holds padding for its first ~20 steps."""
+    from eval.architectures import tiny_model_of
+
+    model = tiny_model_of(model_type).cuda()
+    options = dict(token_budget=4096, sink_tokens=16, recent_tokens=16)
+    for inputs in ({"input_ids": prompt_ids(200)}, left_padded([40, 10])):
+        inputs = on_cuda(inputs)
+        eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, max_new_tokens=60,
+                         do_sample=False)
+        cache = OasisCache(model, cuda_graph=True, **options)
+        captured = generate(model, cache, inputs, max_new_tokens=60, do_sample=False)
+        assert cache.captured_steps.replays > 20
+        assert torch.equal(eager.sequences, captured.sequences)
+        for a, b in zip(eager.logits, captured.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
 def test_learned_attention_sinks_on_cuda():
     """gpt-oss's learned sinks on CUDA (the prefill through cuDNN's log-sum-exp, `compute/sinks.py`; decode steps
     through the Triton decode kernel, the sink in its combine): dense eager's tokens and logits at a budget above the
