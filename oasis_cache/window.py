@@ -29,6 +29,8 @@ class WindowLayer(DynamicSlidingWindowLayer):
     steady. `clear_from`: a callable giving the position from which every sequence's tokens are real (the owning
     cache's padding record, `control.Padding`), or None where not known."""
 
+    not_recorded = ("ring", "_views", "clear_from")  # (the ring is made again at the next steady step)
+
     def __init__(self, sliding_window: int, clear_from=lambda: None, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.ring: torch.Tensor | None = None
@@ -39,8 +41,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
     def of(cls, layer: DynamicSlidingWindowLayer, clear_from=lambda: None) -> "WindowLayer":
         """transformers' layer (its tokens, count and settings, copied) as a `WindowLayer`."""
         window = cls(sliding_window=layer.sliding_window, clear_from=clear_from)
-        window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items()
-                                if k not in ("ring", "_views", "clear_from")})
+        window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items() if k not in cls.not_recorded})
         return window
 
     def _full(self) -> bool:
@@ -83,7 +84,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         """transformers' own layer holding a copy of this one's tokens and count (`OasisCache.to_dynamic_cache`)."""
         plain = DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
         plain.__dict__.update({k: copy.deepcopy(v) for k, v in vars(self).items()
-                               if k not in ("ring", "_views", "clear_from", "keys", "values")})
+                               if k not in (*self.not_recorded, "keys", "values")})
         if self.is_initialized:
             plain.keys, plain.values = self.keys.clone(), self.values.clone()
         return plain

@@ -70,7 +70,8 @@ def publish(cache: OasisCache, store, request: str, _published: dict | None = No
              "model": _model_signature(cache._model())}
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, OasisLayer):
-            state["kept"][idx] = layer.__dict__
+            skipped = getattr(layer, "not_recorded", ())  # (a window's ring and its owner's padding reader)
+            state["kept"][idx] = {k: v for k, v in vars(layer).items() if k not in skipped}
             continue
         if not layer.is_initialized:
             raise ValueError(f"publish: layer {idx} holds no tokens while others do.")
