@@ -815,7 +815,6 @@ class OasisCache(Cache):
             if tokens is None or tokens.shape[1] <= self.config.max_decode_tokens:
                 raise
             from .compute import prefill
-            from .memory.device_memory import device_room
 
             B, N = tokens.shape[:2]
             device = tokens.device

@@ -366,8 +366,7 @@ class OasisLayer(CacheLayerMixin):
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
         recent_visible = cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
-        kernel = self.attention_kernel
-        if not kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
+        if not self.attention_kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
             ws.set_recent_visible(recent_visible)
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
@@ -381,7 +380,7 @@ class OasisLayer(CacheLayerMixin):
                                                 attended=self.last_selection.cpu(),
                                                 predicted=getattr(self, "last_prediction", None)))
         keys, values, mask = ws.attendable()
-        if kernel:  # the new tokens' causality computed in the kernel from the device count
+        if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
                                    recent_visible=recent_visible, sinks=sinks)
         else:

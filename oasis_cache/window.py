@@ -93,6 +93,6 @@ class WindowLayer(DynamicSlidingWindowLayer):
         """The host effect of a steady update whose device work a captured step replayed."""
         self.cumulative_length += 1
 
-    def state_addresses(self) -> tuple:
-        """What a captured step reads and writes of this layer: the ring."""
-        return (self.ring.data_ptr(),)
+    def state_addresses(self) -> tuple | None:
+        """What a captured step reads and writes of this layer: the ring; None while the window is not in it."""
+        return (self.ring.data_ptr(),) if self._in_ring() else None
