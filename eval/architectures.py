@@ -45,7 +45,11 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              d_model=64, n_layer=4, n_head=4, n_embd=64, num_layers=4, num_heads=4, is_decoder=True,
              first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, ffn_hidden_size=128,
              kv_channels=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-             linear_value_head_dim=16)
+             linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
+             q_lora_rank=48, n_group=1, topk_group=1, rotary_dim=16)
+# A multimodal model's towers (`vision_config`, `audio_config`), small: the sweep's prompts are text only.
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+             patch_size=14)
 
 
 def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
@@ -54,17 +58,29 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
     over its four layers, one of them full attention where the model has any, sliding windows of `WINDOW`."""
     import transformers
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    config = AutoConfig.for_model(model_type)
-    config = config.get_text_config(decoder=True)
+    whole = AutoConfig.for_model(model_type)  # (a multimodal model's: its text config inside, its towers small)
+    config = whole.get_text_config(decoder=True)
+    for name in ("vision_config", "audio_config"):
+        for key, value in TOWER.items():
+            if hasattr(getattr(whole, name, None), key):
+                setattr(getattr(whole, name), key, value)
     for name, value in {**SMALL, "is_decoder": is_decoder}.items():
         try:  # (a per-layer attribute, Gemma 4's head_dim, raises even to `hasattr`: set below)
             if hasattr(config, name):
                 setattr(config, name, value)
         except (AttributeError, TypeError, ValueError, RuntimeError):  # (a derived property)
             pass
+    for name, value in (("attn_layer_indices", [1, 3]), ("attn_layer_period", 2), ("attn_layer_offset", 1)):
+        if hasattr(config, name):  # (hybrids that place their attention layers by index: one in the four)
+            setattr(config, name, value)
+    if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = config.num_attention_heads  # (MLA: keys and values made per query head)
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    if kinds == ["linear_attention"]:  # (a hybrid whose default config lists no attention layer: Granite 4)
+        kinds = ["linear_attention", "full_attention"]
     if kinds:
         layer_types = [kinds[i % len(kinds)] for i in range(4)]
         if "full_attention" in kinds and "full_attention" not in layer_types:
@@ -82,10 +98,12 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
             settings.update(head_dim=SMALL["head_dim"], per_layer_config={
                 f"{i:02d}": {"head_dim": 2 * SMALL["head_dim"]} for i, kind in enumerate(config.layer_types)
                 if kind == "full_attention"})
-            config = type(config)(**settings)
-    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+            whole, config = (type(config)(**settings),) * 2 if whole is config else (whole, type(config)(**settings))
+            if whole is not config:
+                whole.text_config = config
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(config).eval()
+    model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(whole).eval()
     try:
         model.set_attn_implementation("sdpa")
     except ValueError:  # (no SDPA path: gpt-oss's sinks, ...) dense runs eagerly
@@ -169,15 +187,20 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=10 * 2**30, help="address-space limit per model's process")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per model")
     parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="the image-text-to-text models that are not causal LMs of their own (text prompts)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # (the per-model process: prints its row as JSON)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if args.one:
         print(json.dumps(_one(args.one)), flush=True)
         return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if args.multimodal:  # (image-text-to-text models transformers does not list as causal LMs: text prompts too)
+        types = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     with ThreadPoolExecutor(args.workers) as pool:
         rows = []
         for row in pool.map(lambda t: _in_subprocess(t, args.memory, args.timeout), types):

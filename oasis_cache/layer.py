@@ -230,14 +230,17 @@ class OasisLayer(CacheLayerMixin):
         return self.is_initialized and self.pool.num_blocks > 0 and query_length <= self.config.max_decode_tokens
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None;
+        `pattern`: what each query sees where a 4D mask says more than `visible` (a multimodal prompt's image tokens
+        see each other), `[B or 1, 1 or Hq, Qn, N]` bool, attended as given where the forward attends densely
+        (`control/visibility.from_pattern` gave `visible` of it and checked it);
         `sinks`: the module's learned sink logits `[Hq]` (`compute/sinks.py`) or None. Without autograd
         (`_without_autograd`): no gradient flows through it."""
-        return _without_autograd(self._attend, query, visible, scale, sinks)
+        return _without_autograd(self._attend, query, visible, scale, sinks, pattern)
 
     def _attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         Qn = query.shape[2]
         if visible is not None and visible.shape[-1] != self.get_seq_length():
@@ -250,7 +253,7 @@ class OasisLayer(CacheLayerMixin):
         if is_decode:
             out = self._attend_sparse(query, visible, scale, sinks)
         else:
-            out = self._attend_dense(query, visible, scale, sinks)
+            out = self._attend_dense(query, visible, scale, sinks, pattern)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
         if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
@@ -271,12 +274,12 @@ class OasisLayer(CacheLayerMixin):
             self._cache.compile_ahead_at_prefill(self, query, visible, scale)
         return out
 
-    def _attend_dense(self, query, visible, scale, sinks=None):
+    def _attend_dense(self, query, visible, scale, sinks=None, pattern=None):
         tokens = self._cache.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
-            return self._attend_resident(query, visible, scale, tokens, sinks)
+            return self._attend_resident(query, visible, scale, tokens, sinks, pattern)
         kv = self._whole_kv()
-        return dense_causal_attention(query, kv[0], kv[1], visible, scale, sinks)
+        return dense_causal_attention(query, kv[0], kv[1], visible, scale, sinks, pattern)
 
     def _past_kv(self, tokens: int, shared: bool = True) -> torch.Tensor:
         """`[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read from host
@@ -300,7 +303,7 @@ class OasisLayer(CacheLayerMixin):
         kv[:, :, :, start:] = self.recent.kv
         return kv
 
-    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None):
+    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None):
         """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
         and values so far are kept in `resident_kv` `[2, B, Hkv, tokens, D]` on the device (the pool's blocks read
         from the host once, at the first chunk), so a later chunk reads them there instead of bringing the whole past
@@ -313,7 +316,7 @@ class OasisLayer(CacheLayerMixin):
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
         return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
-                                      scale, sinks)
+                                      scale, sinks, pattern)
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""

@@ -21,6 +21,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..compat import causal_mask_function, sdpa_mask
+from ..control.visibility import from_pattern
 from . import compiled_ops
 from .dense import dense_causal_attention
 from .sinks import attention_with_sinks, check_sinks
@@ -111,6 +112,9 @@ def oasis_attention_forward(
         _check_call(module, attention_mask, dropout, kwargs)
         if kwargs.get("s_aux") is not None:  # (OasisCache refuses compile_decode for such models first)
             raise NotImplementedError("compile_decode does not carry attention sinks (`s_aux`); compile_decode=False.")
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise NotImplementedError("compile_decode does not carry 4D attention masks (each step's mask pattern); "
+                                      "OasisCache(..., compile_decode=False).")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return compiled_ops.traced_attention(module, query, key, value, attention_mask, scale)
     return oasis_attention_eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -132,11 +136,13 @@ def _check_call(module, attention_mask, dropout, kwargs) -> None:
         _warn_no_weights()
     if dropout and module.training:
         raise ValueError("OasisCache is an inference cache: call model.eval() (attention dropout is active).")
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and (attention_mask.dim() not in (2, 4) or (
+            attention_mask.dim() == 4 and attention_mask.dtype != torch.bool)):
         raise NotImplementedError(
-            f"OasisCache got a {attention_mask.dim()}D attention mask for full-attention layer {module.layer_idx}; "
-            "it supports 2D padding masks (what tokenizers and `generate` produce). Pass `attention_mask` as "
-            "[batch, tokens]."
+            f"OasisCache got a {attention_mask.dim()}D {str(attention_mask.dtype).removeprefix('torch.')} attention "
+            f"mask for full-attention layer {module.layer_idx}; it takes 2D padding masks (what tokenizers and "
+            "`generate` produce) and 4D boolean masks (True: seen), not additive ones. Pass `attention_mask` as "
+            "[batch, tokens], or as a bool [batch, 1, queries, keys]."
         )
 
 
@@ -186,15 +192,20 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
             _check_given(module, key, value, given)
         sinks = kwargs.get("s_aux")  # learned sinks (gpt-oss): `compute/sinks.py`
         sinks = None if sinks is None else check_sinks(sinks, query, module)
+        pattern = None
+        if attention_mask is not None and attention_mask.dim() == 4:  # (a multimodal prompt's image tokens, ...)
+            pattern, attention_mask = attention_mask, from_pattern(attention_mask, layer.batch_size,
+                                                                   layer.get_seq_length(), query.shape[2],
+                                                                   layer.decodes(query.shape[2]))
     except (NotImplementedError, ValueError, RuntimeError):
         if given is not None and given[0] is not None:  # the layer's new tokens taken back: as before the forward
             layer.crop(-given[0].shape[-2])
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
-        # (no `sinks` argument unless the model has them: wrappers of `attend` with its older signature still fit)
-        out = layer.attend(query, attention_mask, scale) if sinks is None else layer.attend(query, attention_mask,
-                                                                                            scale, sinks)
+        # (no `sinks` / `pattern` argument unless given: wrappers of `attend` with its older signature still fit)
+        extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern)) if v is not None}
+        out = layer.attend(query, attention_mask, scale, **extra)
     except BaseException:
         if layer._cache.streams is not None:
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error

@@ -211,7 +211,7 @@ def merge_partial(first, first_lse, second, second_lse):
 
 def dense_causal_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the last Qn positions over all L.
 
@@ -221,9 +221,13 @@ def dense_causal_attention(
         visible: `[B, L]` bool (False = padding), or None.
         scale: softmax scale.
         sinks: `[Hq]` learned sink logits, or None (`compute/sinks.py`: then the scores explicitly).
+        pattern: what each query sees, `[B or 1, 1 or Hq, Qn, L]` bool, or None (causal among `visible`): as
+            transformers' SDPA attends it (a multimodal prompt's image tokens see each other).
     Returns:
         `[B, Hq, Qn, D]`; rows of padding queries are finite but meaningless.
     """
+    if pattern is not None:
+        return _pattern_attention(query, keys, values, pattern, scale, sinks)
     causal = _sdpa_causal  # (unpadded, causal from the bottom right; with sinks, `compute/sinks.py`'s)
     if sinks is not None:
         from . import sinks as sink_attention
@@ -268,6 +272,26 @@ def mask_layout(visible: torch.Tensor) -> tuple[bool, bool, list[int]]:
 
 
 _layouts = threading.local()
+
+
+def _pattern_attention(query, keys, values, pattern, scale, sinks=None):
+    """`dense_causal_attention` with a 4D `pattern`: SDPA given it as transformers' SDPA attention gives it (KV heads
+    repeated), in slices of queries past `_MASK_ELEMENTS` scores a head; with sinks, `compute/sinks.py`'s scores."""
+    if sinks is not None:
+        from .sinks import attention_with_sinks
+
+        return attention_with_sinks(query, keys, values, scale, sinks, mask=pattern)
+    keys, values = _expand_kv_heads(query, keys, values)
+    B, Qn, L = query.shape[0], query.shape[2], keys.shape[2]
+    rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))
+    if rows == Qn:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=pattern, scale=scale)
+    out = torch.empty_like(query)
+    for lo in range(0, Qn, rows):
+        hi = min(Qn, lo + rows)
+        out[:, :, lo:hi] = F.scaled_dot_product_attention(query[:, :, lo:hi], keys, values,
+                                                          attn_mask=pattern[:, :, lo:hi], scale=scale)
+    return out
 
 
 def _explicit_mask_attention(query, keys, values, visible, scale):

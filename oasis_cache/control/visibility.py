@@ -100,3 +100,25 @@ def step_visibility(
         forced = forced | ((blocks >= sink_lo) & (blocks <= sink_hi))
     forced = forced.expand(batch_size, width) & allowed
     return StepVisibility(num_blocks, allowed, forced, block_tokens, recent)
+
+
+def from_pattern(pattern: torch.Tensor, batch_size: int, length: int, queries: int, decodes: bool) -> torch.Tensor:
+    """`[B, N]` bool, the tokens some query of a 4D mask `pattern` (`[B or 1, 1 or Hq, Qn, N]` bool, True: seen)
+    sees: the padding the steps after this forward keep hidden. A forward that attends densely attends `pattern`
+    as given (a multimodal prompt's image tokens see each other, Gemma 3); one that decodes sparsely attends
+    causally among these tokens, so there the pattern must be exactly that (one host read), else it is refused."""
+    B1, _, Qn, N = pattern.shape
+    if B1 not in (1, batch_size) or Qn != queries or N != length:
+        raise ValueError(f"A 4D attention mask of shape {list(pattern.shape)} does not fit this forward ({batch_size} "
+                         f"sequences, {queries} new tokens, {length} tokens with the past): pass [batch, 1, "
+                         f"{queries}, {length}], or a 2D padding mask [batch, {length}].")
+    visible = pattern.any(dim=2).any(dim=1).expand(batch_size, N)
+    if decodes:
+        key_pos = torch.arange(N, device=pattern.device)
+        causal = key_pos[None, :] <= torch.arange(N - Qn, N, device=pattern.device)[:, None]  # [Qn, N]
+        if not bool((pattern == (causal[None, None] & visible[:, None, None])).all()):
+            raise NotImplementedError(
+                f"A forward of {Qn} new token(s) decodes sparsely (causally, among the tokens not padding), but its "
+                "4D attention mask shows them another pattern. OasisCache attends such patterns in forwards that "
+                "attend densely (prefills, over max_decode_tokens new tokens); use a DynamicCache here.")
+    return visible
