@@ -73,6 +73,10 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
                 setattr(config, name, value)
         except (AttributeError, TypeError, ValueError, RuntimeError):  # (a derived property)
             pass
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "mrope_section" in getattr(config, "ignore_keys_at_rope_validation", ()):
+        half = int(SMALL["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2  # (multimodal rotary: the
+        rope["mrope_section"] = [half // 4, half // 4, half - 2 * (half // 4)]  # half head's three sections)
     for name, value in (("attn_layer_indices", [1, 3]), ("attn_layer_period", 2), ("attn_layer_offset", 1)):
         if hasattr(config, name):  # (hybrids that place their attention layers by index: one in the four)
             setattr(config, name, value)
