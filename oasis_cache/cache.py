@@ -138,10 +138,12 @@ class OasisCache(Cache):
                 "`is_decoder=True` if it is meant to generate, or use a DynamicCache."
             )
         sinks = [i for i in oasis_layers if isinstance(getattr(attention_modules[i], "sinks", None), torch.Tensor)]
-        if sinks and self.config.compile_decode:  # (learned sinks: the torch attention, `compute/sinks.py`)
+        capped = getattr(text_config, "attn_logit_softcapping", None) is not None
+        if (sinks or capped) and self.config.compile_decode:  # (the torch attention, `compute/sinks.py`)
             raise ValueError(
-                f"compile_decode=True: {type(model).__name__}'s attention adds learned sinks, which the compiled "
-                "decode step does not carry. Drop compile_decode (its steps then run as they are)."
+                f"compile_decode=True: {type(model).__name__}'s attention "
+                f"{'adds learned sinks' if sinks else 'caps its scores (soft-capping)'}, which the compiled decode "
+                "step does not carry. Drop compile_decode (its steps then run as they are)."
             )
         super().__init__(layers=layers)
 
@@ -1215,8 +1217,6 @@ def _check_supported(model):
             f"{type(model).__name__} has cross-attention layers (to an image's states), which OasisCache does not "
             "hold; use a DynamicCache."
         )
-    if getattr(text_config, "attn_logit_softcapping", None) is not None:
-        raise NotImplementedError(f"{type(model).__name__} uses attention logit soft-capping, not supported.")
     if not model._can_set_attn_implementation():
         raise NotImplementedError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so the "

@@ -230,17 +230,19 @@ class OasisLayer(CacheLayerMixin):
         return self.is_initialized and self.pool.num_blocks > 0 and query_length <= self.config.max_decode_tokens
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
-               sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None;
         `pattern`: what each query sees where a 4D mask says more than `visible` (a multimodal prompt's image tokens
         see each other), `[B or 1, 1 or Hq, Qn, N]` bool, attended as given where the forward attends densely
         (`control/visibility.from_pattern` gave `visible` of it and checked it);
         `sinks`: the module's learned sink logits `[Hq]` (`compute/sinks.py`) or None. Without autograd
         (`_without_autograd`): no gradient flows through it."""
-        return _without_autograd(self._attend, query, visible, scale, sinks, pattern)
+        return _without_autograd(self._attend, query, visible, scale, sinks, pattern, softcap)
 
     def _attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
-                sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         cfg = self.config
         Qn = query.shape[2]
         if visible is not None and visible.shape[-1] != self.get_seq_length():
@@ -251,9 +253,9 @@ class OasisLayer(CacheLayerMixin):
         is_decode = self.decodes(Qn)
         self._draft_ranks = None
         if is_decode:
-            out = self._attend_sparse(query, visible, scale, sinks)
+            out = self._attend_sparse(query, visible, scale, sinks, softcap)
         else:
-            out = self._attend_dense(query, visible, scale, sinks, pattern)
+            out = self._attend_dense(query, visible, scale, sinks, pattern, softcap)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
         if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
@@ -274,12 +276,12 @@ class OasisLayer(CacheLayerMixin):
             self._cache.compile_ahead_at_prefill(self, query, visible, scale)
         return out
 
-    def _attend_dense(self, query, visible, scale, sinks=None, pattern=None):
+    def _attend_dense(self, query, visible, scale, sinks=None, pattern=None, softcap=None):
         tokens = self._cache.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
-            return self._attend_resident(query, visible, scale, tokens, sinks, pattern)
+            return self._attend_resident(query, visible, scale, tokens, sinks, pattern, softcap)
         kv = self._whole_kv()
-        return dense_causal_attention(query, kv[0], kv[1], visible, scale, sinks, pattern)
+        return dense_causal_attention(query, kv[0], kv[1], visible, scale, sinks, pattern, softcap)
 
     def _past_kv(self, tokens: int, shared: bool = True) -> torch.Tensor:
         """`[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read from host
@@ -303,7 +305,7 @@ class OasisLayer(CacheLayerMixin):
         kv[:, :, :, start:] = self.recent.kv
         return kv
 
-    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None):
+    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None, softcap=None):
         """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
         and values so far are kept in `resident_kv` `[2, B, Hkv, tokens, D]` on the device (the pool's blocks read
         from the host once, at the first chunk), so a later chunk reads them there instead of bringing the whole past
@@ -316,7 +318,7 @@ class OasisLayer(CacheLayerMixin):
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
         return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
-                                      scale, sinks, pattern)
+                                      scale, sinks, pattern, softcap)
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""
@@ -340,7 +342,7 @@ class OasisLayer(CacheLayerMixin):
         self._draft_ranks = (NB, draft)
         return top_blocks(real, k, self.top_k_kernel)
 
-    def _attend_sparse(self, query, visible, scale, sinks=None):
+    def _attend_sparse(self, query, visible, scale, sinks=None, softcap=None):
         cache, cfg = self._cache, self.config
         B, Hq, Qn, D = query.shape
         H, T, S = self.num_kv_heads, cfg.block_size, self.working_set.num_slots
@@ -369,7 +371,8 @@ class OasisLayer(CacheLayerMixin):
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
         recent_visible = cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
-        if not self.attention_kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
+        kernel = self.attention_kernel and softcap is None  # (no kernel caps the scores: the torch attention)
+        if not kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
             ws.set_recent_visible(recent_visible)
         if view.block_tokens is not None:  # padding inside selected blocks (left-padded batches)
             held = self.slot_map.slot_block[..., :S].clamp(min=0)
@@ -383,16 +386,17 @@ class OasisLayer(CacheLayerMixin):
                                                 attended=self.last_selection.cpu(),
                                                 predicted=getattr(self, "last_prediction", None)))
         keys, values, mask = ws.attendable()
-        if self.attention_kernel:  # the new tokens' causality computed in the kernel from the device count
+        if kernel:  # the new tokens' causality computed in the kernel from the device count
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
                                    recent_visible=recent_visible, sinks=sinks)
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)
-            out = sparse_attention(query, keys, values, mask, scale, bias, self._draft_visible(mask, cfg, S, T), sinks)
+            out = sparse_attention(query, keys, values, mask, scale, bias, self._draft_visible(mask, cfg, S, T), sinks,
+                                   softcap)
             all_layers = cfg.draft_all_layers
             if all_layers is not None and cache.draft_rows == 1 and self._draft_ranks is not None \
-                    and self.layer_idx < all_layers and sinks is None:
+                    and self.layer_idx < all_layers and sinks is None and softcap is None:
                 out[:, :, -1:] = self._draft_over_its_blocks(query[:, :, -1:], view, keys, values, mask, S * T, scale)
         cache.counters.record_layer_step(B * H, n)
         return out

@@ -332,6 +332,52 @@ def test_a_sliding_window_s_sinks_score_only_the_window(chunk_rows, monkeypatch)
     assert windowed_scores < sum(scored) / 2 if chunk_rows else windowed_scores == sum(scored)  # (one chunk: all)
 
 
+def tiny_capped_model(model_type: str = "gemma2", cap: float = 1.0):
+    """A model with attention logit soft-capping (Gemma 2: sliding and full layers, eager attention), capped low
+    enough to move every softmax (its configs cap at 50, which random tiny scores never reach)."""
+    model = tiny_model_of(model_type)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
+        for module in model.modules():
+            if getattr(module, "attn_logit_softcapping", None) is not None:
+                module.attn_logit_softcapping = cap
+                module.q_proj.weight.mul_(10.0)  # (scores of a few units: the cap bends them)
+                module.k_proj.weight.mul_(10.0)
+    return model
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_soft_capped_attention_equals_dense(mode):
+    """Gemma 2's soft-capping (`softcap * tanh(score / softcap)`), in its full-attention layers (the cache's: the
+    prefill and the sparse step's torch attention) and sliding ones (transformers'), in every generate mode."""
+    model = tiny_capped_model()
+    inputs, kw = MODES[mode]
+    dense = sinks_dense(model, inputs, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    assert [type(layer).__name__ for layer in cache.layers][:2] == ["WindowLayer", "OasisLayer"]
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_soft_capping_through_the_cache_s_chunks_and_a_sparse_budget_and_it_counts():
+    """The cache's own chunks and an exact lookahead give dense's tokens; a sparse budget decodes within it; another
+    cap gives other logits (the check can fail); compile_decode=True is refused by name."""
+    model = tiny_capped_model()
+    ids = prompt_ids(300)
+    dense = sinks_dense(model, {"input_ids": ids})
+    for options in (dict(prefill_chunk_tokens=64), dict(lookahead="previous", exact=True)):
+        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids}, seed=7,
+                                    max_new_tokens=16))
+    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
+    assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    moved = generate(model.apply(lambda m: setattr(m, "attn_logit_softcapping", 50.0)
+                                 if getattr(m, "attn_logit_softcapping", None) else None),
+                     OasisCache(model, **OPTIONS), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    assert not all(torch.allclose(a, b, atol=1e-2) for a, b in zip(dense.logits, moved.logits))
+    with pytest.raises(ValueError, match="caps its scores"):
+        OasisCache(model, token_budget=1024, compile_decode=True)
+
+
 def test_gemma4_without_shared_layers_is_served_and_with_them_refused():
     """Gemma 4's full-attention layers with their own (wider) head size, keys equal to values or not: dense's
     tokens; its configs always name a KV-sharing mode ("store": a layer keeps what its update returned), refused only

@@ -24,10 +24,10 @@ from ..compat import causal_mask_function, sdpa_mask
 from ..control.visibility import from_pattern
 from . import compiled_ops
 from .dense import dense_causal_attention
-from .sinks import attention_with_sinks, check_sinks
+from .sinks import attention_with_sinks, check_sinks, check_softcap
 
 _handoff = threading.local()
-_UNSUPPORTED_KWARGS = ("softcap", "sinks", "position_bias")  # (learned sinks come as `s_aux`: served)
+_UNSUPPORTED_KWARGS = ("sinks", "position_bias")  # (learned sinks come as `s_aux`, soft-capping as `softcap`: served)
 
 
 def leave_pending(layer, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
@@ -110,8 +110,10 @@ def oasis_attention_forward(
     returns `[B, Qn, Hq, D]` like every transformers attention function."""
     if torch.compiler.is_dynamo_compiling() and compiled_ops.OPS_ON:  # a compiled decode step: one op in its graph
         _check_call(module, attention_mask, dropout, kwargs)
-        if kwargs.get("s_aux") is not None:  # (OasisCache refuses compile_decode for such models first)
-            raise NotImplementedError("compile_decode does not carry attention sinks (`s_aux`); compile_decode=False.")
+        for name in ("s_aux", "softcap"):  # (OasisCache refuses compile_decode for such models first)
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"compile_decode does not carry `{name}` (attention sinks, soft-capping); "
+                                          "OasisCache(..., compile_decode=False).")
         if attention_mask is not None and attention_mask.dim() == 4:
             raise NotImplementedError("compile_decode does not carry 4D attention masks (each step's mask pattern); "
                                       "OasisCache(..., compile_decode=False).")
@@ -192,6 +194,7 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
             _check_given(module, key, value, given)
         sinks = kwargs.get("s_aux")  # learned sinks (gpt-oss): `compute/sinks.py`
         sinks = None if sinks is None else check_sinks(sinks, query, module)
+        softcap = check_softcap(kwargs.get("softcap"), module)
         pattern = None
         if attention_mask is not None and attention_mask.dim() == 4:  # (a multimodal prompt's image tokens, ...)
             pattern, attention_mask = attention_mask, from_pattern(attention_mask, layer.batch_size,
@@ -204,7 +207,7 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         # (no `sinks` / `pattern` argument unless given: wrappers of `attend` with its older signature still fit)
-        extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern)) if v is not None}
+        extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern), ("softcap", softcap)) if v is not None}
         out = layer.attend(query, attention_mask, scale, **extra)
     except BaseException:
         if layer._cache.streams is not None:
@@ -222,11 +225,11 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
         if _handoff.sees_all is key and query.shape[2] == 1:  # a steady window step (`window.WindowLayer`)
             attention_mask = None
         _handoff.sees_all = None
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:  # (a sliding-window layer of a model with learned sinks: gpt-oss)
+    sinks, softcap = kwargs.get("s_aux"), check_softcap(kwargs.get("softcap"), module)
+    if sinks is not None or softcap is not None:  # (a sliding-window layer with learned sinks, gpt-oss; capped, Gemma 2)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, check_sinks(sinks, query, module),
-                                    window)
+        sinks = None if sinks is None else check_sinks(sinks, query, module)
+        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window, softcap)
     if attention_mask is not None and attention_mask.dim() == 2:
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
@@ -235,17 +238,17 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window=None):
-    """`_sdpa_fallback` for a layer with learned sinks (`compute/sinks.py`): the mask transformers made for SDPA
+def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window=None, softcap=None):
+    """`_sdpa_fallback` for a layer with learned sinks or soft-capping (`compute/sinks.py`): the mask transformers made for SDPA
     (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom right).
     `window`: the layer's sliding window (transformers' mask hides keys `window` or more positions back), so each
     query's scores need only the keys of its window."""
     if attention_mask is None or attention_mask.dim() == 2:
         visible = None if attention_mask is None else attention_mask[:, : key.shape[2]].to(torch.bool)
-        out = attention_with_sinks(query, key, value, scale, sinks, visible=visible)
+        out = attention_with_sinks(query, key, value, scale, sinks, visible=visible, softcap=softcap)
     else:
         mask = attention_mask[..., : key.shape[2]]
         seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (-inf or dtype's min)
         out = attention_with_sinks(query, key, value, scale, sinks, mask=seen,
-                                   window=window if isinstance(window, int) and window > 0 else None)
+                                   window=window if isinstance(window, int) and window > 0 else None, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None

@@ -211,7 +211,7 @@ def merge_partial(first, first_lse, second, second_lse):
 
 def dense_causal_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
-    sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the last Qn positions over all L.
 
@@ -223,9 +223,14 @@ def dense_causal_attention(
         sinks: `[Hq]` learned sink logits, or None (`compute/sinks.py`: then the scores explicitly).
         pattern: what each query sees, `[B or 1, 1 or Hq, Qn, L]` bool, or None (causal among `visible`): as
             transformers' SDPA attends it (a multimodal prompt's image tokens see each other).
+        softcap: attention logit soft-capping (Gemma 2), or None: explicit scores (`compute/sinks.py`).
     Returns:
         `[B, Hq, Qn, D]`; rows of padding queries are finite but meaningless.
     """
+    if softcap is not None:
+        from .sinks import attention_with_sinks
+
+        return attention_with_sinks(query, keys, values, scale, sinks, visible=visible, mask=pattern, softcap=softcap)
     if pattern is not None:
         return _pattern_attention(query, keys, values, pattern, scale, sinks)
     causal = _sdpa_causal  # (unpadded, causal from the bottom right; with sinks, `compute/sinks.py`'s)

@@ -13,6 +13,10 @@ the kernel combines its splits (`kernels/decode_attention.py`). Elsewhere the sc
 bounded chunks of queries): other masks, the torch backend's sparse step (`sparse_attention(..., sinks=)`) and the
 layers transformers keeps (sliding windows: `oasis_attention_eager`'s fallback). Equal to transformers' eager
 attention of these models within float rounding.
+
+The explicit scores serve attention logit soft-capping too (Gemma 2, VaultGemma: `softcap`, each score s becomes
+`softcap * tanh(s / softcap)` before the softmax), with or without sinks: no kernel here takes it. Block selection
+is unchanged by either (a sink adds the same term to every block; the cap keeps the scores' order).
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ def check_sinks(sinks, query: torch.Tensor, module) -> torch.Tensor:
             f"logit per query head ([{query.shape[1]}]). Use a DynamicCache."
         )
     return sinks
+
+
+def check_softcap(softcap, module) -> float | None:
+    """`softcap` as given to the attention (Gemma 2's `attn_logit_softcapping`): a positive number, or None."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, torch.Tensor) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise NotImplementedError(f"{type(module).__name__} passes softcap={softcap!r}; OasisCache caps attention "
+                                  "scores at one positive number. Use a DynamicCache.")
+    return float(softcap)
 
 
 _KERNEL = {"refused": False}  # cuDNN refused a call (a RuntimeError other than memory): explicit scores from then on
@@ -89,23 +103,25 @@ def causal_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                         sinks: torch.Tensor, visible: torch.Tensor | None = None,
-                         mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None, visible: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Attention of `query` `[B, Hq, Qn, D]` (the last Qn of L positions) over `keys`, `values` `[B, Hkv, L, D]`
     with one sink logit per query head (`sinks` `[Hq]`). What each query sees: `mask`, bool `[B or 1, Hq or 1, Qn,
     L]` (True: seen) where given (explicit scores; with `window`, a sliding window's mask: query i sees no key
     `window` or more positions before it, so only those keys are scored); else causally (aligned to the bottom
     right) among the tokens `visible` `[B, L]` shows (None: all), as `dense_causal_attention` lays out a mask
-    (padding rows meaningless). Returns `[B, Hq, Qn, D]` in `query`'s dtype."""
-    if mask is not None:
-        return _explicit(query, keys, values, scale, sinks, None, mask, window)
+    (padding rows meaningless). `sinks` None: none; `softcap`: the scores capped (explicit scores). Returns
+    `[B, Hq, Qn, D]` in `query`'s dtype."""
+    if mask is not None or softcap is not None:
+        return _explicit(query, keys, values, scale, sinks, visible if mask is None else None, mask, window, softcap)
     from .dense import dense_causal_attention
 
     return dense_causal_attention(query, keys, values, visible, scale, sinks)
 
 
-def _explicit(query, keys, values, scale, sinks, visible, mask, window=None) -> torch.Tensor:
-    """Attention with sinks, its scores computed (float32, in chunks of at most `_SCORE_ELEMENTS`): what a query sees
+def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, softcap=None) -> torch.Tensor:
+    """Attention with sinks (or None), its scores computed (capped at `softcap` where given) (float32, in chunks of at most `_SCORE_ELEMENTS`): what a query sees
     as `attention_with_sinks` says, a hidden query (`visible`) seeing itself. With `mask` and `window`, the keys of
     a chunk of queries are those within `window` positions of one of them (the mask hides the others)."""
     B, Hq, Qn, D = query.shape
@@ -114,7 +130,7 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None) -> 
     windowed = mask is not None and window is not None and window < L
     k = keys.float()[:, :, None]  # [B, Hkv, 1, L, D]
     v = values.float()[:, :, None]
-    sink = sinks.float().view(1, Hkv, G, 1, 1)
+    sink = None if sinks is None else sinks.float().view(1, Hkv, G, 1, 1)
     per_row = B * Hq
     if windowed:  # r rows score r + window - 1 keys: the most rows within the budget
         rows = int(((window - 1) ** 2 + 4 * _SCORE_ELEMENTS / per_row) ** 0.5 - (window - 1)) // 2
@@ -131,6 +147,8 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None) -> 
             last = L - Qn + hi
         q = query[:, :, lo:hi].float().view(B, Hkv, G, hi - lo, D)
         scores = (q @ k[..., first:last, :].transpose(-1, -2)) * scale  # [B, Hkv, G, r, L']
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             seen = mask[:, :, lo:hi, first:last]
             seen = (seen.view(seen.shape[0], Hkv, G, hi - lo, last - first) if seen.shape[1] == Hq
@@ -147,9 +165,13 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None) -> 
 
 
 def softmax_with_sinks(scores: torch.Tensor, sink: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`softmax(scores) @ values` with `sink` (broadcast to `scores[..., :1]`) joining the softmax's sum; float32
-    `scores` `[..., r, L]`, masked with -inf."""
-    total = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+    """`softmax(scores) @ values` with `sink` (broadcast to `scores[..., :1]`; None: no sink) joining the softmax's
+    sum; float32 `scores` `[..., r, L]`, masked with -inf (a row masked whole gives zeros)."""
+    total = torch.logsumexp(scores, dim=-1, keepdim=True)
+    if sink is not None:
+        total = torch.logaddexp(total, sink)
+    else:  # (a row that sees nothing, a padding query in transformers' window mask: zeros, not NaN)
+        total = total.clamp(min=torch.finfo(total.dtype).min)
     return torch.exp(scores - total) @ values
 
 

@@ -28,6 +28,7 @@ def new_token_bias(num_queries: int, group: int, length: int, slot_tokens: int, 
 def sparse_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
     bias: torch.Tensor, last_visible: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """
     Args:
@@ -41,6 +42,7 @@ def sparse_attention(
         last_visible: `[B, Hkv, L]` bool or None: what the last new token (a riding draft row) sees instead of
             `visible` (`OasisConfig.draft_sees_its_blocks`).
         sinks: `[Hq]` learned sink logits (`compute/sinks.py`) or None.
+        softcap: attention logit soft-capping (scores `softcap * tanh(s / softcap)`), or None.
     Returns:
         `[B, Hq, Qn, D]`.
     """
@@ -54,11 +56,14 @@ def sparse_attention(
     if last_visible is not None:
         rows = torch.arange(G * Qn, device=query.device) % Qn == Qn - 1  # (g, Qn - 1): the last new token's rows
         mask = torch.where(rows[:, None] & ~last_visible[:, :, None, :], float("-inf"), mask)
-    if sinks is not None:  # the scores explicitly, the sinks in the softmax's sum (float32)
+    if sinks is not None or softcap is not None:  # the scores explicitly, sinks in the softmax's sum (float32)
         from .sinks import grouped_sinks, softmax_with_sinks
 
-        scores = (grouped.float() @ keys.float().transpose(-1, -2)) * scale + mask.float()  # [B, Hkv, G * Qn, L]
-        out = softmax_with_sinks(scores, grouped_sinks(sinks, Hkv, Qn)[None, :, :, None], values.float())
+        scores = (grouped.float() @ keys.float().transpose(-1, -2)) * scale  # [B, Hkv, G * Qn, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        sink = None if sinks is None else grouped_sinks(sinks, Hkv, Qn)[None, :, :, None]
+        out = softmax_with_sinks(scores + mask.float(), sink, values.float())
         return out.to(query.dtype).reshape(B, Hq, Qn, D)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(B, Hq, Qn, D)
