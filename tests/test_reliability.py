@@ -164,7 +164,7 @@ def test_forwards_with_and_without_autograd_mix_on_one_cache(lookahead):
 
 
 def test_a_refused_attention_call_takes_its_layers_new_tokens_back():
-    """A forward the oasis attention refuses at its first full-attention layer (a 4D mask here) leaves the filled
+    """A forward the oasis attention refuses at its first full-attention layer (an additive 4D mask here) leaves the filled
     cache as it was: that layer's new tokens are taken back, and the same cache goes on exactly."""
     model = tiny_model("llama")
     ids = prompt_ids(60)
@@ -173,8 +173,8 @@ def test_a_refused_attention_call_takes_its_layers_new_tokens_back():
     first = generate(model, cache, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences
     lengths = [layer.get_seq_length() for layer in cache.layers]
     more = first[:, -1:]
-    custom = torch.ones((1, 1, 1, first.shape[1]), dtype=torch.bool)  # a 4D mask
-    with pytest.raises(NotImplementedError, match="2D padding masks"), torch.no_grad():
+    custom = torch.zeros((1, 1, 1, first.shape[1]))  # an additive 4D mask (bool ones are served: test_multimodal)
+    with pytest.raises(NotImplementedError, match="4D float32 attention mask"), torch.no_grad():
         model(input_ids=more, attention_mask=custom, **cache.generate_kwargs())
     assert [layer.get_seq_length() for layer in cache.layers] == lengths
     again = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
