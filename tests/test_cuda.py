@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
@@ -1051,6 +1051,34 @@ def test_learned_attention_sinks_on_cuda():
     torch_out = generate(model, plain, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert torch.equal(out.sequences, torch_out.sequences)
     for a, b in zip(torch_out.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+def test_soft_capping_and_image_masks_on_cuda():
+    """Gemma 2's soft-capping on CUDA (explicit scores; decode steps on the torch attention, which the Triton kernel
+    leaves to it): dense eager's tokens and logits, one prompt and a left-padded batch, and a sparse budget within
+    it; Gemma 3 with an image (its 4D mask at the prefill, SDPA with it): dense's tokens."""
+    from test_architectures import sinks_dense, tiny_capped_model
+    from test_multimodal import image_prompt, run, tiny_gemma3_vision
+
+    model = tiny_capped_model().cuda()
+    for inputs in ({"input_ids": prompt_ids(150)}, left_padded([61, 37, 50])):
+        inputs = on_cuda(inputs)
+        dense = sinks_dense(model, inputs, do_sample=False)
+        oasis = generate(model, OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16), inputs,
+                         seed=7, max_new_tokens=16, do_sample=False)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    vision = tiny_gemma3_vision().cuda()
+    inputs = on_cuda(image_prompt(2, 7))
+    dense = run(vision, DynamicCache(config=vision.config), inputs)
+    oasis = run(vision, OasisCache(vision, token_budget=1024), inputs)
+    assert torch.equal(dense.sequences, oasis.sequences)
+    for a, b in zip(dense.logits, oasis.logits):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
