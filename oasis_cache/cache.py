@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from . import compat
-from .compute import compiled_layers, compiled_ops
+from .compute import compiled_layers, compiled_ops, latent
 from .compute.attention import clear_pending, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
@@ -139,11 +139,16 @@ class OasisCache(Cache):
             )
         sinks = [i for i in oasis_layers if isinstance(getattr(attention_modules[i], "sinks", None), torch.Tensor)]
         capped = getattr(text_config, "attn_logit_softcapping", None) is not None
-        if (sinks or capped) and self.config.compile_decode:  # (the torch attention, `compute/sinks.py`)
+        for i in oasis_layers:  # multi-head latent attention: the latent rows stored, attended absorbed
+            layers[i].latent = latent.latent_dims(attention_modules[i])
+            if layers[i].latent is not None:
+                latent.check_latent(attention_modules[i])
+        what = ("adds learned sinks" if sinks else "caps its scores (soft-capping)" if capped else
+                "attends latent rows (MLA)" if any(layers[i].latent for i in oasis_layers) else None)
+        if what and self.config.compile_decode:  # (the torch attention: `compute/sinks.py`, `compute/latent.py`)
             raise ValueError(
-                f"compile_decode=True: {type(model).__name__}'s attention "
-                f"{'adds learned sinks' if sinks else 'caps its scores (soft-capping)'}, which the compiled decode "
-                "step does not carry. Drop compile_decode (its steps then run as they are)."
+                f"compile_decode=True: {type(model).__name__}'s attention {what}, which the compiled decode step does "
+                "not carry. Drop compile_decode (its steps then run as they are)."
             )
         super().__init__(layers=layers)
 
@@ -208,6 +213,11 @@ class OasisCache(Cache):
     def eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step)."""
         layer = self.layers[layer_idx]
+        given = None
+        if isinstance(layer, OasisLayer) and layer.latent is not None and (key_states.shape[-1], value_states.shape[
+                -1]) == layer.latent:  # an MLA layer's latent and rotary key: stored as one row (`compute/latent.py`)
+            given = key_states, value_states
+            key_states, value_states = latent.stored_form(key_states, value_states)
         if layer_idx == 0 or isinstance(layer, OasisLayer):
             self._check_attention(layer_idx)  # before anything of this forward is written
         if isinstance(layer, OasisLayer):
@@ -224,7 +234,8 @@ class OasisCache(Cache):
                     f"OasisCache(model) sets it; do not change it while using the cache, and use the cache with the "
                     f"model it was made for."
                 )
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return out if given is None else given  # (the model expands the new tokens' latents: not read)
 
     def _check_attention(self, layer_idx: int) -> None:
         """Every full-attention layer must run through the "oasis" attention (the only code that reads this cache's
@@ -522,7 +533,9 @@ class OasisCache(Cache):
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OasisLayer):
                 if layer.is_initialized:
-                    dynamic.layers[idx].update(*layer.full_kv())
+                    kv = layer.full_kv()
+                    dynamic.layers[idx].update(*(kv if layer.latent is None else
+                                                 latent.transformers_form(kv[0], layer.latent)))
             else:
                 window = isinstance(layer, WindowLayer)
                 dynamic.layers[idx] = layer.as_transformers() if window else copy.deepcopy(layer)
@@ -566,15 +579,17 @@ class OasisCache(Cache):
                 continue
             if cache._transfer is None:
                 cache._start_engine(source.keys.device)
-            B, _, N, _ = source.keys.shape
+            keys, values = ((source.keys, source.values) if layer.latent is None else
+                            latent.stored_form(source.keys, source.values))  # (an MLA layer's latent rows)
+            B, _, N, _ = keys.shape
             tokens = torch.empty((B, N), dtype=torch.long, device="meta")  # (only its shape is read)
             spans = prefill_chunks(dict(input_ids=tokens, logits_to_keep=1), cfg.prefill_chunk_tokens,
                                    cfg.block_size, cfg.max_decode_tokens)
             if spans:  # (the pools sized for all of it at once, as a chunked prefill's: `_size_for_prompt`)
-                layer.lazy_initialization(source.keys[:, :, :0], source.values[:, :, :0])
+                layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
                 layer.reserve_for_prompt(N)
             for start, end in spans or [(0, N)]:
-                layer.update(source.keys[:, :, start:end], source.values[:, :, start:end])
+                layer.update(keys[:, :, start:end], values[:, :, start:end])
                 clear_pending()
                 layer._offload_complete_blocks()
         return cache
@@ -1201,10 +1216,6 @@ def _check_supported(model):
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError("OasisCache supports decoder-only models; encoder-decoder models are not supported.")
     text_config = config.get_text_config(decoder=True)
-    if getattr(text_config, "kv_lora_rank", None) is not None:
-        raise NotImplementedError(
-            f"{type(model).__name__} uses multi-head latent attention (MLA), which OasisCache does not support."
-        )
     # ("store": a layer keeps what its cache update returned for later layers or an assistant to read; "reuse": a
     # layer attends another layer's keys and values — that one is refused. Gemma 4 without shared layers stores only.)
     if getattr(text_config, "num_kv_shared_layers", 0) or any(

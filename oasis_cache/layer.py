@@ -48,6 +48,7 @@ class OasisLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
     resident_kv = None  # the prompt's keys and values during a chunked prefill (`_attend_resident`)
+    latent = None  # (R, rope) where the layer stores MLA's latent rows (`compute/latent.py`), set by its cache
 
     def __init__(self, cache, layer_idx: int):
         super().__init__()
@@ -114,6 +115,8 @@ class OasisLayer(CacheLayerMixin):
         self.top_k_kernel = self.use_kernels and (cfg.fetch_ratio is None if cfg.top_k_kernel is None else
                                                   cfg.top_k_kernel)
         self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
+        if self.latent is not None and cfg.attention_kernel is None:  # (MLA's rows: one KV head of R + rope channels
+            self.attention_kernel = False  # for all query heads, not checked in the Triton decode kernel on a GPU)
         for part in ("slot_map", "recent"):
             if part in self.__dict__:
                 self.__dict__[part].use_kernel = self.use_kernels

@@ -378,6 +378,74 @@ def test_soft_capping_through_the_cache_s_chunks_and_a_sparse_budget_and_it_coun
         OasisCache(model, token_budget=1024, compile_decode=True)
 
 
+def tiny_latent_model(model_type: str = "deepseek_v3"):
+    """A model with multi-head latent attention (its layers cache a latent row per token, `compute/latent.py`)."""
+    model = tiny_model_of(model_type)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
+    return model
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_latent_attention_equals_dense(mode):
+    """DeepSeek-V3's MLA: the layers store the latent rows ([kv_nope, k_rot], one KV head) and attend them absorbed,
+    in every generate mode."""
+    model = tiny_latent_model()
+    inputs, kw = MODES[mode]
+    dense = generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+    attn = model.model.layers[0].self_attn
+    layer = cache.layers[0]
+    assert (layer.num_kv_heads, layer.head_dim) == (1, attn.kv_lora_rank + attn.qk_rope_head_dim)
+    # The model's attention is the cache's now: for any other cache it is SDPA's, values narrower than the queries.
+    assert model.config._attn_implementation == "oasis"
+    assert_same(dense, generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_latent_attention_through_chunks_turns_conversions_and_a_sparse_budget():
+    """The cache's own chunks and an exact lookahead, a second turn, a round trip through transformers' cache (its
+    latent and rotary keys) and a fork give dense's tokens; a sparse budget decodes within it; compile_decode=True
+    and a learned indexer (DSA) are refused by name."""
+    model = tiny_latent_model()
+    ids = prompt_ids(300)
+    dense = generate(model, DynamicCache(config=model.config), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    for options in (dict(prefill_chunk_tokens=64), dict(lookahead="previous", exact=True)):
+        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids},
+                                    max_new_tokens=16, do_sample=False))
+    turns = OasisCache(model, **OPTIONS)
+    first = generate(model, turns, {"input_ids": ids[:, :100]}, max_new_tokens=8, do_sample=False)
+    second = {"input_ids": torch.cat([first.sequences, ids[:, 200:240]], 1)}
+    assert_same(generate(model, DynamicCache(config=model.config), second, max_new_tokens=16, do_sample=False),
+                generate(model, turns, second, max_new_tokens=16, do_sample=False))
+
+    prefilled = OasisCache(model, **OPTIONS)
+    model(ids[:, :-1], **prefilled.generate_kwargs())
+    plain = prefilled.to_dynamic_cache()
+    assert plain.layers[0].keys.shape[-1] == model.model.layers[0].self_attn.kv_lora_rank  # (transformers' own form)
+    for cache in (OasisCache.from_dynamic_cache(model, plain, **OPTIONS), prefilled.fork()):
+        assert_same(dense, generate(model, cache, {"input_ids": ids}, max_new_tokens=16, do_sample=False))
+
+    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
+    assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    with pytest.raises(ValueError, match=r"attends latent rows \(MLA\)"):
+        OasisCache(model, token_budget=1024, compile_decode=True)
+    model.model.layers[1].self_attn.indexer = torch.nn.Identity()
+    with pytest.raises(NotImplementedError, match="learned indexer"):
+        OasisCache(model, token_budget=1024)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "glm4_moe_lite", "minicpm3", "kimi_linear", "youtu"])
+def test_other_latent_attention_families_equal_dense(model_type):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    result, detail = compare(tiny_model_of(model_type))
+    assert result == "equal", detail
+
+
 def test_gemma4_without_shared_layers_is_served_and_with_them_refused():
     """Gemma 4's full-attention layers with their own (wider) head size, keys equal to values or not: dense's
     tokens; its configs always name a KV-sharing mode ("store": a layer keeps what its update returned), refused only

@@ -1082,6 +1082,27 @@ def test_soft_capping_and_image_masks_on_cuda():
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
+def test_latent_attention_on_cuda():
+    """DeepSeek-V3's MLA on CUDA (latent rows of R + rope channels, one KV head, attended absorbed; the sparse step on
+    the torch attention, the block scores and gathers through the Triton kernels): dense's tokens and logits in one
+    prompt, a left-padded batch and the cache's own chunks, and a sparse budget within it."""
+    from test_architectures import tiny_latent_model
+
+    model = tiny_latent_model().cuda()
+    for inputs, extra in [({"input_ids": prompt_ids(150)}, {}), (left_padded([61, 37, 50]), {}),
+                          ({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))]:
+        inputs = on_cuda(inputs)
+        dense = generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, do_sample=False)
+        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
+        oasis = generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        for a, b in zip(dense.logits, oasis.logits):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+
+
 @pytest.mark.parametrize("past", [0, 200])
 def test_sinks_through_cudnn_s_log_sum_exp_equal_explicit_scores(past, monkeypatch):
     """On CUDA in bf16 with ≥ 128 queries the dense attention with sinks runs cuDNN's kernels with their log-sum-exp

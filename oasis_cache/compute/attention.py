@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..compat import causal_mask_function, sdpa_mask
 from ..control.visibility import from_pattern
-from . import compiled_ops
+from . import compiled_ops, latent
 from .dense import dense_causal_attention
 from .sinks import attention_with_sinks, check_sinks, check_softcap
 
@@ -190,7 +190,7 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
     try:
         layer.check_module(module)
         _check_call(module, attention_mask, dropout, kwargs)
-        if check_given:
+        if check_given and layer.latent is None:  # (MLA: the module's expansion of its new latents is not read)
             _check_given(module, key, value, given)
         sinks = kwargs.get("s_aux")  # learned sinks (gpt-oss): `compute/sinks.py`
         sinks = None if sinks is None else check_sinks(sinks, query, module)
@@ -205,10 +205,14 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
             layer.crop(-given[0].shape[-2])
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if layer.latent is not None:  # queries over the latent rows the layer stores (`compute/latent.py`)
+        query = latent.absorbed_query(module, query)
     try:
         # (no `sinks` / `pattern` argument unless given: wrappers of `attend` with its older signature still fit)
         extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern), ("softcap", softcap)) if v is not None}
         out = layer.attend(query, attention_mask, scale, **extra)
+        if layer.latent is not None:
+            out = latent.latent_output(module, out)
     except BaseException:
         if layer._cache.streams is not None:
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error

@@ -54,7 +54,7 @@ def _sdpa_causal(query, keys, values, scale):
     heads = max(1, EXPAND_BYTES // per_head) if G > 1 else Hkv
     if heads >= Hkv:
         return _sdpa_causal_heads(query, keys, values, scale)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape[:3] + values.shape[3:])  # (values may be narrower than keys: MLA, Gemma 4)
     for h in range(0, Hkv, heads):
         e = min(h + heads, Hkv)
         out[:, h * G : e * G] = _sdpa_causal_heads(query[:, h * G : e * G], keys[:, h:e], values[:, h:e], scale)
@@ -247,7 +247,7 @@ def dense_causal_attention(
     if left and not padded:  # nothing hidden (generate's all-ones mask): one batched call
         return causal(query, keys, values, scale)
     if left:
-        out = torch.zeros_like(query)
+        out = query.new_zeros(query.shape[:3] + values.shape[3:])
         for b, start in enumerate(firsts):
             q_start = max(0, start - (L - Qn))
             if q_start < Qn:
@@ -291,7 +291,7 @@ def _pattern_attention(query, keys, values, pattern, scale, sinks=None):
     rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))
     if rows == Qn:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=pattern, scale=scale)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape[:3] + values.shape[3:])
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
         out[:, :, lo:hi] = F.scaled_dot_product_attention(query[:, :, lo:hi], keys, values,
@@ -305,7 +305,7 @@ def _explicit_mask_attention(query, keys, values, visible, scale):
     keys, values = _expand_kv_heads(query, keys, values)
     rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))
     key_pos = torch.arange(L, device=query.device)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape[:3] + values.shape[3:])
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
         q_pos = torch.arange(L - Qn + lo, L - Qn + hi, device=query.device)

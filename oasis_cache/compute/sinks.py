@@ -138,7 +138,7 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
         rows = _SCORE_ELEMENTS // max(1, per_row * L)
     rows = max(1, min(Qn, rows))
     key_pos = torch.arange(L, device=query.device)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape[:3] + values.shape[3:])
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
         first, last = 0, L  # the keys these rows may see
@@ -160,7 +160,7 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
                 seen = (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
             seen = seen[:, None, None] if seen.dim() == 3 else seen
         out[:, :, lo:hi] = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), sink,
-                                              v[..., first:last, :]).view(B, Hq, hi - lo, D).to(query.dtype)
+                                              v[..., first:last, :]).view(B, Hq, hi - lo, -1).to(query.dtype)
     return out
 
 
