@@ -6,12 +6,16 @@ budget above the context (`compare`) — and lands in one row:
 - `refused`: OasisCache raised, naming why (at construction, or at the first forward for what only the forward shows:
   a model that attends tensors other than those it wrote into the cache);
 - `MISMATCH`: other tokens or logits, silently — a bug (none at the last run);
-- `not built`: the tiny config did not give a model that generates densely (MLA's head sizes, encoder-only flags,
-  multimodal wrappers): nothing is said about OasisCache there.
+- `not built`: the tiny config did not give a model that generates densely (towers needing other libraries,
+  encoder-only flags, configs whose fields the small shape contradicts): nothing is said about OasisCache there.
+
+Multimodal models are built whole (their vision / audio towers small) and prompted with text; `tests/test_multimodal.py`
+prompts Gemma 3 with images.
 
     python eval/architectures.py                          # every causal LM, two at a time, one process each
     python eval/architectures.py --types llama qwen3_5_text gpt_oss
     python eval/architectures.py --out docs/models.md      # the table, with the command, date and versions
+    python eval/architectures.py --multimodal --out docs/models_multimodal.md  # image-text-to-text models
 
 Each model runs in its own process (a few tiny configs still allocate gigabytes: one per process, under `--memory`).
 `tests/test_architectures.py` runs a fixed list of them with `compare` in CI.
@@ -166,13 +170,13 @@ def _in_subprocess(model_type: str, memory: int, timeout: int) -> dict:
     return json.loads(lines[-1])
 
 
-def table(rows: list[dict], command: str) -> str:
+def table(rows: list[dict], command: str, which: str = "Every causal LM") -> str:
     import transformers
 
     counts = {result: sum(row["result"] == result for row in rows) for result in
               ("equal", "refused", "MISMATCH", "not built")}
     lines = ["# Architectures", "",
-             f"Every causal LM of transformers {transformers.__version__} (torch {torch.__version__}), tiny with "
+             f"{which} of transformers {transformers.__version__} (torch {torch.__version__}), tiny with "
              f"random weights, a {PROMPT}-token prompt and {NEW_TOKENS} greedy tokens: OasisCache (budget above the "
              "context) against SDPA + DynamicCache. Made by `eval/architectures.py` (its docstring says what each "
              f"result means): `{command}`, {platform.machine()} CPU, {datetime.date.today().isoformat()}.", "",
@@ -211,9 +215,12 @@ def main() -> None:
             print(f"{row['type']:28s} {row['class']:36s} {row['result']:9s} {row['detail'][:150]}", flush=True)
             rows.append(row)
     command = "python eval/architectures.py" + (f" --types {' '.join(args.types)}" if args.types else "") + \
+        (" --multimodal" if args.multimodal else "") + \
         (f" --out {args.out}" if args.out else "")
     if args.out:
-        Path(args.out).write_text(table(rows, command))
+        which = ("Every image-text-to-text model (not also a causal LM), prompted with text," if args.multimodal
+                 else "Every causal LM")
+        Path(args.out).write_text(table(rows, command, which))
 
 
 if __name__ == "__main__":
