@@ -6,7 +6,7 @@ twenty-seventh session), a real model's selection is stable."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, DeepseekV2Config, Gemma2Config, GptOssConfig, LlamaConfig, Qwen3Config
 
 SHAPES = {
     "qwen3-8b": lambda: Qwen3Config(
@@ -23,6 +23,15 @@ SHAPES = {
         num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4,
         layer_types=["sliding_attention", "full_attention"] * 12,
     ),
+    # multi-head latent attention: a 576-channel latent row a token and layer, attended absorbed (`compute/latent.py`)
+    "deepseek-v2-lite": lambda: DeepseekV2Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, max_position_embeddings=163840,
+    ),
+    # attention logit soft-capping (explicit scores) and 4,096-token sliding layers beside full ones; 8K positions
+    "gemma-2-2b": lambda: Gemma2Config(),
     "tiny": lambda: Qwen3Config(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=262144,
