@@ -1035,23 +1035,34 @@ def test_learned_attention_sinks_on_cuda():
     from test_architectures import sinks_dense, tiny_sinks_model
 
     model = tiny_sinks_model().cuda()
-    for inputs, extra in [({"input_ids": prompt_ids(150)}, {}), (left_padded([61, 37, 50]), {}),
-                          ({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))]:
+    equal_to_dense_on_cuda(model, lambda inputs: sinks_dense(model, inputs, do_sample=False))
+    out, torch_out = within_a_sparse_budget(model), within_a_sparse_budget(model, attention_kernel=False)
+    assert_same_on_cuda(torch_out, out)
+
+
+def equal_to_dense_on_cuda(model, dense, chunks: bool = True):
+    """Through OasisCache (budget above the context) `model` generates `dense(inputs)`'s greedy tokens and logits: one
+    prompt, a left-padded batch and (`chunks`) the cache's own chunks."""
+    cases = [({"input_ids": prompt_ids(150)}, {}), (left_padded([61, 37, 50]), {})]
+    for inputs, extra in cases + ([({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))] if chunks else []):
         inputs = on_cuda(inputs)
-        dense = sinks_dense(model, inputs, do_sample=False)
+        expected = dense(inputs)  # (before the cache: a dense run may switch the model's attention)
         cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
-        oasis = generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False)
-        assert torch.equal(dense.sequences, oasis.sequences)
-        for a, b in zip(dense.logits, oasis.logits):
-            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+        assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
+
+
+def assert_same_on_cuda(expected, got):
+    assert torch.equal(expected.sequences, got.sequences)
+    for a, b in zip(expected.logits, got.logits):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+def within_a_sparse_budget(model, **options):
+    """A 400-token prompt decoded within a budget of 64 tokens: finite logits, no more tokens attended a step."""
+    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **options)
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
-    plain = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, attention_kernel=False)
-    torch_out = generate(model, plain, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
-    assert torch.equal(out.sequences, torch_out.sequences)
-    for a, b in zip(torch_out.logits, out.logits):
-        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    return out
 
 
 def test_soft_capping_and_image_masks_on_cuda():
@@ -1062,24 +1073,12 @@ def test_soft_capping_and_image_masks_on_cuda():
     from test_multimodal import image_prompt, run, tiny_gemma3_vision
 
     model = tiny_capped_model().cuda()
-    for inputs in ({"input_ids": prompt_ids(150)}, left_padded([61, 37, 50])):
-        inputs = on_cuda(inputs)
-        dense = sinks_dense(model, inputs, do_sample=False)
-        oasis = generate(model, OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16), inputs,
-                         seed=7, max_new_tokens=16, do_sample=False)
-        assert torch.equal(dense.sequences, oasis.sequences)
-        for a, b in zip(dense.logits, oasis.logits):
-            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
-    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
-    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    equal_to_dense_on_cuda(model, lambda inputs: sinks_dense(model, inputs, do_sample=False), chunks=False)
+    within_a_sparse_budget(model)
     vision = tiny_gemma3_vision().cuda()
     inputs = on_cuda(image_prompt(2, 7))
-    dense = run(vision, DynamicCache(config=vision.config), inputs)
-    oasis = run(vision, OasisCache(vision, token_budget=1024), inputs)
-    assert torch.equal(dense.sequences, oasis.sequences)
-    for a, b in zip(dense.logits, oasis.logits):
-        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    assert_same_on_cuda(run(vision, DynamicCache(config=vision.config), inputs),
+                        run(vision, OasisCache(vision, token_budget=1024), inputs))
 
 
 def test_latent_attention_on_cuda():
@@ -1089,18 +1088,9 @@ def test_latent_attention_on_cuda():
     from test_architectures import tiny_latent_model
 
     model = tiny_latent_model().cuda()
-    for inputs, extra in [({"input_ids": prompt_ids(150)}, {}), (left_padded([61, 37, 50]), {}),
-                          ({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))]:
-        inputs = on_cuda(inputs)
-        dense = generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, do_sample=False)
-        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
-        oasis = generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False)
-        assert torch.equal(dense.sequences, oasis.sequences)
-        for a, b in zip(dense.logits, oasis.logits):
-            torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
-    out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
-    assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    equal_to_dense_on_cuda(model, lambda inputs: generate(model, DynamicCache(config=model.config), inputs, seed=7,
+                                                          max_new_tokens=16, do_sample=False))
+    within_a_sparse_budget(model)
 
 
 @pytest.mark.parametrize("past", [0, 200])
