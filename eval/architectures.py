@@ -49,7 +49,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              d_model=64, n_layer=4, n_head=4, n_embd=64, num_layers=4, num_heads=4, is_decoder=True,
              first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, ffn_hidden_size=128,
              kv_channels=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-             linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
+             linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=8, kv_lora_rank=32,
              q_lora_rank=48, n_group=1, topk_group=1, rotary_dim=16)
 # A multimodal model's towers (`vision_config`, `audio_config`), small: the sweep's prompts are text only.
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -111,7 +111,9 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
                 whole.text_config = config
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)(whole).eval()
+    model_class = getattr(transformers, arch[0] if isinstance(arch, (list, tuple)) else arch)
+    # (a multimodal class takes the whole config; a text-only class of a multimodal family, its text config)
+    model = model_class(whole if isinstance(whole, model_class.config_class) else config).eval()
     try:
         model.set_attn_implementation("sdpa")
     except ValueError:  # (no SDPA path: gpt-oss's sinks, ...) dense runs eagerly

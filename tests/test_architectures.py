@@ -418,7 +418,8 @@ def test_latent_attention_through_chunks_turns_conversions_and_a_sparse_budget()
                                     max_new_tokens=16, do_sample=False))
     turns = OasisCache(model, **OPTIONS)
     first = generate(model, turns, {"input_ids": ids[:, :100]}, max_new_tokens=8, do_sample=False)
-    second = {"input_ids": torch.cat([first.sequences, ids[:, 200:240]], 1)}
+    second = torch.cat([first.sequences, ids[:, 200:240]], 1)
+    second = {"input_ids": second, "attention_mask": torch.ones_like(second)}  # (a generated 0 is no padding)
     assert_same(generate(model, DynamicCache(config=model.config), second, max_new_tokens=16, do_sample=False),
                 generate(model, turns, second, max_new_tokens=16, do_sample=False))
 
