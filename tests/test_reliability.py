@@ -164,8 +164,8 @@ def test_forwards_with_and_without_autograd_mix_on_one_cache(lookahead):
 
 
 def test_a_refused_attention_call_takes_its_layers_new_tokens_back():
-    """A forward the oasis attention refuses at its first full-attention layer (an additive 4D mask here) leaves the filled
-    cache as it was: that layer's new tokens are taken back, and the same cache goes on exactly."""
+    """A forward the oasis attention refuses at its first full-attention layer (an additive 4D mask here) leaves the
+    filled cache as it was: that layer's new tokens are taken back, and the same cache goes on exactly."""
     model = tiny_model("llama")
     ids = prompt_ids(60)
     dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=12, do_sample=False)

@@ -230,7 +230,7 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
             attention_mask = None
         _handoff.sees_all = None
     sinks, softcap = kwargs.get("s_aux"), check_softcap(kwargs.get("softcap"), module)
-    if sinks is not None or softcap is not None:  # (a sliding-window layer with learned sinks, gpt-oss; capped, Gemma 2)
+    if sinks is not None or softcap is not None:  # (a sliding layer with learned sinks, gpt-oss; capped, Gemma 2)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         sinks = None if sinks is None else check_sinks(sinks, query, module)
         return _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window, softcap)
@@ -243,8 +243,9 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
 
 
 def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window=None, softcap=None):
-    """`_sdpa_fallback` for a layer with learned sinks or soft-capping (`compute/sinks.py`): the mask transformers made for SDPA
-    (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom right).
+    """`_sdpa_fallback` for a layer with learned sinks or soft-capping (`compute/sinks.py`): the mask transformers
+    made for SDPA (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom
+    right).
     `window`: the layer's sliding window (transformers' mask hides keys `window` or more positions back), so each
     query's scores need only the keys of its window."""
     if attention_mask is None or attention_mask.dim() == 2:

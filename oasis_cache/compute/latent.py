@@ -41,9 +41,9 @@ def check_latent(module) -> None:
     if (not isinstance(proj, torch.nn.Linear) or getattr(proj, "bias", None) is not None
             or not isinstance(weight, torch.Tensor) or not weight.is_floating_point()):
         raise NotImplementedError(
-            f"{name} (layer {module.layer_idx}) expands its latents through a {type(proj).__name__} "
-            f"(`kv_b_proj`) that is not a plain floating-point nn.Linear without bias; OasisCache attends MLA's latents "
-            "through its weight (absorbed). Use a DynamicCache, or load kv_b_proj unquantized.")
+            f"{name} (layer {module.layer_idx}) expands its latents through a {type(proj).__name__} (`kv_b_proj`) "
+            "that is not a plain floating-point nn.Linear without bias; OasisCache attends MLA's latents through its "
+            "weight (absorbed). Use a DynamicCache, or load kv_b_proj unquantized.")
 
 
 def stored_form(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

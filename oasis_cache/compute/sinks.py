@@ -121,9 +121,10 @@ def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.
 
 
 def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, softcap=None) -> torch.Tensor:
-    """Attention with sinks (or None), its scores computed (capped at `softcap` where given) (float32, in chunks of at most `_SCORE_ELEMENTS`): what a query sees
-    as `attention_with_sinks` says, a hidden query (`visible`) seeing itself. With `mask` and `window`, the keys of
-    a chunk of queries are those within `window` positions of one of them (the mask hides the others)."""
+    """Attention with sinks (or None), its scores computed (float32, in chunks of at most `_SCORE_ELEMENTS`; capped at
+    `softcap` where given): what a query sees as `attention_with_sinks` says, a hidden query (`visible`) seeing
+    itself. With `mask` and `window`, the keys of a chunk of queries are those within `window` positions of one of
+    them (the mask hides the others)."""
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
