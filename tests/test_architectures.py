@@ -156,7 +156,7 @@ def test_which_layer_kinds_are_kept():
 # layers, sliding-window hybrids, MoE, learned positions, BERT made a decoder (`is_decoder=True`).
 EQUAL = ["bert", "gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron",
          "smollm3", "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid",
-         "jamba", "gemma3", "qwen2_5_vl", "llava"]  # (the last three multimodal, whole, prompted with text)
+         "jamba", "granitemoehybrid", "gemma3", "qwen2_5_vl", "llava"]  # (the last three: multimodal, text prompts)
 
 
 @pytest.mark.parametrize("model_type", EQUAL)
