@@ -74,9 +74,7 @@ def test_a_linear_attention_hybrid_chunks_continues_and_converts_as_dense():
 def test_assisted_decoding_on_a_linear_attention_hybrid_prefills_whole():
     """Prompt lookup records the linear layers' past for its rollbacks (`activate_past_recording`); a prefill the
     cache split into chunks then decoded 4e-2 away from dense for OLMo hybrid: such a prefill runs whole."""
-    model = tiny_model_of("olmo_hybrid")
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4.0)
+    model = sharpened("olmo_hybrid")
     inputs, kw = {"input_ids": prompt_ids(100)}, dict(do_sample=False, prompt_lookup_num_tokens=3, max_new_tokens=12)
     try:
         dense = generate(model, dense_cache(model), inputs, **kw)
@@ -191,12 +189,19 @@ def test_models_oasis_cannot_serve_are_refused_by_name(model_type, refusal):
         assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
 
 
+def sharpened(model_type: str):
+    """`tiny_model_of(model_type)` with its output embeddings scaled up: greedy choices away from near-ties."""
+    model = tiny_model_of(model_type)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    return model
+
+
 def tiny_sinks_model(model_type: str = "gpt_oss"):
     """A model with learned attention sinks (`s_aux`), its sinks drawn large enough to move every softmax, on its
     eager attention (gpt-oss has no SDPA path)."""
-    model = tiny_model_of(model_type)
+    model = sharpened(model_type)
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.Tensor):
                 module.sinks.normal_(0.0, 1.5)
@@ -209,10 +214,12 @@ def sinks_dense(model, inputs, **kw):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_learned_attention_sinks_equal_dense(mode):
-    """gpt-oss's sinks (one logit per query head in every softmax's sum, `compute/sinks.py`), in its full-attention
-    layers (the cache's) and sliding ones (transformers'), in every generate mode."""
-    model = tiny_sinks_model()
+@pytest.mark.parametrize("kind", ["sinks", "soft-capped"])
+def test_learned_sinks_and_soft_capping_equal_dense(kind, mode):
+    """gpt-oss's sinks (one logit per query head in every softmax's sum, `compute/sinks.py`) and Gemma 2's
+    soft-capping (`softcap * tanh(score / softcap)`), in the full-attention layers (the cache's: the prefill and the
+    sparse step) and the sliding ones (transformers'), in every generate mode."""
+    model = tiny_sinks_model() if kind == "sinks" else tiny_capped_model()
     inputs, kw = MODES[mode]
     dense = sinks_dense(model, inputs, **kw)
     cache = OasisCache(model, **OPTIONS)
@@ -336,9 +343,8 @@ def test_a_sliding_window_s_sinks_score_only_the_window(chunk_rows, monkeypatch)
 def tiny_capped_model(model_type: str = "gemma2", cap: float = 1.0):
     """A model with attention logit soft-capping (Gemma 2: sliding and full layers, eager attention), capped low
     enough to move every softmax (its configs cap at 50, which random tiny scores never reach)."""
-    model = tiny_model_of(model_type)
+    model = sharpened(model_type)
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
         for module in model.modules():
             if getattr(module, "attn_logit_softcapping", None) is not None:
                 module.attn_logit_softcapping = cap
@@ -347,18 +353,6 @@ def tiny_capped_model(model_type: str = "gemma2", cap: float = 1.0):
     model.set_attn_implementation("eager")  # (transformers 5.17's SDPA path for Gemma 2 drops the cap: the
     model.dense_attention = "eager"  # reference is the model's eager attention, which caps)
     return model
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_soft_capped_attention_equals_dense(mode):
-    """Gemma 2's soft-capping (`softcap * tanh(score / softcap)`), in its full-attention layers (the cache's: the
-    prefill and the sparse step's torch attention) and sliding ones (transformers'), in every generate mode."""
-    model = tiny_capped_model()
-    inputs, kw = MODES[mode]
-    dense = sinks_dense(model, inputs, **kw)
-    cache = OasisCache(model, **OPTIONS)
-    assert [type(layer).__name__ for layer in cache.layers][:2] == ["WindowLayer", "OasisLayer"]
-    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
 def test_soft_capping_through_the_cache_s_chunks_and_a_sparse_budget_and_it_counts():
@@ -383,10 +377,7 @@ def test_soft_capping_through_the_cache_s_chunks_and_a_sparse_budget_and_it_coun
 
 def tiny_latent_model(model_type: str = "deepseek_v3"):
     """A model with multi-head latent attention (its layers cache a latent row per token, `compute/latent.py`)."""
-    model = tiny_model_of(model_type)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4.0)  # (greedy choices away from near-ties)
-    return model
+    return sharpened(model_type)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -10,6 +10,8 @@ visibility from it and from the block count on the device, in shapes that do not
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +108,22 @@ def from_pattern(pattern: torch.Tensor, batch_size: int, length: int, queries: i
     """`[B, N]` bool, the tokens some query of a 4D mask `pattern` (`[B or 1, 1 or Hq, Qn, N]` bool, True: seen)
     sees: the padding the steps after this forward keep hidden. A forward that attends densely attends `pattern`
     as given (a multimodal prompt's image tokens see each other, Gemma 3); one that decodes sparsely attends
-    causally among these tokens, so there the pattern must be exactly that (one host read), else it is refused."""
+    causally among these tokens, so there the pattern must be exactly that (one host read), else it is refused.
+    Remembered for the last mask seen on this thread: every full-attention layer of a forward gets the same mask
+    tensor, so the reduction and the check run once a forward (as `dense.mask_layout` reads a 2D mask once)."""
+    last = getattr(_patterns, "last", None)
+    asked = (batch_size, length, queries, decodes)
+    if last is not None and last[0]() is pattern and last[1] == asked:
+        return last[2]
+    visible = _visible_of(pattern, *asked)
+    _patterns.last = (weakref.ref(pattern), asked, visible)
+    return visible
+
+
+_patterns = threading.local()
+
+
+def _visible_of(pattern: torch.Tensor, batch_size: int, length: int, queries: int, decodes: bool) -> torch.Tensor:
     B1, _, Qn, N = pattern.shape
     if B1 not in (1, batch_size) or Qn != queries or N != length:
         raise ValueError(f"A 4D attention mask of shape {list(pattern.shape)} does not fit this forward ({batch_size} "
