@@ -51,7 +51,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              kv_channels=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
              linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=8, kv_lora_rank=32,
              q_lora_rank=48, n_group=1, topk_group=1, rotary_dim=16, mamba_n_heads=8, mamba_d_head=16,
-             mamba_d_state=16, mamba_chunk_size=32, n_mamba_heads=8, mamba_headdim=16, n_shared_experts=1)
+             mamba_d_state=16, mamba_chunk_size=32, n_mamba_heads=8, mamba_headdim=16, n_shared_experts=1,
+             mamba_d_ssm=128)
 # A multimodal model's towers (`vision_config`, `audio_config`), small: the sweep's prompts are text only.
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
              patch_size=14)

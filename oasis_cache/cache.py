@@ -14,7 +14,7 @@ import dataclasses
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from . import compat
 from .compute import compiled_layers, compiled_ops, latent
@@ -22,6 +22,7 @@ from .compute.attention import clear_pending, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
+from .hybrid import HybridLayer, HybridWindowLayer, forget_state
 from .layer import OasisLayer
 from .window import WindowLayer
 from .memory import TransferEngine, pinned_regions
@@ -33,6 +34,7 @@ from .stats import CacheStats
 
 ATTENTION_NAME = "oasis"
 _HF_KEPT_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+_HYBRID_SLIDING = compat.dynamic_layer_class("hybrid_sliding")  # (transformers' window + linear-attention state)
 
 
 class OasisCache(Cache):
@@ -107,6 +109,10 @@ class OasisCache(Cache):
         for layer_idx, (layer_type, kwargs) in enumerate(kinds):
             if layer_type == "full_attention":
                 layers.append(OasisLayer(self, layer_idx))
+            elif layer_type == "hybrid":  # (keys and a linear-attention state in one layer: Falcon-H1)
+                layers.append(HybridLayer(self, layer_idx, **kwargs))
+            elif layer_type == "hybrid_sliding":  # (a sliding window and a linear-attention state: Inkling)
+                layers.append(HybridWindowLayer(clear_from=_padding_reader(self), **kwargs))
             elif compat.dynamic_layer_class(layer_type) is DynamicSlidingWindowLayer:  # (its steady steps in place)
                 layers.append(WindowLayer(clear_from=_padding_reader(self), **kwargs))
             elif layer_type in _HF_KEPT_LAYER_TYPES or compat.holds_no_keys(layer_type):
@@ -114,8 +120,9 @@ class OasisCache(Cache):
             else:
                 raise NotImplementedError(
                     f"OasisCache does not support layer type {layer_type!r} (layer {layer_idx} of "
-                    f"{type(model).__name__}); supported: full_attention, plus {', '.join(_HF_KEPT_LAYER_TYPES)} and "
-                    "layers without keys and values (linear attention, convolutions), which transformers keeps."
+                    f"{type(model).__name__}); supported: full_attention, hybrid and hybrid_sliding (keys and a "
+                    f"linear-attention state), plus {', '.join(_HF_KEPT_LAYER_TYPES)} and layers without keys and "
+                    "values (linear attention, convolutions), which transformers keeps."
                 )
         oasis_layers = [layer.layer_idx for layer in layers if isinstance(layer, OasisLayer)]
         if not oasis_layers:
@@ -155,7 +162,9 @@ class OasisCache(Cache):
         self._model = weakref.ref(model)
         self._modules = weakref.WeakValueDictionary({i: attention_modules[i] for i in oasis_layers})
         self._first_oasis_layer = oasis_layers[0]
-        self.all_oasis_layers = len(oasis_layers) == len(layers)  # (compiled decode steps: `compute/compiled_ops.py`)
+        # (compiled decode steps, `compute/compiled_ops.py`, and a prefill chunk retried smaller: no layer of the
+        # model keeps a state of its own, which a chunk's forward would have moved already)
+        self.all_oasis_layers = len(oasis_layers) == len(layers) and not any(isinstance(x, HybridLayer) for x in layers)
         self.measure = measure
         self._streams: PrefetchStreams | None = None
         self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
@@ -536,6 +545,8 @@ class OasisCache(Cache):
                     kv = layer.full_kv()
                     dynamic.layers[idx].update(*(kv if layer.latent is None else
                                                  latent.transformers_form(kv[0], layer.latent)))
+                if isinstance(layer, HybridLayer):
+                    layer.give_states_to(dynamic.layers[idx])
             else:
                 window = isinstance(layer, WindowLayer)
                 dynamic.layers[idx] = layer.as_transformers() if window else copy.deepcopy(layer)
@@ -572,9 +583,12 @@ class OasisCache(Cache):
             cache.padding = Padding.of(attention_mask.to(first.keys.device).bool(), shape[0], first.keys.device)
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
             if not isinstance(layer, OasisLayer):  # (a linear-attention layer's state has no `is_initialized`)
-                cache.layers[idx] = (WindowLayer.of(source, _padding_reader(cache)) if isinstance(layer, WindowLayer)
-                                     and type(source) is DynamicSlidingWindowLayer else copy.deepcopy(source))
+                window = type(layer) if type(source) in (DynamicSlidingWindowLayer, _HYBRID_SLIDING) else None
+                cache.layers[idx] = (window.of(source, _padding_reader(cache)) if window in (WindowLayer,
+                                     HybridWindowLayer) else copy.deepcopy(source))
                 continue
+            if isinstance(layer, HybridLayer):
+                layer.take_states_from(source)
             if not getattr(source, "is_initialized", False):
                 continue
             if cache._transfer is None:
@@ -631,6 +645,9 @@ class OasisCache(Cache):
             self._streams.synchronize()
             self._streams.reset_measurements()
         super().reset()
+        for layer in self.layers:  # (transformers' linear-attention layers: their states made anew, for any batch)
+            if isinstance(layer, LinearAttentionLayer) and not isinstance(layer, (HybridLayer, HybridWindowLayer)):
+                forget_state(layer)
         release_cached_pinned()  # the pools' pinned memory goes back to the system, not to torch's cache
         if self.remote_tier is not None:  # admitted from a store: the request's keys go with its tokens
             self.remote_tier.delete()
@@ -953,7 +970,8 @@ class OasisCache(Cache):
         layer = self.layers[self._first_oasis_layer]
         return (layer.is_initialized and layer.decodes(1) and layer.recent.in_region
                 and layer.recent.num_tokens + 1 <= self.config.block_size
-                and all(isinstance(other, OasisLayer) or _replays(other) for other in self.layers)
+                and all(not compat.records_state_history(other) if isinstance(other, OasisLayer) else
+                        _replays(other) for other in self.layers)
                 and (self.ride_along is None or self.ride_along.replayable(layer.batch_size)))
 
     def prepare_step(self, kind: str) -> None:
@@ -1156,9 +1174,10 @@ def _attach_draft(model, cache, draft):
             f"<your model directory or hub id> --out <directory>` (docs in oasis_cache/draft/train.py); "
             f"lookahead='previous' needs no head."
         )
-    if any(not isinstance(layer, OasisLayer) for layer in cache.layers):
-        raise NotImplementedError("lookahead='eagle3' does not support hybrid models (sliding-window or "
-                                  "linear-attention layers) yet; use lookahead='previous'.")
+    if any(not isinstance(layer, OasisLayer) or isinstance(layer, HybridLayer) for layer in cache.layers):
+        raise NotImplementedError("lookahead='eagle3' does not support hybrid models (sliding-window, linear-attention "
+                                  "or Mamba layers: the draft row would enter their state) yet; use "
+                                  "lookahead='previous'.")
     head = draft if isinstance(draft, Eagle3Head) else load_eagle3(draft, target_model=model)
     param = next(model.parameters())
     return RideAlong(model, cache, head.to(device=param.device, dtype=param.dtype).eval())

@@ -199,6 +199,11 @@ class OasisLayer(CacheLayerMixin):
         self.recent.truncate(keep - keep_blocks * T)
         self.predicted = False
 
+    def take_back(self, tokens: int) -> None:
+        """The last `tokens` keys and values removed (a refused forward's, `compute/attention.py`): `crop` of this
+        class, also in a subclass that keeps more (`HybridLayer`'s state records no past to roll back)."""
+        OasisLayer.crop(self, -tokens)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)
 

@@ -44,6 +44,14 @@ class WindowLayer(DynamicSlidingWindowLayer):
         window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items() if k not in cls.not_recorded})
         return window
 
+    def reset(self) -> None:
+        """Forget the window's tokens, its tensors released (made anew at the next update, for a batch of any size:
+        transformers 5.17 zeroes them in place, and the next prefill appended to zeros of the old batch's size)."""
+        super().reset()
+        self.keys = self.values = self.ring = self._views = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+
     def _full(self) -> bool:
         return self.is_initialized and not self.record_past and self.keys.shape[-2] == self.sliding_window - 1
 

@@ -4,6 +4,8 @@ named, never silently wrong (`eval/architectures.py` runs every causal LM transf
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -123,6 +125,135 @@ def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
     linear.record_past = False
     assert cache.step_kind() == "steady"
     assert compat.state_addresses(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=8)) is None
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_layers_holding_keys_and_a_state_equal_dense(mode):
+    """Falcon-H1's layers run attention and a Mamba mixer side by side and cache both in one layer ("hybrid"):
+    `HybridLayer` offloads the keys and keeps transformers' state beside them, in every generate mode."""
+    model = sharpened("falcon_h1")
+    inputs, kw = MODES[mode]
+    try:
+        dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
+    except ValueError as error:  # (transformers 5.17: no assisted generation for models with a state)
+        if "stateful" not in str(error):
+            raise
+        pytest.skip(f"transformers refuses it with any cache: {error}")
+    cache = OasisCache(model, **OPTIONS)
+    assert {type(layer).__name__ for layer in cache.layers} == {"HybridLayer"}
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_as_dense():
+    """`HybridLayer` through the cache's chunked prefill, a second turn, a copy decoding alone, a batch repeated
+    (the state with the keys), `to_dynamic_cache` / `from_dynamic_cache` (the state carried both
+    ways), a reset for a batch of another size, and a sparse budget (the state untouched by the selection)."""
+    model = sharpened("falcon_h1")
+    ids = prompt_ids(300)
+    kw = dict(max_new_tokens=10, do_sample=False)
+    dense = generate(model, dense_cache(model), {"input_ids": ids}, **kw)
+    chunked = OasisCache(model, prefill_chunk_tokens=64, **OPTIONS)
+    assert_same(dense, generate(model, chunked, {"input_ids": ids}, **kw))
+
+    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **OPTIONS)
+    for turn in range(2):  # the second turn: the first's sequences plus new text
+        inputs = {"input_ids": ids[:, :100] if turn == 0 else torch.cat([first.sequences, ids[:, 200:240]], 1)}
+        if turn == 1:
+            copied = copy.deepcopy(oasis_turns)
+            assert copied.layers[0].conv_states[0].data_ptr() != oasis_turns.layers[0].conv_states[0].data_ptr()
+        first = generate(model, dense_turns, inputs, **kw)
+        assert_same(first, generate(model, oasis_turns, inputs, **kw))
+    assert_same(first, generate(model, copied, inputs, **kw))  # (the copy, from the first turn's state)
+
+    prefilled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=prefilled)
+    converted = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **OPTIONS)
+    assert_same(dense, generate(model, converted, {"input_ids": ids}, **kw))
+    back = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **OPTIONS).to_dynamic_cache()
+    for mine, theirs in zip(back.layers, prefilled.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.conv_states[0], theirs.conv_states[0])
+        assert torch.equal(mine.recurrent_states[0], theirs.recurrent_states[0]) and mine.has_previous_state[0]
+
+    repeated = OasisCache(model, **OPTIONS)  # (one sequence prefilled, then repeated, as contrastive search does)
+    with torch.no_grad():
+        model(input_ids=ids[:, :80], past_key_values=repeated)
+        repeated.batch_repeat_interleave(3)
+        step = model(input_ids=ids[:, 80:81].expand(3, 1), past_key_values=repeated).logits
+        model.set_attn_implementation("sdpa")
+        whole = model(input_ids=ids[:, :81].expand(3, 81)).logits[:, -1:]
+        model.set_attn_implementation("oasis")
+    torch.testing.assert_close(step, whole, atol=2e-4, rtol=1e-4)
+
+    batch = left_padded([70, 55])
+    dense_batch = generate(model, dense_cache(model), batch, **kw)
+    model.set_attn_implementation("oasis")  # (dense_cache switched it to SDPA after the cache was made)
+    oasis_turns.reset()  # (a batch of two now: the state made anew at its size)
+    assert_same(dense_batch, generate(model, oasis_turns, batch, **kw))
+
+    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, sparse, {"input_ids": ids}, **kw)
+    stats = sparse.stats()
+    assert out.sequences.shape == (1, 310) and stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
+    assert sparse.device_nbytes()["linear_state"] > 0 and not sparse.all_oasis_layers  # (no chunk retried smaller)
+    with pytest.raises(NotImplementedError, match="Mamba layers"):  # (the draft row would enter the state)
+        OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
+
+
+def test_a_sliding_window_holding_a_state_updates_as_transformers_own_layer():
+    """`HybridWindowLayer` ("hybrid_sliding": the only model naming it, Inkling, is refused for its relative
+    position bias) against transformers' `LinearAttentionAndSlidingWindowAttentionLayer`, the same calls on both: a
+    prefill, one-token steps past the window (ours in its ring), a beam reorder, conversions both ways, and a reset
+    then a batch of another size."""
+    from transformers.cache_utils import LinearAttentionAndSlidingWindowAttentionLayer
+
+    from oasis_cache.hybrid import HybridWindowLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = HybridWindowLayer(sliding_window=8), LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=8)
+
+    def step(tokens: int, batch: int = 2, layers=(ours, theirs)):
+        kv, conv, state = torch.randn(2, batch, 2, tokens, 4, generator=g), torch.randn(batch, 6, tokens, generator=g), \
+            torch.randn(batch, 3, 5, generator=g)
+        for layer in layers:
+            yield (layer.update(kv[0], kv[1]), layer.update_conv_state(conv.clone()),
+                   layer.update_recurrent_state(state.clone()))
+
+    def assert_alike(a, b):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert int(a.get_seq_length()) == int(b.get_seq_length())
+        assert torch.equal(a.conv_states[0], b.conv_states[0]) and torch.equal(a.recurrent_states[0],
+                                                                               b.recurrent_states[0])
+
+    for tokens in (4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1):  # (the prefill sets the convolution's width: 4)
+        (our_kv, our_conv, our_state), (their_kv, their_conv, their_state) = step(tokens)
+        assert all(torch.equal(x, y) for x, y in zip((*our_kv, our_conv, our_state),
+                                                     (*their_kv, their_conv, their_state)))
+        assert_alike(ours, theirs)
+    assert ours.ring is not None and ours.steady_step() is False  # (in its ring; no padding record: not replayed)
+    for layer in (ours, theirs):
+        layer.reorder_cache(torch.tensor([1, 1]))
+    assert_alike(ours, theirs)
+    assert_alike(ours.as_transformers(), theirs) and type(ours.as_transformers()) is type(theirs)
+    assert_alike(HybridWindowLayer.of(theirs), theirs)
+    ours.reset()
+    list(step(3, batch=3, layers=(ours,)))  # (a batch of three after a reset: made anew)
+    assert ours.keys.shape[0] == ours.conv_states[0].shape[0] == 3
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "gemma3_text"])
+def test_a_reset_hybrid_cache_serves_a_batch_of_another_size(name):
+    """`cache.reset()` then a batch of two after a prompt of one: the layers transformers keeps (a gated delta net's
+    state, LFM's convolutions, a sliding window) start anew, as the offloaded ones do (transformers' `reset` zeroes a
+    linear-attention state in place, and the next batch's update failed on its size)."""
+    model = tiny_hybrid(name) if name in HYBRIDS else sharpened(name)
+    kw = dict(max_new_tokens=8, do_sample=False)
+    batch = left_padded([70, 55])
+    expected = generate(model, dense_cache(model), batch, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    generate(model, cache, {"input_ids": prompt_ids(90)}, **kw)
+    cache.reset()
+    assert_same(expected, generate(model, cache, batch, **kw))
 
 
 def test_sliding_windows_wider_than_the_context_name_the_way_to_full_attention():

@@ -1093,6 +1093,22 @@ def test_latent_attention_on_cuda():
     within_a_sparse_budget(model)
 
 
+def test_layers_holding_keys_and_a_state_on_cuda():
+    """Falcon-H1's layers (attention and a Mamba mixer, one cache layer: `HybridLayer`) on CUDA: dense's tokens and
+    logits in one prompt, a left-padded batch and the cache's own chunks, a sparse budget within it; and with
+    `cuda_graph=True` (the state updated in place, its addresses in the replay signature) the replayed steps give
+    eager's tokens (falcon_h1 is not in `CAPTURE_CHECKED_MODEL_TYPES`: it decodes eagerly by default)."""
+    from test_architectures import sharpened
+
+    model = sharpened("falcon_h1").cuda()
+    equal_to_dense_on_cuda(model, lambda inputs: generate(model, dense_cache(model), inputs, seed=7,
+                                                          max_new_tokens=16, do_sample=False))
+    eager = within_a_sparse_budget(model)
+    captured = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=True)
+    out = generate(model, captured, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
+    assert captured.captured_steps.replays > 10 and torch.equal(out.sequences, eager.sequences)
+
+
 @pytest.mark.parametrize("past", [0, 200])
 def test_sinks_through_cudnn_s_log_sum_exp_equal_explicit_scores(past, monkeypatch):
     """On CUDA in bf16 with ≥ 128 queries the dense attention with sinks runs cuDNN's kernels with their log-sum-exp

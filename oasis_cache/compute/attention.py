@@ -202,7 +202,7 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
                                                                    layer.decodes(query.shape[2]))
     except (NotImplementedError, ValueError, RuntimeError):
         if given is not None and given[0] is not None:  # the layer's new tokens taken back: as before the forward
-            layer.crop(-given[0].shape[-2])
+            layer.take_back(given[0].shape[-2])
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if layer.latent is not None:  # queries over the latent rows the layer stores (`compute/latent.py`)
@@ -233,7 +233,7 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     if sinks is not None or softcap is not None:  # (a sliding layer with learned sinks, gpt-oss; capped, Gemma 2)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         sinks = None if sinks is None else check_sinks(sinks, query, module)
-        return _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window, softcap)
+        return _explicit_scores_fallback(module, query, key, value, attention_mask, scale, sinks, window, softcap)
     if attention_mask is not None and attention_mask.dim() == 2:
         out = dense_causal_attention(query, key, value, attention_mask[:, : key.shape[2]], scale)
         return out.transpose(1, 2).contiguous(), None
@@ -242,7 +242,7 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _with_sinks_fallback(module, query, key, value, attention_mask, scale, sinks, window=None, softcap=None):
+def _explicit_scores_fallback(module, query, key, value, attention_mask, scale, sinks, window=None, softcap=None):
     """`_sdpa_fallback` for a layer with learned sinks or soft-capping (`compute/sinks.py`): the mask transformers
     made for SDPA (bool `[B, 1, Qn, L]`, True: seen; or additive float), the compact 2D one, or none (causal, bottom
     right).
