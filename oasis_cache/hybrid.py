@@ -141,7 +141,8 @@ class HybridWindowLayer(WindowLayer, LinearAttentionLayer):
     @classmethod
     def of(cls, layer, clear_from=lambda: None) -> "HybridWindowLayer":
         """transformers' `LinearAttentionAndSlidingWindowAttentionLayer` (tokens, count, state: copied) as one."""
-        window = cls(sliding_window=layer.sliding_window, clear_from=clear_from, number_of_states=layer.number_of_states)
+        window = cls(sliding_window=layer.sliding_window, clear_from=clear_from,
+                     number_of_states=layer.number_of_states)
         window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items() if k not in cls.not_recorded})
         return window
 

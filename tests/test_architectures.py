@@ -213,8 +213,8 @@ def test_a_sliding_window_holding_a_state_updates_as_transformers_own_layer():
     ours, theirs = HybridWindowLayer(sliding_window=8), LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=8)
 
     def step(tokens: int, batch: int = 2, layers=(ours, theirs)):
-        kv, conv, state = torch.randn(2, batch, 2, tokens, 4, generator=g), torch.randn(batch, 6, tokens, generator=g), \
-            torch.randn(batch, 3, 5, generator=g)
+        kv = torch.randn(2, batch, 2, tokens, 4, generator=g)
+        conv, state = torch.randn(batch, 6, tokens, generator=g), torch.randn(batch, 3, 5, generator=g)
         for layer in layers:
             yield (layer.update(kv[0], kv[1]), layer.update_conv_state(conv.clone()),
                    layer.update_recurrent_state(state.clone()))
