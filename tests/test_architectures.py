@@ -200,6 +200,28 @@ def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_a
         OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
 
 
+def test_a_layer_holding_keys_and_a_state_may_be_captured():
+    """A `HybridLayer`'s state is updated in place, so its one-token decode steps may be captured (`step_kind`, which
+    CUDA replays), the state's addresses in the replay signature, unchanged across steps; recording its past for
+    assisted decoding keeps every step eager."""
+    model = sharpened("falcon_h1")
+    cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
+    kinds, signatures = [], []
+    with torch.no_grad():
+        out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
+        for _ in range(4):
+            kinds.append(cache.step_kind())
+            signatures.append(cache.replay_signature()[0])
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert kinds[1:] == ["steady"] * 3 and signatures[1] == signatures[3]
+    assert layer.conv_states[0].data_ptr() in signatures[1][0][2][-2]  # (the state's addresses, `state_stamps`)
+    layer.record_past = True
+    assert cache.step_kind() is None
+    layer.record_past = False
+    assert cache.step_kind() == "steady"
+
+
 def test_a_sliding_window_holding_a_state_updates_as_transformers_own_layer():
     """`HybridWindowLayer` ("hybrid_sliding": the only model naming it, Inkling, is refused for its relative
     position bias) against transformers' `LinearAttentionAndSlidingWindowAttentionLayer`, the same calls on both: a
