@@ -201,7 +201,8 @@ class OasisCache(Cache):
         CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
         self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections)
         # compile_decode=None: compiled once the model has decoded `compile_after_steps` steps (`compiles_decode`)
-        self._compile_later = self.config.compile_decode is None and compiled_layers.may_compile_automatically(self)
+        self._compile_later = (self.config.compile_decode is None and what is None  # (sinks, caps, MLA: not carried)
+                               and compiled_layers.may_compile_automatically(self))
         self._ahead_asked: set = set()  # decode steps' token shapes `compute/ahead.wanted` has answered
         if self.config.compile_decode or self._compile_later:
             from .compute.compiled_layers import CompiledDecode

@@ -239,18 +239,19 @@ class OasisLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
                sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, dense=None) -> torch.Tensor:
         """Attention of this forward's queries `[B, Hq, Qn, D]` over the whole cache; `visible`: `[B, N]` or None;
         `pattern`: what each query sees where a 4D mask says more than `visible` (a multimodal prompt's image tokens
         see each other), `[B or 1, 1 or Hq, Qn, N]` bool, attended as given where the forward attends densely
         (`control/visibility.from_pattern` gave `visible` of it and checked it);
-        `sinks`: the module's learned sink logits `[Hq]` (`compute/sinks.py`) or None. Without autograd
-        (`_without_autograd`): no gradient flows through it."""
-        return _without_autograd(self._attend, query, visible, scale, sinks, pattern, softcap)
+        `sinks`: the module's learned sink logits `[Hq]` (`compute/sinks.py`) or None; `dense`: the attention a dense
+        forward computes instead of `dense_causal_attention` (same arguments: an MLA layer's expanded form,
+        `latent.expanded_attention`). Without autograd (`_without_autograd`): no gradient flows through it."""
+        return _without_autograd(self._attend, query, visible, scale, sinks, pattern, softcap, dense)
 
     def _attend(self, query: torch.Tensor, visible: torch.Tensor | None, scale: float,
                 sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, dense=None) -> torch.Tensor:
         cfg = self.config
         Qn = query.shape[2]
         if visible is not None and visible.shape[-1] != self.get_seq_length():
@@ -263,7 +264,7 @@ class OasisLayer(CacheLayerMixin):
         if is_decode:
             out = self._attend_sparse(query, visible, scale, sinks, softcap)
         else:
-            out = self._attend_dense(query, visible, scale, sinks, pattern, softcap)
+            out = self._attend_dense(query, visible, scale, sinks, pattern, softcap, dense)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
         if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
@@ -284,12 +285,12 @@ class OasisLayer(CacheLayerMixin):
             self._cache.compile_ahead_at_prefill(self, query, visible, scale)
         return out
 
-    def _attend_dense(self, query, visible, scale, sinks=None, pattern=None, softcap=None):
+    def _attend_dense(self, query, visible, scale, sinks=None, pattern=None, softcap=None, dense=None):
         tokens = self._cache.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
-            return self._attend_resident(query, visible, scale, tokens, sinks, pattern, softcap)
+            return self._attend_resident(query, visible, scale, tokens, sinks, pattern, softcap, dense)
         kv = self._whole_kv()
-        return dense_causal_attention(query, kv[0], kv[1], visible, scale, sinks, pattern, softcap)
+        return (dense or dense_causal_attention)(query, kv[0], kv[1], visible, scale, sinks, pattern, softcap)
 
     def _past_kv(self, tokens: int, shared: bool = True) -> torch.Tensor:
         """`[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read from host
@@ -313,7 +314,8 @@ class OasisLayer(CacheLayerMixin):
         kv[:, :, :, start:] = self.recent.kv
         return kv
 
-    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None, softcap=None):
+    def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None, softcap=None,
+                         dense=None):
         """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
         and values so far are kept in `resident_kv` `[2, B, Hkv, tokens, D]` on the device (the pool's blocks read
         from the host once, at the first chunk), so a later chunk reads them there instead of bringing the whole past
@@ -325,8 +327,9 @@ class OasisLayer(CacheLayerMixin):
             self.resident_kv = self._past_kv(tokens, shared=False)
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
-        return dense_causal_attention(query, self.resident_kv[0, :, :, :end], self.resident_kv[1, :, :, :end], visible,
-                                      scale, sinks, pattern, softcap)
+        return (dense or dense_causal_attention)(query, self.resident_kv[0, :, :, :end],
+                                                 self.resident_kv[1, :, :, :end], visible, scale, sinks, pattern,
+                                                 softcap)
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from conftest import _COMMON, HYBRIDS, dense_cache, generate, left_padded, prompt_ids, tiny_hybrid
 from eval.architectures import compare, tiny_model_of
 from oasis_cache import OasisCache
+from oasis_cache.layer import OasisLayer
 from oasis_cache.compat import holds_no_keys
 
 OPTIONS = dict(token_budget=4096, block_size=16, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
@@ -582,6 +583,29 @@ def test_latent_attention_through_chunks_turns_conversions_and_a_sparse_budget()
     model.model.layers[1].self_attn.indexer = torch.nn.Identity()
     with pytest.raises(NotImplementedError, match="learned indexer"):
         OasisCache(model, token_budget=1024)
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_latent_dense_forwards_expanded_or_absorbed_equal_dense(expanded, monkeypatch):
+    """A dense forward of an MLA layer (a prefill, the cache's chunks, a left-padded batch's) attends the keys and
+    values expanded from the rows where they fit `latent.EXPAND_BYTES`, else the rows absorbed: dense's tokens and
+    logits either way; decode steps always attend absorbed."""
+    from oasis_cache.compute import latent
+
+    made = []
+    expand = latent.expanded_attention
+    monkeypatch.setattr(latent, "expanded_attention", lambda *args: made.append(expand(*args)) or made[-1])
+    if not expanded:
+        monkeypatch.setattr(latent, "EXPAND_BYTES", 0)
+    model = tiny_latent_model()
+    for inputs, options in (({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64)),
+                            (left_padded([61, 37, 50]), {})):
+        dense = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=12, do_sample=False)
+        assert_same(dense, generate(model, OasisCache(model, **OPTIONS, **options), inputs, max_new_tokens=12,
+                                    do_sample=False))
+    layers = sum(isinstance(layer, OasisLayer) for layer in OasisCache(model, **OPTIONS).layers)
+    assert len(made) == layers * (300 // 64 + 1 + 1)  # (a dense forward a chunk and a prompt, each layer)
+    assert all((attend is not None) == expanded for attend in made)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "glm4_moe_lite", "minicpm3", "kimi_linear", "youtu"])

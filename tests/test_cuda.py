@@ -954,7 +954,7 @@ def test_a_warmed_machine_s_first_generate_compiles_no_kernel(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
 def test_linear_attention_hybrids_on_cuda(name):
     """A Qwen3.5- / Qwen3-Next-shaped hybrid on CUDA (the gated delta net's torch path, the full-attention layer
-    through the Triton kernels; its steps decode eagerly, `CAPTURE_CHECKED_MODEL_TYPES`): equal to dense at a budget
+    through the Triton kernels; its steps captured, `CAPTURE_CHECKED_MODEL_TYPES`): equal to dense at a budget
     above the context — greedy, a left-padded batch, the cache's own chunks —, and a sparse budget decodes within
     it."""
     from conftest import tiny_hybrid
@@ -1093,17 +1093,36 @@ def test_latent_attention_on_cuda():
     within_a_sparse_budget(model)
 
 
+@pytest.mark.parametrize("kind", ["softcap", "latent"])
+def test_capped_and_latent_steps_replay_captured_as_they_decode_eagerly(kind):
+    """Gemma 2's soft-capped and DeepSeek's latent attention in captured steps (`cuda_graph=True`): eager's tokens
+    and logits, one prompt and a left-padded batch, at a budget above the context and a sparse one."""
+    from test_architectures import tiny_capped_model, tiny_latent_model
+
+    model = (tiny_capped_model() if kind == "softcap" else tiny_latent_model()).cuda()
+    for budget, inputs in ((4096, {"input_ids": prompt_ids(150)}), (4096, left_padded([61, 37, 50])),
+                           (64, {"input_ids": prompt_ids(400)})):
+        inputs = on_cuda(inputs)
+        runs = []
+        for graph in (False, True):
+            cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, cuda_graph=graph)
+            runs.append(generate(model, cache, inputs, max_new_tokens=40, do_sample=False))
+        assert cache.captured_steps.replays > 20
+        assert_same_on_cuda(*runs)
+
+
 def test_layers_holding_keys_and_a_state_on_cuda():
     """Falcon-H1's layers (attention and a Mamba mixer, one cache layer: `HybridLayer`) on CUDA: dense's tokens and
     logits in one prompt, a left-padded batch and the cache's own chunks, a sparse budget within it; and with
     `cuda_graph=True` (the state updated in place, its addresses in the replay signature) the replayed steps give
-    eager's tokens (falcon_h1 is not in `CAPTURE_CHECKED_MODEL_TYPES`: it decodes eagerly by default)."""
+    eager's tokens."""
     from test_architectures import sharpened
 
     model = sharpened("falcon_h1").cuda()
     equal_to_dense_on_cuda(model, lambda inputs: generate(model, dense_cache(model), inputs, seed=7,
                                                           max_new_tokens=16, do_sample=False))
-    eager = within_a_sparse_budget(model)
+    within_a_sparse_budget(model)
+    eager = within_a_sparse_budget(model, cuda_graph=False)
     captured = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=True)
     out = generate(model, captured, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert captured.captured_steps.replays > 10 and torch.equal(out.sequences, eager.sequences)

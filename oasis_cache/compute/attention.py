@@ -205,13 +205,17 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
             layer.take_back(given[0].shape[-2])
         raise
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    dense = None
     if layer.latent is not None:  # queries over the latent rows the layer stores (`compute/latent.py`)
+        if not layer.decodes(query.shape[2]):  # (a dense forward: expanded where it fits)
+            dense = latent.expanded_attention(module, query, layer.get_seq_length())
         query = latent.absorbed_query(module, query)
     try:
-        # (no `sinks` / `pattern` argument unless given: wrappers of `attend` with its older signature still fit)
-        extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern), ("softcap", softcap)) if v is not None}
+        # (no `sinks` / `pattern` / `dense` argument unless given: wrappers of `attend` with its older signature fit)
+        extra = {k: v for k, v in (("sinks", sinks), ("pattern", pattern), ("softcap", softcap), ("dense", dense))
+                 if v is not None}
         out = layer.attend(query, attention_mask, scale, **extra)
-        if layer.latent is not None:
+        if layer.latent is not None and dense is None:
             out = latent.latent_output(module, out)
     except BaseException:
         if layer._cache.streams is not None:

@@ -12,13 +12,25 @@ and as its values, and the attention runs in the absorbed form, exact in real ar
 so each query head attends the latent rows as plain attention with one shared KV head (`absorbed_query`, then
 `latent_output`): the host pool, the block summaries, selection and the sparse step work on it unchanged, and the
 model's own expansion of the new tokens (what `cache.update` returned) is not read. Costs: the values repeat the
-keys (2 × (R + rope) per token and layer: DeepSeek-V3 2,304 bytes in bf16, a dense cache of its latents 1,152), and a
-prefill's scores span R + rope channels where the expanded form's span nope + rope (576 against 192 for DeepSeek-V3).
+keys (2 × (R + rope) per token and layer: DeepSeek-V3 2,304 bytes in bf16, a dense cache of its latents 1,152).
+
+A forward that attends densely (a prefill, its chunks) takes the expanded form instead where the expanded keys and
+values fit `EXPAND_BYTES` (`expanded_attention`): every head's keys and values made from the rows through
+`kv_b_proj`, as transformers makes them, then attended with the module's own queries. The absorbed form's scores
+span R + rope channels and its outputs R where the expanded form's span nope + rope and v (576 / 512 against 192 /
+128 for DeepSeek-V3): 3-4x the work, and wider than fused attention kernels take (a 32K prefill of DeepSeek-V2-Lite
+on the H200 took 7.2 s absorbed, its kernels compiled already, against dense's 3.8).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .dense import dense_causal_attention
+
+# The most bytes a dense forward's expanded keys and values may take (`expanded_attention`; transformers' own
+# attention expands as many): past it the forward attends the rows absorbed, whose memory grows with one KV head.
+EXPAND_BYTES = 2 * 2**30
 
 
 def latent_dims(module) -> tuple[int, int] | None:
@@ -76,3 +88,22 @@ def latent_output(module, out: torch.Tensor) -> torch.Tensor:
     """Attention over the latent rows `[B, H, Qn, R + rope]` taken to each head's values: `[B, H, Qn, v]`."""
     _, w_uv = _weights(module, out.dtype)
     return torch.einsum("bhqr,hvr->bhqv", out[..., : module.kv_lora_rank], w_uv)
+
+
+def expanded_attention(module, query: torch.Tensor, rows: int):
+    """The dense attention of a forward in the expanded form (`module`'s own queries `[B, H, Qn, nope + rope]`), a
+    function of the stored rows as `dense_causal_attention` takes keys and values, giving each head's values
+    `[B, H, Qn, v]`; or None where `rows` tokens' expanded keys and values would pass `EXPAND_BYTES`."""
+    nope, v, R = module.qk_nope_head_dim, module.v_head_dim, module.kv_lora_rank
+    heads = module.kv_b_proj.weight.shape[0] // (nope + v)
+    B, rope = query.shape[0], query.shape[-1] - nope
+    if B * heads * rows * (nope + rope + v) * query.element_size() > EXPAND_BYTES:
+        return None
+
+    def attend(_, keys, values, visible, scale, sinks=None, pattern=None, softcap=None):
+        N = keys.shape[2]
+        kv = torch.nn.functional.linear(keys[:, 0, :, :R], module.kv_b_proj.weight.to(keys.dtype))
+        kv = kv.view(B, N, heads, nope + v).transpose(1, 2)  # [B, H, N, nope + v]
+        expanded = torch.cat((kv[..., :nope], keys[:, :, :, R:].expand(B, heads, N, rope)), dim=-1)
+        return dense_causal_attention(query, expanded, kv[..., nope:], visible, scale, sinks, pattern, softcap)
+    return attend
