@@ -52,7 +52,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=8, kv_lora_rank=32,
              q_lora_rank=48, n_group=1, topk_group=1, rotary_dim=16, mamba_n_heads=8, mamba_d_head=16,
              mamba_d_state=16, mamba_chunk_size=32, n_mamba_heads=8, mamba_headdim=16, n_shared_experts=1,
-             mamba_d_ssm=128)
+             mamba_d_ssm=128, attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4)
 # A multimodal model's towers (`vision_config`, `audio_config`), small: the sweep's prompts are text only.
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
              patch_size=14)
@@ -83,7 +83,8 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
     if isinstance(rope, dict) and "mrope_section" in getattr(config, "ignore_keys_at_rope_validation", ()):
         half = int(SMALL["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2  # (multimodal rotary: the
         rope["mrope_section"] = [half // 4, half // 4, half - 2 * (half // 4)]  # half head's three sections)
-    for name, value in (("attn_layer_indices", [1, 3]), ("attn_layer_period", 2), ("attn_layer_offset", 1)):
+    for name, value in (("attn_layer_indices", [1, 3]), ("attn_layer_period", 2), ("attn_layer_offset", 1),
+                        ("hybrid_layer_ids", [1, 3])):
         if hasattr(config, name):  # (hybrids that place their attention layers by index: one in the four)
             setattr(config, name, value)
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):

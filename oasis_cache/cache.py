@@ -135,8 +135,10 @@ class OasisCache(Cache):
         missing = [i for i in oasis_layers if i not in attention_modules]
         if missing:
             raise NotImplementedError(
-                f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules with a "
-                "`layer_idx` attribute); OasisCache supports decoder-only transformers models."
+                f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules whose "
+                "`layer_idx` attribute names the layer): its attention may be one module shared by several layers "
+                "and told the layer at each call (Zamba's shared block), which OasisCache does not serve. Use a "
+                "DynamicCache."
             )
         if any(getattr(attention_modules[i], "is_causal", True) is False for i in oasis_layers):
             raise NotImplementedError(

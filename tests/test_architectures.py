@@ -323,6 +323,7 @@ def test_other_families_equal_dense(model_type):
     ("jetmoe", "attends keys or values other than those it wrote"),
     # seen at construction
     ("mllama", "cross-attention layers"),
+    ("zamba2", "shared by several layers"),  # (one attention module told its layer at each call)
     ("deepseek_v4", "does not support layer type"),
     ("bloom", "AttentionInterface"),
     ("bert", "not causal"),  # made without is_decoder=True (below)
