@@ -42,13 +42,12 @@ def forget_state(layer: LinearAttentionLayer) -> None:
         layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
 
 
-class HybridLayer(OasisLayer, LinearAttentionLayer):
-    """An `OasisLayer` whose layer also keeps transformers' linear-attention state (`conv_states`,
-    `recurrent_states`: dicts of `number_of_states` tensors, `[B, ...]`, updated in place by the model's mixer)."""
+class _StateBeside:
+    """What a layer holding keys (its class `_keys`: `OasisLayer` or `WindowLayer`) and transformers'
+    linear-attention state does with both halves: first in the subclasses' bases, before the keys' class and
+    `LinearAttentionLayer` (whose methods of the same names serve one half each)."""
 
-    def __init__(self, cache, layer_idx: int, number_of_states: int = 1, **kwargs):
-        OasisLayer.__init__(self, cache, layer_idx)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+    _keys: type = OasisLayer
 
     @property
     def is_croppable(self) -> bool:
@@ -58,39 +57,39 @@ class HybridLayer(OasisLayer, LinearAttentionLayer):
         return bool(linear.fget(self) if isinstance(linear, property) else linear)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        """The keys' pools (called with keys and values) or a state (called by keyword, as transformers' linear
+        """The keys' storage (called with keys and values) or a state (called by keyword, as transformers' linear
         layer calls it)."""
         if args:
-            OasisLayer.lazy_initialization(self, *args, **kwargs)
+            self._keys.lazy_initialization(self, *args, **kwargs)
         else:
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
     def reset(self) -> None:
         """Forget the keys and the state (memory released: a new batch may have another size); a cache recording
         its past for assisted decoding keeps recording."""
-        OasisLayer.reset(self)
+        self._keys.reset(self)
         forget_state(self)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """As transformers' hybrid layer: the state rolls back through its recorded past (assisted decoding), the
-        keys as an `OasisLayer`'s."""
+        """As transformers' hybrid layers: the state rolls back through its recorded past (assisted decoding), the
+        keys as the keys' class crops them."""
         tokens_to_remove = int(tokens_to_remove)
         LinearAttentionLayer.crop(self, tokens_to_remove)
-        OasisLayer.crop(self, tokens_to_remove)
+        self._keys.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_states(beam_idx)
-        OasisLayer.reorder_cache(self, beam_idx)
+        self._keys.reorder_cache(self, beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         batch = next((t.shape[0] for t in self._states()), None)
         if batch is not None:
             self._index_states(torch.arange(batch).repeat_interleave(repeats))
-        OasisLayer.batch_repeat_interleave(self, repeats)
+        self._keys.batch_repeat_interleave(self, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._index_states(torch.as_tensor(indices))
-        OasisLayer.batch_select_indices(self, indices)
+        self._keys.batch_select_indices(self, indices)
 
     def _index_states(self, indices: torch.Tensor) -> None:
         """Sequence i's state becomes old sequence `indices[i]`'s (new tensors: a batch of another size)."""
@@ -101,6 +100,15 @@ class HybridLayer(OasisLayer, LinearAttentionLayer):
 
     def _states(self) -> list[torch.Tensor]:
         return [t for t in (*self.conv_states.values(), *self.recurrent_states.values()) if isinstance(t, torch.Tensor)]
+
+
+class HybridLayer(_StateBeside, OasisLayer, LinearAttentionLayer):
+    """An `OasisLayer` whose layer also keeps transformers' linear-attention state (`conv_states`,
+    `recurrent_states`: dicts of `number_of_states` tensors, `[B, ...]`, updated in place by the model's mixer)."""
+
+    def __init__(self, cache, layer_idx: int, number_of_states: int = 1, **kwargs):
+        OasisLayer.__init__(self, cache, layer_idx)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def take_states_from(self, layer: LinearAttentionLayer) -> None:
         """The state of transformers' `layer` (a `LinearAttentionAndFullAttentionLayer`, say), copied."""
@@ -130,9 +138,11 @@ class HybridLayer(OasisLayer, LinearAttentionLayer):
         return f"HybridLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
 
 
-class HybridWindowLayer(WindowLayer, LinearAttentionLayer):
+class HybridWindowLayer(_StateBeside, WindowLayer, LinearAttentionLayer):
     """A `WindowLayer` (transformers' sliding-window layer, its steady steps in a ring) whose layer also keeps a
     linear-attention state, as `HybridLayer` for full attention. Both halves share transformers' `record_past`."""
+
+    _keys = WindowLayer
 
     def __init__(self, sliding_window: int, clear_from=lambda: None, number_of_states: int = 1, **kwargs):
         WindowLayer.__init__(self, sliding_window=sliding_window, clear_from=clear_from)
@@ -145,42 +155,6 @@ class HybridWindowLayer(WindowLayer, LinearAttentionLayer):
                      number_of_states=layer.number_of_states)
         window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items() if k not in cls.not_recorded})
         return window
-
-    is_croppable = HybridLayer.is_croppable
-    _index_states = HybridLayer._index_states
-    _states = HybridLayer._states
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        if args:
-            WindowLayer.lazy_initialization(self, *args, **kwargs)
-        else:
-            LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-    def reset(self) -> None:
-        WindowLayer.reset(self)
-        forget_state(self)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        tokens_to_remove = int(tokens_to_remove)
-        LinearAttentionLayer.crop(self, tokens_to_remove)
-        WindowLayer.crop(self, tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_states(beam_idx)
-        WindowLayer.reorder_cache(self, beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = next((t.shape[0] for t in self._states()), None)
-        if batch is not None:
-            self._index_states(torch.arange(batch).repeat_interleave(repeats))
-        WindowLayer.batch_repeat_interleave(self, repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._index_states(torch.as_tensor(indices))
-        WindowLayer.batch_select_indices(self, indices)
-
-    def get_seq_length(self) -> int:
-        return WindowLayer.get_seq_length(self)
 
     def as_transformers(self):
         """transformers' own hybrid sliding layer holding a copy of this one's tokens, count and state."""

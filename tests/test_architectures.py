@@ -35,10 +35,12 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(HYBRIDS))
+@pytest.mark.parametrize("name", [*HYBRIDS, "falcon_h1"])
 def test_linear_attention_hybrids_equal_dense(name, mode):
-    """Linear-attention layers keep transformers' own state layer; the full-attention ones are offloaded."""
-    model = tiny_hybrid(name)
+    """Linear-attention layers keep transformers' own state layer; the full-attention ones are offloaded. Falcon-H1's
+    layers run attention and a Mamba mixer side by side and cache both in one layer ("hybrid"): `HybridLayer`
+    offloads the keys and keeps transformers' state beside them."""
+    model = tiny_hybrid(name) if name in HYBRIDS else sharpened(name)
     inputs, kw = MODES[mode]
     try:
         dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
@@ -47,7 +49,8 @@ def test_linear_attention_hybrids_equal_dense(name, mode):
             raise
         pytest.skip(f"transformers refuses it with any cache: {error}")
     cache = OasisCache(model, **OPTIONS)
-    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "OasisLayer"]
+    kinds = ["LinearAttentionLayer", "OasisLayer"] if name in HYBRIDS else ["HybridLayer"] * 4
+    assert [type(layer).__name__ for layer in cache.layers] == kinds
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
@@ -100,6 +103,19 @@ def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
         OasisCache(model, token_budget=256, lookahead="eagle3", draft=object())
 
 
+def steps_asked(model, cache, part: int, steps: int = 4) -> tuple[list, list]:
+    """A 150-token prompt then `steps` greedy one-token forwards; before each, what the cache answers to capture's
+    questions: `step_kind()` and part `part` of `replay_signature()` (0: the oasis layers', 1: the kept layers')."""
+    kinds, signatures = [], []
+    with torch.no_grad():
+        out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            kinds.append(cache.step_kind())
+            signatures.append(cache.replay_signature()[part])
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    return kinds, signatures
+
+
 @pytest.mark.parametrize("name", list(HYBRIDS))
 def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
     """Its linear-attention states are updated in place (transformers copies into them), so a one-token decode step
@@ -110,13 +126,7 @@ def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
 
     model = tiny_hybrid(name)
     cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
-    kinds, signatures = [], []
-    with torch.no_grad():
-        out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
-        for _ in range(4):
-            kinds.append(cache.step_kind())
-            signatures.append(cache.replay_signature()[1])
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    kinds, signatures = steps_asked(model, cache, part=1)
     linear = cache.layers[0]
     assert kinds[1:] == ["steady"] * 3  # (the first decode step fixes the summaries' channels: eager)
     assert signatures[1] == signatures[3] and len(signatures[1][0]) >= 2
@@ -126,23 +136,6 @@ def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
     linear.record_past = False
     assert cache.step_kind() == "steady"
     assert compat.state_addresses(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=8)) is None
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_layers_holding_keys_and_a_state_equal_dense(mode):
-    """Falcon-H1's layers run attention and a Mamba mixer side by side and cache both in one layer ("hybrid"):
-    `HybridLayer` offloads the keys and keeps transformers' state beside them, in every generate mode."""
-    model = sharpened("falcon_h1")
-    inputs, kw = MODES[mode]
-    try:
-        dense = generate(model, dense_cache(model), inputs, seed=7, max_new_tokens=16, **kw)
-    except ValueError as error:  # (transformers 5.17: no assisted generation for models with a state)
-        if "stateful" not in str(error):
-            raise
-        pytest.skip(f"transformers refuses it with any cache: {error}")
-    cache = OasisCache(model, **OPTIONS)
-    assert {type(layer).__name__ for layer in cache.layers} == {"HybridLayer"}
-    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
 def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_as_dense():
@@ -207,13 +200,7 @@ def test_a_layer_holding_keys_and_a_state_may_be_captured():
     assisted decoding keeps every step eager."""
     model = sharpened("falcon_h1")
     cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
-    kinds, signatures = [], []
-    with torch.no_grad():
-        out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
-        for _ in range(4):
-            kinds.append(cache.step_kind())
-            signatures.append(cache.replay_signature()[0])
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    kinds, signatures = steps_asked(model, cache, part=0)
     layer = cache.layers[0]
     assert kinds[1:] == ["steady"] * 3 and signatures[1] == signatures[3]
     assert layer.conv_states[0].data_ptr() in signatures[1][0][2][-2]  # (the state's addresses, `state_stamps`)
