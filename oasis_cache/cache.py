@@ -102,10 +102,9 @@ class OasisCache(Cache):
             fetch_ratio=fetch_ratio,
             **options,
         )
-        attention_modules = _attention_modules(model)
-
         layers = []
         kinds = compat.layer_types_and_kwargs(text_config)
+        attention_modules = _attention_modules(model, len(kinds))
         for layer_idx, (layer_type, kwargs) in enumerate(kinds):
             if layer_type == "full_attention":
                 layers.append(OasisLayer(self, layer_idx))
@@ -135,10 +134,9 @@ class OasisCache(Cache):
         missing = [i for i in oasis_layers if i not in attention_modules]
         if missing:
             raise NotImplementedError(
-                f"Could not find the attention modules of layers {missing} in {type(model).__name__} (modules whose "
-                "`layer_idx` attribute names the layer): its attention may be one module shared by several layers "
-                "and told the layer at each call (Zamba's shared block), which OasisCache does not serve. Use a "
-                "DynamicCache."
+                f"Could not find the attention modules of layers {missing} in {type(model).__name__} (a module whose "
+                "`layer_idx` names the layer, or one without a layer the decoder layer holds); OasisCache serves "
+                "decoder models whose attention modules are transformers' own. Use a DynamicCache."
             )
         if any(getattr(attention_modules[i], "is_causal", True) is False for i in oasis_layers):
             raise NotImplementedError(
@@ -152,8 +150,10 @@ class OasisCache(Cache):
             layers[i].latent = latent.latent_dims(attention_modules[i])
             if layers[i].latent is not None:
                 latent.check_latent(attention_modules[i])
+        shared = not all(_names_a_layer(attention_modules[i]) for i in oasis_layers)
         what = ("adds learned sinks" if sinks else "caps its scores (soft-capping)" if capped else
-                "attends latent rows (MLA)" if any(layers[i].latent for i in oasis_layers) else None)
+                "attends latent rows (MLA)" if any(layers[i].latent for i in oasis_layers) else
+                "is told its layer at each call (a shared block's)" if shared else None)
         if what and self.config.compile_decode:  # (the torch attention: `compute/sinks.py`, `compute/latent.py`)
             raise ValueError(
                 f"compile_decode=True: {type(model).__name__}'s attention {what}, which the compiled decode step does "
@@ -258,9 +258,10 @@ class OasisCache(Cache):
             if used != ATTENTION_NAME:
                 clear_pending()
                 raise RuntimeError(
-                    f"{type(module).__name__} (layer {module.layer_idx}) would run the {used!r} attention, which "
-                    f"cannot read an OasisCache (model.set_attn_implementation({used!r}) was called after the cache "
-                    f"was made). Nothing of this forward was written to the cache. Call "
+                    f"{type(module).__name__} (layer {module.layer_idx if _names_a_layer(module) else layer_idx}) "
+                    f"would run the {used!r} attention, which cannot read an OasisCache "
+                    f"(model.set_attn_implementation({used!r}) was called after the cache was made). Nothing of this "
+                    f"forward was written to the cache. Call "
                     f"model.set_attn_implementation('{ATTENTION_NAME}') to go on with this cache (it is SDPA for every "
                     f"other cache), or use a DynamicCache with {used!r}."
                 )
@@ -1287,11 +1288,27 @@ def _projects(module, heads: int, head_dim: int, device: torch.device) -> bool:
                for p in projections)
 
 
-def _attention_modules(model) -> dict:
-    """`{layer_idx: attention module}` of the decoder."""
+def _names_a_layer(module) -> bool:
+    """Whether an attention module's `layer_idx` names the one layer it serves (not None, not negative)."""
+    idx = getattr(module, "layer_idx", None)
+    return isinstance(idx, int) and idx >= 0
+
+
+def _attention_modules(model, layer_count: int) -> dict:
+    """`{layer_idx: attention module}` of the decoder: the module naming its layer (`layer_idx`), else for decoder
+    layer i (of `layer_count`, in the model's list of them) an attention module it holds that names none (None, or
+    Zamba2's -1): a shared block's, told the layer at each call (Zamba / Zamba2: one set of weights, tied, in a
+    module object per layer or one object for several)."""
     found = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and type(module).__name__.endswith("Attention") and idx not in found:
+        if isinstance(idx, int) and idx >= 0 and type(module).__name__.endswith("Attention") and idx not in found:
             found[idx] = module
+    for blocks in model.modules():
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == layer_count:
+            for idx, block in enumerate(blocks):
+                shared = next((m for m in block.modules() if type(m).__name__.endswith("Attention")
+                               and hasattr(m, "layer_idx") and not _names_a_layer(m)), None)
+                if shared is not None and idx not in found:
+                    found[idx] = shared
     return found

@@ -35,11 +35,12 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", [*HYBRIDS, "falcon_h1"])
+@pytest.mark.parametrize("name", [*HYBRIDS, "falcon_h1", "zamba2"])
 def test_linear_attention_hybrids_equal_dense(name, mode):
     """Linear-attention layers keep transformers' own state layer; the full-attention ones are offloaded. Falcon-H1's
     layers run attention and a Mamba mixer side by side and cache both in one layer ("hybrid"): `HybridLayer`
-    offloads the keys and keeps transformers' state beside them."""
+    offloads the keys and keeps transformers' state beside them. Zamba2's hybrid layers run shared attention blocks
+    (tied weights) whose modules name no layer: told it at each call."""
     model = tiny_hybrid(name) if name in HYBRIDS else sharpened(name)
     inputs, kw = MODES[mode]
     try:
@@ -49,8 +50,13 @@ def test_linear_attention_hybrids_equal_dense(name, mode):
             raise
         pytest.skip(f"transformers refuses it with any cache: {error}")
     cache = OasisCache(model, **OPTIONS)
-    kinds = ["LinearAttentionLayer", "OasisLayer"] if name in HYBRIDS else ["HybridLayer"] * 4
+    kinds = {"falcon_h1": ["HybridLayer"] * 4, "zamba2": ["LinearAttentionLayer", "HybridLayer"] * 2}.get(
+        name, ["LinearAttentionLayer", "OasisLayer"])
     assert [type(layer).__name__ for layer in cache.layers] == kinds
+    if name == "zamba2":  # (shared blocks' modules, told their layer at each call)
+        assert cache._modules[1].layer_idx == cache._modules[3].layer_idx == -1
+        with pytest.raises(ValueError, match="told its layer at each call"):  # (the compiled op reads `layer_idx`)
+            OasisCache(model, token_budget=1024, compile_decode=True)
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
@@ -295,7 +301,7 @@ def test_which_layer_kinds_are_kept():
 # layers, sliding-window hybrids, MoE, learned positions, BERT made a decoder (`is_decoder=True`).
 EQUAL = ["bert", "gemma", "gemma3_text", "olmo2", "granite", "cohere2", "phi", "stablelm", "gpt_neox", "nemotron",
          "smollm3", "llama4_text", "exaone4", "glm4", "gpt2", "opt", "qwen2_moe", "lfm2", "olmo_hybrid",
-         "jamba", "granitemoehybrid", "gemma3", "qwen2_5_vl", "llava"]  # (the last three: multimodal, text prompts)
+         "jamba", "granitemoehybrid", "zamba", "gemma3", "qwen2_5_vl", "llava"]  # (the last three: multimodal, text prompts)
 
 
 @pytest.mark.parametrize("model_type", EQUAL)
@@ -310,7 +316,6 @@ def test_other_families_equal_dense(model_type):
     ("jetmoe", "attends keys or values other than those it wrote"),
     # seen at construction
     ("mllama", "cross-attention layers"),
-    ("zamba2", "shared by several layers"),  # (one attention module told its layer at each call)
     ("deepseek_v4", "does not support layer type"),
     ("bloom", "AttentionInterface"),
     ("bert", "not causal"),  # made without is_decoder=True (below)

@@ -183,7 +183,7 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
     """`oasis_attention_forward` run as it is (also inside the `oasis::attend` op of a compiled decode step, which
     is given other tensor objects than the update's: `check_given=False` there)."""
     layer = peek_pending()
-    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
+    if layer is None or not _serves(layer, module):
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     given = getattr(_handoff, "given", None)
     clear_pending()
@@ -222,6 +222,15 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error
         raise
     return out.transpose(1, 2).contiguous(), None
+
+
+def _serves(layer, module) -> bool:
+    """Whether `module`'s attention call is the one `layer`'s update was for: the module names that layer, or names
+    none and is the one its cache found for it (a shared block's module, told the layer at each call: Zamba; the
+    layer updated just before is the one it was told)."""
+    named = getattr(module, "layer_idx", None)
+    unnamed = not isinstance(named, int) or named < 0  # (None, or Zamba2's -1)
+    return named == layer.layer_idx or (unnamed and layer._cache._modules.get(layer.layer_idx) is module)
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
