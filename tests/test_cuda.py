@@ -1111,6 +1111,21 @@ def test_capped_and_latent_steps_replay_captured_as_they_decode_eagerly(kind):
         assert_same_on_cuda(*runs)
 
 
+def test_gemma3_with_an_image_replays_captured_as_it_decodes_eagerly():
+    """Gemma 3 prompted with an image (its prefill's 4D mask; windows in rings at decode) with `cuda_graph=True`:
+    eager's tokens and logits over 40 steps, one prompt and a left-padded batch — the check before `gemma3_text`
+    joins `CAPTURE_CHECKED_MODEL_TYPES`."""
+    from test_multimodal import image_prompt, run, tiny_gemma3_vision
+
+    model = tiny_gemma3_vision().cuda()
+    for batch, padded in ((1, 0), (2, 7)):
+        inputs = on_cuda(image_prompt(batch, padded))
+        eager = run(model, OasisCache(model, token_budget=1024, cuda_graph=False), inputs, new_tokens=40)
+        cache = OasisCache(model, token_budget=1024, cuda_graph=True)
+        assert_same_on_cuda(eager, run(model, cache, inputs, new_tokens=40))
+        assert cache.captured_steps.replays > 20
+
+
 def test_layers_holding_keys_and_a_state_on_cuda():
     """Falcon-H1's layers (attention and a Mamba mixer, one cache layer: `HybridLayer`) on CUDA: dense's tokens and
     logits in one prompt, a left-padded batch and the cache's own chunks, a sparse budget within it; and with
