@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, LinearAtt
 
 from . import compat
 from .compute import compiled_layers, compiled_ops, latent
-from .compute.attention import clear_pending, peek_pending
+from .compute.attention import clear_pending, names_a_layer, peek_pending
 from .compute.sparse import new_token_bias
 from .config import CAPTURE_CHECKED_MODEL_TYPES, OasisConfig
 from .control import Padding, StepVisibility, step_visibility
@@ -150,7 +150,7 @@ class OasisCache(Cache):
             layers[i].latent = latent.latent_dims(attention_modules[i])
             if layers[i].latent is not None:
                 latent.check_latent(attention_modules[i])
-        shared = not all(_names_a_layer(attention_modules[i]) for i in oasis_layers)
+        shared = not all(names_a_layer(attention_modules[i]) for i in oasis_layers)
         what = ("adds learned sinks" if sinks else "caps its scores (soft-capping)" if capped else
                 "attends latent rows (MLA)" if any(layers[i].latent for i in oasis_layers) else
                 "is told its layer at each call (a shared block's)" if shared else None)
@@ -258,7 +258,7 @@ class OasisCache(Cache):
             if used != ATTENTION_NAME:
                 clear_pending()
                 raise RuntimeError(
-                    f"{type(module).__name__} (layer {module.layer_idx if _names_a_layer(module) else layer_idx}) "
+                    f"{type(module).__name__} (layer {module.layer_idx if names_a_layer(module) else layer_idx}) "
                     f"would run the {used!r} attention, which cannot read an OasisCache "
                     f"(model.set_attn_implementation({used!r}) was called after the cache was made). Nothing of this "
                     f"forward was written to the cache. Call "
@@ -587,9 +587,9 @@ class OasisCache(Cache):
             cache.padding = Padding.of(attention_mask.to(first.keys.device).bool(), shape[0], first.keys.device)
         for idx, (source, layer) in enumerate(zip(dynamic.layers, cache.layers)):
             if not isinstance(layer, OasisLayer):  # (a linear-attention layer's state has no `is_initialized`)
-                window = type(layer) if type(source) in (DynamicSlidingWindowLayer, _HYBRID_SLIDING) else None
-                cache.layers[idx] = (window.of(source, _padding_reader(cache)) if window in (WindowLayer,
-                                     HybridWindowLayer) else copy.deepcopy(source))
+                cache.layers[idx] = (type(layer).of(source, _padding_reader(cache)) if isinstance(layer, WindowLayer)
+                                     and type(source) in (DynamicSlidingWindowLayer, _HYBRID_SLIDING)
+                                     else copy.deepcopy(source))
                 continue
             if isinstance(layer, HybridLayer):
                 layer.take_states_from(source)
@@ -1288,12 +1288,6 @@ def _projects(module, heads: int, head_dim: int, device: torch.device) -> bool:
                for p in projections)
 
 
-def _names_a_layer(module) -> bool:
-    """Whether an attention module's `layer_idx` names the one layer it serves (not None, not negative)."""
-    idx = getattr(module, "layer_idx", None)
-    return isinstance(idx, int) and idx >= 0
-
-
 def _attention_modules(model, layer_count: int) -> dict:
     """`{layer_idx: attention module}` of the decoder: the module naming its layer (`layer_idx`), else for decoder
     layer i (of `layer_count`, in the model's list of them) an attention module it holds that names none (None, or
@@ -1301,14 +1295,13 @@ def _attention_modules(model, layer_count: int) -> dict:
     module object per layer or one object for several)."""
     found = {}
     for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and idx >= 0 and type(module).__name__.endswith("Attention") and idx not in found:
-            found[idx] = module
+        if names_a_layer(module) and type(module).__name__.endswith("Attention") and module.layer_idx not in found:
+            found[module.layer_idx] = module
     for blocks in model.modules():
         if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == layer_count:
             for idx, block in enumerate(blocks):
                 shared = next((m for m in block.modules() if type(m).__name__.endswith("Attention")
-                               and hasattr(m, "layer_idx") and not _names_a_layer(m)), None)
+                               and hasattr(m, "layer_idx") and not names_a_layer(m)), None)
                 if shared is not None and idx not in found:
                     found[idx] = shared
     return found

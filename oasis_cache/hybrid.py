@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionLayer
 
 from .layer import OasisLayer
 from .window import WindowLayer
@@ -99,7 +99,15 @@ class _StateBeside:
                     states[i] = state.index_select(0, indices.to(state.device))
 
     def _states(self) -> list[torch.Tensor]:
-        return [t for t in (*self.conv_states.values(), *self.recurrent_states.values()) if isinstance(t, torch.Tensor)]
+        states = (*self.conv_states.values(), *self.recurrent_states.values())
+        return [t for t in states if isinstance(t, torch.Tensor)]
+
+    def _state_addresses(self) -> tuple[tuple, int | None]:
+        """The state tensors' addresses and the token count's (5.24+: a tensor; else None): what a captured step
+        writes of the state."""
+        length = getattr(self, "cumulative_length_linear", None)
+        return tuple(t.data_ptr() for t in self._states()), (length.data_ptr() if isinstance(length, torch.Tensor)
+                                                               else None)
 
 
 class HybridLayer(_StateBeside, OasisLayer, LinearAttentionLayer):
@@ -127,9 +135,7 @@ class HybridLayer(_StateBeside, OasisLayer, LinearAttentionLayer):
     def state_stamps(self) -> tuple:
         """The pools' stamps and the state tensors' addresses: the state is updated in place (a new prefill of
         another shape makes new tensors)."""
-        length = getattr(self, "cumulative_length_linear", None)
-        return (*OasisLayer.state_stamps(self), tuple(t.data_ptr() for t in self._states()),
-                length.data_ptr() if isinstance(length, torch.Tensor) else None)
+        return (*OasisLayer.state_stamps(self), *self._state_addresses())
 
     def state_tensors(self) -> list[torch.Tensor]:
         return OasisLayer.state_tensors(self) + self._states()
@@ -143,30 +149,12 @@ class HybridWindowLayer(_StateBeside, WindowLayer, LinearAttentionLayer):
     linear-attention state, as `HybridLayer` for full attention. Both halves share transformers' `record_past`."""
 
     _keys = WindowLayer
+    transformers_class = LinearAttentionAndSlidingWindowAttentionLayer  # (`WindowLayer.of` / `as_transformers`: the
+    # state's fields travel with the window's; made with one state, then given the source's `number_of_states`)
 
     def __init__(self, sliding_window: int, clear_from=lambda: None, number_of_states: int = 1, **kwargs):
         WindowLayer.__init__(self, sliding_window=sliding_window, clear_from=clear_from)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-    @classmethod
-    def of(cls, layer, clear_from=lambda: None) -> "HybridWindowLayer":
-        """transformers' `LinearAttentionAndSlidingWindowAttentionLayer` (tokens, count, state: copied) as one."""
-        window = cls(sliding_window=layer.sliding_window, clear_from=clear_from,
-                     number_of_states=layer.number_of_states)
-        window.__dict__.update({k: copy.deepcopy(v) for k, v in vars(layer).items() if k not in cls.not_recorded})
-        return window
-
-    def as_transformers(self):
-        """transformers' own hybrid sliding layer holding a copy of this one's tokens, count and state."""
-        from transformers.cache_utils import LinearAttentionAndSlidingWindowAttentionLayer
-
-        plain = LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=self.sliding_window,
-                                                              number_of_states=self.number_of_states)
-        plain.__dict__.update({k: copy.deepcopy(v) for k, v in vars(self).items()
-                               if k not in (*self.not_recorded, "keys", "values")})
-        if self.is_initialized:
-            plain.keys, plain.values = self.keys.clone(), self.values.clone()
-        return plain
 
     def state_addresses(self) -> tuple | None:
         """The ring's address and the state's (updated in place); None while the window is not in its ring or the
@@ -174,6 +162,5 @@ class HybridWindowLayer(_StateBeside, WindowLayer, LinearAttentionLayer):
         ring = WindowLayer.state_addresses(self)
         if ring is None or self.record_past:
             return None
-        length = getattr(self, "cumulative_length_linear", None)
-        return (*ring, *(t.data_ptr() for t in self._states()),
-                length.data_ptr() if isinstance(length, torch.Tensor) else None)
+        states, length = self._state_addresses()
+        return (*ring, *states, length)

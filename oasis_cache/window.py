@@ -30,6 +30,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
     cache's padding record, `control.Padding`), or None where not known."""
 
     not_recorded = ("ring", "_views", "clear_from")  # (the ring is made again at the next steady step)
+    transformers_class = DynamicSlidingWindowLayer  # (what `as_transformers` makes)
 
     def __init__(self, sliding_window: int, clear_from=lambda: None, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
@@ -89,8 +90,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return keys, values
 
     def as_transformers(self) -> DynamicSlidingWindowLayer:
-        """transformers' own layer holding a copy of this one's tokens and count (`OasisCache.to_dynamic_cache`)."""
-        plain = DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+        """transformers' own layer (`transformers_class`) holding a copy of this one's tokens, count and settings
+        (`OasisCache.to_dynamic_cache`)."""
+        plain = self.transformers_class(sliding_window=self.sliding_window)
         plain.__dict__.update({k: copy.deepcopy(v) for k, v in vars(self).items()
                                if k not in (*self.not_recorded, "keys", "values")})
         if self.is_initialized:

@@ -224,13 +224,19 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
     return out.transpose(1, 2).contiguous(), None
 
 
+def names_a_layer(module) -> bool:
+    """Whether an attention module's `layer_idx` names the one layer it serves (not None, not Zamba2's -1)."""
+    idx = getattr(module, "layer_idx", None)
+    return isinstance(idx, int) and idx >= 0
+
+
 def _serves(layer, module) -> bool:
     """Whether `module`'s attention call is the one `layer`'s update was for: the module names that layer, or names
     none and is the one its cache found for it (a shared block's module, told the layer at each call: Zamba; the
     layer updated just before is the one it was told)."""
-    named = getattr(module, "layer_idx", None)
-    unnamed = not isinstance(named, int) or named < 0  # (None, or Zamba2's -1)
-    return named == layer.layer_idx or (unnamed and layer._cache._modules.get(layer.layer_idx) is module)
+    if names_a_layer(module):
+        return module.layer_idx == layer.layer_idx
+    return layer._cache._modules.get(layer.layer_idx) is module
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
