@@ -52,7 +52,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              linear_value_head_dim=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=8, kv_lora_rank=32,
              q_lora_rank=48, n_group=1, topk_group=1, rotary_dim=16, mamba_n_heads=8, mamba_d_head=16,
              mamba_d_state=16, mamba_chunk_size=32, n_mamba_heads=8, mamba_headdim=16, n_shared_experts=1,
-             mamba_d_ssm=128, attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4)
+             mamba_d_ssm=128, attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4,
+             indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64, indexer_compress_ratio=4)
 # A multimodal model's towers (`vision_config`, `audio_config`), small: the sweep's prompts are text only.
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
              patch_size=14)
@@ -89,6 +90,8 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
             setattr(config, name, value)
     if getattr(config, "kv_lora_rank", None) and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = config.num_attention_heads  # (MLA: keys and values made per query head)
+    if hasattr(config, "layer_types") and config.layer_types is None and config.model_type.startswith("lfm2"):
+        config.layer_types = ["conv", "full_attention"] * 2  # (LFM2-MoE's default config names none)
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
     if kinds == ["linear_attention"]:  # (a hybrid whose default config lists no attention layer: Granite 4)
         kinds = ["linear_attention", "full_attention"]

@@ -1126,14 +1126,15 @@ def test_gemma3_with_an_image_replays_captured_as_it_decodes_eagerly():
         assert cache.captured_steps.replays > 20
 
 
-def test_layers_holding_keys_and_a_state_on_cuda():
-    """Falcon-H1's layers (attention and a Mamba mixer, one cache layer: `HybridLayer`) on CUDA: dense's tokens and
-    logits in one prompt, a left-padded batch and the cache's own chunks, a sparse budget within it; and with
-    `cuda_graph=True` (the state updated in place, its addresses in the replay signature) the replayed steps give
-    eager's tokens."""
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2"])
+def test_layers_holding_keys_and_a_state_on_cuda(name):
+    """Falcon-H1's layers (attention and a Mamba mixer, one cache layer: `HybridLayer`) and Zamba2's (shared
+    attention blocks whose modules name no layer) on CUDA: dense's tokens and logits in one prompt, a left-padded
+    batch and the cache's own chunks, a sparse budget within it; and with `cuda_graph=True` (the state updated in
+    place, its addresses in the replay signature) the replayed steps give eager's tokens."""
     from test_architectures import sharpened
 
-    model = sharpened("falcon_h1").cuda()
+    model = sharpened(name).cuda()
     equal_to_dense_on_cuda(model, lambda inputs: generate(model, dense_cache(model), inputs, seed=7,
                                                           max_new_tokens=16, do_sample=False))
     within_a_sparse_budget(model)

@@ -299,19 +299,28 @@ def _pattern_attention(query, keys, values, pattern, scale, sinks=None):
     return out
 
 
+def causal_rows(length: int, num_queries: int, lo: int, hi: int, visible: torch.Tensor | None = None,
+                device=None) -> torch.Tensor:
+    """Rows `lo:hi` of the causal mask from the bottom right (the `num_queries` queries are the last positions of
+    `length` keys): bool `[hi - lo, length]`; with `visible` (`[B, length]` bool, False at padding) `[B, hi - lo,
+    length]`, padding keys hidden and each query seeing at least itself (a padding query: no empty softmax row)."""
+    key_pos = torch.arange(length, device=device)
+    q_pos = torch.arange(length - num_queries + lo, length - num_queries + hi, device=device)
+    seen = key_pos[None, :] <= q_pos[:, None]
+    if visible is None:
+        return seen
+    return (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
+
+
 def _explicit_mask_attention(query, keys, values, visible, scale):
     B, Hq, Qn, D = query.shape
     L = keys.shape[2]
     keys, values = _expand_kv_heads(query, keys, values)
     rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))
-    key_pos = torch.arange(L, device=query.device)
     out = query.new_empty(query.shape[:3] + values.shape[3:])
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
-        q_pos = torch.arange(L - Qn + lo, L - Qn + hi, device=query.device)
-        causal = key_pos[None, :] <= q_pos[:, None]  # [rows, L]
-        mask = causal[None] & visible[:, None, :]  # [B, rows, L]
-        mask |= key_pos[None, None, :] == q_pos[None, :, None]  # a padding query sees itself: no empty softmax row
+        mask = causal_rows(L, Qn, lo, hi, visible, query.device)  # [B, rows, L]
         out[:, :, lo:hi] = F.scaled_dot_product_attention(
             query[:, :, lo:hi], keys, values, attn_mask=mask[:, None], scale=scale
         )

@@ -125,6 +125,8 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
     `softcap` where given): what a query sees as `attention_with_sinks` says, a hidden query (`visible`) seeing
     itself. With `mask` and `window`, the keys of a chunk of queries are those within `window` positions of one of
     them (the mask hides the others)."""
+    from .dense import causal_rows
+
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -138,7 +140,6 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
     else:
         rows = _SCORE_ELEMENTS // max(1, per_row * L)
     rows = max(1, min(Qn, rows))
-    key_pos = torch.arange(L, device=query.device)
     out = query.new_empty(query.shape[:3] + values.shape[3:])
     for lo in range(0, Qn, rows):
         hi = min(Qn, lo + rows)
@@ -155,10 +156,7 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
             seen = (seen.view(seen.shape[0], Hkv, G, hi - lo, last - first) if seen.shape[1] == Hq
                     else seen[:, :, None])
         else:
-            q_pos = torch.arange(L - Qn + lo, L - Qn + hi, device=query.device)
-            seen = key_pos[None, :] <= q_pos[:, None]  # [r, L]
-            if visible is not None:
-                seen = (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
+            seen = causal_rows(L, Qn, lo, hi, visible, query.device)  # [r, L] or [B, r, L]
             seen = seen[:, None, None] if seen.dim() == 3 else seen
         out[:, :, lo:hi] = softmax_with_sinks(scores.masked_fill(~seen, float("-inf")), sink,
                                               v[..., first:last, :]).view(B, Hq, hi - lo, -1).to(query.dtype)
