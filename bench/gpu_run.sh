@@ -166,7 +166,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for arg in "$@"; do
   case "$arg" in
-    tests) python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
+    tests) python3 -c "import xdist" 2>/dev/null && X="-n 2" || X=""  # (two processes on the card: 251 s against 521 in one, H200, 2026-12-05)
+      python3 -m pytest -q $X -m gpu tests/test_cuda.py tests/test_kernels.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
     testsdiag) for run in plain again omp16 gccheck; do  # the twenty-ninth session's pending "invalid argument": up to
         # four runs of the CUDA tests, stopping at the first with a failure (conftest's `_no_cuda_error_left` names
         # the test that leaves a pending CUDA error); ~2-2.5 min each: start it with bench/gpu_bg.sh

@@ -59,10 +59,10 @@ OPTION_VARIANTS = {
 # (gpt-oss), soft-capping (Gemma 2), latent attention (DeepSeek-V2/V3), keys with a Mamba state (Falcon-H1): their
 # captured steps gave eager's tokens and logits on the H200 (fifty-second session), and a step of the real shapes ran
 # 5.9-7.9x faster captured than eager (gpt-oss-20b 32K 9.3 vs 73.5 ms, Gemma-2-2B 8K 10.3 vs 72.9, DeepSeek-V2-Lite
-# 32K 23.2 vs 137.3; docs/perf.md). Gemma 3 (its windows' captured steps pass too) waits for a captured check of a
-# prompt with an image (its 4D mask).
+# 32K 23.2 vs 137.3; docs/perf.md). Then (fifty-third session) Gemma 3, prompted with an image too (its 4D mask),
+# and Zamba2 (shared attention blocks beside Mamba states).
 CAPTURE_CHECKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_next", "gpt_oss",
-                               "gemma2", "deepseek_v2", "deepseek_v3", "falcon_h1")
+                               "gemma2", "deepseek_v2", "deepseek_v3", "falcon_h1", "gemma3_text", "zamba2")
 
 
 @dataclass(frozen=True)

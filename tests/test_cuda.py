@@ -1113,8 +1113,8 @@ def test_capped_and_latent_steps_replay_captured_as_they_decode_eagerly(kind):
 
 def test_gemma3_with_an_image_replays_captured_as_it_decodes_eagerly():
     """Gemma 3 prompted with an image (its prefill's 4D mask; windows in rings at decode) with `cuda_graph=True`:
-    eager's tokens and logits over 40 steps, one prompt and a left-padded batch — the check before `gemma3_text`
-    joins `CAPTURE_CHECKED_MODEL_TYPES`."""
+    eager's tokens and logits over 40 steps, one prompt and a left-padded batch — the check behind `gemma3_text` in
+    `CAPTURE_CHECKED_MODEL_TYPES` (passed on the H200, fifty-third session)."""
     from test_multimodal import image_prompt, run, tiny_gemma3_vision
 
     model = tiny_gemma3_vision().cuda()
