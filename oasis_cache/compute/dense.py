@@ -113,15 +113,27 @@ def _split_gqa(query) -> bool:
 
 
 def _past_then_chunk(query, keys, values, scale):
-    """Attention of `query` `[B, H, Qn, D]` (the last Qn of L positions) over `keys`/`values` `[B, Hk, L, D]` (Hk = H,
-    heads expanded, or the KV heads with `SPLIT_GQA`): over the L - Qn past positions without a mask and over the
-    last Qn causally, each cuDNN's kernel with its log-sum-exp `[B, H, Qn, 1]`, merged as one softmax over all L would
-    weigh them."""
+    """`past_then_chunk_with_lse`'s attention, by cuDNN's kernels."""
+    return past_then_chunk_with_lse(query, keys, values, scale)[0]
+
+
+def past_then_chunk_with_lse(query, keys, values, scale, kernel=None):
+    """`(out [B, H, Qn, D], lse [B, H, Qn, 1] float32)`: attention of `query` (the last Qn of L positions) over
+    `keys`/`values` `[B, Hk, L, D]` (Hk = H, heads expanded, or the KV heads with `SPLIT_GQA`), over the last Qn
+    positions causally and over the L - Qn past ones without a mask, each by `kernel(q, k, v, causal) -> (out, lse)`
+    (None: cuDNN's), merged as one softmax over all L would weigh them (`compute/sinks.py` scales it by the lse)."""
+    if kernel is None:
+        def kernel(q, k, v, causal):
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=scale)[:2]
+    shape = (*query.shape[:3], 1)
     P = keys.shape[2] - query.shape[2]
-    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
-    past, past_lse = cudnn(query, keys[:, :, :P], values[:, :, :P], None, True, 0.0, False, False, scale=scale)[:2]
-    own, own_lse = cudnn(query, keys[:, :, P:], values[:, :, P:], None, True, 0.0, True, False, scale=scale)[:2]
-    return merge_partial(past, past_lse, own, own_lse)
+    own, own_lse = kernel(query, keys[:, :, P:], values[:, :, P:], True)
+    if P == 0:
+        return own, own_lse.float().view(shape)
+    past, past_lse = kernel(query, keys[:, :, :P], values[:, :, :P], False)
+    lse = torch.logaddexp(past_lse.float().view(shape), own_lse.float().view(shape))
+    return merge_partial(past, past_lse, own, own_lse), lse
 
 
 # A prompt's first chunk starts cuDNN's kernels of the chunks after it in a thread (`warm_split_past`): on a machine

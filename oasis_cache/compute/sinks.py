@@ -60,23 +60,15 @@ def _with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     if query.is_cuda:
         if _KERNEL["refused"] or not dense._cudnn_applies(query):
             return None
-
-        def run(q, k, v, causal):
-            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                      scale=scale)[:2]
+        kernel = None  # (cuDNN's)
     elif query.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        def run(q, k, v, causal):
+        def kernel(q, k, v, causal):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
     else:
         return None
     keys, values = dense._expand_kv_heads(query, keys, values)
-    shape = (*query.shape[:3], 1)
-    P = keys.shape[2] - query.shape[2]
     try:
-        own, own_lse = run(query, keys[:, :, P:], values[:, :, P:], True)
-        if P == 0:
-            return own, own_lse.float().view(shape)
-        past, past_lse = run(query, keys[:, :, :P], values[:, :, :P], False)
+        return dense.past_then_chunk_with_lse(query, keys, values, scale, kernel)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError:
@@ -84,8 +76,6 @@ def _with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
             raise
         _KERNEL["refused"] = True
         return None
-    lse = torch.logaddexp(past_lse.float().view(shape), own_lse.float().view(shape))
-    return dense.merge_partial(past, past_lse, own, own_lse), lse
 
 
 def _scaled(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
