@@ -196,6 +196,7 @@ class OasisCache(Cache):
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self.captured_steps = _captured_steps_for(model, text_config, self.config)
+        self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (its prompts are prefilled whole)
         self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
         # steps only: `captured_step.weights_where_they_are`, `module_settings`)
         from .compute.captured_step import CapturedForward
@@ -820,6 +821,8 @@ class OasisCache(Cache):
                                self.config.max_decode_tokens)
         if spans is not None and any(compat.records_state_history(layer) for layer in self.layers):
             spans = None  # (assisted decoding on a linear-attention hybrid: its layers' history wants whole forwards)
+        if spans is not None and self._length_scaled_rotary:
+            spans = None  # (a rotary scaled by the length a forward reaches: the prompt whole, as dense rotates it)
         past = self.get_seq_length(self._first_oasis_layer)
         if not (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
                 and tokens.shape[1] > self.config.max_decode_tokens):
@@ -866,7 +869,11 @@ class OasisCache(Cache):
             half = smaller // 2 // self.config.block_size * self.config.block_size
             holders = (f"the weights and the decode working set (token_budget {self.config.token_budget} x batch {B}) "
                        "hold the room")
-            if half < least:  # (no smaller chunk would prefill: what holds the room is not the chunk)
+            if self._length_scaled_rotary:  # (prefilled whole on purpose: chunks would rotate it otherwise)
+                fix = (f"{type(self._model()).__name__}'s rotary scaling ({self._length_scaled_rotary!r}) follows the "
+                       "length a forward reaches, so its prompt is prefilled whole, never in chunks: lower the batch "
+                       "or the prompt's length")
+            elif half < least:  # (no smaller chunk would prefill: what holds the room is not the chunk)
                 fix = f"Even the least chunk did not fit: {holders}. Lower the batch or token_budget"
             elif smaller < chunk:  # (halved already: the chunk's activations were not what filled the room)
                 fix = (f"Smaller chunks did not fit either: {holders}. Lower the batch or token_budget (or "
@@ -1213,6 +1220,14 @@ def _captured_steps_for(model, text_config, config: OasisConfig):
 
     if config.cuda_graph is False:
         return None
+    rotary = _rotary_scaled_by_length(text_config)
+    if rotary is not None:  # (its forward picks frequencies by its length: on the host in transformers' "dynamic"
+        if config.cuda_graph is None:  # scaling, and in "longrope" up to 5.17 — a capture fails, a replay skips it)
+            return None
+        raise ValueError(f"cuda_graph=True cannot capture {type(model).__name__}'s decode steps: its rotary embedding "
+                         f"({rotary!r} scaling) picks its frequencies by the length each forward reaches, which "
+                         "transformers decides on the host and a replayed graph would not redo. Drop cuda_graph "
+                         "(its steps then run eagerly) or use a static scaling.")
     devices = {p.device for p in model.parameters()}  # a graph is captured on one device's stream
     device = next(iter(devices)) if len(devices) == 1 else None
     on_cuda = device is not None and device.type == "cuda"
@@ -1229,6 +1244,23 @@ def _captured_steps_for(model, text_config, config: OasisConfig):
                          "device; backend='torch' stages blocks through host copies, which a graph cannot record): "
                          "use backend='auto' with triton installed, or cuda_graph=False.")
     return CapturedSteps()
+
+
+def _rotary_scaled_by_length(text_config) -> str | None:
+    """The rotary scaling type (any layer kind's) whose frequencies follow the length a forward reaches, or None:
+    transformers' "dynamic" ones (`dynamic_rope_update`: `if seq_len > max_seq_len_cached` on the host, then a new
+    `inv_freq` buffer) and "longrope" (short or long factors by the forward's last position; on the host with a new
+    buffer up to transformers 5.17, in place on the device later). Their decode steps are not captured, and a prompt
+    in chunks would rotate its early chunks by a shorter length than one whole forward does, so such a model's
+    prompt is prefilled whole."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    for kind in (params, *(value for value in params.values() if isinstance(value, dict))):  # (or per layer kind)
+        rope_type = kind.get("rope_type", kind.get("type"))
+        if isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope"):
+            return rope_type
+    return None
 
 
 def _check_supported(model):

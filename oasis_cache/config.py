@@ -150,7 +150,8 @@ class OasisConfig:
             capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
             (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
             checks captured (`CAPTURE_CHECKED_MODEL_TYPES`), off elsewhere. True: on wherever it can run (a model on
-            one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly.
+            one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly. Never for a
+            rotary scaling by length ("dynamic", "longrope": transformers picks the frequencies on the host).
         compile_decode: run each decoder layer's own work (norms, rotary, activations, residuals) `torch.compile`d
             in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer (H200, a 32K x 1 step of an
@@ -222,7 +223,9 @@ class OasisConfig:
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
             prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0:
             off. Same result as the whole forward (the cache's prefill is dense attention either way; the summaries'
-            channels are the whole prompt's since the twenty-fourth session, not the first chunk's).
+            channels are the whole prompt's since the twenty-fourth session, not the first chunk's). A model whose
+            rotary scaling follows the length a forward reaches ("dynamic", "longrope") is prefilled whole: chunks
+            would rotate the early tokens by a shorter length than dense's one forward.
         resident_prefill: during a chunked prefill, keep the prompt's keys and values on the device until its last
             chunk, where every full-attention layer's fit in half the device memory the process may still take
             (`OasisLayer._attend_resident`): a chunk reads the past there instead of bringing it back from host

@@ -10,7 +10,7 @@ import torch
 
 from oasis_cache import OasisCache
 
-from conftest import prompt_ids, random_head, tiny_model
+from conftest import dense_cache, generate, prompt_ids, random_head, tiny_model
 
 MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True),
          dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True), dict(lookahead="eagle3", draft_lookup=2),
@@ -752,3 +752,37 @@ def test_sliding_windows_decode_in_place_once_full(model_type):
         assert torch.equal(dense.sequences, oasis.sequences)
         for a, b in zip(dense.logits, oasis.logits):
             torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rotary", [dict(rope_type="dynamic", factor=2.0),
+                                    dict(rope_type="longrope", original_max_position_embeddings=128,
+                                         short_factor=[1.0] * 8, long_factor=[1.5] * 8)])
+def test_a_rotary_scaled_by_length_is_prefilled_whole_and_equals_dense(rotary):
+    """A rotary scaling that follows the length a forward reaches ("dynamic": updated on the host, a new `inv_freq`;
+    "longrope": short or long factors by the forward's last position): a prompt in the cache's own chunks would
+    rotate its early chunks by a shorter length than dense's one forward, so it is prefilled whole — dense's tokens
+    and logits for a prompt past the original length, with chunks asked for (mutation: chunked, the logits differ
+    by ~14). Neither is captured: `cuda_graph=None` leaves their steps eager, `cuda_graph=True` says why before
+    anything runs."""
+    import types
+
+    from oasis_cache.cache import _rotary_scaled_by_length
+
+    def fresh():  # (a "dynamic" rotary keeps the longest length it met across calls: a new model for each run)
+        return tiny_model("llama", max_position_embeddings=160, rope_parameters={**rotary, "rope_theta": 10000.0})
+
+    model = fresh()
+    assert _rotary_scaled_by_length(model.config) == rotary["rope_type"]
+    assert _rotary_scaled_by_length(tiny_model("llama").config) is None
+    per_kind = types.SimpleNamespace(rope_parameters={  # (as Gemma 3's: one rotary per layer kind)
+        "full_attention": {"rope_type": "default"}, "sliding_attention": rotary})
+    assert _rotary_scaled_by_length(per_kind) == rotary["rope_type"]
+    with pytest.raises(ValueError, match=f"{rotary['rope_type']}' scaling"):
+        OasisCache(model, token_budget=1024, cuda_graph=True)
+    for inputs, chunk in (({"input_ids": prompt_ids(300)}, 64), ({"input_ids": prompt_ids(150)}, 8192)):
+        dense = generate(model := fresh(), dense_cache(model), inputs, max_new_tokens=16, do_sample=False)
+        cache = OasisCache(model := fresh(), token_budget=1024, sink_tokens=16, recent_tokens=16,
+                           prefill_chunk_tokens=chunk)
+        oasis = generate(model, cache, inputs, max_new_tokens=16, do_sample=False)
+        assert torch.equal(dense.sequences, oasis.sequences)
+        torch.testing.assert_close(torch.stack(oasis.logits), torch.stack(dense.logits), atol=1e-4, rtol=1e-4)

@@ -1188,3 +1188,23 @@ def test_gemma4_s_wide_heads_through_the_kernels():
     cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+
+
+
+def test_a_rotary_scaled_by_length_decodes_eagerly_on_cuda():
+    """A Llama with "dynamic" rotary scaling (its forward compares the position on the host and registers new
+    frequencies as the sequence grows; a capture of it fails) on CUDA with the defaults: no captured steps, dense's
+    tokens and logits while the decode passes the original length (one prompt, a padded batch), and a longer prompt
+    with chunks asked for prefilled whole."""
+    def fresh():  # (the rotary keeps the longest length it met: a new model for each run)
+        return tiny_model("llama", max_position_embeddings=160,
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}).cuda()
+
+    assert OasisCache(fresh(), token_budget=4096).captured_steps is None
+    cases = [({"input_ids": prompt_ids(150)}, {}), (left_padded([161, 137, 150]), {}),
+             ({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))]
+    for inputs, extra in cases:
+        inputs = on_cuda(inputs)
+        expected = generate(model := fresh(), dense_cache(model), inputs, seed=7, max_new_tokens=16, do_sample=False)
+        cache = OasisCache(model := fresh(), token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
+        assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
