@@ -197,6 +197,7 @@ class OasisCache(Cache):
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self.captured_steps = _captured_steps_for(model, text_config, self.config)
         self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (its prompts are prefilled whole)
+        self._registrations_seen = None  # `captured_step.registrations()` when `_model_as_run` was taken
         self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
         # steps only: `captured_step.weights_where_they_are`, `module_settings`)
         from .compute.captured_step import CapturedForward
@@ -810,11 +811,13 @@ class OasisCache(Cache):
                              f"given a prompt no longer than what the cache holds. Pass the conversation so far "
                              f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
         if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
-                and tokens.dim() >= 2 and tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS)):
-            from .compute.captured_step import module_settings, weights_where_they_are
+                and tokens.dim() >= 2):
+            from .compute.captured_step import module_settings, registrations, weights_where_they_are
 
-            # (a prefill: steps captured before a rebinding, or an adapter or flag switched, capture anew)
-            self._model_as_run = (weights_where_they_are(model), module_settings(model))
+            seen = registrations()  # (a prefill, or something registered since: steps captured before a rebinding, or
+            if tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS) or seen != self._registrations_seen:
+                self._registrations_seen = seen  # an adapter or flag switched by then, capture anew)
+                self._model_as_run = (weights_where_they_are(model), module_settings(model))
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)
         spans = prefill_chunks(kwargs, self.config.prefill_chunk_tokens, self.config.block_size,

@@ -786,3 +786,54 @@ def test_a_rotary_scaled_by_length_is_prefilled_whole_and_equals_dense(rotary):
         oasis = generate(model, cache, inputs, max_new_tokens=16, do_sample=False)
         assert torch.equal(dense.sequences, oasis.sequences)
         torch.testing.assert_close(torch.stack(oasis.logits), torch.stack(dense.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_a_weight_rebound_between_two_steps_of_a_loop_is_seen(monkeypatch):
+    """In a decode loop of one's own (one-token forwards, no prefill between them) a rebound weight —
+    `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)` — changes what a captured step depends on
+    (`_model_as_run`, in the replay signature) at the next step, through torch's registration hooks
+    (`captured_step.registrations`); a weight changed in place (its address kept, which a replay reads) does not.
+    On CPU the steps run eagerly: a stand-in for `CapturedSteps` records what each step would have been checked
+    against."""
+    from oasis_cache import cache as cache_module
+    from oasis_cache.compat import generate_cache_argument
+    from oasis_cache.compute.captured_step import registrations
+
+    class Steps:  # (route_forward hands each forward to it where steps are captured)
+        replays = captures = completing_replays = 0
+
+        def __init__(self):
+            self.seen = []
+
+        def forward(self, runner, cache, kwargs):
+            self.seen.append(cache._model_as_run)
+            return runner.eager_forward(**kwargs)
+
+        def drop(self):
+            pass
+
+    monkeypatch.setattr(cache_module, "_captured_steps_for", lambda *args: Steps())
+    model = tiny_model("llama")
+    cache = OasisCache(model, token_budget=1024)
+    steps, argument = cache.captured_steps, generate_cache_argument(model)
+    with torch.no_grad():
+        token = model(input_ids=prompt_ids(40), **{argument: cache}).logits[:, -1:].argmax(-1)
+
+        def step():
+            nonlocal token
+            token = model(input_ids=token, **{argument: cache}).logits[:, -1:].argmax(-1)
+            return steps.seen[-1]
+
+        first = steps.seen[0]
+        assert step() == step() == first
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.0)  # (in place)
+        assert step() == first
+        projection = model.model.layers[1].self_attn.k_proj
+        projection.weight = torch.nn.Parameter(projection.weight.detach().clone())
+        rebound = step()
+        assert rebound != first and step() == rebound
+        model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
+        assert step() not in (first, rebound)
+    before = registrations()
+    torch.nn.Linear(2, 2)  # (any module's registrations count: a later step looks again, finds its model unchanged)
+    assert registrations() > before

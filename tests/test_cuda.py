@@ -1208,3 +1208,30 @@ def test_a_rotary_scaled_by_length_decodes_eagerly_on_cuda():
         expected = generate(model := fresh(), dense_cache(model), inputs, seed=7, max_new_tokens=16, do_sample=False)
         cache = OasisCache(model := fresh(), token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
         assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
+
+
+def test_a_weight_rebound_in_a_loop_of_one_s_own_replays_the_new_weight():
+    """A decode loop of one's own (one-token forwards) with captured steps: a projection's weight rebound to other
+    values between two steps (`module.weight = nn.Parameter(...)`, no prefill between) is what the next steps read —
+    the steps capture anew (`captured_step.registrations`) and give the eager loop's tokens and logits."""
+    from oasis_cache.compat import generate_cache_argument
+
+    def loop(cuda_graph):
+        model = tiny_model("llama").cuda()
+        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=cuda_graph)
+        argument, logits = generate_cache_argument(model), []
+        with torch.no_grad():
+            out = model(input_ids=prompt_ids(200).cuda(), **{argument: cache}).logits[:, -1:]
+            for step in range(24):
+                if step == 10:
+                    projection = model.model.layers[1].self_attn.k_proj
+                    projection.weight = torch.nn.Parameter(projection.weight.detach() * 1.5)
+                logits.append(out.float())
+                out = model(input_ids=out.argmax(-1), **{argument: cache}).logits[:, -1:]
+        return torch.cat(logits, 1), cache
+
+    eager, _ = loop(False)
+    captured, cache = loop(True)
+    assert cache.captured_steps.replays > 8 and cache.captured_steps.captures >= 2
+    assert torch.equal(eager.argmax(-1), captured.argmax(-1))
+    torch.testing.assert_close(captured, eager, atol=ATOL, rtol=1e-4)

@@ -109,6 +109,30 @@ def weights_where_they_are(model) -> int:
     return hash(tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
 
 
+_REGISTRATIONS = [0]  # parameters, buffers and submodules registered in this process since `registrations()` hooked
+_HOOKS: list = []
+
+
+def _count_registration(*_):
+    _REGISTRATIONS[0] += 1
+
+
+def registrations() -> int:
+    """How many parameters, buffers and submodules any module of this process has registered since the first call
+    (which installs torch's global registration hooks): `module.weight = nn.Parameter(...)`,
+    `load_state_dict(assign=True)`, a module or an adapter layer put in a model. A captured cache looks where its
+    model's weights are again when this moved (`OasisCache.route_forward`): a rebinding between two one-token forwards
+    of a hand-written loop makes the steps capture anew, at one comparison a step. (Weights changed in place keep
+    their addresses, which a replay reads.)"""
+    if not _HOOKS:
+        from torch.nn.modules import module
+
+        _HOOKS.extend(hook(_count_registration) for hook in (
+            module.register_module_parameter_registration_hook, module.register_module_buffer_registration_hook,
+            module.register_module_module_registration_hook))
+    return _REGISTRATIONS[0]
+
+
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _NOT_A_SETTING = object()
 _BOOKKEEPING = frozenset(torch.nn.Module().__dict__) - {"training"}  # (every module's parameters, hooks, children)
