@@ -104,8 +104,8 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def weights_where_they_are(model) -> int:
     """A number for where `model`'s parameters and buffers are now (their addresses): a captured step reads them at
     the addresses it was captured with, so a rebinding (`model.to("cpu")` and back, `load_state_dict(assign=True)`,
-    a module replaced) must make the steps capture anew. ~0.1 ms for an 8B model: taken once per prefill
-    (`OasisCache.route_forward`), not per step."""
+    a module replaced) must make the steps capture anew. ~0.1 ms for an 8B model: taken at each prefill and at a
+    step after something was registered (`registrations`; `OasisCache.route_forward`), not at every step."""
     return hash(tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
 
 
