@@ -1,8 +1,8 @@
 """Which transformers architectures OasisCache serves. Every causal LM the installed transformers ships is built
-tiny with random weights (`tiny_model_of`) and generates greedily twice — SDPA + DynamicCache, then OasisCache with a
-budget above the context (`compare`) — and lands in one row:
+tiny with random weights (`tiny_model_of`) and generates greedily — SDPA + DynamicCache, then OasisCache with a
+budget above the context, its prompt in one forward and in the cache's own chunks (`compare`) — and lands in one row:
 
-- `equal`: the same tokens, logits within `ATOL` (the exactness contract);
+- `equal`: the same tokens, logits within `ATOL` (the exactness contract), both ways;
 - `refused`: OasisCache raised, naming why (at construction, or at the first forward for what only the forward shows:
   a model that attends tensors other than those it wrote into the cache);
 - `MISMATCH`: other tokens or logits, silently — a bug (none at the last run);
@@ -42,6 +42,7 @@ WINDOW = 32  # tokens of a sliding-window layer beside full-attention ones
 ATOL = 1e-3  # fp32 logits of random tiny models: sums in another order than SDPA's
 PROMPT = 150  # tokens: nine blocks of 16 in the host pool beside the sink and recent tokens
 NEW_TOKENS = 12
+CHUNK = 64  # tokens a prefill forward of the cache's own chunks (`prefill_chunk_tokens`): the prompt in three
 # A small shape under every attribute name the configs use for it (only those a config has are set).
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,
@@ -82,7 +83,8 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
             pass
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and "mrope_section" in getattr(config, "ignore_keys_at_rope_validation", ()):
-        half = int(SMALL["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2  # (multimodal rotary: the
+        width = getattr(config, "attention_head_dim", None) or SMALL["head_dim"]  # (HunYuan-VL's heads: that one)
+        half = int(width * rope.get("partial_rotary_factor", 1.0)) // 2  # (multimodal rotary: the
         rope["mrope_section"] = [half // 4, half // 4, half - 2 * (half // 4)]  # half head's three sections)
     for name, value in (("attn_layer_indices", [1, 3]), ("attn_layer_period", 2), ("attn_layer_offset", 1),
                         ("hybrid_layer_ids", [1, 3])):
@@ -130,7 +132,8 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
 
 def compare(model, prompt: int = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[str, str]:
     """`(result, detail)` of a greedy `generate` through SDPA + DynamicCache and through OasisCache (budget above
-    the context): "equal", "MISMATCH", "refused" (OasisCache's error) or "not built" (dense failed)."""
+    the context) twice — the prompt in one forward, and in the cache's own chunks of `CHUNK` tokens: "equal" (both),
+    "MISMATCH", "refused" (OasisCache's error) or "not built" (dense failed)."""
     from transformers import DynamicCache
 
     from oasis_cache import OasisCache
@@ -142,16 +145,20 @@ def compare(model, prompt: int = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[
         dense = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
     except Exception as error:  # noqa: BLE001  (the tiny config does not run: nothing to compare)
         return "not built", f"dense generate: {type(error).__name__}: {error}"
-    try:
-        cache = OasisCache(model, token_budget=4 * (prompt + new_tokens))
-        oasis = model.generate(ids, past_key_values=cache, **kw)
-    except (NotImplementedError, ValueError) as error:
-        return "refused", f"{type(error).__name__}: {error}"
-    finally:
-        model.set_attn_implementation(getattr(model, "dense_attention", "sdpa"))
-    worst = max((a - b).abs().max().item() for a, b in zip(dense.logits, oasis.logits))
-    same = torch.equal(dense.sequences, oasis.sequences)
-    return ("equal" if same and worst <= ATOL else "MISMATCH"), f"tokens equal: {same}; max |logit diff| {worst:.1e}"
+    same, worst = [], []
+    for chunk in (0, CHUNK):
+        try:
+            cache = OasisCache(model, token_budget=4 * (prompt + new_tokens), prefill_chunk_tokens=chunk)
+            oasis = model.generate(ids, past_key_values=cache, **kw)
+        except (NotImplementedError, ValueError) as error:
+            return "refused", f"{type(error).__name__}: {error}" + (f" (in chunks of {chunk})" if chunk else "")
+        finally:
+            model.set_attn_implementation(getattr(model, "dense_attention", "sdpa"))
+        worst.append(max((a - b).abs().max().item() for a, b in zip(dense.logits, oasis.logits)))
+        same.append(torch.equal(dense.sequences, oasis.sequences))
+    result = "equal" if all(same) and max(worst) <= ATOL else "MISMATCH"
+    return result, (f"tokens equal: {same[0]} / {same[1]} in chunks; max |logit diff| {worst[0]:.1e} / "
+                    f"{worst[1]:.1e}")
 
 
 def _one(model_type: str) -> dict:
@@ -186,7 +193,8 @@ def table(rows: list[dict], command: str, which: str = "Every causal LM") -> str
     lines = ["# Architectures", "",
              f"{which} of transformers {transformers.__version__} (torch {torch.__version__}), tiny with "
              f"random weights, a {PROMPT}-token prompt and {NEW_TOKENS} greedy tokens: OasisCache (budget above the "
-             "context) against SDPA + DynamicCache. Made by `eval/architectures.py` (its docstring says what each "
+             f"context; the prompt in one forward, then in the cache's own chunks of {CHUNK} tokens) against SDPA + "
+             "DynamicCache. Made by `eval/architectures.py` (its docstring says what each "
              f"result means): `{command}`, {platform.machine()} CPU, {datetime.date.today().isoformat()}.", "",
              ", ".join(f"{n} {result}" for result, n in counts.items()) + ".", "",
              "| model_type | class | result | detail |", "| --- | --- | --- | --- |"]
