@@ -42,7 +42,7 @@ WINDOW = 32  # tokens of a sliding-window layer beside full-attention ones
 ATOL = 1e-3  # fp32 logits of random tiny models: sums in another order than SDPA's
 PROMPT = 150  # tokens: nine blocks of 16 in the host pool beside the sink and recent tokens
 NEW_TOKENS = 12
-CHUNK = 64  # tokens a prefill forward of the cache's own chunks (`prefill_chunk_tokens`): the prompt in three
+CHUNK = 64  # tokens a prefill forward of the cache's own chunks (`prefill_chunk_tokens`): the prompt in three forwards
 # A small shape under every attribute name the configs use for it (only those a config has are set).
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,

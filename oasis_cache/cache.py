@@ -195,8 +195,8 @@ class OasisCache(Cache):
         elif draft is not None:
             raise ValueError("a draft head is used by lookahead='eagle3' only; pass lookahead='eagle3' or drop draft.")
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
-        self.captured_steps = _captured_steps_for(model, text_config, self.config)
-        self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (its prompts are prefilled whole)
+        self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (prefilled whole, never captured)
+        self.captured_steps = _captured_steps_for(model, text_config, self.config, self._length_scaled_rotary)
         self._registrations_seen = None  # `captured_step.registrations()` when `_model_as_run` was taken
         self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
         # steps only: `captured_step.weights_where_they_are`, `module_settings`)
@@ -1216,14 +1216,14 @@ def _replays(layer) -> bool:
     return compat.state_addresses(layer) is not None
 
 
-def _captured_steps_for(model, text_config, config: OasisConfig):
+def _captured_steps_for(model, text_config, config: OasisConfig, rotary: str | None):
     """The cache's `CapturedSteps` (after `model.forward` was made to route to it), or None: `config.cuda_graph`
-    resolved for this model (None: on where it is checked; True: on, or an error naming why it cannot be)."""
+    resolved for this model (None: on where it is checked; True: on, or an error naming why it cannot be). `rotary`:
+    `_rotary_scaled_by_length(text_config)`."""
     from .compute.captured_step import CapturedSteps
 
     if config.cuda_graph is False:
         return None
-    rotary = _rotary_scaled_by_length(text_config)
     if rotary is not None:  # (its forward picks frequencies by its length: on the host in transformers' "dynamic"
         if config.cuda_graph is None:  # scaling, and in "longrope" up to 5.17 — a capture fails, a replay skips it)
             return None
