@@ -9,6 +9,8 @@
 #   bench     decode benchmark at 32K x {1, 4};  bench128k  at 128K x 1;  capped  a 24 GiB card at 64K
 #   resultstable  README "Results": dense eager / compiled, HF offload, oasis at 32K x {1, 4} and 128K x 1, and oasis's
 #             compiled steady state (~540 s on the H200: one call)
+#   budgetbound  32K x 4 at budgets 2048 / 1024 / 512 (step time against the bytes fetched) and 32K x 1 compiled steps
+#             at 2048 / 1024 alternating (~270 s on the H200)
 #   gptoss    a gpt-oss-20b-shaped random model (learned sinks, sliding layers) at 32K x 1: dense eager, oasis
 #   gptosscompiled  its dense baseline compiled (StaticCache + torch.compile, a process of its own), beside dense eager
 #   profilegptoss  its steps under the profilers (kernel and host tables), dense eager and oasis-previous
@@ -300,6 +302,10 @@ save_eagle3(load_eagle3('$TD/head').to(torch.bfloat16), '$HO')"
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 4 --steps 12 --warmup 3 --measure-steps 0 --methods dense dense-compiled --out "$OUT/decode-qwen3-8b-32k-compiled.json" 2>&1 | grep --line-buffered -v Warning | tail -5
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 --budget 2048 --steps 32 --warmup 8 --measure-steps 0 --methods oasis-previous-captured oasis-previous-captured@compiled --out "$OUT/decode-qwen3-8b-32k-b1-compiled.json" 2>&1 | grep --line-buffered -v Warning | tail -3
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 24 --warmup 8 --measure-steps 0 --prefill-chunk 32768 --methods oasis-previous-captured@compiled --out "$OUT/decode-qwen3-8b-128k-b1-compiled.json" 2>&1 | grep --line-buffered -v Warning | tail -2 ;;
+    budgetbound) for budget in 2048 1024 512; do  # issue 21's 32K x 4: step time against the bytes fetched (the host link's bound)
+        python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget $budget --steps 32 --warmup 8 --measure-steps 4 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-32k-b4-budget$budget.json" 2>&1 | grep -v Warning | tail -1 | sed "s/^/32K x 4, budget $budget: /"; done
+      for budget in 2048 1024 2048 1024; do  # 32K x 1 compiled steps, alternating budgets in sibling processes
+        python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 --budget $budget --steps 32 --warmup 8 --measure-steps 0 --methods oasis-previous-captured@compiled --out "$OUT/decode-qwen3-8b-32k-b1-compiled-budget$budget-$SECONDS.json" 2>&1 | grep -v Warning | tail -1 | sed "s/^/32K x 1 compiled, budget $budget: /"; done ;;
     captured128k) python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense oasis-previous oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured128k.log" | tail -8
       python3 bench/decode.py --interleave --model qwen3-8b --contexts 131072 --batches 1 --steps 16 --warmup 2 --measure-steps 0 --statistic mean --prefill-chunk 32768 --methods dense offload --out "$OUT/decode-qwen3-8b-128k-offload.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-offload128k.log" | tail -4 ;;
     capturedeagle3) for b in 1 4; do python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches $b --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods dense oasis-previous-captured oasis-eagle3-exact oasis-eagle3-exact-captured --out "$OUT/decode-qwen3-8b-32k-b$b-captured-eagle3.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-eagle3-b$b.log" | tail -6; done ;;

@@ -197,7 +197,7 @@ class OasisCache(Cache):
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (prefilled whole, never captured)
         self.captured_steps = _captured_steps_for(model, text_config, self.config, self._length_scaled_rotary)
-        self._registrations_seen = None  # `captured_step.registrations()` when `_model_as_run` was taken
+        self._changes_seen = None  # `captured_step.module_changes()` when `_model_as_run` was taken
         self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
         # steps only: `captured_step.weights_where_they_are`, `module_settings`)
         from .compute.captured_step import CapturedForward
@@ -713,6 +713,15 @@ class OasisCache(Cache):
             weakref.finalize(new, new.ride_along.remove)
         return new
 
+    def model_changed(self) -> None:
+        """Say that the model changed in a way this cache does not see by itself between two one-token forwards of a
+        decode loop of one's own — an attribute set by hand (`layer.scaling = 0.5`, PEFT's `set_adapter` or
+        `disable_adapter`): the next step looks at the model again and, where decode steps are replayed as CUDA
+        graphs, captures them anew. What the cache holds stays. (A `generate` call sees such changes at its prefill;
+        weights put in place, `model.to(...)` and `train()` / `eval()` are seen at the next step:
+        `compute.captured_step.module_changes`.)"""
+        self._changes_seen = None
+
     def fork(self, *, token_budget: int | None = None, lookahead: str | None = None,
              exact: bool | None = None) -> "OasisCache":
         """A copy of this cache, as `copy.deepcopy(cache)` makes, that shares the host pools' chunks of complete
@@ -812,11 +821,12 @@ class OasisCache(Cache):
                              f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
         if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
                 and tokens.dim() >= 2):
-            from .compute.captured_step import module_settings, registrations, weights_where_they_are
+            from .compute.captured_step import module_changes, module_settings, watch, weights_where_they_are
 
-            seen = registrations()  # (a prefill, or something registered since: steps captured before a rebinding, or
-            if tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS) or seen != self._registrations_seen:
-                self._registrations_seen = seen  # an adapter or flag switched by then, capture anew)
+            seen = module_changes()  # (a prefill, or a module changed since: steps captured before a rebinding, or
+            if tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS) or seen != self._changes_seen:
+                watch(model)  # an adapter or flag switched by then, capture anew)
+                self._changes_seen = module_changes()
                 self._model_as_run = (weights_where_they_are(model), module_settings(model))
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)

@@ -788,16 +788,17 @@ def test_a_rotary_scaled_by_length_is_prefilled_whole_and_equals_dense(rotary):
         torch.testing.assert_close(torch.stack(oasis.logits), torch.stack(dense.logits), atol=1e-4, rtol=1e-4)
 
 
-def test_a_weight_rebound_between_two_steps_of_a_loop_is_seen(monkeypatch):
+def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
     """In a decode loop of one's own (one-token forwards, no prefill between them) a rebound weight —
-    `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)` — changes what a captured step depends on
-    (`_model_as_run`, in the replay signature) at the next step, through torch's registration hooks
-    (`captured_step.registrations`); a weight changed in place (its address kept, which a replay reads) does not.
-    On CPU the steps run eagerly: a stand-in for `CapturedSteps` records what each step would have been checked
-    against."""
+    `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)` —, a model moved and moved back
+    (`model.to(...)`: new addresses) or a mode switched (`train()` / `eval()`) changes what a captured step depends on
+    (`_model_as_run`, in the replay signature) at the next step, through the counters of `captured_step.module_changes`;
+    a weight changed in place (its address kept, which a replay reads) does not, nor does a step itself (else every
+    step would look again); an attribute set by hand is seen once the cache is told (`cache.model_changed()`). On CPU
+    the steps run eagerly: a stand-in for `CapturedSteps` records what each step would have been checked against."""
     from oasis_cache import cache as cache_module
     from oasis_cache.compat import generate_cache_argument
-    from oasis_cache.compute.captured_step import registrations
+    from oasis_cache.compute.captured_step import module_changes
 
     class Steps:  # (route_forward hands each forward to it where steps are captured)
         replays = captures = completing_replays = 0
@@ -824,8 +825,8 @@ def test_a_weight_rebound_between_two_steps_of_a_loop_is_seen(monkeypatch):
             token = model(input_ids=token, **{argument: cache}).logits[:, -1:].argmax(-1)
             return steps.seen[-1]
 
-        first = steps.seen[0]
-        assert step() == step() == first
+        first, changes = steps.seen[0], module_changes()
+        assert step() == step() == first and module_changes() == changes
         model.model.layers[0].mlp.up_proj.weight.mul_(1.0)  # (in place)
         assert step() == first
         projection = model.model.layers[1].self_attn.k_proj
@@ -833,7 +834,25 @@ def test_a_weight_rebound_between_two_steps_of_a_loop_is_seen(monkeypatch):
         rebound = step()
         assert rebound != first and step() == rebound
         model.load_state_dict({name: value.clone() for name, value in model.state_dict().items()}, assign=True)
-        assert step() not in (first, rebound)
-    before = registrations()
-    torch.nn.Linear(2, 2)  # (any module's registrations count: a later step looks again, finds its model unchanged)
-    assert registrations() > before
+        loaded = step()
+        assert loaded not in (first, rebound)
+        model.to(torch.float64).to(torch.float32)  # (moved and back: the same values at new addresses)
+        moved = step()
+        assert moved != loaded and step() == moved
+        model.model.layers[0].self_attn.flag = True  # (an attribute set by hand: not seen until the cache is told)
+        assert step() == moved
+        cache.model_changed()
+        flagged = step()
+        assert flagged != moved
+        del model.model.layers[0].self_attn.flag
+        cache.model_changed()
+        assert step() == moved
+        model.model.layers[0].train()  # (a mode: the settings are read again)
+        assert step() != moved
+        model.eval()
+        assert step() == moved
+        before = module_changes()
+        torch.nn.Linear(2, 2).to(torch.float64).train()  # (a module of no captured model: not counted)
+        assert module_changes() == before
+        model.model.layers[0].mlp.added = torch.nn.Identity()  # (a module put in: counted, and its settings read)
+        assert module_changes() > before and step() != moved

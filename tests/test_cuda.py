@@ -1210,10 +1210,12 @@ def test_a_rotary_scaled_by_length_decodes_eagerly_on_cuda():
         assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
 
 
-def test_a_weight_rebound_in_a_loop_of_one_s_own_replays_the_new_weight():
+def test_a_weight_rebound_or_moved_in_a_loop_of_one_s_own_replays_the_new_weight():
     """A decode loop of one's own (one-token forwards) with captured steps: a projection's weight rebound to other
-    values between two steps (`module.weight = nn.Parameter(...)`, no prefill between) is what the next steps read —
-    the steps capture anew (`captured_step.registrations`) and give the eager loop's tokens and logits."""
+    values between two steps (`module.weight = nn.Parameter(...)`, no prefill between) is what the next steps read, as
+    is a weight changed while the model was on the CPU (`model.to("cpu")` and back: new addresses, the old storages
+    kept alive so a stale replay would read the old values) — the steps capture anew (`captured_step.module_changes`)
+    and give the eager loop's tokens and logits."""
     from oasis_cache.compat import generate_cache_argument
 
     def loop(cuda_graph):
@@ -1226,12 +1228,17 @@ def test_a_weight_rebound_in_a_loop_of_one_s_own_replays_the_new_weight():
                 if step == 10:
                     projection = model.model.layers[1].self_attn.k_proj
                     projection.weight = torch.nn.Parameter(projection.weight.detach() * 1.5)
+                if step == 16:
+                    kept = [p.data for p in model.parameters()]  # noqa: F841
+                    model.to("cpu")
+                    model.model.layers[0].mlp.up_proj.weight.data.mul_(1.5)
+                    model.to("cuda")
                 logits.append(out.float())
                 out = model(input_ids=out.argmax(-1), **{argument: cache}).logits[:, -1:]
         return torch.cat(logits, 1), cache
 
     eager, _ = loop(False)
     captured, cache = loop(True)
-    assert cache.captured_steps.replays > 8 and cache.captured_steps.captures >= 2
+    assert cache.captured_steps.replays > 8 and cache.captured_steps.captures >= 3
     assert torch.equal(eager.argmax(-1), captured.argmax(-1))
     torch.testing.assert_close(captured, eager, atol=ATOL, rtol=1e-4)

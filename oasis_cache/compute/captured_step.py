@@ -40,9 +40,11 @@ checks that an eager step rebinds no state tensor. With eagle3 the ride-along's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import itertools
+import weakref
 
 import torch
 
@@ -105,32 +107,59 @@ def weights_where_they_are(model) -> int:
     """A number for where `model`'s parameters and buffers are now (their addresses): a captured step reads them at
     the addresses it was captured with, so a rebinding (`model.to("cpu")` and back, `load_state_dict(assign=True)`,
     a module replaced) must make the steps capture anew. ~0.1 ms for an 8B model: taken at each prefill and at a
-    step after something was registered (`registrations`; `OasisCache.route_forward`), not at every step."""
+    step after a module changed (`module_changes`; `OasisCache.route_forward`), not at every step."""
     return hash(tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
 
 
-_REGISTRATIONS = [0]  # parameters, buffers and submodules registered in this process since `registrations()` hooked
+_CHANGES = [0]  # registrations, conversions and mode switches of watched modules since `watch` first hooked
+_WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the modules of models whose steps are captured
 _HOOKS: list = []
 
 
-def _count_registration(*_):
-    _REGISTRATIONS[0] += 1
+def _count_change(module, *_):
+    if module in _WATCHED:  # (not every registration: a forward's `self.layers[:n]` builds a new ModuleList each time)
+        _CHANGES[0] += 1
 
 
-def registrations() -> int:
-    """How many parameters, buffers and submodules any module of this process has registered since the first call
-    (which installs torch's global registration hooks): `module.weight = nn.Parameter(...)`,
-    `load_state_dict(assign=True)`, a module or an adapter layer put in a model. A captured cache looks where its
-    model's weights are again when this moved (`OasisCache.route_forward`): a rebinding between two one-token forwards
-    of a hand-written loop makes the steps capture anew, at one comparison a step. (Weights changed in place keep
-    their addresses, which a replay reads.)"""
+def _counting(method):
+    """`torch.nn.Module`'s `method`, counting each call on a watched module in `_CHANGES` first (`module_changes`)."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        if self in _WATCHED:
+            _CHANGES[0] += 1
+        return method(self, *args, **kwargs)
+
+    counted.__oasis_counted__ = True
+    return counted
+
+
+def watch(model) -> None:
+    """Count changes to `model`'s modules from now on (`module_changes`); called again where a cache looks at its
+    model anew, so a module put in since is watched too."""
     if not _HOOKS:
         from torch.nn.modules import module
 
-        _HOOKS.extend(hook(_count_registration) for hook in (
+        _HOOKS.extend(hook(_count_change) for hook in (
             module.register_module_parameter_registration_hook, module.register_module_buffer_registration_hook,
             module.register_module_module_registration_hook))
-    return _REGISTRATIONS[0]
+        for name in ("_apply", "train"):
+            method = getattr(torch.nn.Module, name)
+            if not getattr(method, "__oasis_counted__", False):
+                setattr(torch.nn.Module, name, _counting(method))
+    _WATCHED.update(model.modules())
+
+
+def module_changes() -> int:
+    """How many times a watched module (`watch`: those of models whose steps are captured) has been changed in a way a
+    replayed step would not follow: a parameter, buffer or submodule registered on it (torch's global registration
+    hooks: `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)`, an adapter layer put in), the module
+    converted (`Module._apply`: `model.to(...)`, `.cuda()`, `.half()`, `.float()`) or its mode switched (`Module.train`,
+    so `eval()`). A captured cache looks where its model's weights are and at its modules' settings again when this
+    moved (`OasisCache.route_forward`): such a change between two one-token forwards of a hand-written loop makes the
+    steps capture anew, at one comparison a step. (Weights changed in place keep their addresses, which a replay reads.
+    A plain attribute set by hand, as PEFT's `set_adapter` and `disable_adapter` do, is not counted: it is seen at the
+    next prefill, or after `cache.reset()`.)"""
+    return _CHANGES[0]
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
