@@ -1,6 +1,9 @@
 """Plot TPOT by method for each (context, batch) of one or more bench/decode.py JSON files.
 
     python bench/plot.py bench/results/decode-*.json --out bench/results/decode.png [--statistic mean]
+        [--methods dense dense-compiled oasis-previous-captured] [--labels "dense eager" "dense compiled" oasis]
+
+A method met in several files is plotted from the first file that has it at that (context, batch).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ def main():
     parser.add_argument("--out", default="bench/results/decode.png")
     parser.add_argument("--statistic", choices=["median", "mean"], default="median",
                         help="which TPOT of the rows (mean: captured methods, whose recaptures only a mean shows)")
+    parser.add_argument("--methods", nargs="+", help="only these methods, in this order (default: every one found)")
+    parser.add_argument("--labels", nargs="+", help="the legend's names for --methods, one each (default: the methods)")
     args = parser.parse_args()
     key = "tpot_ms" if args.statistic == "median" else "tpot_ms_mean"
     import matplotlib
@@ -32,12 +37,20 @@ def main():
     usual = ("dense", "offload", "oasis-none", "oasis-previous", "oasis-exact", "oasis-eagle3-plain", "oasis-eagle3",
              "oasis-eagle3-graph")
     methods = [m for m in usual if m in present] + [m for m in present if m not in usual]
+    if args.methods:
+        missing = [m for m in args.methods if m not in present]
+        if missing:
+            raise SystemExit(f"--methods names {missing}, not in the files (found: {present})")
+        methods = list(args.methods)
+    if args.labels and len(args.labels) != len(methods):
+        raise SystemExit(f"--labels names {len(args.labels)} methods, the plot has {len(methods)}: {methods}")
+    labels = dict(zip(methods, args.labels or methods))
     fig, ax = plt.subplots(figsize=(2.2 * len(settings) + 2, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         values = [next((r[key] for r in rows if r["method"] == method and (r["context"], r["batch"]) == s),
                        float("nan")) for s in settings]  # nan: not run at that setting (no bar, no label)
-        bars = ax.bar([x + i * width for x in range(len(settings))], values, width, label=method)
+        bars = ax.bar([x + i * width for x in range(len(settings))], values, width, label=labels[method])
         ax.bar_label(bars, labels=["" if v != v else f"{v:.0f}" for v in values], fontsize=7)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(settings))])
     ax.set_xticklabels([f"{c // 1024}K x {b}" for c, b in settings])

@@ -65,7 +65,8 @@ def test_compiled_dense_decodes_what_dense_decodes():
 
 def test_plot_draws_the_chosen_statistic(tmp_path):
     """`bench/plot.py --statistic mean` plots each row's `tpot_ms_mean` (what captured methods are compared by); a row
-    without the chosen statistic (an older file) is left out instead of stopping the plot."""
+    without the chosen statistic (an older file) is left out instead of stopping the plot. `--methods` picks and orders
+    what is drawn (a name no file has stops it, saying so), `--labels` names them in the legend, one each."""
     import pytest
 
     pytest.importorskip("matplotlib", reason="matplotlib is a test extra: pip install -e '.[test]'")
@@ -80,6 +81,14 @@ def test_plot_draws_the_chosen_statistic(tmp_path):
                               "--out", str(out)], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         assert out.stat().st_size > 1000
+    plot = [sys.executable, str(ROOT / "bench" / "plot.py"), str(results), "--out", str(tmp_path / "chosen.png")]
+    for extra, expected in ((["--methods", "dense", "offload"], "'offload'"),
+                            (["--methods", "dense", "oasis-previous", "--labels", "dense eager"], "names 1 methods")):
+        run = subprocess.run(plot + extra, capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and expected in run.stderr, run.stderr[-2000:]
+    run = subprocess.run(plot + ["--methods", "oasis-previous", "--labels", "oasis"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and (tmp_path / "chosen.png").stat().st_size > 1000, run.stderr[-2000:]
 
 
 def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
