@@ -158,7 +158,7 @@ def module_changes() -> int:
     moved (`OasisCache.route_forward`): such a change between two one-token forwards of a hand-written loop makes the
     steps capture anew, at one comparison a step. (Weights changed in place keep their addresses, which a replay reads.
     A plain attribute set by hand, as PEFT's `set_adapter` and `disable_adapter` do, is not counted: it is seen at the
-    next prefill, or after `cache.reset()`.)"""
+    next prefill, or at the next step after `cache.model_changed()`.)"""
     return _CHANGES[0]
 
 
