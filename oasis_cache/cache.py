@@ -549,6 +549,8 @@ class OasisCache(Cache):
             if isinstance(layer, OasisLayer):
                 if layer.is_initialized:
                     kv = layer.full_kv()
+                    if layer.value_dim is not None:  # (stored padded to the keys' head size)
+                        kv = kv[0], kv[1][..., : layer.value_dim]
                     dynamic.layers[idx].update(*(kv if layer.latent is None else
                                                  latent.transformers_form(kv[0], layer.latent)))
                 if isinstance(layer, HybridLayer):

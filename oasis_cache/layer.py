@@ -49,6 +49,7 @@ class OasisLayer(CacheLayerMixin):
     is_compileable = False
     resident_kv = None  # the prompt's keys and values during a chunked prefill (`_attend_resident`)
     latent = None  # (R, rope) where the layer stores MLA's latent rows (`compute/latent.py`), set by its cache
+    value_dim = None  # the values' head size where it is below the keys' (stored padded: `_as_wide_as_keys`)
 
     def __init__(self, cache, layer_idx: int):
         super().__init__()
@@ -61,8 +62,6 @@ class OasisLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cfg = self.config
         B, H, _, D = key_states.shape
-        if value_states.shape[-1] != D:
-            raise NotImplementedError("OasisCache needs keys and values of the same head dimension.")
         self.device, dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
         self.choose_kernels()
@@ -143,6 +142,7 @@ class OasisLayer(CacheLayerMixin):
         return _without_autograd(self._update, key_states, value_states)
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        value_states = self._as_wide_as_keys(key_states, value_states)
         if self.is_initialized and self.get_seq_length() == 0 and self.shaped_as(key_states) != self.shaped_as(None):
             self.reset()  # (made ahead for keys of another shape, `OasisCache._size_for_prompt`: made again)
         if not self.is_initialized:
@@ -155,6 +155,21 @@ class OasisLayer(CacheLayerMixin):
         self.recent.append(key_states, value_states)
         leave_pending(self, key_states, value_states)
         return key_states, value_states
+
+    def _as_wide_as_keys(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """`value_states` `[B, Hkv, q, Dv]` padded with zeros to the keys' head size D where Dv < D (MiMo-V2-Flash:
+        keys of 192, values of 128): the pools, the gather and the attention kernels keep one head size for both,
+        and the attention's output is cut back to Dv (`value_dim`). Costs (D - Dv) / (D + Dv) more host and transfer
+        bytes (a fifth there)."""
+        D, Dv = key_states.shape[-1], value_states.shape[-1]
+        if Dv == D:
+            return value_states
+        if Dv > D:
+            raise NotImplementedError(f"OasisCache stores keys and values at one head size: values of {Dv} channels "
+                                      f"are wider than keys of {D} (only narrower values are padded). Use a "
+                                      "DynamicCache.")
+        self.value_dim = Dv
+        return torch.nn.functional.pad(value_states, (0, D - Dv))
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:

@@ -24,10 +24,11 @@ from .compute.attention import window_sees_all
 
 
 class WindowLayer(DynamicSlidingWindowLayer):
-    """`DynamicSlidingWindowLayer` with steady decode steps in place. `ring`: `[2, B, Hkv, window, D]` (keys,
-    values) or None; `keys` / `values` `[B, Hkv, window - 1, D]` are views of its last `window - 1` tokens while
-    steady. `clear_from`: a callable giving the position from which every sequence's tokens are real (the owning
-    cache's padding record, `control.Padding`), or None where not known."""
+    """`DynamicSlidingWindowLayer` with steady decode steps in place. `ring`: `([2, B, Hkv, window, D],)` (keys,
+    values), `([B, Hkv, window, Dk], [B, Hkv, window, Dv])` where their head sizes differ, or None; `keys` /
+    `values` `[B, Hkv, window - 1, D]` are views of its last `window - 1` tokens while steady. `clear_from`: a
+    callable giving the position from which every sequence's tokens are real (the owning cache's padding record,
+    `control.Padding`), or None where not known."""
 
     not_recorded = ("ring", "_views", "clear_from")  # (the ring is made again at the next steady step)
     transformers_class = DynamicSlidingWindowLayer  # (what `as_transformers` makes)
@@ -74,20 +75,32 @@ class WindowLayer(DynamicSlidingWindowLayer):
         if key_states.shape[-2] != 1 or not self._full():
             return super().update(key_states, value_states, *args, **kwargs)
         if not self._in_ring():  # (a first steady step, or one after transformers' own update made new tensors)
-            B, H, _, D = self.keys.shape
-            self.ring = torch.empty((2, B, H, self.sliding_window, D), dtype=self.keys.dtype, device=self.keys.device)
-            self.ring[0, :, :, 1:] = self.keys
-            self.ring[1, :, :, 1:] = self.values
-            self._views = (self.ring[0, :, :, 1:], self.ring[1, :, :, 1:], self.ring[0], self.ring[1])
-        ring = self.ring
-        ring[:, :, :, :-1] = ring[:, :, :, 1:].clone()  # the oldest token out
-        ring[0, :, :, -1:] = key_states
-        ring[1, :, :, -1:] = value_states
+            self._make_ring()
+        for ring in self.ring:
+            ring[..., :-1, :] = ring[..., 1:, :].clone()  # the oldest token out
+        self._views[2][:, :, -1:] = key_states
+        self._views[3][:, :, -1:] = value_states
         self.keys, self.values, keys, values = self._views
         self.cumulative_length += 1
         if self._no_padding_after(self.cumulative_length):
             window_sees_all(keys)  # (its attention: every token of the window, no mask)
         return keys, values
+
+    def _make_ring(self) -> None:
+        """The ring from the window's tokens: one `[2, B, Hkv, window, D]` tensor (shifted in one copy), or a keys'
+        and a values' ring where their head sizes differ (MiMo-V2-Flash: 192 and 128)."""
+        B, H, _, D = self.keys.shape
+        shape, like = (B, H, self.sliding_window), dict(dtype=self.keys.dtype, device=self.keys.device)
+        if self.values.shape[-1] == D:
+            whole = torch.empty((2, *shape, D), **like)
+            self.ring, key_ring, value_ring = (whole,), whole[0], whole[1]
+        else:
+            key_ring = torch.empty((*shape, D), **like)
+            value_ring = torch.empty((*shape, self.values.shape[-1]), **like)
+            self.ring = (key_ring, value_ring)
+        key_ring[:, :, 1:] = self.keys
+        value_ring[:, :, 1:] = self.values
+        self._views = (key_ring[:, :, 1:], value_ring[:, :, 1:], key_ring, value_ring)
 
     def as_transformers(self) -> DynamicSlidingWindowLayer:
         """transformers' own layer (`transformers_class`) holding a copy of this one's tokens, count and settings
@@ -105,4 +118,4 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
     def state_addresses(self) -> tuple | None:
         """What a captured step reads and writes of this layer: the ring; None while the window is not in it."""
-        return (self.ring.data_ptr(),) if self._in_ring() else None
+        return tuple(ring.data_ptr() for ring in self.ring) if self._in_ring() else None

@@ -632,3 +632,53 @@ def test_gemma4_without_shared_layers_is_served_and_with_them_refused():
                                                                           "num_kv_shared_layers": 2})).eval()
     with pytest.raises(NotImplementedError, match="shares KV caches between layers"):
         OasisCache(shared, token_budget=1024)
+
+
+def tiny_narrow_values_model():
+    """MiMo-V2-Flash shaped tiny: keys of 16 channels, values of 8, learned sinks, sliding and full layers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "mimo_v2_flash" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no mimo_v2_flash")
+    model = tiny_sinks_model("mimo_v2_flash")
+    assert model.config.v_head_dim < model.config.head_dim
+    return model
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_values_narrower_than_keys_equal_dense(mode):
+    """Values of fewer channels than keys (MiMo-V2-Flash: 128 and 192) are stored padded with zeros to the keys' head
+    size (`OasisLayer._as_wide_as_keys`) and the attention's output cut back; its sliding layers keep two rings
+    (`window.WindowLayer`). Every generate mode gives dense's tokens and logits."""
+    model = tiny_narrow_values_model()
+    inputs, kw = MODES[mode]
+    dense = sinks_dense(model, inputs, **kw)
+    cache = OasisCache(model, **OPTIONS)
+    assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
+
+
+def test_values_narrower_than_keys_round_trip_and_decode_sparsely():
+    """What the cache holds of narrower values is dense's values (a `DynamicCache` round trip: no padding comes
+    out); the cache's chunks and a second turn give dense's tokens; a sparse budget decodes within it. Wider values
+    than keys are refused by name."""
+    model = tiny_narrow_values_model()
+    ids = prompt_ids(300)
+    dense_cache_ = DynamicCache(config=model.config)
+    model.set_attn_implementation(model.dense_attention)
+    dense = generate(model, dense_cache_, {"input_ids": ids}, seed=7, max_new_tokens=16)
+    cache = OasisCache(model, **{**OPTIONS, "prefill_chunk_tokens": 64})
+    assert_same(dense, generate(model, cache, {"input_ids": ids}, seed=7, max_new_tokens=16))
+    held = cache.to_dynamic_cache()
+    full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
+    assert full and all(cache.layers[i].value_dim == model.config.v_head_dim for i in full)
+    for i in full:  # (dense's cache holds the last token's keys too: it ran one forward more)
+        n = held.layers[i].values.shape[-2]
+        assert held.layers[i].values.shape[-1] == model.config.v_head_dim
+        torch.testing.assert_close(held.layers[i].values, dense_cache_.layers[i].values[:, :, :n])
+        torch.testing.assert_close(held.layers[i].keys, dense_cache_.layers[i].keys[:, :, :n])
+    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
+    assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
+    layer = OasisLayer(cache, full[0])
+    with pytest.raises(NotImplementedError, match="values of 32 channels are wider than keys of 16"):
+        layer.update(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 32))

@@ -217,6 +217,8 @@ def oasis_attention_eager(module, query, key, value, attention_mask, dropout: fl
         out = layer.attend(query, attention_mask, scale, **extra)
         if layer.latent is not None and dense is None:
             out = latent.latent_output(module, out)
+        elif layer.value_dim is not None:  # (values stored padded to the keys' head size: their own channels)
+            out = out[..., : layer.value_dim]
     except BaseException:
         if layer._cache.streams is not None:
             layer._cache.streams.quiesce()  # no prefetch of this cache runs on past the error

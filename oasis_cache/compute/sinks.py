@@ -66,9 +66,15 @@ def _with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
     else:
         return None
+    D, Dv = keys.shape[-1], values.shape[-1]
+    if Dv > D:
+        return None
+    if Dv < D:  # (values narrower than keys, MiMo-V2-Flash: these kernels take one head size; padded, cut after)
+        values = torch.nn.functional.pad(values, (0, D - Dv))
     keys, values = dense._expand_kv_heads(query, keys, values)
     try:
-        return dense.past_then_chunk_with_lse(query, keys, values, scale, kernel)
+        out, lse = dense.past_then_chunk_with_lse(query, keys, values, scale, kernel)
+        return out[..., :Dv], lse
     except torch.OutOfMemoryError:
         raise
     except RuntimeError:
