@@ -1040,6 +1040,26 @@ def test_learned_attention_sinks_on_cuda():
     assert_same_on_cuda(torch_out, out)
 
 
+def test_values_narrower_than_keys_on_cuda():
+    """MiMo-V2-Flash shaped (keys of 16 channels, values of 8, learned sinks, sliding layers): the values padded to
+    the keys' size through cuDNN's log-sum-exp prefill and the Triton decode kernel, the output cut back — dense's
+    tokens and logits above the context; a sparse budget gives the torch attention's tokens over the same selections;
+    the sliding layers' two rings replayed as captured steps (`cuda_graph=True`) give eager's tokens."""
+    from test_architectures import sinks_dense, tiny_narrow_values_model
+
+    model = tiny_narrow_values_model().cuda()
+    equal_to_dense_on_cuda(model, lambda inputs: sinks_dense(model, inputs, do_sample=False))
+    out, torch_out = within_a_sparse_budget(model), within_a_sparse_budget(model, attention_kernel=False)
+    assert_same_on_cuda(torch_out, out)
+    inputs = on_cuda({"input_ids": prompt_ids(200)})
+    options = dict(token_budget=4096, sink_tokens=16, recent_tokens=16)
+    eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, max_new_tokens=40, do_sample=False)
+    cache = OasisCache(model, cuda_graph=True, **options)
+    captured = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
+    assert cache.captured_steps.replays > 20
+    assert_same_on_cuda(eager, captured)
+
+
 def equal_to_dense_on_cuda(model, dense, chunks: bool = True):
     """Through OasisCache (budget above the context) `model` generates `dense(inputs)`'s greedy tokens and logits: one
     prompt, a left-padded batch and (`chunks`) the cache's own chunks."""
