@@ -106,7 +106,9 @@ def tiny_model_of(model_type: str, seed: int = 0, is_decoder: bool = True):
         except (AttributeError, TypeError, ValueError):  # (derived from other fields: the model's own spread)
             pass
         if "sliding_attention" in kinds and isinstance(getattr(config, "sliding_window", None), int):
-            config.sliding_window = WINDOW  # (a window the prompt passes; elsewhere the config's own window)
+            config.sliding_window = WINDOW  # (a window the prompt passes)
+        if "chunked_attention" in kinds and isinstance(getattr(config, "attention_chunk_size", None), int):
+            config.attention_chunk_size = WINDOW  # (chunks the prompt and the new tokens cross: Llama 4's 8,192)
         if config.to_dict().get("per_layer_config"):  # (Gemma 4: its full layers' wider heads, made anew: a
             settings = config.to_dict()  # per-layer setting takes effect at construction only)
             for key in ("model_type", "transformers_version", "architectures"):
@@ -138,6 +140,10 @@ def compare(model, prompt: int = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[
 
     from oasis_cache import OasisCache
 
+    from oasis_cache.compat import layer_types_and_kwargs
+
+    windows = [kw.get("sliding_window") for _, kw in layer_types_and_kwargs(model.config.get_text_config(decoder=True))]
+    wide = [w for w in windows if isinstance(w, int) and w >= prompt]  # (equal within a window says nothing
     ids = torch.randint(3, 200, (1, prompt), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0, eos_token_id=None)
@@ -149,6 +155,8 @@ def compare(model, prompt: int = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[
     for chunk in (0, CHUNK):
         try:
             cache = OasisCache(model, token_budget=4 * (prompt + new_tokens), prefill_chunk_tokens=chunk)
+            if wide:  # about the tokens past it: the sweep's shapes must cross every window and chunk)
+                return "not built", f"a window or chunk of {max(wide)} tokens the {prompt}-token prompt does not cross"
             oasis = model.generate(ids, past_key_values=cache, **kw)
         except (NotImplementedError, ValueError) as error:
             return "refused", f"{type(error).__name__}: {error}" + (f" (in chunks of {chunk})" if chunk else "")

@@ -32,7 +32,7 @@ def main():
         if held is not None:  # keep the cached prefix the new conversation shares; drop the rest (crop)
             n = min(held.shape[1], ids.shape[1])
             same = int((held[0, :n] == ids[0, :n]).cumprod(0).sum())
-            cache.crop(same)
+            cache.crop(same - cache.get_seq_length())  # (a negative count: the tokens removed)
         out = model.generate(input_ids=ids, **{argument: cache}, max_new_tokens=args.max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.eos_token_id)
         held = out[:, :-1]  # the last token was generated, not yet run through the model

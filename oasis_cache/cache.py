@@ -112,7 +112,8 @@ class OasisCache(Cache):
                 layers.append(HybridLayer(self, layer_idx, **kwargs))
             elif layer_type == "hybrid_sliding":  # (a sliding window and a linear-attention state: Inkling)
                 layers.append(HybridWindowLayer(clear_from=_padding_reader(self), **kwargs))
-            elif compat.dynamic_layer_class(layer_type) is DynamicSlidingWindowLayer:  # (its steady steps in place)
+            elif layer_type != "chunked_attention" and compat.dynamic_layer_class(
+                    layer_type) is DynamicSlidingWindowLayer:  # (its steady steps in place)
                 layers.append(WindowLayer(clear_from=_padding_reader(self), **kwargs))
             elif layer_type in _HF_KEPT_LAYER_TYPES or compat.holds_no_keys(layer_type):
                 layers.append(compat.dynamic_layer_class(layer_type)(**kwargs))
@@ -187,6 +188,9 @@ class OasisCache(Cache):
         self.prefill_past = None  # while they do not: one buffer for a chunk's past, every layer's (`past_buffer`)
         self._failed_chunk = None  # tokens a sequence of the last chunk that ran out of memory (`_run_chunks`)
         self._transfer: TransferEngine | None = None
+        self._marks = None  # the state before the forward now running (`undo.ForwardMarks`), for its undo
+        self._routed = False  # a forward routed by the model's forward (`route_forward`) is running
+        self._broken: str | None = None  # why the cache refuses to serve until `reset()` (a forward failed midway)
         model.set_attn_implementation(ATTENTION_NAME)
         self.ride_along = None
         if self.config.lookahead == "eagle3":
@@ -225,7 +229,19 @@ class OasisCache(Cache):
 
     @torch.compiler.disable  # host state and the package's kernels: a compiled layer calls it as it is
     def eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step)."""
+        """`update`, run as it is (also inside the `oasis::update` op of a compiled decode step). An error in it,
+        in a forward the model's own forward does not route (`route_forward` undoes its own), undoes the forward's
+        writes before it goes on."""
+        if not self._routed and layer_idx <= self._first_oasis_layer:
+            self._marks = None  # (a new forward, not routed: its marks are taken at its first full-attention layer)
+        try:
+            return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            if not self._routed and self._marks is not None:
+                self._undo_failed_forward()
+            raise
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         given = None
         if isinstance(layer, OasisLayer) and layer.latent is not None and (key_states.shape[-1], value_states.shape[
@@ -233,6 +249,7 @@ class OasisCache(Cache):
             given = key_states, value_states
             key_states, value_states = latent.stored_form(key_states, value_states)
         if layer_idx == 0 or isinstance(layer, OasisLayer):
+            self._refuse_if_broken()
             self._check_attention(layer_idx)  # before anything of this forward is written
         if isinstance(layer, OasisLayer):
             pending = peek_pending()
@@ -241,12 +258,16 @@ class OasisCache(Cache):
                 self._start_forward(layer, key_states)
             elif pending is not None:
                 clear_pending()
+                undone = self._undo_failed_forward()
+                model = self._model()
                 raise RuntimeError(
                     f"Layer {pending.layer_idx}'s attention did not run through the '{ATTENTION_NAME}' attention "
-                    f"function (the model's attn_implementation is "
-                    f"{getattr(self._model(), 'config', None) and self._model().config._attn_implementation!r}). "
-                    f"OasisCache(model) sets it; do not change it while using the cache, and use the cache with the "
-                    f"model it was made for."
+                    f"function, which alone reads this cache: the model running it is not the one this cache was made "
+                    f"for ({type(model).__name__ if model is not None else 'gone'}, whose attention is "
+                    f"{getattr(getattr(model, 'config', None), '_attn_implementation', None)!r}), or its attention "
+                    f"was switched. Make one OasisCache per model: OasisCache(model, token_budget=...). "
+                    + ("Nothing of this forward was kept." if undone else
+                       "This cache can no longer serve: cache.reset().")
                 )
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return out if given is None else given  # (the model expands the new tokens' latents: not read)
@@ -268,8 +289,36 @@ class OasisCache(Cache):
                     f"other cache), or use a DynamicCache with {used!r}."
                 )
 
+    def _refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"This OasisCache cannot serve: {self._broken}. Call cache.reset() (or make a new "
+                               "cache) and run the prompt again.")
+
+    def _check_lengths(self, layer: OasisLayer) -> None:
+        """Every full-attention layer holds the same number of tokens before a forward (one that failed midway
+        outside a forward this cache routes could leave them apart: the next would decode silently wrong)."""
+        lengths = {each.get_seq_length() for each in self.layers if isinstance(each, OasisLayer)}
+        if len(lengths) > 1:
+            self._broken = (f"its layers hold different numbers of tokens ({sorted(lengths)}): a forward failed "
+                            "midway")
+            self._refuse_if_broken()
+
+    def _undo_failed_forward(self) -> bool:
+        """After a forward failed: the cache rolled back to its state before it (`undo.ForwardMarks`), or marked
+        broken where it cannot be. Returns whether it was rolled back."""
+        marks, self._marks = self._marks, None
+        why = "no record of the state before it" if marks is None else marks.undo()
+        if why is not None:
+            self._broken = f"a forward failed midway and {why}"
+        return why is None
+
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
+        self._check_lengths(layer)
+        if not self._routed:  # (a forward not routed by the model's: its state marked here, for an undo)
+            from .undo import ForwardMarks
+
+            self._marks = ForwardMarks(self, partial=self._first_oasis_layer > 0)
         Qn = key_states.shape[2] - self.draft_rows
         self._forward_memo = {}
         decode = layer.decodes(key_states.shape[2])
@@ -576,6 +625,12 @@ class OasisCache(Cache):
         hold — HF's, zeros — then does not matter: attention never reads them)."""
         from .compute.prefill import prefill_chunks
 
+        if isinstance(dynamic, (tuple, list)):  # the legacy form: one (keys, values) pair per layer
+            dynamic = _from_legacy(model, dynamic)
+        if not hasattr(dynamic, "layers"):
+            raise TypeError(f"from_dynamic_cache takes a transformers DynamicCache (or a tuple of (keys, values) per "
+                            f"layer), got {type(dynamic).__name__}.")
+        _check_layers_fit(model, dynamic)  # (before a cache is made: nothing written for a cache that cannot fit)
         cache = cls(model, **options)
         if len(dynamic.layers) != len(cache.layers):
             raise ValueError(f"the cache holds {len(dynamic.layers)} layers; {type(model).__name__} has "
@@ -638,6 +693,10 @@ class OasisCache(Cache):
             self.ride_along.repeat_interleave(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
+        if int(tokens_to_remove) > 0:  # (the legacy "keep this many": as the installed transformers' DynamicCache)
+            refusal = compat.positive_crop_error(int(tokens_to_remove))
+            if refusal is not None:
+                raise refusal
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's overlapped store reads, before its maps change)
         self.reshaped = self.reshaped or int(tokens_to_remove) != 0
@@ -646,6 +705,17 @@ class OasisCache(Cache):
         super().crop(tokens_to_remove)
         if self.ride_along is not None and int(tokens_to_remove) != 0:
             self.ride_along.reset()  # its rows no longer line up with the tokens: it starts over
+
+    def close(self) -> None:
+        """Release what the cache holds: its memory, and an admitted cache's keys in the store (`reset`)."""
+        self.reset()
+
+    def __enter__(self) -> "OasisCache":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
     def reset(self) -> None:
         """Empty the cache (all memory released) so it can serve a new batch with the same model."""
@@ -668,6 +738,7 @@ class OasisCache(Cache):
         self.padding = None
         self.decode_clock = 0
         self._device_clocks = {}
+        self._broken = self._marks = None
         self._forward_memo = {}
         if self.captured_steps is not None:
             self.captured_steps.drop()
@@ -689,13 +760,14 @@ class OasisCache(Cache):
         new = object.__new__(type(self))
         memo[id(self)] = new
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
-        rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along",
+        rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along", "_marks",
                    "captured_steps", "remote_tier", "_remote_release", "_after_forward", "fused_groups")
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
         new._forward_memo, new._device_clocks, new._after_forward = {}, {}, []
+        new._marks, new._routed = None, False
         new.fused_groups = list(self.fused_groups)  # (the model's buffers, shared: a copy would double its weights)
         new._streams = new._transfer = new.remote_tier = None
         if self._streams is not None:
@@ -768,6 +840,12 @@ class OasisCache(Cache):
         for layer in new.layers:
             if isinstance(layer, OasisLayer):
                 layer.config = config
+                if layer.is_initialized and config.token_budget != self.config.token_budget:
+                    # the working set and slot map as large as this budget takes of the blocks held now (a short
+                    # next forward completes no block, which is where they grow otherwise); the next step selects
+                    # with its real query (what was prefetched was chosen for the smaller budget)
+                    layer.reserve_slots(layer.pool.num_blocks)
+                    layer.predicted = False
         new.counters.attention_row = CacheStats(config.lookahead, config.exact).attention_row
         if new.ride_along is not None and config.lookahead != "eagle3":
             new.ride_along.remove()  # (its hooks leave the model: the fork drafts nothing)
@@ -804,6 +882,24 @@ class OasisCache(Cache):
         return ahead.at_prefill(self, layer, query, visible, scale)
 
     def route_forward(self, runner, kwargs: dict):
+        """`_route_forward`, all or nothing: a forward that fails midway leaves the cache as before it, or refusing to
+        serve (`oasis_cache/undo.py`)."""
+        from .undo import ForwardMarks
+
+        self._refuse_if_broken()
+        if self._routed:  # (a forward inside a routed one: a dry step's; the outer one's marks hold)
+            return self._route_forward(runner, kwargs)
+        self._marks, self._routed = ForwardMarks(self), True
+        try:
+            return self._route_forward(runner, kwargs)
+        except BaseException:
+            if self._marks is not None:  # (not undone already, by the error's own path)
+                self._undo_failed_forward()
+            raise
+        finally:
+            self._routed, self._marks = False, None
+
+    def _route_forward(self, runner, kwargs: dict):
         """A call of the model's forward with this cache (`CapturedForward`): a long prefill in chunks of
         `config.prefill_chunk_tokens` tokens over the batch (`compute/prefill.py`), a decode step to the captured
         steps where there are any, else the model's own forward. Running out of device memory in a prefill raises a
@@ -821,6 +917,12 @@ class OasisCache(Cache):
             raise ValueError(f"This OasisCache holds {held} tokens and the forward brings no new one: generate was "
                              f"given a prompt no longer than what the cache holds. Pass the conversation so far "
                              f"followed by new tokens, or call cache.reset() (or make a new cache) for a new prompt.")
+        first = self.layers[self._first_oasis_layer]
+        if (isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and first.is_initialized
+                and first.get_seq_length() > 0 and tokens.shape[0] != first.batch_size):  # (before any layer or hook)
+            raise ValueError(f"This OasisCache holds {first.get_seq_length()} tokens for a batch of "
+                             f"{first.batch_size}, but got a batch of {tokens.shape[0]}. Call cache.reset() (or make "
+                             f"a new OasisCache) for a new batch.")
         if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
                 and tokens.dim() >= 2):
             from .compute.captured_step import module_changes, module_settings, watch, weights_where_they_are
@@ -898,7 +1000,7 @@ class OasisCache(Cache):
                        f"token_budget=..., prefill_chunk_tokens={B * half})), the batch, or token_budget")
             raise MemoryError(
                 f"OasisCache: the prefill of {B} x {N} tokens ran out of device memory in forwards of {B} x {chunk} "
-                f"tokens{tried}{room}. {fix}. This cache is incomplete: cache.reset() before reusing it."
+                f"tokens{tried}{room}. {fix}. The cache keeps what it held before this call."
             ) from error
 
     def _run_chunks(self, runner, kwargs, spans, past):
@@ -1352,3 +1454,55 @@ def _attention_modules(model, layer_count: int) -> dict:
                 if shared is not None and idx not in found:
                     found[idx] = shared
     return found
+
+
+def _from_legacy(model, pairs) -> "object":
+    """A `DynamicCache` for `model` holding the legacy form's `(keys, values)` per layer."""
+    from transformers import DynamicCache
+
+    dynamic = DynamicCache(config=model.config)
+    if len(pairs) != len(dynamic.layers):
+        raise ValueError(f"the legacy cache holds {len(pairs)} layers; {type(model).__name__} has "
+                         f"{len(dynamic.layers)}.")
+    for idx, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) >= 2 and all(isinstance(t, torch.Tensor)
+                                                                           for t in pair[:2])):
+            raise TypeError(f"the legacy cache's layer {idx} is not a (keys, values) pair of tensors.")
+        dynamic.layers[idx].update(pair[0], pair[1])
+    return dynamic
+
+
+def _check_layers_fit(model, dynamic) -> None:
+    """A ValueError naming the first layer of `dynamic` whose keys the model's attention could not have written: its
+    KV heads, head size, dtype or device; sequences and tokens differing between layers."""
+    text_config = model.config.get_text_config(decoder=True)
+    modules = _attention_modules(model, len(dynamic.layers))
+    seen = None
+    for idx, layer in enumerate(dynamic.layers):
+        keys = getattr(layer, "keys", None)
+        if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            continue
+        module = modules.get(idx)
+        param = next(module.parameters(), None) if module is not None else next(model.parameters())
+        heads = getattr(module, "num_key_value_heads", None) or (
+            getattr(text_config, "num_key_value_heads", None) if getattr(text_config, "kv_lora_rank", None) is None
+            else None)
+        head_dim = getattr(module, "head_dim", None) if getattr(text_config, "kv_lora_rank", None) is None else None
+        found = (keys.shape[1], keys.shape[3], keys.dtype, keys.device)
+        wanted = (heads or found[0], head_dim or found[1], param.dtype if param is not None else found[2],
+                  param.device if param is not None else found[3])
+        if found != wanted:
+            raise ValueError(
+                f"The cache's layer {idx} holds keys of {found[0]} KV heads x {found[1]} channels ({found[2]}, "
+                f"{found[3]}), where {type(model).__name__}'s layer {idx} makes {wanted[0]} x {wanted[1]} "
+                f"({wanted[2]}, {wanted[3]}): it was made by another model, or moved or cast since. Build it with "
+                f"this model (or .to() the model or the cache's tensors first).")
+        size = (keys.shape[0], layer.get_seq_length() if hasattr(layer, "get_seq_length") else keys.shape[2])
+        if getattr(layer, "is_sliding", False):
+            size = (size[0], None)  # (a window keeps its last tokens only)
+        if seen is not None and (size[0] != seen[1][0] or (size[1] is not None and seen[1][1] is not None
+                                                           and size[1] != seen[1][1])):
+            raise ValueError(f"The cache's layers disagree: layer {seen[0]} holds {seen[1][0]} sequences x "
+                             f"{seen[1][1]} tokens, layer {idx} {size[0]} x {size[1]}.")
+        if seen is None or seen[1][1] is None:
+            seen = (idx, size)

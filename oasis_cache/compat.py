@@ -88,3 +88,15 @@ def generate_cache_argument(model) -> str:
     """The keyword under which `model(...)` takes a cache: `cache` (5.24+) or `past_key_values`."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def positive_crop_error(tokens: int) -> Exception | None:
+    """What the installed transformers' `DynamicLayer.crop(tokens)` raises for a positive `tokens` (newer versions: a
+    ValueError; 5.17 keeps that many tokens, deprecated), so that an `OasisCache` answers as a `DynamicCache` would."""
+    layer = cache_utils.DynamicLayer()
+    layer.update(torch.zeros(1, 1, tokens + 1, 1), torch.zeros(1, 1, tokens + 1, 1))
+    try:
+        layer.crop(tokens)
+    except (ValueError, RuntimeError) as error:
+        return error
+    return None

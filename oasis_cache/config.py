@@ -280,6 +280,7 @@ class OasisConfig:
         return None
 
     def __post_init__(self):
+        _check_types(self)
         T = self.block_size
         if not isinstance(T, int) or T <= 0 or T & (T - 1):
             raise ValueError(f"block_size must be a positive power of two (e.g. 16), got {T!r}.")
@@ -485,3 +486,20 @@ class OasisConfig:
         if self.num_slots is not None:
             return self.num_slots
         return max(self.num_selected_blocks * (2 if self.exact else 1), self.num_fitting_blocks)
+
+
+_ALLOWED = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+
+
+def _check_types(config: OasisConfig) -> None:
+    """A TypeError for an option of another type than its annotation says, before anything else reads it: a bool is
+    not taken for an int (`block_size=True` is not 1), nor an int for a bool."""
+    import dataclasses
+
+    for field in dataclasses.fields(config):
+        value, kinds = getattr(config, field.name), [kind.strip() for kind in str(field.type).split("|")]
+        allowed = tuple(t for kind in kinds for t in _ALLOWED.get(kind, (object,)))
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, allowed) or (is_bool and "bool" not in kinds):
+            raise TypeError(f"OasisCache option {field.name} must be {' or '.join(kinds)}, got {value!r} "
+                            f"({type(value).__name__}).")

@@ -92,7 +92,7 @@ class OasisLayer(CacheLayerMixin):
     def shaped_as(self, key_states: torch.Tensor | None) -> tuple:
         """(heads, head size, dtype, device) of `key_states` `[B, Hkv, q, D]`, or of this layer's pools (None)."""
         if key_states is None:
-            return self.num_kv_heads, self.head_dim, self.recent.kv.dtype, self.device
+            return self.num_kv_heads, self.head_dim, self.pool.dtype, self.device
         return key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device
 
     def reserve_for_prompt(self, tokens: int) -> None:
@@ -151,6 +151,14 @@ class OasisLayer(CacheLayerMixin):
             raise ValueError(
                 f"This OasisCache holds {self.get_seq_length()} tokens for a batch of {self.batch_size}, but got a "
                 f"batch of {key_states.shape[0]}. Call `cache.reset()` (or make a new OasisCache) for a new batch."
+            )
+        elif self.shaped_as(key_states) != self.shaped_as(None):
+            (h, d, dtype, device), (H, D, held_dtype, held_device) = self.shaped_as(key_states), self.shaped_as(None)
+            raise ValueError(
+                f"Layer {self.layer_idx} of this OasisCache holds keys of {H} KV heads x {D} channels ({held_dtype}, "
+                f"{held_device}); this forward brings {h} x {d} ({dtype}, {device}): another model, or the model "
+                f"cast or moved since. Make one OasisCache per model (OasisCache(model, token_budget=...)), or "
+                f"cache.reset() after moving the model."
             )
         self.recent.append(key_states, value_states)
         leave_pending(self, key_states, value_states)

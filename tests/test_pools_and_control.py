@@ -534,10 +534,10 @@ def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     def reference(visible):
         kk, vv = k.repeat_interleave(Hq // H, 1), v.repeat_interleave(Hq // H, 1)
         causal = torch.arange(L)[None, :] <= torch.arange(L - Qn, L)[:, None]
-        allowed = causal[None] & visible[:, None, :]
-        allowed |= torch.arange(L)[None, None, :] == torch.arange(L - Qn, L)[None, :, None]  # a query sees itself
+        allowed = causal[None] & visible[:, None, :]  # (a hidden query's own key hidden too, as in SDPA's mask)
         scores = (q @ kk.transpose(-1, -2)) * 0.3
-        return torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1) @ vv
+        weights = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1)
+        return weights.nan_to_num(0.0) @ vv  # (a row that sees nothing: zeros, as SDPA gives)
 
     calls = []
     causal = dense._sdpa_causal
@@ -558,6 +558,9 @@ def test_dense_causal_attention_masks_align_bottom_right(monkeypatch):
     hole = everything.clone()
     hole[1, 7:9] = False
     torch.testing.assert_close(dense.dense_causal_attention(q, k, v, hole, 0.3), reference(hole))
+    right = everything.clone()  # right padding, a masked last query and a row that sees nothing
+    right[0, -3:] = right[1, -1] = right[2, :] = False
+    torch.testing.assert_close(dense.dense_causal_attention(q, k, v, right, 0.3), reference(right))
     # the mask is read on the host once per mask tensor (every layer of a forward gets the same one)
     layout = dense.mask_layout(left)
     assert layout == (True, True, [4, 0, 1]) and dense.mask_layout(left) is layout

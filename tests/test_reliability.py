@@ -266,7 +266,7 @@ def test_fork_shares_complete_blocks_and_neither_cache_sees_the_other():
     assert torch.equal(from_fork.sequences, from_twin.sequences)
     for a, b in zip(from_fork.logits, from_twin.logits):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    fork.crop(60)  # into the shared chunks: the fork copies what it will write
+    fork.crop(60 - fork.get_seq_length())  # into the shared chunks: the fork copies what it will write
     assert fork.layers[0].pool.shared == set(range(60 // 16 // 2))
     generate(model, fork, {"input_ids": first[:, :60]}, max_new_tokens=40, do_sample=False)  # rewrites blocks 3-5
     from_original = generate(model, cache, {"input_ids": first}, **kw)

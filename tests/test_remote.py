@@ -559,7 +559,7 @@ def test_blocks_lost_mid_decode_are_named_and_the_tokens_so_far_kept(mooncake_ma
     import gc
 
     gc.collect()  # dropped: the request's remaining keys (its admission record) are deleted
-    assert store.get(tier.key("admission", 0)) in (None, b"")
+    assert store.get(tier.record_key) in (None, b"")
     store.close()
 
 
@@ -689,7 +689,7 @@ def test_blocks_are_published_while_the_prefill_runs(mooncake_master):
                 model(input_ids=ids[:, :-1], **failing.generate_kwargs())
             raise RuntimeError("prefill stopped")
     assert not any(RemoteTier(store, "failed").exists(0, range(8)))
-    assert store.get(RemoteTier(store, "failed").key("admission", 0)) in (None, b"")
+    assert store.get(RemoteTier(store, "failed").record_key) in (None, b"")
     with pytest.raises(ValueError, match="admitted from a store; publish"):
         publishing(decoded, store, "again")
     store.close()

@@ -315,13 +315,14 @@ def causal_rows(length: int, num_queries: int, lo: int, hi: int, visible: torch.
                 device=None) -> torch.Tensor:
     """Rows `lo:hi` of the causal mask from the bottom right (the `num_queries` queries are the last positions of
     `length` keys): bool `[hi - lo, length]`; with `visible` (`[B, length]` bool, False at padding) `[B, hi - lo,
-    length]`, padding keys hidden and each query seeing at least itself (a padding query: no empty softmax row)."""
+    length]`, padding keys hidden — a padding query's own key too, as transformers' SDPA mask hides it: a row that
+    sees nothing attends to nothing (zeros, as SDPA gives)."""
     key_pos = torch.arange(length, device=device)
     q_pos = torch.arange(length - num_queries + lo, length - num_queries + hi, device=device)
     seen = key_pos[None, :] <= q_pos[:, None]
     if visible is None:
         return seen
-    return (seen[None] & visible[:, None, :]) | (key_pos[None, None, :] == q_pos[None, :, None])
+    return seen[None] & visible[:, None, :]
 
 
 def _explicit_mask_attention(query, keys, values, visible, scale):

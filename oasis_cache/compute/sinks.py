@@ -118,8 +118,8 @@ def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, softcap=None) -> torch.Tensor:
     """Attention with sinks (or None), its scores computed (float32, in chunks of at most `_SCORE_ELEMENTS`; capped at
-    `softcap` where given): what a query sees as `attention_with_sinks` says, a hidden query (`visible`) seeing
-    itself. With `mask` and `window`, the keys of a chunk of queries are those within `window` positions of one of
+    `softcap` where given): what a query sees as `attention_with_sinks` says, a row that sees
+    nothing giving zeros. With `mask` and `window`, the keys of a chunk of queries are those within `window` positions of one of
     them (the mask hides the others)."""
     from .dense import causal_rows
 

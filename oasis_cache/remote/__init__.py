@@ -3,7 +3,7 @@ request-scoped keys and fetched back block by block (`mooncake.RemoteTier`)."""
 
 from .disaggregate import admit, publish, publishing
 from .local_cache import LocalBlockCache, LocalCacheGroup
-from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, connect, local_store
+from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, cleanup, connect, local_store
 
 __all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "LocalCacheGroup",
            "connect", "local_store", "publish",

@@ -4,18 +4,23 @@ it with a small record, fetching the rest of the blocks from the store as decode
     # prefill process
     cache = OasisCache(model, token_budget=2048, lookahead="previous")
     model(input_ids=prompt[:, :-1], **cache.generate_kwargs())              # all but the last prompt token
-    report = publish(cache, connect(master), "req-7")                        # blocks + admission record
+    report = publish(cache, connect(master), "req-7", input_ids=prompt)     # blocks + admission record
     # or, overlapped with a chunked prefill: with publishing(cache, store, "req-7") as job: model(...)
     # decode process (same model, same weights)
-    cache = admit(model, connect(master), "req-7")
+    cache = admit(model, connect(master), "req-7", input_ids=prompt)
     out = model.generate(input_ids=prompt, **cache.generate_kwargs(), max_new_tokens=256)
 
-The admission record (`oasis/{request}/admission` in the store) holds what a decode step reads on the device: each
-full-attention layer's block summaries, sink and recent tokens, its working set as the prefill left it (with a
-lookahead, the first step's predicted blocks already in their slots) and slot map; the kept layers of hybrid models
-whole; the prompt's padding record (what a decode step called without a mask, as a captured one is, reads); the
-options. The blocks stay in the store: the decode side's host pool fetches a block the first time a step
-selects it (`LocalBlockCache.ensure`), so admission moves the record, not the KV.
+The request's record (`oasis/{request}/record`, JSON) names the publication's generation (the blocks' keys hold it),
+the digest of the admission record, the model that made the keys and values (its configuration and a fingerprint of
+its weights) and, where `input_ids` were given, a digest of the tokens they hold. The admission record itself (in
+parts under the generation: `remote/wire.py`, no pickle) holds what a decode step reads on the device: each
+full-attention layer's block summaries, sink and recent tokens, its slot map and the recent part of its working set;
+the kept layers of hybrid models whole; the prompt's padding record (what a decode step called without a mask, as a
+captured one is, reads); the options. The blocks stay in the store: admission fills the working set's slots from it
+(with a lookahead, the first step's predicted blocks), and the decode side's host pool fetches a block the first time
+a step selects it (`LocalBlockCache.ensure`), so admission moves the record and one working set, not the KV, and
+nothing is published twice. Publishing a request that is in the store already is refused unless `replace=True`:
+then the new generation's record replaces the old one in one step, and the old blocks are deleted after it.
 
 The store holds one object per (block, sequence, KV head); a decode step fetches the units it selects into a bounded
 LRU cache per layer (`remote/local_cache.py`), so the decode side's host memory per request is that cache plus the
@@ -32,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import io
+import hashlib
+import json
+import secrets
 import time
 import warnings
 import weakref
@@ -42,32 +49,59 @@ import torch
 from ..cache import OasisCache
 from ..layer import OasisLayer
 from ..pools.host_kv import HostKVPool
+from . import wire
 from .local_cache import LocalBlockCache, LocalCacheGroup
-from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier
+from .mooncake import KEY_PREFIX, RemoteBlocksMissing, RemoteTier, StoreClient, record_key
 
-RECORD_VERSION = 2  # 2: the record names the model its keys and values came from (`_model_signature`)
+RECORD_FORMAT = "oasis-cache admission record"
+RECORD_VERSION = 3  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
+PART_BYTES = 16 << 20  # the admission record is put and got in parts of at most this (and a quarter of the buffer)
 
 
-def publish(cache: OasisCache, store, request: str, _published: dict | None = None) -> dict:
+class AlreadyPublished(ValueError):
+    """A request of that name is in the store already (publishing it again needs `replace=True`)."""
+
+
+def publish(cache: OasisCache, store, request: str, *, input_ids: torch.Tensor | None = None,
+            replace: bool = False, _published: dict | None = None, _tier: RemoteTier | None = None) -> dict:
     """Write every full-attention layer's complete blocks and the admission record of `cache` (prefilled, on this
     process) to the store under `request`. Returns the bytes: `blocks`, `record`, and `full_kv` (what a whole
-    transfer of the cache's keys and values would move). (`_published`: `{layer: blocks}` already put by
-    `publishing`; only the rest is put here.)"""
+    transfer of the cache's keys and values would move).
+
+    `input_ids`: the tokens the cache holds (`[B, N]`, or the whole prompt: its first N are read): their digest goes
+    into the request's record, and `admit(..., input_ids=)` refuses another prompt. `replace`: a request of that name
+    in the store already is replaced (its record in one step, its blocks deleted after); without it, refused
+    (`AlreadyPublished`) before anything is written. A publication that fails deletes what it had put.
+    (`_published`, `_tier`: `publishing`'s blocks put so far and its tier.)"""
     layers = [(idx, layer) for idx, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
     if not any(layer.is_initialized for _, layer in layers):
         raise ValueError("publish: the cache is empty. Run the prompt through the model with this cache first "
                          "(all but its last token: the decode side's generate computes that one).")
+    tokens = cache.get_seq_length(cache._first_oasis_layer)
+    prompt = _prompt_digest(input_ids, tokens) if input_ids is not None else None
+    tier = _tier or RemoteTier(store, request, generation=_new_generation())
+    before = _refuse_published(tier, replace)
     if cache.streams is not None:
         cache.streams.synchronize()  # prefetches and offloads landed
     if any(layer.pool.pin_memory for _, layer in layers if layer.is_initialized) and torch.cuda.is_available():
         torch.cuda.synchronize()  # the offload copies into the host pools
-    tier = RemoteTier(store, request)
+    try:
+        report = _publish(cache, tier, prompt, tokens, before, _published)
+    except BaseException:
+        _delete_quietly(tier, generation_only=True)  # nothing of this publication stays
+        raise
+    if before is not None:  # replaced: the record names the new generation now; the old one's blocks go
+        _delete_quietly(RemoteTier(tier.store, request, before["generation"]), generation_only=True)
+    return report
+
+
+def _publish(cache, tier: RemoteTier, prompt: str | None, tokens: int, before: dict | None,
+             published: dict | None) -> dict:
     blocks_bytes = full = 0
-    state = {"version": RECORD_VERSION, "config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {},
+    state = {"config": dataclasses.asdict(cache.config), "oasis": {}, "kept": {},
              "draft": _draft_state(cache.ride_along) if cache.ride_along is not None else None,
-             "padding": cache.padding,  # the prompt's padding: decode steps called without a mask read it
-             "model": _model_signature(cache._model())}
+             "padding": cache.padding}  # the prompt's padding: decode steps called without a mask read it
     for idx, layer in enumerate(cache.layers):
         if not isinstance(layer, OasisLayer):
             skipped = getattr(layer, "not_recorded", ())  # (a window's ring and its owner's padding reader)
@@ -78,20 +112,99 @@ def publish(cache: OasisCache, store, request: str, _published: dict | None = No
         layer.summaries.fix_channels()  # (the prompt is complete: the channels its first decode step would choose)
         pool = layer.pool
         pool.fetch_all_remote()  # a cache admitted from a store publishes every block, not only those it fetched
-        blocks_bytes += tier.publish(idx, pool, start=(_published or {}).get(idx, 0))
+        blocks_bytes += tier.publish(idx, pool, start=(published or {}).get(idx, 0))
         recent = layer.recent.kv
         full += pool.num_blocks * pool.block_nbytes + recent.numel() * recent.element_size()
         state["oasis"][idx] = dict(
-            layer={k: v for k, v in layer.__dict__.items() if k not in _LAYER_SKIP},
+            layer=_layer_record(layer),
+            recent_region=layer.working_set.recent_region.clone(),  # (the slots' blocks: from the store at admit)
             pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
                       block_size=pool.block_size, dtype=pool.dtype, chunk_blocks=pool.chunk_blocks,
                       num_blocks=pool.num_blocks))
-    buffer = io.BytesIO()
-    torch.save(_detached(state), buffer)  # one save: views (the recent tokens in the working set) stay views
-    record = buffer.getvalue()
-    if tier.store.put(tier.key("admission", 0), record) != 0:
-        raise RuntimeError(f"Mooncake Store refused the admission record of request {request!r} ({len(record)} bytes).")
+    record = wire.encode(_detached(state))
+    size = _part_bytes(tier.store)
+    parts = [record[at : at + size] for at in range(0, len(record), size)] or [b""]
+    for i, part in enumerate(parts):
+        status = tier.store.put(tier.key("record", i), part)
+        if status != 0:
+            raise RuntimeError(f"Mooncake Store refused part {i} of the admission record of request "
+                               f"{tier.request!r} ({len(part)} of {len(record)} bytes; status {status}): its storage "
+                               f"is full or cannot be reached.")
+    manifest = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "generation": tier.generation,
+                "parts": [len(part) for part in parts], "sha256": hashlib.sha256(record).hexdigest(),
+                "tokens": tokens, "prompt": prompt, "model": _model_signature(cache._model())}
+    text = json.dumps(manifest).encode()
+    key = tier.record_key
+    if before is None:  # (a put of a key that exists keeps the old value: the record read back says who won)
+        status = tier.store.put(key, text)
+    else:
+        status = tier.store.upsert(key, text)
+    if status != 0:
+        raise RuntimeError(f"Mooncake Store refused the record of request {tier.request!r} (status {status}).")
+    now = _read_manifest(tier.store, tier.request)
+    if now is None or now.get("generation") != tier.generation:
+        raise AlreadyPublished(f"request {tier.request!r} was published by another process at the same time; this "
+                               f"publication was withdrawn. Publish under another name, or with replace=True.")
     return {"blocks": blocks_bytes, "record": len(record), "full_kv": full}
+
+
+def _layer_record(layer: OasisLayer) -> dict:
+    """The layer's attributes as the record holds them: its working set without its slots' contents (made anew,
+    filled from the store at admission) and its recent tokens without the view into it."""
+    state = {k: v for k, v in layer.__dict__.items() if k not in _LAYER_SKIP}
+    working_set, recent = copy.copy(layer.working_set), copy.copy(layer.recent)
+    working_set.kv, recent.region = None, None
+    if recent._overflow is not None:
+        raise ValueError("publish: a forward left more recent tokens than the working set holds; publish after a "
+                         "whole forward (fewer than block_size tokens past the last complete block).")
+    state.update(working_set=working_set, recent=recent)
+    return state
+
+
+def _new_generation() -> str:
+    return secrets.token_hex(8)
+
+
+def _part_bytes(store) -> int:
+    buffer = store.buffer_bytes if isinstance(store, StoreClient) else PART_BYTES * 4
+    return max(1 << 16, min(PART_BYTES, buffer // 4))
+
+
+def _read_manifest(store, request: str) -> dict | None:
+    """The request's record, or None where it is not in the store."""
+    raw = store.get(record_key(request))
+    if not raw:
+        return None
+    try:
+        manifest = json.loads(bytes(raw))
+    except ValueError as error:
+        raise wire.RecordError(f"the record of request {request!r} in the store does not read ({error})") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != RECORD_FORMAT:
+        raise wire.RecordError(f"the key {record_key(request)!r} in the store is not an oasis-cache record")
+    return manifest
+
+
+def _refuse_published(tier: RemoteTier, replace: bool) -> dict | None:
+    """The record a publication would replace (None where the request is not in the store); refused without
+    `replace`, before anything is written."""
+    if isinstance(replace, bool) is False:
+        raise TypeError(f"replace must be True or False, got {replace!r}.")
+    before = _read_manifest(tier.store, tier.request)
+    if before is not None and not replace:
+        raise AlreadyPublished(
+            f"request {tier.request!r} is in the Mooncake Store already: publish(..., replace=True) replaces it "
+            f"(its admitted caches then fail to read its old blocks), oasis_cache.remote.cleanup(store, "
+            f"{tier.request!r}) removes it, or publish under a new name.")
+    return before
+
+
+def _prompt_digest(input_ids, tokens: int) -> str:
+    """A digest of the first `tokens` positions of `input_ids` `[B, >= tokens]` (their ids as int64)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < tokens:
+        raise ValueError(f"input_ids must be the prompt's token ids, [batch, at least {tokens}] (the tokens the cache "
+                         f"holds), got {getattr(input_ids, 'shape', type(input_ids).__name__)}.")
+    ids = input_ids[:, :tokens].detach().to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(f"{list(ids.shape)}".encode() + ids.numpy().tobytes()).hexdigest()
 
 
 class publishing:
@@ -100,13 +213,17 @@ class publishing:
     through the cache, the blocks it completed are put by a host thread while the next chunk computes (on CUDA once
     their offloads have landed); leaving the block puts the rest and the admission record, as `publish` does, and
     `job.report` holds its bytes (`blocks_in_background`: those put while the prefill ran). An error in the
-    prefill or in a put deletes what was put under `request` and raises."""
+    prefill or in a put deletes what was put and raises. `input_ids`, `replace`: as `publish`'s (a request in the
+    store already is refused here, before the prefill)."""
 
-    def __init__(self, cache: OasisCache, store, request: str):
+    def __init__(self, cache: OasisCache, store, request: str, *, input_ids: torch.Tensor | None = None,
+                 replace: bool = False):
         if cache.remote_tier is not None:
             raise ValueError("publishing: this cache was admitted from a store; publish(cache, store, request) "
                              "brings its blocks home and publishes them.")
-        self.cache, self.tier = cache, RemoteTier(store, request)
+        self.cache, self.tier = cache, RemoteTier(store, request, generation=_new_generation())
+        self.input_ids, self.replace = input_ids, replace
+        _refuse_published(self.tier, replace)
         self.done: dict[int, int] = {}  # layer -> blocks handed to the thread
         self.report: dict | None = None
         self._futures = []
@@ -150,13 +267,14 @@ class publishing:
         self._worker.shutdown(wait=True)
         if exc_type is None and error is None:
             try:
-                self.report = publish(self.cache, self.tier.store, self.tier.request, _published=self.done)
+                self.report = publish(self.cache, self.tier.store, self.tier.request, input_ids=self.input_ids,
+                                      replace=self.replace, _published=self.done, _tier=self.tier)
                 self.report["blocks"] += background
                 self.report["blocks_in_background"] = background
                 return False
             except BaseException as raised:
                 error = raised
-        _delete_quietly(self.tier)  # nothing half-published stays under the request
+        _delete_quietly(self.tier, generation_only=True)  # nothing half-published stays
         if error is not None and exc_type is None:
             raise error
         return False
@@ -173,7 +291,7 @@ DECODE_CHUNK_BLOCKS = 32  # the decode side's pools hold only the blocks decode 
 
 def admit(model, store, request: str, device=None, local_cache_units: int | None = None, draft=None,
           measure: bool = False, deferred: bool | None = None, cuda_graph: bool | None = None,
-          overlap: bool = False) -> OasisCache:
+          overlap: bool = False, input_ids: torch.Tensor | None = None) -> OasisCache:
     """An `OasisCache` for `model` holding the tokens `publish` wrote under `request`, on `device` (default: the
     model's). Its decode steps fetch the (block, sequence, KV head) units they select from the store into a bounded
     local cache per layer (`local_cache_units` units each; default: four working sets, B x Hkv x 4 x the slots, at
@@ -189,24 +307,34 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     setting (a prefill process that decoded eagerly hands on `cuda_graph=False`). `overlap` (with deferred store
     reads): a host thread reads each layer's record as soon as the step has written it and reads the store while the
     later layers compute (`start_repair`); the next forward finishes the maps and gathers. Off by default: slower
-    on the H200 (its host thread competes with the step for the GIL; docs/perf.md, twenty-first session)."""
-    tier = RemoteTier(store, request)
-    record = tier.store.get(tier.key("admission", 0))
-    if not record:
-        raise RemoteBlocksMissing(f"No admission record for request {request!r} in the Mooncake Store: publish it "
-                                  f"from the prefill process first (oasis_cache.remote.publish), or it was deleted.")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    state = torch.load(io.BytesIO(bytes(record)), map_location=device, weights_only=False)
-    if state.get("version") != RECORD_VERSION:
-        raise ValueError(f"admission record version {state.get('version')} of request {request!r}; this oasis-cache "
-                         f"reads version {RECORD_VERSION}: publish and admit with the same oasis-cache release.")
-    published_by, here = state["model"], _model_signature(model)
+    on the H200 (its host thread competes with the step for the GIL; docs/perf.md, twenty-first session).
+    `input_ids`: the prompt (`[B, N or more]`): refused unless the request was published with the same first N
+    tokens (`publish(..., input_ids=)`)."""
+    manifest = _read_manifest(store if isinstance(store, StoreClient) else RemoteTier(store, request).store, request)
+    if manifest is None:
+        raise RemoteBlocksMissing(f"No record of request {request!r} in the Mooncake Store: publish it from the "
+                                  f"prefill process first (oasis_cache.remote.publish), or it was deleted.")
+    if manifest.get("version") != RECORD_VERSION:
+        raise ValueError(f"admission record version {manifest.get('version')} of request {request!r}; this "
+                         f"oasis-cache reads version {RECORD_VERSION}: publish and admit with the same oasis-cache "
+                         f"release.")
+    published_by, here = manifest["model"], _model_signature(model)
     if published_by != here:
         differ = ", ".join(f"{key} {published_by.get(key)!r} there, {here.get(key)!r} here"
                            for key in sorted(set(published_by) | set(here)) if published_by.get(key) != here.get(key))
         raise ValueError(f"request {request!r} was published by another model than this one ({differ}): its keys and "
-                         f"values mean nothing to this model. Admit with the prefill's model, loaded in the same dtype "
-                         f"(from_pretrained(..., dtype={published_by['dtype']})).")
+                         f"values mean nothing to this model. Admit with the prefill's model and weights, loaded in "
+                         f"the same dtype (from_pretrained(..., dtype={published_by.get('dtype')})).")
+    if input_ids is not None:
+        if manifest.get("prompt") is None:
+            raise ValueError(f"admit(..., input_ids=...): request {request!r} was published without its prompt's "
+                             f"digest, so the prompt cannot be checked: publish(..., input_ids=prompt).")
+        if _prompt_digest(input_ids, manifest["tokens"]) != manifest["prompt"]:
+            raise ValueError(f"request {request!r} holds the keys and values of another prompt than input_ids' first "
+                             f"{manifest['tokens']} tokens: admit the request published for this prompt.")
+    tier = RemoteTier(store, request, manifest["generation"])
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    state = wire.decode(_read_record(tier, manifest), device)
     options = dict(state["config"])
     if cuda_graph is not None:
         options["cuda_graph"] = cuda_graph
@@ -265,6 +393,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         if not isinstance(layer, OasisLayer):
             raise ValueError(f"layer {idx} of the admission record is a full-attention layer; not in this model.")
         layer.__dict__.update(saved["layer"])
+        _rebuild_working_set(layer, saved["recent_region"])
         layer.device = device
         layer.choose_kernels()  # this side's device decides
         meta = dict(saved["pool"])
@@ -289,13 +418,67 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     tier.overlap = overlap
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, _delete_quietly, tier)  # once: at `reset` or when dropped
+    _fill_slots(cache, tier)
     return cache
+
+
+def _read_record(tier: RemoteTier, manifest: dict) -> bytes:
+    """The admission record's bytes, its parts read and checked against the request's record."""
+    parts = []
+    for i, size in enumerate(manifest["parts"]):
+        part = tier.store.get(tier.key("record", i)) if size else b""
+        if len(part) != size:
+            raise RemoteBlocksMissing(f"part {i} of the admission record of request {tier.request!r} is "
+                                      f"{'not in the store' if not part else f'{len(part)} bytes, not {size}'}: it "
+                                      f"was deleted or replaced while it was read. Admit again, or publish again.")
+        parts.append(bytes(part))
+    record = b"".join(parts)
+    if hashlib.sha256(record).hexdigest() != manifest["sha256"]:
+        raise wire.RecordError(f"the admission record of request {tier.request!r} does not match its digest: it was "
+                               f"changed in the store. Publish the request again.")
+    return record
+
+
+def _rebuild_working_set(layer: OasisLayer, recent_region: torch.Tensor) -> None:
+    """The working set of an admitted layer: its slots empty (filled from the store by `_fill_slots`), its recent
+    region as published, the recent tokens a view of it again."""
+    ws, recent = layer.working_set, layer.recent
+    two, B, H, R, D = recent_region.shape
+    ws.kv = torch.zeros((two, B, H, ws.slot_tokens + R, D), dtype=recent_region.dtype, device=recent_region.device)
+    ws.kv[:, :, :, ws.slot_tokens :] = recent_region
+    recent.region = ws.recent_region
+
+
+def _fill_slots(cache: OasisCache, tier: RemoteTier) -> None:
+    """Every admitted layer's working-set slots filled with the blocks its slot map holds (the prefill's, with a
+    lookahead its first step's prediction), read from the store in one series of batched calls per unit size."""
+    wanted = {}
+    for idx, layer in enumerate(cache.layers):
+        if not isinstance(layer, OasisLayer) or not layer.is_initialized or layer.pool.remote is None:
+            continue
+        S = layer.working_set.num_slots
+        held = layer.slot_map.slot_block[..., :S].cpu()  # [B, Hkv, S]
+        b, h, s = (held >= 0).nonzero(as_tuple=True)
+        if not b.numel():
+            continue
+        T, D = layer.pool.block_size, layer.pool.head_dim
+        staging = torch.empty((b.numel(), 2, T, D), dtype=layer.pool.dtype,
+                              pin_memory=layer.device.type == "cuda")
+        units = list(zip(held[b, h, s].tolist(), b.tolist(), h.tolist()))
+        size = staging[0].numel() * staging.element_size()
+        wanted.setdefault(size, []).append((idx, layer, units, staging, (b, h, s)))
+    for size, reads in wanted.items():
+        tier.get_units_of_layers([(idx, units, [row.data_ptr() for row in staging], staging)
+                                  for idx, _, units, staging, _ in reads], size)
+        for _, layer, _, staging, (b, h, s) in reads:
+            index = tuple(i.to(layer.device) for i in (b, h, s))
+            layer.working_set.slots[(slice(None), *index)] = staging.to(layer.device).transpose(0, 1)
 
 
 def _model_signature(model) -> dict:
     """What a decode side's model must share with the prefill's for the published keys and values to be its own: the
-    architecture, the attention's shapes, rotary embedding and the weights' dtype (not the weights themselves: a
-    decode side may hold them differently)."""
+    architecture, the attention's shapes, rotary embedding, the weights' dtype, and a fingerprint of the weights that
+    make keys and values (`_weights_fingerprint`)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
@@ -303,7 +486,31 @@ def _model_signature(model) -> dict:
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
             "hidden_size": config.hidden_size,
             "rope": repr(getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)),
-            "dtype": str(next(model.parameters()).dtype)}
+            "dtype": str(next(model.parameters()).dtype), "weights": _weights_fingerprint(model)}
+
+
+FINGERPRINT_VALUES = 4096  # values read from each sampled tensor (spread over it)
+
+
+def _weights_fingerprint(model) -> str:
+    """A digest of values sampled from the weights that shape the keys and values: the input embeddings and, in the
+    first, middle and last decoder layers, every parameter (a few thousand values each, spread over the tensor; in
+    float32). Two models of one architecture with other weights differ here (a fine-tune, another seed); a model
+    loaded in another dtype differs in its `dtype` already."""
+    named = [(name, p) for name, p in model.named_parameters() if p.dim() >= 1]
+    layer_ids = sorted({int(part) for name, _ in named for part, before in zip(name.split(".")[1:], name.split("."))
+                        if before == "layers" and part.isdigit()})
+    picked = {layer_ids[0], layer_ids[len(layer_ids) // 2], layer_ids[-1]} if layer_ids else set()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    chosen = [p for p in ([embeddings.weight] if getattr(embeddings, "weight", None) is not None else [])]
+    chosen += [p for name, p in named if any(f"layers.{i}." in name for i in picked)]
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for p in chosen:
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // FINGERPRINT_VALUES)
+            digest.update(flat[::step][:FINGERPRINT_VALUES].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def _pending_links(cache: OasisCache) -> list:
@@ -574,9 +781,9 @@ def _detached(value):
     return value
 
 
-def _delete_quietly(tier: RemoteTier) -> None:
+def _delete_quietly(tier: RemoteTier, generation_only: bool = False) -> None:
     try:
-        tier.delete()
+        tier.delete(generation_only)
     except Exception:  # the store may be gone at interpreter exit
         pass
 

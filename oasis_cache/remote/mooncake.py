@@ -1,26 +1,30 @@
 """Complete blocks of a cache's host pools in a Mooncake Store.
 
-One store object per (request, layer, block, sequence, KV head): that head's keys and values of the block, `[2, T,
-D]` — what a decode step that selects the block for that head reads, so a decode side fetches only the heads it
-selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
+One store object per (request, generation, layer, block, sequence, KV head): that head's keys and values of the
+block, `[2, T, D]` — what a decode step that selects the block for that head reads, so a decode side fetches only
+the heads it selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
 (`batch_put_from`) and got straight into the decode side's local cache (`batch_get_into`), both batched. Keys:
-`oasis/{request}/{layer}/{block}/{sequence}/{head}`. The bytes live in the store's storage processes
-(`mooncake_client`, or any client that mounts a segment), not in the publishing process, which may exit once it has
-published.
+`oasis/{request}/{generation}/{layer}/{block}/{sequence}/{head}`, the generation a random name each publication
+draws, so a request published again never reads the blocks of an earlier publication; the request's record
+(`oasis/{request}/record`) names the generation its blocks are under. The bytes live in the store's storage
+processes (`mooncake_client`, or any client that mounts a segment), not in the publishing process, which may exit
+once it has published. Every store call is bounded by the client's `timeout` (`ConnectionError` past it).
 
-    mooncake_master --rpc_port=50051 &
+    mooncake_master --rpc_port=50051 --rpc_address=127.0.0.1 &
     mooncake_client --master_server_address=127.0.0.1:50051 --metadata_server=P2PHANDSHAKE \
         --global_segment_size=4GB --host=127.0.0.1 --port=50052 &
 
     store = connect("127.0.0.1:50051")
-    tier = RemoteTier(store, request="req-7")
+    tier = RemoteTier(store, request="req-7", generation="g1")
     tier.publish(layer_idx, pool)              # every complete block of the pool
     tier.get_units(layer_idx, [(3, 0, 1)], [address], size)   # block 3 of sequence 0, KV head 1
     tier.delete()                              # every key of the request
+    cleanup(store, "req-7")                    # the same, from any process (a decode process that died)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import re
 import shutil
@@ -60,12 +64,21 @@ class RemoteBlocksMissing(RuntimeError):
     """Blocks a fetch asked for are not in the store (never published, deleted, or lost with a store restart)."""
 
 
+DEFAULT_TIMEOUT = 5.0  # seconds a store call may take before the client gives up on the store (`StoreClient`)
+
+
 def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
-            metadata_server: str = "P2PHANDSHAKE", segment_bytes: int = 0, buffer_bytes: int = 64 << 20):
+            metadata_server: str = "P2PHANDSHAKE", segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
+            timeout: float = DEFAULT_TIMEOUT):
     """A `MooncakeDistributedStore` client of the master at `master` ("host:port").
 
     `segment_bytes`: storage this process lends the store (0, the default: none — the blocks live in the store's
-    storage processes and outlive this one). `buffer_bytes`: the client's local transfer buffer."""
+    storage processes and outlive this one). `buffer_bytes`: the client's local transfer buffer (a value `put` or
+    `get` whole must fit it: records are cut into parts of a quarter of it). `timeout`: seconds any one store call
+    may take; past it the call raises `ConnectionError` and the client refuses further calls (a store that does not
+    answer in time is taken as gone: `connect` again once it is back)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:  # the wheel, or the system library it links (libibverbs)
@@ -86,7 +99,7 @@ def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
     if status != 0:
         raise ConnectionError(
             f"Could not join the Mooncake Store whose master is {master!r} (setup returned {status}). {start}")
-    return StoreClient(client)
+    return StoreClient(client, timeout=timeout, buffer_bytes=buffer_bytes)
 
 
 class StoreClient:
@@ -96,23 +109,40 @@ class StoreClient:
     host thread too (its prefetches, `memory/streams.py`), which may still be fetching when `generate` has returned.
     Here every call and `close()` take one lock: `close` waits for a call in flight, and a call after it raises
     `ConnectionError` naming the fix instead of reaching the closed client. Every method of the client is here
-    (`put`, `get`, `batch_get_into`, ...), with the same arguments and results; `client` is the wrapped one."""
+    (`put`, `get`, `batch_get_into`, ...), with the same arguments and results; `client` is the wrapped one.
 
-    def __init__(self, client):
+    Each call runs on a thread of the client's and is waited for at most `timeout` seconds (Mooncake's own waits on
+    a store that stopped answering run for minutes): past it, `ConnectionError`, and every later call refuses at
+    once (`failed`) — the stuck call may still end, and the memory it reads or writes is kept by the callers
+    (`_KEPT_AFTER_FAILED_TRANSFER`). `buffer_bytes`: the client's transfer buffer, which one `put` or `get` must
+    fit."""
+
+    def __init__(self, client, timeout: float = DEFAULT_TIMEOUT, buffer_bytes: int = 64 << 20):
         self.client = client
         self.closed = False
+        self.failed: str | None = None  # why the client refuses calls: one did not answer within `timeout`
+        self.timeout = timeout
+        self.buffer_bytes = buffer_bytes
         self._lock = threading.RLock()
+        self._caller = _Caller()
 
     def close(self) -> int:
-        """Close the client (once), after the call in flight, if any; later calls raise `ConnectionError`."""
+        """Close the client (once), after the call in flight, if any; later calls raise `ConnectionError`. A client
+        whose call timed out is left as it is (closing it under the stuck call could crash the process)."""
+        if self.failed is not None:
+            self.closed = True
+            return 0
         with self._lock:
             if self.closed:
                 return 0
             self.closed = True
+            self._caller.stop()
             return self.client.close()
 
     def health_check(self) -> int:
         """0 open, 1 closed, 2 cut off from its master (Mooncake's codes)."""
+        if self.failed is not None:
+            return 2
         with self._lock:
             return 1 if self.closed else self.client.health_check()
 
@@ -121,15 +151,59 @@ class StoreClient:
         if not callable(method):
             return method
 
-        def locked(*args, **kwargs):
+        def bounded(*args, **kwargs):
+            if self.failed is not None:
+                raise ConnectionError(self.failed)
             with self._lock:
                 if self.closed:
                     raise ConnectionError(f"The Mooncake Store client is closed (store.close() was called); {name} "
                                           f"needs an open one: connect() again, and publish the request again if "
                                           f"its blocks are gone.")
-                return method(*args, **kwargs)
+                if self.failed is not None:
+                    raise ConnectionError(self.failed)
+                call = self._caller.submit(method, *args, **kwargs)
+                try:
+                    return call.result(timeout=self.timeout)
+                except concurrent.futures.TimeoutError:
+                    self.failed = (f"The Mooncake Store did not answer a {name} call within {self.timeout:g} s (its "
+                                   f"master or storage process stopped, or cannot be reached): this client refuses "
+                                   f"further calls. Start the store again, connect() again (connect(..., timeout=) "
+                                   f"waits longer), and publish the request again if its blocks are gone.")
+                    raise ConnectionError(self.failed) from None
 
-        return locked
+        return bounded
+
+
+class _Caller:
+    """One daemon thread that runs the calls it is given (a call stuck in the store never holds up the interpreter's
+    exit, as a thread pool's worker would)."""
+
+    def __init__(self):
+        import queue
+
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="oasis-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, method, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(method(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - (handed to the caller)
+                    future.set_exception(error)
+
+    def submit(self, method, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, method, args, kwargs))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
 
 
 class RemoteTier:
@@ -139,17 +213,21 @@ class RemoteTier:
         store: a client of the store: `connect`'s, or a `MooncakeDistributedStore` set up by the caller (its calls
             from this tier then go through a `StoreClient` of the tier's own).
         request: the request's name, unique among live requests in the store (letters, digits, `-`, `_`, `.`).
+        generation: the publication its blocks belong to (a name of the same letters; `publish` draws one).
     """
 
-    def __init__(self, store, request: str):
+    def __init__(self, store, request: str, generation: str = "0"):
         if not isinstance(request, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", request):
             raise ValueError(f"request must be a non-empty name of letters, digits, '-', '_' or '.', got {request!r}.")
         if not isinstance(store, StoreClient) and not all(hasattr(store, name) for name in
                                                           ("batch_put_from", "batch_get_into", "remove_by_regex")):
             raise TypeError(f"store must be a Mooncake Store client: oasis_cache.remote.connect('host:port') (or a "
                             f"MooncakeDistributedStore you set up), got {type(store).__name__}.")
+        if not isinstance(generation, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", generation):
+            raise ValueError(f"generation must be a name of letters, digits, '-', '_' or '.', got {generation!r}.")
         self.store = store if isinstance(store, StoreClient) else StoreClient(store)
         self.request = request
+        self.generation = generation
         self.bytes_put = 0
         self.bytes_got = 0
         self.repair_seconds, self.repairs = 0.0, 0  # host time in `repair_after_step` (deferred prefetches), calls
@@ -162,9 +240,14 @@ class RemoteTier:
         self.repair_phases = torch.zeros(4, dtype=torch.float64)
 
     def key(self, layer_idx, block, sequence=None, head=None) -> str:
-        """A unit's key (`sequence`, `head` given) or a request-level one (`key("admission", 0)`)."""
+        """A unit's key (`sequence`, `head` given) or one of this generation's own (`key("record", part)`)."""
         tail = "" if sequence is None else f"/{sequence}/{head}"
-        return f"{KEY_PREFIX}/{self.request}/{layer_idx}/{block}{tail}"
+        return f"{KEY_PREFIX}/{self.request}/{self.generation}/{layer_idx}/{block}{tail}"
+
+    @property
+    def record_key(self) -> str:
+        """The request's record: which generation holds its blocks, and the admission record's parts."""
+        return record_key(self.request)
 
     def publish(self, layer_idx: int, pool: HostKVPool, start: int = 0, end: int | None = None) -> int:
         """Put blocks [start, end) of `pool` (a local pool; default: every complete block) under this request's keys,
@@ -259,10 +342,23 @@ class RemoteTier:
             raise ConnectionError(f"Cannot {what} for request {self.request!r}: the Mooncake Store client is "
                                   f"{'closed' if status == 1 else 'cut off from its master'} (health_check {status}).")
 
-    def delete(self) -> int:
-        """Remove every key of this request from the store (leases skipped). Returns how many were removed."""
+    def delete(self, generation_only: bool = False) -> int:
+        """Remove every key of this request from the store (leases skipped), or only this generation's (a
+        publication that failed, or one replaced). Returns how many were removed."""
         self._check_open("delete the keys")
-        return int(self.store.remove_by_regex(f"^{KEY_PREFIX}/{re.escape(self.request)}/", True))
+        tail = f"{re.escape(self.generation)}/" if generation_only else ""
+        return int(self.store.remove_by_regex(f"^{KEY_PREFIX}/{re.escape(self.request)}/{tail}", True))
+
+
+def record_key(request: str) -> str:
+    return f"{KEY_PREFIX}/{request}/record"
+
+
+def cleanup(store, request: str) -> int:
+    """Remove every key of `request` from the store: its record and every generation's blocks. For a request whose
+    decode process died before it could (a cache deletes its request's keys when it is reset, closed or collected;
+    a killed process does not). Returns how many keys were removed."""
+    return RemoteTier(store, request).delete()
 
 
 def _free_port() -> int:
