@@ -83,6 +83,9 @@ class OasisCache(Cache):
             if lookahead == "eagle3":  # picked for the user: the real query's choice is attended (quality first)
                 options.setdefault("exact", True)
                 self.why["lookahead"] = "picked: a draft head for this model was given or ships with the package"
+            elif not _on_an_accelerator(model):
+                self.why["lookahead"] = ("picked: on the CPU no transfer is there to hide, and 'none' is the fastest "
+                                         "exact way")
             else:
                 self.why["lookahead"] = ("picked: no draft head ships for this model; "
                                          "python -m oasis_cache.draft.train trains one")
@@ -294,7 +297,7 @@ class OasisCache(Cache):
             raise RuntimeError(f"This OasisCache cannot serve: {self._broken}. Call cache.reset() (or make a new "
                                "cache) and run the prompt again.")
 
-    def _check_lengths(self, layer: OasisLayer) -> None:
+    def _check_lengths(self) -> None:
         """Every full-attention layer holds the same number of tokens before a forward (one that failed midway
         outside a forward this cache routes could leave them apart: the next would decode silently wrong)."""
         lengths = {each.get_seq_length() for each in self.layers if isinstance(each, OasisLayer)}
@@ -314,10 +317,10 @@ class OasisCache(Cache):
 
     def _start_forward(self, layer: OasisLayer, key_states: torch.Tensor) -> None:
         """Per-forward bookkeeping, once, at the first full-attention layer."""
-        self._check_lengths(layer)
-        if not self._routed:  # (a forward not routed by the model's: its state marked here, for an undo)
+        if not self._routed:  # (a forward not routed by the model's: its state checked and marked here, for an undo)
             from .undo import ForwardMarks
 
+            self._check_lengths()
             self._marks = ForwardMarks(self, partial=self._first_oasis_layer > 0)
         Qn = key_states.shape[2] - self.draft_rows
         self._forward_memo = {}
@@ -889,6 +892,7 @@ class OasisCache(Cache):
         self._refuse_if_broken()
         if self._routed:  # (a forward inside a routed one: a dry step's; the outer one's marks hold)
             return self._route_forward(runner, kwargs)
+        self._check_lengths()
         self._marks, self._routed = ForwardMarks(self), True
         try:
             return self._route_forward(runner, kwargs)
@@ -1276,17 +1280,24 @@ def _check_option_names(options: dict) -> None:
 
 
 def _default_lookahead(model, text_config, draft):
-    """`(lookahead, draft)` when the user named no lookahead: eagle3 with the given head or a matching bundled one
-    (full-attention models only), else none."""
+    """`(lookahead, draft)` when the user named no lookahead: eagle3 with the given head, or with a matching bundled
+    one (full-attention models on an accelerator: on the CPU a step's blocks come from the same memory, no transfer
+    is hidden, and the draft's ride-along only adds work), else none."""
     if draft is not None:
         return "eagle3", draft
-    if all(layer_type == "full_attention" for layer_type, _ in compat.layer_types_and_kwargs(text_config)):
+    if _on_an_accelerator(model) and all(layer_type == "full_attention" for layer_type, _ in compat.layer_types_and_kwargs(text_config)):
         from .draft.bundled import bundled_head_for
 
         head = bundled_head_for(model)
         if head is not None:
             return "eagle3", head
     return "none", None
+
+
+def _on_an_accelerator(model) -> bool:
+    """Whether the model's weights are on a device other than the CPU (where blocks cross a link from host memory)."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type not in ("cpu", "meta")
 
 
 def _attach_draft(model, cache, draft):

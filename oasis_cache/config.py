@@ -491,6 +491,10 @@ class OasisConfig:
 _ALLOWED = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
 
 
+class OptionTypeError(TypeError, ValueError):
+    """An option of another type than it takes (a TypeError, and a ValueError as any bad option is)."""
+
+
 def _check_types(config: OasisConfig) -> None:
     """A TypeError for an option of another type than its annotation says, before anything else reads it: a bool is
     not taken for an int (`block_size=True` is not 1), nor an int for a bool."""
@@ -501,5 +505,5 @@ def _check_types(config: OasisConfig) -> None:
         allowed = tuple(t for kind in kinds for t in _ALLOWED.get(kind, (object,)))
         is_bool = isinstance(value, bool)
         if not isinstance(value, allowed) or (is_bool and "bool" not in kinds):
-            raise TypeError(f"OasisCache option {field.name} must be {' or '.join(kinds)}, got {value!r} "
-                            f"({type(value).__name__}).")
+            raise OptionTypeError(f"OasisCache option {field.name} must be {' or '.join(kinds)}, got {value!r} "
+                                  f"({type(value).__name__}).")

@@ -124,10 +124,15 @@ def test_default_lookahead_uses_a_matching_bundled_head(tmp_path, monkeypatch):
     e.g. quantized, copy of its weights), none for another model of the same shape; an explicit choice wins."""
     from oasis_cache.draft import bundled, save_eagle3
 
+    from oasis_cache import cache as cache_module
+
     model = tiny_model("llama", num_hidden_layers=4)
     save_eagle3(random_head(model), tmp_path / "tiny-head")
     bundled.write_target(model, tmp_path / "tiny-head")
     monkeypatch.setattr(bundled, "HEADS_DIR", tmp_path)
+    on_cpu = OasisCache(model, token_budget=256)  # (the CPU: no transfer to hide, the fastest exact way)
+    assert on_cpu.config.lookahead == "none" and "CPU" in on_cpu.why["lookahead"]
+    monkeypatch.setattr(cache_module, "_on_an_accelerator", lambda model: True)  # (as on a GPU)
 
     cache = OasisCache(model, token_budget=256)
     assert cache.config.lookahead == "eagle3" and cache.config.exact and cache.ride_along is not None

@@ -194,7 +194,7 @@ def test_compile_workers_option_is_checked():
 
     assert OasisConfig(256, compile_workers=0).compile_workers == 0 and 0 <= default_count() <= 8
     for bad in (-1, True, 1.5, "2"):
-        with pytest.raises(ValueError, match="compile_workers must be None"):
+        with pytest.raises(ValueError, match="compile_workers must be"):
             OasisConfig(256, compile_workers=bad)
 
 

@@ -119,7 +119,7 @@ def test_small_budget_equals_the_masked_dense_reference(qwen, monkeypatch):
 @pytest.mark.slow
 def test_the_shipped_head_is_picked_and_drafts(qwen):
     """`OasisCache(model)` on Qwen2.5-Coder-0.5B-Instruct drafts with the head shipped for it (≤ 40 MB): the default
-    lookahead is eagle3 with miss repair, and on a code prompt the head's own drafts agree with the target's next
+    lookahead is eagle3 with miss repair on a GPU ("none" on the CPU), and on a code prompt the head's own drafts agree with the target's next
     tokens often (an untrained or mismatched head agrees ~never). Budget ≥ context stays dense in that mode
     (`test_budget_above_the_context_is_dense` runs it: the default)."""
     from oasis_cache.draft.bundled import bundled_head_for
@@ -128,7 +128,15 @@ def test_the_shipped_head_is_picked_and_drafts(qwen):
     head = bundled_head_for(model)
     assert head is not None and head.name == "qwen2.5-coder-0.5b-instruct"
     assert (head / "model.safetensors").stat().st_size <= 40_000_000
-    default = OasisCache(model, token_budget=256)
+    assert OasisCache(model, token_budget=256).config.lookahead == "none"  # (the CPU's default: nothing to hide)
+    from oasis_cache import cache as cache_module
+
+    on_a_gpu = cache_module._on_an_accelerator
+    cache_module._on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
+    try:
+        default = OasisCache(model, token_budget=256)
+    finally:
+        cache_module._on_an_accelerator = on_a_gpu
     assert default.config.lookahead == "eagle3" and default.config.exact
     # The head's own drafts (not chained with the target's prediction, which greedy decoding always confirms).
     cache = OasisCache(model, token_budget=256, chain_drafts=False)

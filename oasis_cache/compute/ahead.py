@@ -362,6 +362,7 @@ def _read_only_copy(cache):
     dry.captured_steps = None
     dry._compile_later = False
     dry._chunked_prefill = dry.prefill_resident = None
+    dry._routed = True  # (copied mid-forward: its layers' lengths differ; nothing of it is undone or checked)
     return dry
 
 
