@@ -111,6 +111,9 @@ def main(argv=None):
     parser.add_argument("--local-cache-sets", type=float, nargs="+", default=None,
                         help="local cache sizes to admit with, in working sets per layer (default: the package's, "
                              "two); several: one admitted run each, units fetched per step for each")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="store client threads to admit with (connect(threads=...)); several: one admitted run "
+                             "each, its warm TPOT against the local run's")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -144,6 +147,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         remote = admit(model, store, "bench", measure=args.measure, deferred=deferred, overlap=args.overlap)
         admit_s = time.perf_counter() - t0
+        slots_bytes = remote.remote_tier.bytes_got  # (the working set's blocks, read from the store at admission)
         out_remote, remote_ms, remote_warm = timed_generate(model, ids, remote, args.steps, cuda)
         stats = remote.stats()  # (with --overlap the last step's reads finish here)
         local_host = prefill.host_nbytes()
@@ -165,9 +169,21 @@ def main(argv=None):
                               local_cache_share=sized_stats["remote_local_cache_bytes"] / report["full_kv"],
                               repair_ms_per_step=sized_stats["remote_repair_ms_per_step"],
                               repair_phases_ms=sized_stats["remote_repair_phases_ms"], cache=sized))
+        threads = []
+        for count in args.threads or []:
+            client = connect(master, threads=count)
+            admitted = admit(model, client, "bench", deferred=deferred, overlap=args.overlap)
+            out_threads, threads_ms, threads_warm = timed_generate(model, ids, admitted, args.steps, cuda)
+            threads.append(dict(threads=count, tpot_ms=threads_ms, warm_tpot_ms=threads_warm["tpot_ms"],
+                                warm_ratio=threads_warm["tpot_ms"] / local_warm["tpot_ms"],
+                                warm_units_per_step=threads_warm["units_per_step"],
+                                repair_phases_ms=admitted.stats()["remote_repair_phases_ms"],
+                                same_tokens=torch.equal(out_threads, out_local), cache=admitted, client=client))
         del remote
-        for row in sweep:
-            del row["cache"]
+        for row in sweep + threads:
+            row.pop("cache", None)
+        for row in threads:
+            row.pop("client").close()
         store.close()
     same = torch.equal(out_remote, out_local)
     steps = args.steps
@@ -177,7 +193,8 @@ def main(argv=None):
         device=str(device),
         dtype=args.dtype, same_tokens=same,
         full_kv_bytes=report["full_kv"], admission_bytes=report["record"], blocks_published_bytes=report["blocks"],
-        admission_share=report["record"] / report["full_kv"],
+        admission_share=report["record"] / report["full_kv"], admission_slots_bytes=slots_bytes,
+        admission_total_share=(report["record"] + slots_bytes) / report["full_kv"],
         decode_host_bytes=remote_host, local_host_bytes=local_host, decode_host_share=remote_host / report["full_kv"],
         remote_units_published=stats["remote_units_published"], remote_units_fetched=stats["remote_units_fetched"],
         remote_units_evicted=stats["remote_units_evicted"], local_cache_bytes=stats["remote_local_cache_bytes"],
@@ -192,15 +209,16 @@ def main(argv=None):
         repair_ms_per_step=stats["remote_repair_ms_per_step"], repair_phases_ms=stats["remote_repair_phases_ms"],
         repair_exposed_ms_per_step=stats["remote_repair_exposed_ms_per_step"],
         replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
-        local_cache_sweep=sweep,
+        local_cache_sweep=sweep, threads_sweep=threads,
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
         exposed_wait_ms_per_step_local=local_stats.get("exposed_wait_ms_per_step"),
     )
     header = (f"disaggregation, {what}, {args.dtype} on {device}, torch {torch.__version__}, "
               f"{datetime.datetime.now().isoformat(timespec='seconds')}")
     print(header)
-    print(f"context {args.context}, budget {args.budget}: admission {report['record'] / 2**20:.1f} MiB of "
-          f"{report['full_kv'] / 2**20:.1f} MiB full KV = 1/{1 / row['admission_share']:.1f}; decode-side host "
+    print(f"context {args.context}, budget {args.budget}: admission record {report['record'] / 2**20:.1f} MiB and "
+          f"working set {slots_bytes / 2**20:.1f} MiB of {report['full_kv'] / 2**20:.1f} MiB full KV = "
+          f"1/{1 / row['admission_total_share']:.1f}; decode-side host "
           f"{remote_host / 2**20:.1f} MiB = 1/{1 / row['decode_host_share']:.1f} of the KV (local caches "
           f"{row['local_cache_bytes'] / 2**20:.1f} MiB); fetched {row['remote_units_fetched']} of "
           f"{row['remote_units_published']} (block, sequence, KV head) units over {steps} steps "
@@ -224,6 +242,11 @@ def main(argv=None):
               f"{r['repair_ms_per_step']:.2f} ms (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in
                                                               r["repair_phases_ms"].items())
               + f"), same tokens: {r['same_tokens']}")
+    for r in threads:
+        print(f"{r['threads']} store client threads: warm TPOT {r['warm_tpot_ms']:.1f} ms ({r['warm_ratio']:.2f}x the "
+              f"local run), {r['warm_units_per_step']:.0f} units per step; after each step, ms: "
+              + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in r["repair_phases_ms"].items())
+              + f"; same tokens: {r['same_tokens']}")
     if args.measure:
         print(f"exposed wait per step: remote {row['exposed_wait_ms_per_step_remote']:.2f} ms, local "
               f"{row['exposed_wait_ms_per_step_local']:.2f} ms (compute waiting on prefetches)")
@@ -231,7 +254,7 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(header=header, command="python " + " ".join(sys.argv), row=row),
                                              indent=1))
-    if not same or not all(r["same_tokens"] for r in sweep):
+    if not same or not all(r["same_tokens"] for r in sweep + threads):
         sys.exit("the remote and local runs decoded different tokens")
 
 

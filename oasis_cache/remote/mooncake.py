@@ -65,20 +65,25 @@ class RemoteBlocksMissing(RuntimeError):
 
 
 DEFAULT_TIMEOUT = 5.0  # seconds a store call may take before the client gives up on the store (`StoreClient`)
+DEFAULT_THREADS = 4  # batched reads and writes of units run as this many calls at once (`StoreClient.map_calls`)
+MIN_SLICE_UNITS = 32  # a batched call is split across threads only into slices of at least this many units
 
 
 def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
             metadata_server: str = "P2PHANDSHAKE", segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
-            timeout: float = DEFAULT_TIMEOUT):
+            timeout: float = DEFAULT_TIMEOUT, threads: int = DEFAULT_THREADS):
     """A `MooncakeDistributedStore` client of the master at `master` ("host:port").
 
     `segment_bytes`: storage this process lends the store (0, the default: none — the blocks live in the store's
     storage processes and outlive this one). `buffer_bytes`: the client's local transfer buffer (a value `put` or
     `get` whole must fit it: records are cut into parts of a quarter of it). `timeout`: seconds any one store call
     may take; past it the call raises `ConnectionError` and the client refuses further calls (a store that does not
-    answer in time is taken as gone: `connect` again once it is back)."""
+    answer in time is taken as gone: `connect` again once it is back). `threads`: batched reads and writes of units
+    are split into this many calls made at once (each unit costs the client ~20 us of its own CPU time)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}.")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as error:  # the wheel, or the system library it links (libibverbs)
@@ -99,7 +104,7 @@ def connect(master: str, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
     if status != 0:
         raise ConnectionError(
             f"Could not join the Mooncake Store whose master is {master!r} (setup returned {status}). {start}")
-    return StoreClient(client, timeout=timeout, buffer_bytes=buffer_bytes)
+    return StoreClient(client, timeout=timeout, buffer_bytes=buffer_bytes, threads=threads)
 
 
 class StoreClient:
@@ -117,14 +122,16 @@ class StoreClient:
     (`_KEPT_AFTER_FAILED_TRANSFER`). `buffer_bytes`: the client's transfer buffer, which one `put` or `get` must
     fit."""
 
-    def __init__(self, client, timeout: float = DEFAULT_TIMEOUT, buffer_bytes: int = 64 << 20):
+    def __init__(self, client, timeout: float = DEFAULT_TIMEOUT, buffer_bytes: int = 64 << 20,
+                 threads: int = DEFAULT_THREADS):
         self.client = client
         self.closed = False
         self.failed: str | None = None  # why the client refuses calls: one did not answer within `timeout`
         self.timeout = timeout
         self.buffer_bytes = buffer_bytes
         self._lock = threading.RLock()
-        self._caller = _Caller()
+        self._callers = [_Caller() for _ in range(threads)]
+        self._caller = self._callers[0]
 
     def close(self) -> int:
         """Close the client (once), after the call in flight, if any; later calls raise `ConnectionError`. A client
@@ -136,7 +143,8 @@ class StoreClient:
             if self.closed:
                 return 0
             self.closed = True
-            self._caller.stop()
+            for caller in self._callers:
+                caller.stop()
             return self.client.close()
 
     def health_check(self) -> int:
@@ -145,6 +153,26 @@ class StoreClient:
             return 2
         with self._lock:
             return 1 if self.closed else self.client.health_check()
+
+    @property
+    def threads(self) -> int:
+        return len(self._callers)
+
+    def map_calls(self, name: str, calls: list[tuple]) -> list:
+        """`[client.<name>(*args) for args in calls]`, the calls made at once on the client's threads (Mooncake's
+        client takes concurrent calls), all within one `timeout`."""
+        method = getattr(self.client, name)
+        with self._lock:
+            if self.closed or self.failed is not None:
+                raise ConnectionError(self.failed or f"The Mooncake Store client is closed (store.close() was "
+                                                     f"called); {name} needs an open one: connect() again.")
+            futures = [self._callers[i % len(self._callers)].submit(method, *args) for i, args in enumerate(calls)]
+            deadline = time.monotonic() + self.timeout
+            try:
+                return [future.result(timeout=max(0.0, deadline - time.monotonic())) for future in futures]
+            except concurrent.futures.TimeoutError:
+                self.failed = _timed_out(name, self.timeout)
+                raise ConnectionError(self.failed) from None
 
     def __getattr__(self, name: str):
         method = getattr(self.client, name)
@@ -165,13 +193,36 @@ class StoreClient:
                 try:
                     return call.result(timeout=self.timeout)
                 except concurrent.futures.TimeoutError:
-                    self.failed = (f"The Mooncake Store did not answer a {name} call within {self.timeout:g} s (its "
-                                   f"master or storage process stopped, or cannot be reached): this client refuses "
-                                   f"further calls. Start the store again, connect() again (connect(..., timeout=) "
-                                   f"waits longer), and publish the request again if its blocks are gone.")
+                    self.failed = _timed_out(name, self.timeout)
                     raise ConnectionError(self.failed) from None
 
         return bounded
+
+
+def _timed_out(name: str, timeout: float) -> str:
+    return (f"The Mooncake Store did not answer a {name} call within {timeout:g} s (its master or storage process "
+            f"stopped, or cannot be reached): this client refuses further calls. Start the store again, connect() "
+            f"again (connect(..., timeout=) waits longer), and publish the request again if its blocks are gone.")
+
+
+def in_slices(store, name: str, keys: list, *per_key: list) -> list:
+    """`store.<name>(keys, *per_key)` (a batched call: one result per key), made in rounds of at most `BATCH_OBJECTS`
+    keys (Mooncake fails batches with more objects in flight), each round's keys cut into calls made at once on the
+    client's threads (`StoreClient.map_calls`): at most as many as it has threads, each of at least `MIN_SLICE_UNITS`
+    keys. The results of all calls, in order."""
+    threads = store.threads if isinstance(store, StoreClient) else 1
+    results = []
+    for start in range(0, len(keys), BATCH_OBJECTS):
+        end = min(len(keys), start + BATCH_OBJECTS)
+        slices = max(1, min(threads, (end - start) // MIN_SLICE_UNITS))
+        size = -(-(end - start) // slices)
+        calls = [(keys[lo : min(end, lo + size)], *(values[lo : min(end, lo + size)] for values in per_key))
+                 for lo in range(start, end, size)]
+        if len(calls) == 1:
+            results.extend(getattr(store, name)(*calls[0]))
+        else:
+            results.extend(r for part in store.map_calls(name, calls) for r in part)
+    return results
 
 
 class _Caller:
@@ -269,7 +320,7 @@ class RemoteTier:
             keys = [self.key(layer_idx, start + offset + i, b, h)
                     for i in range(hi - lo) for b in range(B) for h in range(H)]
             addresses = [units.data_ptr() + r * size for r in range(len(keys))]
-            status = in_batches(self.store.batch_put_from, keys, addresses, [size] * len(keys))
+            status = in_slices(self.store, "batch_put_from", keys, addresses, [size] * len(keys))
             failed = [(k, st) for k, st in zip(keys, status) if st != 0]
             if failed:
                 _KEPT_AFTER_FAILED_TRANSFER.append(staging)
@@ -302,7 +353,7 @@ class RemoteTier:
         self._check_open("fetch blocks")
         keys = [self.key(idx, *u) for idx, units, _, _ in requests for u in units]
         addresses = [a for _, _, layer_addresses, _ in requests for a in layer_addresses]
-        got = in_batches(self.store.batch_get_into, keys, addresses, [size] * len(keys))
+        got = in_slices(self.store, "batch_get_into", keys, addresses, [size] * len(keys))
         failures, at = [], 0
         for idx, units, _, owner in requests:
             layer_got, at = got[at : at + len(units)], at + len(units)
