@@ -30,6 +30,7 @@ from .memory.device_memory import device_room
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .memory.transfer import resolve_backend
+from .runtime.install import install, release
 from .stats import CacheStats
 
 ATTENTION_NAME = "oasis"
@@ -194,7 +195,10 @@ class OasisCache(Cache):
         self._marks = None  # the state before the forward now running (`undo.ForwardMarks`), for its undo
         self._routed = False  # a forward routed by the model's forward (`route_forward`) is running
         self._broken: str | None = None  # why the cache refuses to serve until `reset()` (a forward failed midway)
-        model.set_attn_implementation(ATTENTION_NAME)
+        self._closed = False
+        # the model's "oasis" attention and routed forward, given back with its last cache (`runtime/install.py`)
+        self._installation = install(model, self, ATTENTION_NAME)
+        self._release = weakref.finalize(self, release, weakref.ref(model), id(self))
         self.ride_along = None
         if self.config.lookahead == "eagle3":
             self.ride_along = _attach_draft(model, self, draft)
@@ -204,25 +208,24 @@ class OasisCache(Cache):
         # its captured decode steps, or None (every step eager): `compute/captured_step.py`
         self._length_scaled_rotary = _rotary_scaled_by_length(text_config)  # (prefilled whole, never captured)
         self.captured_steps = _captured_steps_for(model, text_config, self.config, self._length_scaled_rotary)
-        self._changes_seen = None  # `captured_step.module_changes()` when `_model_as_run` was taken
+        self._model_state = None  # `captured_step.ModelState` when `_model_as_run` was taken
         self._model_as_run = None  # where the weights are and the modules' settings at the last prefill (captured
         # steps only: `captured_step.weights_where_they_are`, `module_settings`)
-        from .compute.captured_step import CapturedForward
-
-        CapturedForward.install(model)  # the model's forward hands calls with this cache to `route_forward`
         self.fused_groups = []  # `compute/fused_projections.py` (fuse_projections)
         # compile_decode=None: compiled once the model has decoded `compile_after_steps` steps (`compiles_decode`)
         self._compile_later = (self.config.compile_decode is None and what is None  # (sinks, caps, MLA: not carried)
                                and compiled_layers.may_compile_automatically(self))
         self._ahead_asked: set = set()  # decode steps' token shapes `compute/ahead.wanted` has answered
         if self.config.compile_decode or self._compile_later:
-            from .compute.compiled_layers import CompiledDecode
+            from .compute.compiled_layers import CompiledDecode, decoder_layers_of
 
-            decoder_layers = CompiledDecode.install(model, attention_modules.values())  # decode-sized calls compiled
+            layers_wrapped = decoder_layers_of(model, attention_modules.values())
+            self._installation.wrap_layers(layers_wrapped, CompiledDecode)  # decode-sized calls compiled
             if self.config.fuse_projections:
                 from .compute.fused_projections import fuse
 
-                self.fused_groups = fuse(model, decoder_layers)
+                self.fused_groups = fuse(model, layers_wrapped)
+                self._installation.fused = True
 
     # ----------------------------------------------------------------------------------------------- forwarding
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -293,6 +296,8 @@ class OasisCache(Cache):
                 )
 
     def _refuse_if_broken(self) -> None:
+        if self._closed:
+            raise RuntimeError("This OasisCache was closed (cache.close()): make a new one for the model.")
         if self._broken is not None:
             raise RuntimeError(f"This OasisCache cannot serve: {self._broken}. Call cache.reset() (or make a new "
                                "cache) and run the prompt again.")
@@ -710,8 +715,17 @@ class OasisCache(Cache):
             self.ride_along.reset()  # its rows no longer line up with the tokens: it starts over
 
     def close(self) -> None:
-        """Release what the cache holds: its memory, and an admitted cache's keys in the store (`reset`)."""
+        """Release what the cache holds — its memory, an admitted cache's keys in the store (`reset`), its draft
+        head's hooks — and, if it is its model's last cache, give the model back as it was before (its attention
+        implementation, forward, layers and weights: `runtime/install.py`). A closed cache serves no more forwards.
+        Also at the end of `with OasisCache(...) as cache:`, and when the cache is collected."""
+        if self._closed:
+            return
         self.reset()
+        if self.ride_along is not None:
+            self.ride_along.remove()
+        self._release()
+        self._closed = True
 
     def __enter__(self) -> "OasisCache":
         return self
@@ -764,13 +778,16 @@ class OasisCache(Cache):
         memo[id(self)] = new
         # (an admitted cache's pools fetch every block for the copy, which is not linked to the store)
         rebuilt = ("_model", "_modules", "_streams", "_transfer", "_forward_memo", "_device_clocks", "ride_along", "_marks",
+                   "_installation", "_release", "_model_state",
                    "captured_steps", "remote_tier", "_remote_release", "_after_forward", "fused_groups")
         for key, value in self.__dict__.items():
             if key not in rebuilt:
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._model, new._modules = self._model, weakref.WeakValueDictionary(dict(self._modules))
         new._forward_memo, new._device_clocks, new._after_forward = {}, {}, []
-        new._marks, new._routed = None, False
+        new._marks, new._routed, new._model_state = None, False, None
+        new._installation = install(model, new, ATTENTION_NAME)
+        new._release = weakref.finalize(new, release, weakref.ref(model), id(new))
         new.fused_groups = list(self.fused_groups)  # (the model's buffers, shared: a copy would double its weights)
         new._streams = new._transfer = new.remote_tier = None
         if self._streams is not None:
@@ -797,7 +814,7 @@ class OasisCache(Cache):
         graphs, captures them anew. What the cache holds stays. (A `generate` call sees such changes at its prefill;
         weights put in place, `model.to(...)` and `train()` / `eval()` are seen at the next step:
         `compute.captured_step.module_changes`.)"""
-        self._changes_seen = None
+        self._model_state = None
 
     def fork(self, *, token_budget: int | None = None, lookahead: str | None = None,
              exact: bool | None = None) -> "OasisCache":
@@ -929,12 +946,14 @@ class OasisCache(Cache):
                              f"a new OasisCache) for a new batch.")
         if (self.captured_steps is not None and model is not None and isinstance(tokens, torch.Tensor)
                 and tokens.dim() >= 2):
-            from .compute.captured_step import module_changes, module_settings, watch, weights_where_they_are
+            from .compute.captured_step import ModelState, module_settings, weights_where_they_are
 
-            seen = module_changes()  # (a prefill, or a module changed since: steps captured before a rebinding, or
-            if tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS) or seen != self._changes_seen:
-                watch(model)  # an adapter or flag switched by then, capture anew)
-                self._changes_seen = module_changes()
+            # (a prefill, or the model changed since: steps captured before a rebinding, or an adapter or flag
+            # switched by then, capture anew)
+            state = self._model_state
+            if (tokens.shape[1] > max(compiled_layers.COMPILED_QUERY_LENGTHS) or state is None
+                    or not state.unchanged()):
+                self._model_state = ModelState(model)
                 self._model_as_run = (weights_where_they_are(model), module_settings(model))
         if self._streams is not None:
             self._streams.finish_held()  # (an admitted cache's store reads of the step before: `remote.disaggregate`)

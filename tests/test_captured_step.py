@@ -211,7 +211,7 @@ def test_cuda_graph_options():
     with pytest.raises(ValueError, match=r"one CUDA device.*\['cpu', 'meta'\]"):
         OasisCache(split, token_budget=128, lookahead="previous", cuda_graph=True)
     assert OasisCache(split, token_budget=128, lookahead="previous").captured_steps is None
-    with pytest.raises(ValueError, match="None \\(automatic\\), True or False"):
+    with pytest.raises(ValueError, match="cuda_graph must be bool or None"):
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
     cache = OasisCache(model, token_budget=128, lookahead="previous")  # the default on CPU: every step eager
     assert cache.config.cuda_graph is None and cache.captured_steps is None
@@ -236,7 +236,7 @@ def test_routed_forward_keeps_the_model_as_it_was():
     inputs = {"input_ids": prompt_ids(120, batch=2)}
     kw = dict(max_new_tokens=24, do_sample=False)
     expected = generate(model, OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous"), inputs, **kw)
-    assert CapturedForward.install(model) is CapturedForward.install(model)  # once per model
+    assert isinstance(model.__dict__["forward"], CapturedForward)  # (while a cache of the model lives)
     assert inspect.signature(model.forward) == signature and generate_cache_argument(model) == argument
     cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous")
     cache.captured_steps = steps = CapturedSteps()  # as cuda_graph=True would (on CUDA)
@@ -388,10 +388,10 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
             if position == 300:
                 graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs and cache.layers[0].pool.num_blocks >= 21
-    with pytest.raises(ValueError, match=r"compile_decode must be None \(automatic\), True or False"):
+    with pytest.raises(ValueError, match=r"compile_decode must be bool or None"):
         OasisCache(model, token_budget=128, compile_decode="yes")
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="compile_after_steps must be an int >= 0"):
+        with pytest.raises(ValueError, match="compile_after_steps must be"):
             OasisCache(model, token_budget=128, compile_after_steps=bad)
     for decided in (True, False):
         with pytest.raises(ValueError, match=f"with compile_decode={decided} it would do nothing"):
@@ -792,13 +792,13 @@ def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
     """In a decode loop of one's own (one-token forwards, no prefill between them) a rebound weight —
     `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)` —, a model moved and moved back
     (`model.to(...)`: new addresses) or a mode switched (`train()` / `eval()`) changes what a captured step depends on
-    (`_model_as_run`, in the replay signature) at the next step, through the counters of `captured_step.module_changes`;
-    a weight changed in place (its address kept, which a replay reads) does not, nor does a step itself (else every
-    step would look again); an attribute set by hand is seen once the cache is told (`cache.model_changed()`). On CPU
-    the steps run eagerly: a stand-in for `CapturedSteps` records what each step would have been checked against."""
+    (`_model_as_run`, in the replay signature) at the next step, through the look at the model's own state before
+    each step (`captured_step.ModelState`); a weight changed in place (its address kept, which a replay reads) does
+    not, nor does a step itself; an attribute set by hand is seen once the cache is told (`cache.model_changed()`).
+    Nothing of torch is patched for it. On CPU the steps run eagerly: a stand-in for `CapturedSteps` records what each
+    step would have been checked against."""
     from oasis_cache import cache as cache_module
     from oasis_cache.compat import generate_cache_argument
-    from oasis_cache.compute.captured_step import module_changes
 
     class Steps:  # (route_forward hands each forward to it where steps are captured)
         replays = captures = completing_replays = 0
@@ -825,8 +825,8 @@ def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
             token = model(input_ids=token, **{argument: cache}).logits[:, -1:].argmax(-1)
             return steps.seen[-1]
 
-        first, changes = steps.seen[0], module_changes()
-        assert step() == step() == first and module_changes() == changes
+        first = steps.seen[0]
+        assert step() == step() == first
         model.model.layers[0].mlp.up_proj.weight.mul_(1.0)  # (in place)
         assert step() == first
         projection = model.model.layers[1].self_attn.k_proj
@@ -851,8 +851,6 @@ def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
         assert step() != moved
         model.eval()
         assert step() == moved
-        before = module_changes()
-        torch.nn.Linear(2, 2).to(torch.float64).train()  # (a module of no captured model: not counted)
-        assert module_changes() == before
-        model.model.layers[0].mlp.added = torch.nn.Identity()  # (a module put in: counted, and its settings read)
-        assert module_changes() > before and step() != moved
+        assert torch.nn.Module._apply is torch.nn.modules.module.Module._apply  # (torch as it was)
+        model.model.layers[0].mlp.added = torch.nn.Identity()  # (a module put in: seen, and its settings read)
+        assert step() != moved

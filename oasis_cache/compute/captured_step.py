@@ -40,11 +40,9 @@ checks that an eager step rebinds no state tensor. With eagle3 the ride-along's 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import inspect
 import itertools
-import weakref
 
 import torch
 
@@ -57,8 +55,8 @@ _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position
 
 
 class CapturedForward:
-    """Installed once per model instance as `model.forward` (an instance attribute, same signature) when an OasisCache
-    is made for it; hands each call with an OasisCache to `OasisCache.route_forward` (a long prefill in chunks,
+    """Installed once per model instance as `model.forward` (an instance attribute, same signature) while an
+    OasisCache for it lives (`runtime/install.py`); hands each call with an OasisCache to `OasisCache.route_forward` (a long prefill in chunks,
     `compute/prefill.py`; a decode step to the cache's `CapturedSteps` where it has them), every other call to the
     model's own forward."""
 
@@ -67,13 +65,6 @@ class CapturedForward:
         self.__signature__ = inspect.signature(self.eager_forward)  # generate inspects forward's parameters
         self.__doc__ = self.eager_forward.__doc__
         self.cache_argument = generate_cache_argument(model)
-
-    @classmethod
-    def install(cls, model) -> "CapturedForward":
-        current = model.__dict__.get("forward")
-        if not isinstance(current, CapturedForward):
-            current = model.forward = cls(model)
-        return current
 
     def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -106,60 +97,43 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def weights_where_they_are(model) -> int:
     """A number for where `model`'s parameters and buffers are now (their addresses): a captured step reads them at
     the addresses it was captured with, so a rebinding (`model.to("cpu")` and back, `load_state_dict(assign=True)`,
-    a module replaced) must make the steps capture anew. ~0.1 ms for an 8B model: taken at each prefill and at a
-    step after a module changed (`module_changes`; `OasisCache.route_forward`), not at every step."""
+    a module replaced) must make the steps capture anew. Taken at each prefill and at a step after the model changed
+    (`ModelState`; `OasisCache.route_forward`), not at every step."""
     return hash(tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
 
 
-_CHANGES = [0]  # registrations, conversions and mode switches of watched modules since `watch` first hooked
-_WATCHED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the modules of models whose steps are captured
-_HOOKS: list = []
+class ModelState:
+    """What a replayed step depends on in the model, taken when its steps are (re)captured, and `unchanged()`: a
+    cheap look at the model's own state before each step of a cache with captured steps — its module tree (each
+    child still in its parent's place), each parameter and buffer (the same tensor in its module, at the same
+    address: `model.to(...)` and back, a parameter or buffer or module put in place, `load_state_dict(assign=True)`)
+    and each module's mode (`train()` / `eval()`). One pass over references, no device work: ~0.1 ms for an 8B
+    model's 547 modules on a 2-core CPU machine under load. Other settings (an attribute set by hand, as PEFT's
+    `set_adapter` sets them) are read at each prefill (`module_settings`) or after `cache.model_changed()`."""
 
+    def __init__(self, model):
+        modules = list(model.modules())
+        self.edges = tuple((parent._modules, name, child) for parent in modules
+                           for name, child in parent._modules.items())
+        self.tensors = tuple((held, name, tensor, tensor.data_ptr()) for module in modules
+                             for held in (module._parameters, module._buffers)
+                             for name, tensor in held.items() if tensor is not None)
+        self.modules = tuple(modules)
+        self.modes = [module.training for module in modules]
+        self.sizes = tuple((held, len(held)) for module in modules
+                           for held in (module._modules, module._parameters, module._buffers))
 
-def _count_change(module, *_):
-    if module in _WATCHED:  # (not every registration: a forward's `self.layers[:n]` builds a new ModuleList each time)
-        _CHANGES[0] += 1
-
-
-def _counting(method):
-    """`torch.nn.Module`'s `method`, counting each call on a watched module in `_CHANGES` first (`module_changes`)."""
-    @functools.wraps(method)
-    def counted(self, *args, **kwargs):
-        if self in _WATCHED:
-            _CHANGES[0] += 1
-        return method(self, *args, **kwargs)
-
-    counted.__oasis_counted__ = True
-    return counted
-
-
-def watch(model) -> None:
-    """Count changes to `model`'s modules from now on (`module_changes`); called again where a cache looks at its
-    model anew, so a module put in since is watched too."""
-    if not _HOOKS:
-        from torch.nn.modules import module
-
-        _HOOKS.extend(hook(_count_change) for hook in (
-            module.register_module_parameter_registration_hook, module.register_module_buffer_registration_hook,
-            module.register_module_module_registration_hook))
-        for name in ("_apply", "train"):
-            method = getattr(torch.nn.Module, name)
-            if not getattr(method, "__oasis_counted__", False):
-                setattr(torch.nn.Module, name, _counting(method))
-    _WATCHED.update(model.modules())
-
-
-def module_changes() -> int:
-    """How many times a watched module (`watch`: those of models whose steps are captured) has been changed in a way a
-    replayed step would not follow: a parameter, buffer or submodule registered on it (torch's global registration
-    hooks: `module.weight = nn.Parameter(...)`, `load_state_dict(assign=True)`, an adapter layer put in), the module
-    converted (`Module._apply`: `model.to(...)`, `.cuda()`, `.half()`, `.float()`) or its mode switched (`Module.train`,
-    so `eval()`). A captured cache looks where its model's weights are and at its modules' settings again when this
-    moved (`OasisCache.route_forward`): such a change between two one-token forwards of a hand-written loop makes the
-    steps capture anew, at one comparison a step. (Weights changed in place keep their addresses, which a replay reads.
-    A plain attribute set by hand, as PEFT's `set_adapter` and `disable_adapter` do, is not counted: it is seen at the
-    next prefill, or at the next step after `cache.model_changed()`.)"""
-    return _CHANGES[0]
+    def unchanged(self) -> bool:
+        for held, size in self.sizes:  # (nothing added or removed)
+            if len(held) != size:
+                return False
+        for held, name, child in self.edges:
+            if held.get(name) is not child:
+                return False
+        for held, name, tensor, address in self.tensors:
+            if held.get(name) is not tensor or tensor.data_ptr() != address:
+                return False
+        return [module.training for module in self.modules] == self.modes
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)

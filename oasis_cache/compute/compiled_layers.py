@@ -117,9 +117,16 @@ def _outside_captured_path(cache) -> bool:
     return steps is not None and not steps.in_static_step
 
 
+def decoder_layers_of(model, attention_modules) -> list[torch.nn.Module]:
+    """The modules of `model` that hold one of `attention_modules` as a direct child (the decoder layers)."""
+    wanted = {id(module) for module in attention_modules}
+    return [module for module in model.modules() if any(id(child) in wanted for child in module.children())]
+
+
 class CompiledDecode:
-    """Installed once per decoder layer as its `forward` (same signature): a decode-sized call with an OasisCache
-    whose config asks for it runs the layer's forward compiled; any other call runs it as it is."""
+    """Installed once per decoder layer as its `forward` (same signature; `runtime/install.py`, given back with the
+    model's last cache): a decode-sized call with an OasisCache whose config asks for it runs the layer's forward
+    compiled; any other call runs it as it is."""
 
     def __init__(self, layer: torch.nn.Module):
         self.eager_forward = layer.forward
@@ -127,19 +134,6 @@ class CompiledDecode:
         self.__doc__ = self.eager_forward.__doc__
         self.compiled = None  # made at the first call that needs it (torch.compile is lazy anyway)
         self.fused_groups = []  # this layer's fused projections (`fused_projections.fuse`), if a cache asked for them
-
-    @classmethod
-    def install(cls, model, attention_modules) -> list[torch.nn.Module]:
-        """Wrap the forward of each module that holds one of `attention_modules` as a direct child (the decoder
-        layers), once per model; returns those layers."""
-        wanted = {id(module) for module in attention_modules}
-        layers = []
-        for module in model.modules():
-            if any(id(child) in wanted for child in module.children()):
-                if not isinstance(module.__dict__.get("forward"), cls):
-                    module.forward = cls(module)
-                layers.append(module)
-        return layers
 
     def __call__(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")

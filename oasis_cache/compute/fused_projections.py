@@ -70,9 +70,9 @@ class FusedGroup:
         for lin in linears:
             end = start + lin.out_features
             self.rows.append((start, end))
-            lin.weight = nn.Parameter(self.weight[start:end], requires_grad=lin.weight.requires_grad)
+            lin.weight.data = self.weight[start:end]  # (the same parameter objects, their rows of the buffer)
             if with_bias:
-                lin.bias = nn.Parameter(self.bias[start:end], requires_grad=lin.bias.requires_grad)
+                lin.bias.data = self.bias[start:end]
             start = end
         self.rows = tuple(self.rows)
         self.linears = linears
@@ -174,9 +174,9 @@ def _restore(linears) -> None:
             group.on, group.weight, group.bias = False, None, None
             lin.__class__ = nn.Linear
             del lin.fused_group, lin.fused_index
-            lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
+            lin.weight.data = lin.weight.detach().clone()  # (the same parameter objects, their own storage again)
             if lin.bias is not None:
-                lin.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
+                lin.bias.data = lin.bias.detach().clone()
 
 
 def unfuse(model: nn.Module) -> None:
