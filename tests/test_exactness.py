@@ -138,7 +138,7 @@ def test_oasis_attention_is_sdpa_for_other_caches():
     model = tiny_model("llama")
     inputs = left_padded([30, 22])
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=10, do_sample=False)
-    oasis_cache_for(model)  # switches the model to "oasis"
+    kept = oasis_cache_for(model)  # switches the model to "oasis" while it lives
     assert model.config._attn_implementation == "oasis"
     other = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=10, do_sample=False)
     assert_same_generation(dense, other)
@@ -168,7 +168,7 @@ def test_other_caches_extend_a_past_exactly_after_the_switch():
         return out
 
     before = runs()
-    oasis_cache_for(model)  # switches the model to "oasis"
+    kept = oasis_cache_for(model)  # switches the model to "oasis" while it lives
     assert model.config._attn_implementation == "oasis"
     after = runs()
     for name in ("chunked", "assisted", "static", "static padded"):

@@ -36,7 +36,8 @@ def test_notebook_runs_every_cell():
         else:
             os.environ["OASIS_NOTEBOOK_CONTEXT"] = env_before
     text = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "OasisCache for LlamaForCausalLM" in text and "lookahead 'eagle3'" in text
+    assert "OasisCache for LlamaForCausalLM" in text and "lookahead 'none' (picked: on the CPU" in text
+    assert "Warning" not in text, text  # (tqdm's IProgress warning without ipywidgets, among others)
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in notebook.cells for o in c.get("outputs", []))  # the selection picture
 
@@ -60,3 +61,25 @@ def test_selection_picture_example(tmp_path):
     out = run_script("selection.py", "--context", "600", "--budget", "256", "--max-new-tokens", "6", "--out",
                      str(tmp_path / "selection.png"))
     assert "the planted fact starts near token" in out and (tmp_path / "selection.png").stat().st_size > 10_000
+
+
+def test_the_readmes_headline_line_runs_without_a_warning():
+    """The README's first Python line, run as written (a tiny model and inputs in its place), on the installed
+    transformers: no FutureWarning or DeprecationWarning (transformers 5.24+ warns for `past_key_values=`)."""
+    import re
+    import warnings
+
+    import torch
+
+    from conftest import prompt_ids, tiny_model
+
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"```python\n(.*?)\n```", readme, re.S).group(1)
+    assert "OasisCache(" in line and "generate_kwargs()" in line
+    scope = {"model": tiny_model("llama"), "inputs": {"input_ids": prompt_ids(40)}, "torch": torch}
+    exec("from oasis_cache import OasisCache", scope)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(line.replace("max_new_tokens=512", "max_new_tokens=4, pad_token_id=0"), scope)
+    assert scope["out"].shape[1] == 44

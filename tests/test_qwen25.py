@@ -139,7 +139,7 @@ def test_the_shipped_head_is_picked_and_drafts(qwen):
         cache_module._on_an_accelerator = on_a_gpu
     assert default.config.lookahead == "eagle3" and default.config.exact
     # The head's own drafts (not chained with the target's prediction, which greedy decoding always confirms).
-    cache = OasisCache(model, token_budget=256, chain_drafts=False)
+    cache = OasisCache(model, token_budget=256, lookahead="eagle3", exact=True, chain_drafts=False)
     inputs = dict(tok(code_prompt(tok, 600, seed=4), return_tensors="pt"))
     model.generate(**inputs, past_key_values=cache, max_new_tokens=24, do_sample=False,
                    pad_token_id=tok.eos_token_id)
