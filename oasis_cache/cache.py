@@ -396,7 +396,7 @@ class OasisCache(Cache):
         buffer sized for the whole prompt, shared by every layer and chunk (each layer's attention has read it before
         the next layer writes it: one stream): a new past of a larger size at each chunk and layer left the
         allocator's segments split (Qwen3-8B, 32K x 8 under a 24 GiB cap: 2.5 GiB free in split segments, out of
-        memory; forty-seventh session). Else a new one."""
+        memory). Else a new one."""
         _, B, H, _, D = like.shape
         if self._chunked_prefill and self.prefill_resident is False and tokens <= self._chunked_prefill:
             shape = (2, B, H, self._chunked_prefill, D)

@@ -64,7 +64,7 @@ def holds_no_keys(layer_type: str) -> bool:
 def records_state_history(layer) -> bool:
     """Whether `layer` is a linear-attention state recording its past for a rollback (`activate_past_recording`:
     assisted and prompt-lookup decoding). A prefill split into chunks then decoded otherwise than one forward for
-    OLMo hybrid (logits 4e-2 apart, forty-eighth session): such a prefill runs whole, as transformers runs it."""
+    OLMo hybrid (logits 4e-2 apart): such a prefill runs whole, as transformers runs it."""
     return _LINEAR_STATE is not None and isinstance(layer, _LINEAR_STATE) and bool(getattr(layer, "record_past", False))
 
 

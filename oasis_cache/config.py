@@ -21,8 +21,8 @@ import math
 import re
 from dataclasses import dataclass
 
-# `compile_decode=None` compiles a model's decode steps from its this-many-th in a process (docs/perf.md, thirty-fifth
-# session: the compilation's seconds repaid within about as many steps again).
+# `compile_decode=None` compiles a model's decode steps from its this-many-th in a process (docs/performance.md:
+# the compilation's seconds repaid within about as many steps again).
 COMPILE_AFTER_STEPS = 2048
 
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
@@ -45,8 +45,8 @@ OPTION_VARIANTS = {
     "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
     "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
     "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
-    # the gather kernel on so many programs (default: chosen by the package; docs/perf.md, thirteenth session)
-    "gatherall": dict(gather_programs=0),  # one program per block, the default before the fourteenth session
+    # the gather kernel on so many programs (default: chosen by the package; docs/performance.md)
+    "gatherall": dict(gather_programs=0),  # one program per block, the default
     "gather16": dict(gather_programs=16),
     "gather32": dict(gather_programs=32),
     "gather64": dict(gather_programs=64),
@@ -57,9 +57,9 @@ OPTION_VARIANTS = {
 # a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
 # Beyond the four: linear-attention hybrids (Qwen3.5, Qwen3-Next), sliding windows in rings with learned sinks
 # (gpt-oss), soft-capping (Gemma 2), latent attention (DeepSeek-V2/V3), keys with a Mamba state (Falcon-H1): their
-# captured steps gave eager's tokens and logits on the H200 (fifty-second session), and a step of the real shapes ran
+# captured steps gave eager's tokens and logits on the H200, and a step of the real shapes ran
 # 5.9-7.9x faster captured than eager (gpt-oss-20b 32K 9.3 vs 73.5 ms, Gemma-2-2B 8K 10.3 vs 72.9, DeepSeek-V2-Lite
-# 32K 23.2 vs 137.3; docs/perf.md). Then (fifty-third session) Gemma 3, prompted with an image too (its 4D mask),
+# 32K 23.2 vs 137.3; docs/performance.md). Then Gemma 3, prompted with an image too (its 4D mask),
 # and Zamba2 (shared attention blocks beside Mamba states).
 CAPTURE_CHECKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_next", "gpt_oss",
                                "gemma2", "deepseek_v2", "deepseek_v3", "falcon_h1", "gemma3_text", "zamba2")
@@ -99,15 +99,14 @@ class OasisConfig:
             on the side stream runs on the largest power of two <= a sixteenth of the device's SMs (8 on an H200),
             a gather that compute waits for (on the critical path) on one program per block
             (`memory.transfer.side_stream_programs`); 0: one program per block everywhere (the default before the
-            fourteenth session); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
+            before); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
             that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
-            `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/perf.md,
-            thirteenth and fourteenth sessions).
+            `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/performance.md).
         gather_warps, gather_entries: research: the shape of a gather on a limited number of programs (the side
             stream's prefetch, or every gather where `gather_programs` > 0): warps per program and blocks a program
             copies at once (a power of two). None: 16 and 4 on the package's side-stream programs, 4 and 1 where
             `gather_programs` is set; `bench/beside_gather.py` times shapes by what they cost the matmuls beside
-            them (docs/perf.md, thirty-ninth session).
+            them (docs/performance.md).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -122,12 +121,12 @@ class OasisConfig:
             the first decode step: the same whatever the batch, its padding and the prefill's chunks), the others
             left out of the ranking (`pools/summaries.py`); the summaries then take 3.1% of
             K+V per block with fp8 levels instead of 6.25%, which keeps the device's KV within 10% of dense at 32K
-            with a 2048-token budget (on SmolLM2's six tasks: equal retention but one sample; docs/perf.md, eleventh
-            session). 1.0: every channel. An explicit fraction must keep an even number of the head's channels.
+            with a 2048-token budget (on SmolLM2's six tasks: equal retention but one sample).
+            1.0: every channel. An explicit fraction must keep an even number of the head's channels.
         draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
             window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
             `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
-            (CPU trajectories) and lowered it by a point on the H200's (docs/perf.md, ninth session).
+            (CPU trajectories) and lowered it by a point on the H200's (docs/performance.md).
         chain_drafts: with eagle3, the draft row also goes through the model's LM head (one more row of the real
             row's product: its weights are read once) and its most likely next token is kept. At the next step, where
             the draft was right (the token that came is the one that rode), that token is the target's own prediction
@@ -139,7 +138,7 @@ class OasisConfig:
             queries come closer to the next step's real ones. "all": its whole top-K, the blocks not resident read
             from the host pool on the critical path (a measure of the prediction's ceiling, not a speed path);
             "all:N": so in the first N layers only (by index), the others as by default. Off by default
-            (docs/perf.md, twenty-fourth and twenty-fifth sessions).
+            (docs/performance.md).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -163,45 +162,45 @@ class OasisConfig:
             captured anew with the compiled kernels: short runs never pay for it, long ones get the faster step for
             all but their first steps (a compilation that fails warns once; the steps go on uncompiled). True:
             compiled from the first decode step (the first `generate` of a process 2.7-3.2x a later one with the
-            kernels on disk, docs/perf.md). False: never. Where steps are captured, the steps outside the captured
+            kernels on disk, docs/performance.md). False: never. Where steps are captured, the steps outside the captured
             path (a cache's first, steps that cannot be replayed) run uncompiled either way.
         compile_after_steps: research, with `compile_decode=None`: decode steps of a model in a process before its
             steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
-            steps again; docs/perf.md, thirty-fifth session). 0 compiles at the first decode step.
+            steps again; docs/performance.md). 0 compiles at the first decode step.
         fuse_projections: research, with `compile_decode=True`: each decoder layer's q/k/v projections computed as one
             product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
             unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
-            with `compile_decode`: 8.5 -> 7.8 ms (docs/perf.md, thirty-third session). Off.
+            with `compile_decode`: 8.5 -> 7.8 ms (docs/performance.md). Off.
         compile_ahead: with the Triton backend: before a cache's first decode step (once per process for each
             configuration and batch shape), the same step runs on a read-only copy of the cache with every kernel
             launch made a compilation, the compilations in parallel (`compute/ahead.py`); the real step then finds
             its kernels compiled instead of compiling them one after another. None (default): on a CUDA device (on
             a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 14.1-16.1 -> 11.3-11.8 s, no change
-            once the kernels are on disk; docs/perf.md, fortieth session). True: on any device (the CPU tests run
+            once the kernels are on disk; docs/performance.md). True: on any device (the CPU tests run
             it under Triton's interpreter). False: never.
         ahead_at_prefill: with `compile_ahead` on: the dry step runs during the prefill instead — one decode token
             at the first attention layer of a read-only copy, once the whole prompt is in that layer — and its
             compilations go on while the prefill's other layers run; the first decode step waits for what is left
             (`compute/ahead.at_prefill`). Not with a ride-along draft, nor without room for the copy beside the
             prefill's activations (the dry step runs before the first decode step then). On by default since the
-            forty-sixth session: H200, Qwen3-8B at 32K x 1, new kernel and JIT caches, alternating, the first
-            `generate` 6.62-7.05 -> 5.36-5.82 s (off in the forty-second, when the trace took every layer and the
-            prefill was not yet device-bound; docs/perf.md).
+            measured on the H200, Qwen3-8B at 32K x 1, new kernel and JIT caches, alternating, the first
+            `generate` 6.62-7.05 -> 5.36-5.82 s (it gained nothing while the trace took every layer and the
+            prefill was not yet device-bound; docs/performance.md).
         compile_workers: with `compile_ahead` on, where no dry step has run in the process yet: worker processes
             started at the prefill (torch and Triton imported, Triton's start-up paid while the prefill runs) that
             compile the dry step's kernels side by side (`kernels/compile_workers.py`: threads take turns on the
             interpreter lock in Triton's code generator); closed after that step. Research: the trace beside the
             compilations 1.3 -> 0.2-0.3 s, but the workers' start (3.8-4.8 s: torch, Triton, a first compilation)
             and the slowest kernel (~1.5 s) are the critical path, and the first `generate` gained nothing (H200,
-            Qwen3-8B at 32K x 1 on a new machine: 7.3-8.2 s against 7.2-7.9 with threads; docs/perf.md,
-            forty-second session). 0 (default): threads; None: the CPUs less one, at most 8, none below 3 CPUs.
+            Qwen3-8B at 32K x 1 on a new machine: 7.3-8.2 s against 7.2-7.9 with threads; docs/performance.md).
+            0 (default): threads; None: the CPUs less one, at most 8, none below 3 CPUs.
         fast_pinning: before a CUDA cache pins its first host chunk, once per process, extend torch's allocator
             settings with `pinned_use_cuda_host_register:True,pinned_num_register_threads:8` (pinned memory taken by
             malloc, its pages touched by 8 threads, then registered, instead of `cudaHostAlloc`), keeping the
             process's other settings; left alone where they name `pinned_use_cuda_host_register` (the user's choice).
             H200 host, 5 GiB in 16 MiB chunks: 1.9-2.2 -> 0.72 s; Qwen3-8B at 32K x 1, the first token 3.0-3.2 ->
-            2.0-2.7 s in every call of a process (`memory/host_memory.py`, docs/perf.md, forty-first session).
+            2.0-2.7 s in every call of a process (`memory/host_memory.py`, docs/performance.md).
             True (default); False leaves torch's settings as they are.
         pinned_regions: a CUDA prefill reserves, at its first full-attention layer, every host chunk its pools will
             take as one region the package maps on transparent huge pages, touches and registers itself, reused by
@@ -209,21 +208,21 @@ class OasisConfig:
             growth, forks) still come from torch's allocator. Research: on the H200's host 5 GiB pin in 0.25-0.27 s
             this way against 0.78-1.22 s through torch's allocator with `fast_pinning`, but the first `generate` at
             32K x 1 gained nothing (the pinning overlaps the prefill's device work: first token 2.73-2.74 s against
-            2.60-2.75; docs/perf.md, forty-fifth session). False (default): every chunk from torch's allocator.
+            2.60-2.75; docs/performance.md). False (default): every chunk from torch's allocator.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
             than best first. None (default): the kernel wherever the Triton backend runs, unless `fetch_ratio` is set
             (its cap keeps the best first: `torch.topk`). True: the kernel (an error beside `fetch_ratio`). False:
-            `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/perf.md, thirty-first
-            session). Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
+            `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/performance.md).
+            Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
             up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
             prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0:
             off. Same result as the whole forward (the cache's prefill is dense attention either way; the summaries'
-            channels are the whole prompt's since the twenty-fourth session, not the first chunk's). A model whose
+            channels are the whole prompt's, not the first chunk's). A model whose
             rotary scaling follows the length a forward reaches ("dynamic", "longrope") is prefilled whole: chunks
             would rotate the early tokens by a shorter length than dense's one forward.
         resident_prefill: during a chunked prefill, keep the prompt's keys and values on the device until its last

@@ -99,7 +99,7 @@ class OasisLayer(CacheLayerMixin):
         """Room for a prompt prefilled in chunks that ends at `tokens`: its blocks (and the next) in the summaries and
         the slot table, and the working set's slots for them, at once — not more at each chunk: tensors of a new size
         at each chunk and layer, among the chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x
-        8 under a 24 GiB cap; forty-seventh session). (The summaries' capacity is that of the blocks grown one by
+        8 under a 24 GiB cap). (The summaries' capacity is that of the blocks grown one by
         one, `capacity_for`.)"""
         whole = tokens // self.config.block_size + 1
         self.summaries.reserve(whole)

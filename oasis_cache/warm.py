@@ -1,11 +1,11 @@
-"""Compile a machine's kernels for a model's shapes before its first `generate` (issue 21: the first call).
+"""Compile a machine's kernels for a model's shapes before its first `generate`.
 
     python -m oasis_cache.warm path/to/model --context 32768            # once per machine (and per shape)
     python -m oasis_cache.warm path/to/model --context 8192 32768 131072 --batch 4 --token-budget 4096
 
 A process's first `generate` with an OasisCache compiles the package's Triton kernels for its shapes and has the
 driver compile cuDNN's attention kernels for the prompt's chunks: on a new machine it takes ~2.3x a later call
-(docs/perf.md). Both land in caches on disk — Triton's (`TRITON_CACHE_DIR`, default `~/.triton/cache`) and the
+(docs/performance.md). Both land in caches on disk — Triton's (`TRITON_CACHE_DIR`, default `~/.triton/cache`) and the
 driver's (`CUDA_CACHE_PATH`, default `~/.nv/ComputeCache`) — that every later process on the machine finds. This
 runs one `generate` of the model's shapes, so that the machine's first real process finds them there: the first
 layers of the model (one of each kind in `layer_types`, else two), random weights, a random prompt of `--context`

@@ -2,8 +2,8 @@
 
 On a machine without the package's kernels on disk, a cache's first decode step compiles each kernel
 specialization it meets, one after another, as it launches them (H200, Qwen3-8B shape, lookahead "none": ~8 of
-them, 0.3-2.6 s each; decode step 1 took 7.8 s on a new machine against 0.12 s later, docs/perf.md, thirty-fourth
-and thirty-ninth sessions). Before that step runs, `dry_step` runs the same forward on a copy of the cache with
+them, 0.3-2.6 s each; decode step 1 took 7.8 s on a new machine against 0.12 s later, docs/performance.md).
+Before that step runs, `dry_step` runs the same forward on a copy of the cache with
 every kernel launch made a compilation (`kernels/ahead.py`: in a thread pool), waits for them, and drops the copy:
 the real step then finds every kernel compiled. The copy holds the same shapes, so it meets the same
 specializations; its forward ends at the first attention layer whose shapes an earlier one had
@@ -13,18 +13,18 @@ writes them; a host write from it raises) and copies the device state (`OasisCac
 (`memory.device_memory.device_room`: free, or under its cap). Once per process for each cache configuration and
 batch shape.
 
-Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/perf.md, fortieth session): decode step 1 9.4-10.1 ->
+Measured (H200, Qwen3-8B at 32K x 1, a new machine: docs/performance.md): decode step 1 9.4-10.1 ->
 4.6-4.75 s, the first `generate` 14.1-16.1 -> 11.3-11.8 s; with the kernels on disk the dry step costs ~0.9 s that the
 real step 1 then saves. Run instead right after the prefill (with a decode step's inputs made from
 the prefill's), it gained nothing measurable from the device's queued prefill work, and the first token came its
-whole 4.2 s later. With one layer traced (forty-first session): 0.93 -> 0.64 s with the kernels on disk; on a new
+whole 4.2 s later. With one layer traced: 0.93 -> 0.64 s with the kernels on disk; on a new
 machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the
 kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
 other layers). With `compile_workers` (research) the compilations go to worker processes a prefill started
 (`beside_prefill`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
-start is 3.8-4.8 s; forty-second session). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
+start is 3.8-4.8 s). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
 start-up inside the first cache key (the hash of its own files), now paid by a thread beside the prefill
-(`warm_triton`): the first call 1.93-2.26x -> 1.67-1.98x a later one (forty-third session, docs/perf.md).
+(`warm_triton`): the first call 1.93-2.26x -> 1.67-1.98x a later one (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def warm_block_store(cache) -> None:
     """The one kernel a decode step that completes a block launches beyond a plain step's: the host store of that
     block. `TransferEngine.offload` is called here as that step calls it (one block `[2, B, Hkv, 1, T, D]` at the
     summaries' device count) on `cache`'s first layer — inside `compile_only()` its launch is a compilation, so the
-    first completing step (~16 steps in) does not compile it (+0.4 s at step 16 on a new H200 machine, fortieth
-    session). `cache` is the dry copy: the pool's count it moves on is the copy's."""
+    first completing step (~16 steps in) does not compile it (+0.4 s at step 16 on a new H200
+    machine). `cache` is the dry copy: the pool's count it moves on is the copy's."""
     transfer, layer = cache._transfer, cache.layers[cache._first_oasis_layer]
     if transfer is None or transfer.backend != "triton" or not layer.is_initialized:
         return
@@ -143,9 +143,9 @@ def warm_triton(device: torch.device | None = None) -> dict:
     host's compiler, into the kernel cache, and asks `ldconfig` where libcuda is) and ptxas's version (`ptxas`: in the
     backend's key, a subprocess of a large process). Each part that fails is skipped (the first compilation pays it
     instead). Run in a thread beside a prefill (`beside_prefill`): the main thread mostly waits for the device there.
-    Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache), the key part alone (forty-third session): the dry
+    Measured (H200, Qwen3-8B at 32K x 1, a new kernel cache), the key part alone: the dry
     step's trace 1.1-1.6 -> 0.75-1.14 s, the first call 1.93-2.26x -> 1.67-1.98x a later one; the driver part too
-    (forty-fourth, alternating with the key part alone): trace 1.15-1.34 -> 0.66-0.69 s, dry step 2.56-2.68 ->
+    (alternating with the key part alone): trace 1.15-1.34 -> 0.66-0.69 s, dry step 2.56-2.68 ->
     1.79-1.82 s, first call 1.90-2.37x -> 1.70-1.75x."""
     seconds: dict = {}
 
@@ -222,7 +222,7 @@ def stop_after_distinct_layers(dry) -> int:
     """Make the dry copy's forward end at the first attention layer whose shapes an earlier layer had (the layers of a
     model share them: the dry forward then runs one layer's attention, not all of them); returns how many layers it
     traces. A layer's launches are decided by its shapes (`signature` holds the cache's options): a layer meeting
-    nothing new need not run. Measured (H200, Qwen3-8B at 32K x 1, forty-first session): the dry step 0.93 -> 0.64 s
+    nothing new need not run. Measured (H200, Qwen3-8B at 32K x 1): the dry step 0.93 -> 0.64 s
     with the kernels on disk; on a new machine its trace stays 1.3-2.1 s (the submissions, not the layers)."""
     seen = set()
     for layer in dry.layers:
@@ -251,7 +251,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     `finish_pending` (before the next decode forward) waits for them. One layer meets the step's specializations
     (`stop_after_distinct_layers`); `launch_keys --check --compile-ahead --ahead-at-prefill` checks that no decode
     step meets one first. Not with a ride-along draft (its step attends two rows: `dry_step` then runs as before).
-    Returns whether it ran. Measured (H200, 32K x 1 on a new machine, forty-second session): the trace's 1.6 s moves
+    Returns whether it ran. Measured (H200, 32K x 1 on a new machine): the trace's 1.6 s moves
     into the prefill (the first token that much later), step 1 still waits 2.1-2.2 s; the first call unchanged."""
     from .attention import clear_pending
 

@@ -210,7 +210,7 @@ class _Graph:
         """Keep a capture's `output` without `cache`: a kept output holding its cache (`past_key_values`) made the
         cycle cache -> graphs -> output -> cache, so a dropped cache and its pinned host pools (5 GiB at 32K for an
         8B model) lived on until Python's garbage collector ran, and each new cache pinned its own anew (H200,
-        forty-fourth session: 1.7-2.0 s of every later 32K `generate`, the pinned pool growing by 5 GiB a call)."""
+        measured: 1.7-2.0 s of every later 32K `generate`, the pinned pool growing by 5 GiB a call)."""
         items = {name: value for name, value in output.items() if value is not cache}
         self.output = (type(output), items, tuple(name for name, value in output.items() if value is cache))
 

@@ -2,14 +2,14 @@
 `torch.compile`.
 
 A decode step of a 36-layer model launches ~60 small kernels per layer besides its matmuls and the cache's own work
-(RMS norms as six kernels each, rotary embeddings, the MLP's activation, residual adds, dtype casts; docs/perf.md:
+(RMS norms as six kernels each, rotary embeddings, the MLP's activation, residual adds, dtype casts; docs/performance.md:
 ~2,200 kernels, 3.75 ms of an 11.8 ms captured step at 32K x 1 on the H200). Inside a CUDA graph each still costs
 its launch tail. Here each decoder layer's `forward` (an instance attribute, like `captured_step.CapturedForward`)
 runs a `torch.compile`d copy of itself for decode-sized calls (one token per sequence, or two with eagle3's riding
 draft) of a cache that asks for it, and its own forward for everything else (prefill, other caches). The cache's
 `update` and the "oasis" attention read host state and launch the package's kernels: dynamo does not trace them.
 Where every layer of the cache is an oasis layer they enter the graph as two custom ops (`compiled_ops.py`), so a
-layer is one graph and every layer runs the same one (one frame traced; before the thirty-first session nine, each
+layer is one graph and every layer runs the same one (one frame traced; nine, each
 twice, at two graph breaks); elsewhere (sliding-window layers) they break the graph (`torch.compiler.disable`) and
 each layer compiles into the regions around them. Inductor fuses the elementwise work (norms, rotary, activation,
 residuals). A captured step records the compiled kernels like any others; the graphs are compiled at the first eager
@@ -24,9 +24,8 @@ then `CompiledDecode` runs the layers' own forward; the replay signature holds w
 (`OasisCache.compiles_decode`), so at the switch the steps run once eagerly on the capture stream (where the graph
 compiles, outside any capture) and are captured anew.
 
-A compilation in a thread of its own (`compile_in_background`, research from the thirty-third to the thirty-sixth
-session) was removed: it moved the compilation's cost into the next call rather than hiding it (docs/perf.md,
-thirty-fifth session), and it needed a gate against what compiling does to the whole process.
+A compilation in a thread of its own was tried and removed: it moved the compilation's cost into the next call rather
+than hiding it (docs/performance.md), and it needed a gate against what compiling does to the whole process.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ COMPILED_QUERY_LENGTHS = (1, 2)
 
 # The layers share their forward's code, and dynamo keys a code object's graphs by its guards: an `int` attribute
 # of a module (`self.layer_idx`, read for the cache's update) is a constant by default, so every layer would compile
-# its own graphs until the recompile limit (8), and the layers past it would run eager, silently (the thirtieth
-# session's H200 profile: 8 of 36 layers compiled). As a symbolic int it is one input more: one set of graphs serves
+# its own graphs until the recompile limit (8), and the layers past it would run eager, silently (an H200 profile
+# showed 8 of 36 layers compiled). As a symbolic int it is one input more: one set of graphs serves
 # every layer, and the first step compiles once, not once per layer. Patched around each compiled call only (a
 # recompilation, e.g. for a riding draft's two query rows, traces under it too); a user's own compiles are untouched.
 _ONE_GRAPH_FOR_ALL_LAYERS = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
@@ -111,7 +110,7 @@ def _outside_captured_path(cache) -> bool:
     """Whether this is a decode step of a cache with captured steps that runs eagerly outside them (its first step,
     which fixes the summaries' channels; a step that cannot be replayed): called with the caller's mask, where static
     steps and captures pass none, it would compile a second graph (`attention_mask is None` guarded: 1.4-2.4 s at a
-    later call's first step on the H200, thirty-sixth session) for a step that is not the hot path. It runs the
+    later call's first step on the H200) for a step that is not the hot path. It runs the
     layer's own forward."""
     steps = cache.captured_steps
     return steps is not None and not steps.in_static_step

@@ -4,7 +4,7 @@
 With `torch.compiler.disable` on both (what a compile outside `compile_decode` still meets), every graph break
 splits the layer into regions and makes dynamo restart each enclosing frame (transformers' wrappers included):
 nine frames traced twice each for a Qwen3 layer (the H200's warm-cache first `generate` paid ~7 s over a later one,
-thirty-first session, this tracing part of it). As opaque ops dynamo records them as nodes and moves on: one frame,
+earlier, this tracing part of it). As opaque ops dynamo records them as nodes and moves on: one frame,
 one graph per layer.
 
 - `oasis::update(key, value, layer_idx) -> token`: `OasisCache.update` for that layer (the new tokens appended;

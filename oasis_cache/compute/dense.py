@@ -35,7 +35,7 @@ def _expand_kv_heads(query, keys, values):
 
 # Largest keys and values expanded for grouped query heads at once (`_sdpa_causal`): a prefill's chunk over a long
 # past attends in slices of KV heads past it. Qwen3-8B at 32K x 8 under a 24 GiB cap ran out of memory expanding 1 GiB
-# of keys (4.3 GB of K and V a layer at 16K x 8; forty-sixth session); at 32K x 1 (67 MB a KV head) nothing changes.
+# of keys (4.3 GB of K and V a layer at 16K x 8); at 32K x 1 (67 MB a KV head) nothing changes.
 EXPAND_BYTES = 1 << 29
 
 
@@ -88,14 +88,14 @@ def _split_unless_refused(query, keys, values, scale, flag: str):
 # Queries after a past (a chunk of a prompt prefilled in chunks, an extend): SDPA's lower-right causal mask runs its
 # flash kernel (sm80 code on an H200), while `is_causal` over a square runs cuDNN's, 1.8x faster per query-key pair
 # (Qwen3-8B, 32K x 1 in chunks of 8192: 917 ms in 108 lower-right calls against 550 ms for the whole prompt in 36
-# square ones; docs/perf.md, forty-fifth session). With SPLIT_PAST the queries attend the past without a mask and
+# square ones; docs/performance.md). With SPLIT_PAST the queries attend the past without a mask and
 # their own chunk causally, both by cuDNN with log-sum-exps, merged (`_past_then_chunk`).
 SPLIT_PAST = True
 _CUDNN = {"failed": False, "gqa_failed": False}
 # The split's cuDNN calls on the unexpanded keys and values (PyTorch's cuDNN attention takes fewer KV heads than query
 # heads): no `[B, Hq, L, D]` copies; a refusal turns it off for the process. H200, a chunk of 8,192 over 8-123K past
 # tokens: bit-equal to the split on expanded heads and 3-7% faster (`bench/chunk_attention.py`'s `gqa` way;
-# docs/perf.md, forty-seventh session).
+# docs/performance.md).
 SPLIT_GQA = True
 SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call
 
@@ -138,8 +138,8 @@ def past_then_chunk_with_lse(query, keys, values, scale, kernel=None):
 
 # A prompt's first chunk starts cuDNN's kernels of the chunks after it in a thread (`warm_split_past`): on a machine
 # whose driver has not yet compiled them (its JIT cache, ~/.nv/ComputeCache), the first chunk after a past paid
-# ~1 s for them (H200, a new machine's first process: chunk 2 of a 32K prompt 1.32 s against 0.36 later; docs/perf.md,
-# forty-sixth session). Queries of the warm-up call (0: none).
+# ~1 s for them (H200, a new machine's first process: chunk 2 of a 32K prompt 1.32 s against 0.36 later; docs/performance.md).
+# Queries of the warm-up call (0: none).
 SPLIT_WARM_QUERIES = 1024
 _chunks_follow = threading.local()  # `.on` while a prompt is prefilled in chunks (`chunks_follow`)
 _WARM_THREADS: dict = {}  # what was warmed in this process -> its thread (`warm_split_past`)

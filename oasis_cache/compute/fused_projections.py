@@ -4,7 +4,7 @@ decoder layer's q/k/v projections read one weight, and so do the MLP's gate/up p
 At one token per sequence a projection is a matrix-vector product bound by reading its weight; the small ones cannot
 fill the GPU alone (H200, Qwen3-8B shapes, `bench/matmul.py`: k/v at 1.1 TB/s, gate/up/down at 3.4-3.6): a layer's
 seven products take 128 us, and 109 us with q/k/v as one [q + 2kv, h] product and gate/up as one [2i, h] (-0.68 ms a
-36-layer step; thirty-second session). inductor does not merge separate `F.linear` calls (no CSE of extern
+36-layer step). inductor does not merge separate `F.linear` calls (no CSE of extern
 matmuls), so the fusion is explicit:
 
     storage   each group's weights (and biases) are copied once into one buffer; each projection's parameter becomes
@@ -99,7 +99,7 @@ class FusedLinear(nn.Linear):
     """A fused projection: the class a group's `nn.Linear` members take (`fuse`; `unfuse` gives `nn.Linear` back),
     with `fused_group` and `fused_index` set. A class, not a per-module `forward`: dynamo guards on the identity of
     a called object, so per-module forwards made every layer its own graph (recompiles up to the limit, the rest
-    eager; thirty-third session), while one class's `forward` traces once for all layers."""
+    eager), while one class's `forward` traces once for all layers."""
 
     fused_group: FusedGroup
     fused_index: int

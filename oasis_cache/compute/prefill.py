@@ -51,7 +51,7 @@ def least_span(block_size: int, shortest: int) -> int:
     """The fewest tokens a chunk holds: whole blocks, more than `shortest` (`max_decode_tokens`). A chunk of at most
     that many would decode sparsely instead of running as a prefill's chunk: it would not write the prompt's keys
     and values kept on the device (`OasisLayer.resident_kv`), and the next chunk read those positions unwritten
-    (a batch of 3 in chunks of 64 tokens: 16 a sequence, garbage logits, forty-eighth session)."""
+    (a batch of 3 in chunks of 64 tokens: 16 a sequence, garbage logits)."""
     return (shortest // block_size + 1) * block_size
 
 
@@ -102,8 +102,8 @@ def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, p
 
 # A chunk that runs out of device memory is undone and the rest of the prompt runs again from its start, in chunks of
 # half the tokens, up to this many times in one prefill (`OasisCache._route`, `ChunkMarks`): a prefill at the edge of
-# a card (the allocator's segments split by earlier chunks: Qwen3-8B, 32K x 8 under a 24 GiB cap, forty-seventh
-# session) goes on instead of failing. 0: the first out-of-memory error ends the prefill.
+# a card (the allocator's segments split by earlier chunks: Qwen3-8B, 32K x 8 under a 24 GiB cap)
+# goes on instead of failing. 0: the first out-of-memory error ends the prefill.
 SHRINK_RETRIES = 3
 
 

@@ -8,7 +8,7 @@ tokens: a block is selected if any of them may need it):
   upper bound: a block of keys spread over many channels ranks high though none of its keys is near q.
 - "bits": each key is coded with 1 bit per channel (above or below its block's mean; `pools.summaries`) and read
   back as the mean of the keys on its side; a block scores the best q.(coarse key) over its tokens. It ranks like
-  the exact max of q.k per block, which keeps dense attention's answers where the bound does not (docs/perf.md,
+  the exact max of q.k per block, which keeps dense attention's answers where the bound does not (docs/performance.md,
   "block scorers").
 
 Forced blocks (sink, recent) rank +inf, blocks without a visible token -inf.

@@ -4,9 +4,9 @@ followed them is the draft (prompt-lookup decoding's guess) instead of the head'
 Why: on documentation continued greedily, SmolLM2's next token repeats a trigram seen within the head's 256-token
 window at 59% of the steps, and the shipped head gets only 68% of those right though the target is 80% sure there;
 the lookup lifts the draft from 63% to 76% of steps there, and leaves chat answers as they were (67%)
-(`eval/draft_misses.py`, docs/perf.md, eighth session). Measured in recall it helps where the generation repeats
+(`eval/draft_misses.py`, docs/performance.md). Measured in recall it helps where the generation repeats
 itself (CPU: +3 / +8 points) and not on the H200's trajectories (-1 point each): off by default
-(`OasisConfig.draft_lookup = 0`; docs/perf.md, ninth session).
+(`OasisConfig.draft_lookup = 0`; docs/performance.md).
 
 Arbiter (`arbiter=True`; off in the package, `eval/recall.py --draft-lookup 2+arbiter` measures it): where the
 lookup and the head disagree, which of them was right recently decides. Each step both candidates are kept
@@ -14,8 +14,8 @@ lookup and the head disagree, which of them was right recently decides. Each ste
 steps where the lookup had a candidate (`scores`, decay `DECAY`). The lookup's candidate is drafted where its rate is
 at least the head's (at first, and while the two agree), so a generation that repeats itself would get the lookup and
 one where copying guesses wrong would keep the head (the H200's SmolLM2 trajectories: the lookup alone cost a point
-of recall, ninth session). On this CPU (Qwen2.5-Coder at 8K, twenty-second session) it was no better than the lookup
-alone: docs/perf.md.
+of recall). On this CPU (Qwen2.5-Coder at 8K) it was no better than the lookup
+alone: docs/performance.md.
 
 State: `history` `[B, W]` int64, the last W tokens of each sequence, oldest first (-1 before the first token), shifted
 by one per decode step; with the arbiter, `proposed` `[B, 2]` int64, the last step's candidates (lookup, -1 where

@@ -595,7 +595,7 @@ def main():
     parser.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="high",
                         help="float32 matmuls on CUDA (torch.set_float32_matmul_precision): high, the default, lets "
                              "the head's training use TF32 tensor cores; highest keeps full float32 (the runs "
-                             "before the twenty-second session)")
+                             "the first heads' default)")
     args = parser.parse_args()
     if args.device.startswith("cuda"):
         torch.set_float32_matmul_precision(args.matmul_precision)

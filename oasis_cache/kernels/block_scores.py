@@ -133,7 +133,7 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 def default_blocks_per_program(batch: int, bits: bool) -> int:
     """Blocks a program scores: 32 for the bits scorer on one sequence, else 64 (H200, 4 warps, `bench/score_kernel.py`
     graphed as in a captured step. Bits, one sequence, 8 rows, 64 kept channels, 2,176 / 8,704 blocks: 32 a program
-    8.6 / 23.7 us, 64 11.6 / 27.6, thirty-eighth session. 2026-11-30, an earlier form of the kernel: bits, four
+    8.6 / 23.7 us, 64 11.6 / 27.6. An earlier form of the kernel: bits, four
     sequences, 2,048 blocks, 64 94 us, 32 125; the bound scorer 64 faster at one sequence too, 143 against 198)."""
     return 32 if bits and batch == 1 else 64
 

@@ -3,7 +3,7 @@
 
 Why processes: Triton turns a kernel into its first IR in Python (its code generator walks the kernel's syntax tree)
 before its native passes, so compilations in threads take turns on the process's interpreter lock, with each other
-and with the step that submits them (H200, Qwen3-8B at 32K x 1 on a new machine, forty-first session: the eight
+and with the step that submits them (H200, Qwen3-8B at 32K x 1 on a new machine: the eight
 kernels of a first decode step took 2-3 s from the first to the last in 16 threads, and the main thread's trace beside
 them 1.3-2.1 s). Processes compile side by side.
 
@@ -19,7 +19,7 @@ Protocol (JSON lines): the first line to a worker is {"target": {...}, "sys_path
 {"ready": seconds}. Each further line {"module": ..., "name": ..., "data": ...} is answered {"ok": true, "s": ...} or
 {"ok": false, "error": ...}. At the end of its input a worker exits; a worker left idle `IDLE_S` exits too.
 
-Measured (H200, Qwen3-8B at 32K x 1 on a new kernel cache, forty-second session; `OasisConfig.compile_workers`,
+Measured (H200, Qwen3-8B at 32K x 1 on a new kernel cache; `OasisConfig.compile_workers`,
 research, off by default): the trace beside the compilations 1.3 -> 0.2-0.3 s, but eight workers took 3.8-4.8 s to
 be ready and the top-k alone 3.5 s to compile, so the first `generate` was no faster (7.3-8.2 s against 7.2-7.9 with
 threads). The top-k now compiles ~5x faster (its rounds a loop): to measure again (`gpu_run.sh firstcallworkers`).

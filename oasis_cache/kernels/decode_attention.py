@@ -20,14 +20,13 @@ Program (bh, split) of the first kernel: the G*Qn rows of one KV head over keys 
 softmax in fp32, its partial output, running max and sum into fp32 scratch `[B*Hkv, SPLITS, ROWS, D]` and
 `[B*Hkv, SPLITS, 2, ROWS]` (the G*Qn real rows only). The second kernel's program (bh, chunk) rescales and sums
 the splits for CHUNK (row, dim) pairs at once: one read of a `[SPLITS, CHUNK]` tile, no loop over the splits (a
-program per KV head looping over them took 9.2 us a layer on the H200, a dependent load per split; thirty-third
-session's profile).
+program per KV head looping over them took 9.2 us a layer on the H200, a dependent load per split).
 
 With `tickets` (`[>= B*Hkv]` int32, zero, owned by the caller) it is one launch: each split program, its partials
 stored, takes a ticket of its KV head (an atomic add, after a barrier: its stores are released with it); the program
 that takes the last one combines that KV head's splits as the second kernel would (reading the partials from L2) and
 sets the counter back to 0. Research, not what the package runs: it was to save the second launch and the gap before
-it (7.0 us a layer inside a compiled H200 step), but on the H200 (thirty-ninth session, `bench/attention_kernel.py`)
+it (7.0 us a layer inside a compiled H200 step), but on the H200 (`bench/attention_kernel.py`)
 it took 62.7 us a call against 14.6 for two launches at the Qwen3-8B shape (B 1, Qn 1, 33 splits; equal at 8
 splits, 2x at 16) and a compiled 32K x 1 step 10.5 ms against 8.6 — the one combining program per KV head walks
 every split's partials itself, no spills (233 registers), cause not yet found.

@@ -98,7 +98,7 @@ def gather_blocks(
     the host side is an arena of single (sequence, KV head) blocks, `[C, 2, 1, 1, T, D]` per chunk, and `block_ids`
     are its slots (the local cache of a remote tier, `remote/local_cache.py`). `num_warps`: per program (a tuning knob;
     64 programs of 2 warps and 128 of 1 were 3.7-4.6 ms slower a compiled step than the 32 of 4 the package runs on
-    the side stream: docs/perf.md, thirty-seventh session). `entries` (a power of two): blocks a program copies at
+    the side stream: docs/performance.md). `entries` (a power of two): blocks a program copies at
     once (a tuning knob, `bench/beside_gather.py`)."""
     two, B, H, L, D = out.shape
     T = block_size

@@ -1,11 +1,11 @@
 """Projections that share an input, in one launch, each reading its own weight where it is: `grouped_linear(x,
 [w_q, w_k, w_v])` returns `[x @ w_q.T, x @ w_k.T, x @ w_v.T]` (a research kernel, not used by the package: as the
 compiled steps' q/k/v and gate/up, commit `20cb175`, its calls took 48.6 us inside a step against 33.5 alone, and the
-H200's 32K and 128K x 1 steps were 0.2 ms slower than with cuBLAS a projection; thirty-eighth session).
+H200's 32K and 128K x 1 steps were 0.2 ms slower than with cuBLAS a projection).
 
 At decode sizes (a few rows) a projection is a read of its weight; the small ones cannot fill the GPU alone (H200,
 Qwen3-8B, `bench/matmul.py`: k/v 1.1 TB/s, q 2.6, gate/up/down 3.4-3.6): a layer's seven cuBLAS products take 128
-us, 109 with q/k/v and gate/up as one product each (thirty-second session). `fuse_projections` (research) gets the
+us, 109 with q/k/v and gate/up as one product each. `fuse_projections` (research) gets the
 109 by re-homing each group's weights into one buffer, which changes the model's parameters' storage. This kernel
 reads the group's weights in place: one launch whose programs split the group's rows, so k and v ride with q's
 programs instead of running alone.

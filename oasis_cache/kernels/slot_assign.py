@@ -73,7 +73,7 @@ if triton is not None:
         last = tl.full([S_POW2], 1 << 40, tl.int64)  # kept slots sort last (the clock stays far below 2**40)
         order_key = tl.where(keep | (s >= S), last * S_POW2 + s, (used + 1) * S_POW2 + s)
         order = tl.sort(order_key) % S_POW2  # slot ids, eviction order first (a rank by S^2 pairwise comparisons
-        order_row = scratch + (bh * 2 + 1) * S_POW2  # was slower on the H200: 8.8 vs 6.3 us at S = 128, session 32)
+        order_row = scratch + (bh * 2 + 1) * S_POW2  # was slower on the H200: 8.8 vs 6.3 us at S = 128)
         tl.store(order_row + s, order)
         tl.debug_barrier()
         rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1

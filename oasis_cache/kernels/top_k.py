@@ -1,7 +1,7 @@
 """The k best blocks per (sequence, KV head) in one launch, in block order: the set `torch.topk(ranks, k)` returns
 (ties: the lower block ids), listed by block id instead of best first. torch's radix select (`sbtopk::gatherTopK`,
 2 bits a pass) and the sort of its k results took ~28 us a layer at 48K on the H200 (3072 blocks, k = 128; ~1 ms of a
-replayed 36-layer step, thirty-first session) for what is a few thousand numbers.
+replayed 36-layer step) for what is a few thousand numbers.
 
 One program per (sequence, KV head) holds its whole row in registers, each rank as an unsigned 32-bit key (its fp32
 bits made monotonic; held in 64 bits, -1 past the row). The k-th largest key T is found from the top bit down, two
@@ -16,14 +16,14 @@ ranks 2,176 blocks, a 128K one 8,704), and one power of two past it doubled the 
 4,096 ranks: 8.6 -> 14.3 us on the H200) or, past 8,192, fell back to `torch.topk` + sort (~60 us a layer).
 
 Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one reduction) was slower on the H200:
-24.8 against 8.4 us for 8 rows of 2048 (`bench/results/select-kernels-h200-2026-12-03-session32.txt`).
+24.8 against 8.4 us for 8 rows of 2048 (`bench/select_kernels.py`, 2026-12-03).
 
-The thirtieth session's kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,
+An earlier kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,
 130 at 48K on the H200 — ~66 dependent exchange stages of the whole row for one program; here 16 sums.
 
 Long rows run in two stages (`segments`): one program per (sequence, KV head) left 8 programs for 132 SMs and a
-128K prompt's 8,704-block rows took ~42 us a layer inside a compiled step (1.5 ms of its 10.3; the thirty-seventh
-session's profile). Stage one cuts each row into S segments of at least k ranks and selects each segment's k best
+128K prompt's 8,704-block rows took ~42 us a layer inside a compiled step (1.5 ms of its 10.3 in a
+profile). Stage one cuts each row into S segments of at least k ranks and selects each segment's k best
 (B * H * S programs); stage two selects the k best of those S * k candidates, carrying their block ids. Exact, ties
 included: under the order (rank descending, block id ascending) a row's k best are each among their segment's k best,
 and the candidates stay in block order.
@@ -128,7 +128,7 @@ def unrolled(segments: int) -> bool:
     """Whether the kernel's 16 rounds are unrolled (compiled as 16 copies) or a loop: a loop compiles ~5x faster for
     sm_90 (CI machine, `bench/compile_times.py`: 1.8 -> 0.31 s at 2,176 blocks a row, 2.6 -> 0.47 s at 8,704; the
     first decode step's longest compilation on a new machine) and costs nothing where a program holds a whole row (H200,
-    `gpu_run.sh looptopk`, forty-third session: 2,176 blocks 10.97 against 10.78 us), but ~9% where a row is cut in
+    `gpu_run.sh looptopk`: 2,176 blocks 10.97 against 10.78 us), but ~9% where a row is cut in
     segments of ~1K (8,704 blocks, two stages: 18.97 against 17.47 us, ~54 us a 128K step of Qwen3-8B's 36 layers).
     Unrolled there: a 128K prompt's prefill dwarfs a compilation, a 32K prompt's first call does not."""
     return segments > 1
@@ -138,8 +138,8 @@ def default_segments(W: int, k: int) -> int:
     """Segments a row of W ranks is cut into (1: one stage). Two stages once a row is past 4,096 ranks: 8 segments
     (fewer where segments of 4k ranks would not fill them; more where one would pass `MAX_ROW`), so 8,704 blocks,
     k = 128 -> 8 segments of 1,088 and 1,024 candidates. H200, 8 rows, k = 128 (`bench/select_kernels.py
-    --segments`): alone (thirty-eighth session) 8 segments fastest at 4,352 and 8,704 ranks (13.8, 17.7 us), one
-    stage at 2,176, 8 and 16 tied at 17,408; beside the gather as in a step (`--beside-gather`, thirty-ninth) 8
+    --segments`): alone 8 segments fastest at 4,352 and 8,704 ranks (13.8, 17.7 us), one
+    stage at 2,176, 8 and 16 tied at 17,408; beside the gather as in a step (`--beside-gather`) 8
     fastest at 8,704 (17.9 us, 16 segments 19.4) and 4,352."""
     if W <= 4096:
         return 1
@@ -152,7 +152,7 @@ def row_parts(W: int, grows: bool = True) -> tuple[int, int]:
     two >= what is left (at least 16; masked past W). Where the row `grows` with the summaries, the tail is at least a
     sixteenth of the head: a growth by a sixteenth (`BlockSummaries.reserve`) then keeps the kernel's specialization
     — 2,048 blocks rank 2,048 + 128 before and after — instead of compiling a second one (~1.5 s on a new machine;
-    the first growth is made at the prefill since the forty-third session, `OasisLayer._offload_complete_blocks`).
+    the first growth is made at the prefill, `OasisLayer._offload_complete_blocks`).
     Stage two's rows (S * k candidates) do not grow."""
     head = max(16, 1 << (W.bit_length() - 1))
     return head, max(16, head // 16 if grows else 16, triton.next_power_of_2(max(1, W - head)))

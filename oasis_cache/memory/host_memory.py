@@ -3,7 +3,7 @@ written (an out-of-memory kill loses the whole process and says nothing).
 
 Pinned memory freed by a dropped cache stays in torch's caching host allocator, reusable only by requests of a size
 it holds; a process that makes caches of other shapes one after another piles it up (32K x 1, 32K x 4, 128K x 1 on the
-H200 host, issue 20). `release_cached_pinned` hands it back to the system: a cache does so when it is reset, and
+H200 host). `release_cached_pinned` hands it back to the system: a cache does so when it is reset, and
 before refusing a pool for lack of room.
 """
 

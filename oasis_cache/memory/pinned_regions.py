@@ -5,7 +5,7 @@ allocator (`fast_pinning`: malloc, pages touched by threads, `cudaHostRegister` 
 of the process's first prefill on the H200's host; one anonymous mapping on transparent huge pages, touched by torch's
 threads and registered once, took 0.25-0.27 s for the same 5 GiB (`bench/pinned_alloc.py`, cases `runtime` and
 `hugeone`). With `OasisConfig.pinned_regions` (research, off: the first `generate` gained nothing, its pinning
-overlaps the prefill's device work; docs/perf.md, forty-fifth session) a prefill reserves, at its first
+overlaps the prefill's device work; docs/performance.md) a prefill reserves, at its first
 full-attention layer, every chunk its pools will take (`OasisCache._reserve_pinned`), as one region; the pools take
 them from the stash of the forward that runs (`reserving`, `take`) and fall back to torch's allocator for anything
 else (decode-time growth, forks, reordered batches).

@@ -40,7 +40,7 @@ def side_stream_programs(device: torch.device) -> int:
     once. A prefetch only has to land within the step it overlaps; its programs mostly wait on PCIe, and the SMs
     they sit on run the step's kernels slower (a layer's matmuls 1.20x their time alone beside 32 programs of 4
     warps, 1.14x beside 8 of 16 warps, same gather rate; compiled 32K x 1 steps 8.57 -> 8.28 ms, 128K x 1 9.53 ->
-    9.25: docs/perf.md, thirty-ninth session; one program per block took 27% more than 32 of 4, thirteenth)."""
+    9.25: docs/performance.md; one program per block took 27% more than 32 of 4)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(4, 1 << (max(1, sms // 16).bit_length() - 1))
 

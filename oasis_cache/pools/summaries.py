@@ -9,7 +9,7 @@ bits (`key_bits=True`): a 1-bit code of every key, channel by channel.
         the block's mean key in that channel.
     `levels` `[2, B, Hkv, NBcap, D]`: per channel, the mean of the keys below or at the block mean (0) and of those
         above it (1) — the least-squares levels of a 1-bit code (Lloyd-Max), which measured far better than
-        snapping to the min and max (docs/perf.md). A channel with no key above its mean has both levels equal.
+        snapping to the min and max (docs/performance.md). A channel with no key above its mean has both levels equal.
     Token t's coarse key is `where(bit, levels[1], levels[0])`. T*D/8 more bytes per block and KV head than the
     bound: half of `levels` in bf16.
     With `fp8_levels=True`, `levels` are float8 (e4m3) and `scales` `[B, Hkv, NBcap]` fp32 holds a power of two per
@@ -28,8 +28,8 @@ those blocks' codes and levels on the chosen channels (their fp8 scales stay: po
 Blocks [0, num_blocks) are valid (`count`: the same number, `[1]` int64 on the device, which selection reads so that
 a captured decode step stays valid as blocks complete); entries past it are never ranked. Capacity grows by a
 sixteenth (at least 64 blocks) when full, on fixed steps (`capacity_for`: the same capacity for the same blocks
-however they came, since the forty-seventh session): the pool costs about 2/T of the keys' size (1/16 of K+V at
-T=16; 3/32 with codes at bf16), with at most 1/16 of slack (a quarter until the tenth session: 1.6 points of device
+however they came): the pool costs about 2/T of the keys' size (1/16 of K+V at
+T=16; 3/32 with codes at bf16), with at most 1/16 of slack (a quarter: 1.6 points of device
 KV at 32K), and is reallocated O(log N) times over a sequence (each growth, a recapture of the captured steps: every 2048 decode
 tokens at 32K, 8192 at 128K).
 """
@@ -126,7 +126,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # Triton converts fp8 e4m3 on Ada / Hopper and late
 def fp8_levels_for(requested: bool | None, scorer: str, device: torch.device, use_kernels: bool) -> bool:
     """Whether a layer keeps its bits levels in fp8: `requested` (`OasisConfig.fp8_levels`) when given, else fp8
     wherever it runs (the bits scorer on CPU, on CUDA with the torch path, or with the Triton kernels on compute
-    capability >= 8.9; CPU measurements: the same retention as bf16 levels, `docs/perf.md`)."""
+    capability >= 8.9; CPU measurements: the same retention as bf16 levels, `docs/performance.md`)."""
     kernels_cannot = (use_kernels and device.type == "cuda"
                       and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY)
     if requested is None:

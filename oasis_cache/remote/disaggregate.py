@@ -282,7 +282,7 @@ class publishing:
 
 # Default local cache per layer: this many working sets of units, but at most this share of the published units
 # (and at least one working set: a step's selection must fit). Qwen2.5-Coder-0.5B on Python's documentation, 4K,
-# budget 1/8, 128 steps (`bench/disagg.py --local-cache-sets`, docs/perf.md): warm steps read 212 / 94 / 25 units
+# budget 1/8, 128 steps (`bench/disagg.py --local-cache-sets`, docs/performance.md): warm steps read 212 / 94 / 25 units
 # from the store with 1 / 2 / 4 working sets.
 LOCAL_CACHE_STEPS = 4
 LOCAL_CACHE_SHARE = 1 / 4
@@ -307,7 +307,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     setting (a prefill process that decoded eagerly hands on `cuda_graph=False`). `overlap` (with deferred store
     reads): a host thread reads each layer's record as soon as the step has written it and reads the store while the
     later layers compute (`start_repair`); the next forward finishes the maps and gathers. Off by default: slower
-    on the H200 (its host thread competes with the step for the GIL; docs/perf.md, twenty-first session).
+    on the H200 (its host thread competes with the step for the GIL; docs/performance.md).
     `input_ids`: the prompt (`[B, N or more]`): refused unless the request was published with the same first N
     tokens (`publish(..., input_ids=)`)."""
     manifest = _read_manifest(store if isinstance(store, StoreClient) else RemoteTier(store, request).store, request)
@@ -365,7 +365,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
         if device.type == "cuda" and cuda_graph is None and not prefetching:  # (deferred=False: asked for)
             warnings.warn(f"admit: request {request!r} was published with {why}: its decode steps read the Mooncake "
                           f"Store inside the step and run eagerly, several times slower than steps that read it "
-                          f"after the step and replay as CUDA graphs (docs/perf.md). For those, publish from "
+                          f"after the step and replay as CUDA graphs (docs/performance.md). For those, publish from "
                           f"OasisCache(model, token_budget=..., lookahead='previous') or with exact=False; "
                           f"admit(..., cuda_graph=False) silences this.", stacklevel=2)
     if deferred is None:
