@@ -1,6 +1,6 @@
 """A side stream kept busy by the package's gather kernel, as a decode step's prefetch runs beside its kernels.
 
-Kernels time differently inside a step than alone: on the H200 (thirty-eighth session, compiled Qwen3-8B steps) the
+Kernels time differently inside a step than alone: on the H200 (, compiled Qwen3-8B steps) the
 top-k took 22.5 us a call at 2,176 blocks inside a 32K step against 11.0 alone, the grouped projections 48.6
 against 33.5, cuBLAS's gate/up 31.3 against 28.5 — beside the gather's 32 long-lived programs (a layer's prefetch,
 ~150 us). Tiles and program counts tuned alone can lose in the step. `GatherLoad` recreates that neighbour for the
@@ -87,7 +87,7 @@ class GatherLoad:
 
 
 def parse_shape(spec: str) -> dict:
-    """`P` (4 warps, one block at once: the shape before the thirty-ninth session) or `PxWxE` -> GatherLoad's
+    """`P` (4 warps, one block at once: the shape) or `PxWxE` -> GatherLoad's
     programs, warps, entries."""
     parts = [int(x) for x in spec.lower().split("x")]
     if len(parts) not in (1, 3) or min(parts) < 1:

@@ -1,4 +1,4 @@
-"""Throughput at equal GPU memory (issue 21): the largest batch each method runs at a context, under a memory cap and
+"""Throughput at equal GPU memory: the largest batch each method runs at a context, under a memory cap and
 uncapped, and its decode tokens per second, measured through `model.generate` as a user runs it.
 
     python bench/capacity.py --model qwen3-8b --contexts 32768 131072 --caps 24 0 \

@@ -1,8 +1,6 @@
 """How long Triton takes to compile the package's kernels for a GPU, measured on any machine (no GPU needed).
 
-A first decode step's compilations are what a first `generate` waits for on a new machine (issue 21, docs/perf.md,
-forty-second session: in worker processes on the H200 the top-k took 3.5-3.7 s, the slot assignment 1.5-1.9, the
-split attention 1.3, the block scores 1.2, the others 0.4-0.9). This compiles, for `--arch` (sm_90: the H200) in this
+A first decode step's compilations are what a first `generate` waits for on a new machine. This compiles, for `--arch` (sm_90: the H200) in this
 process with a driver that only names the target (`kernels/compile_workers._CompileOnlyDriver`), each in a new
 kernel cache after one other compilation has paid Triton's start-up: the top-k's specializations for a decode step
 (`--widths`: blocks per row; 2,176 is a 32K prompt's row from its 16th step, 8,704 a 128K prompt's, two stages), and
@@ -16,7 +14,7 @@ to measure (e.g. an older checkout: `git worktree add /tmp/old <commit>`), defau
     python bench/compile_times.py --kernels top_k slot_assign block_scores attention --widths 2176 --together
 
 `--together`: then all of them one after another and all at once (a thread each), as a dry step compiles them: on
-the CI machine's 2 CPUs 2.18 s -> 1.28 s (forty-third session), so Triton's compilations do run side by side in
+the CI machine's 2 CPUs 2.18 s -> 1.28 s, so Triton's compilations do run side by side in
 threads for much of their time.
 """
 

@@ -1,4 +1,4 @@
-"""Prefill / decode disaggregation through a Mooncake Store (issue 24): what admission moves against a full KV
+"""Prefill / decode disaggregation through a Mooncake Store: what admission moves against a full KV
 transfer, what the decode side holds, what it fetches per step, and its time per token against the same cache
 decoding from its local host pool.
 

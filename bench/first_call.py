@@ -1,4 +1,4 @@
-"""The first `generate` of a process against a later one (issue 21: at most ~2x at 32K x 1).
+"""The first `generate` of a process against a later one.
 
     python bench/first_call.py --model qwen3-8b --context 32768 --new-tokens 32
     python bench/first_call.py --model tiny --device cpu --context 256 --new-tokens 8   # smoke
@@ -7,7 +7,7 @@
 Runs `--processes` fresh child processes one after another (the first one starts with empty Triton and inductor
 kernel caches and an empty driver JIT cache, where cuDNN's runtime-compiled attention kernels land, when
 `--fresh-kernel-cache` is given: what a new machine pays, but for its cold disk; the later ones find the kernels on
-disk, as every later process on that machine does; the JIT cache since the forty-sixth session). Each child loads the
+disk, as every later process on that machine does; the JIT cache). Each child loads the
 model, then calls `model.generate` `--calls` times, each with a fresh `OasisCache(model, token_budget=--budget)` on
 the same random prompt, and reports each call's wall time. Prints a table (ratio = a call's time / the child's last
 call) and writes JSON (`--out`).
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OasisCache(..., compile_ahead=False): each kernel compiles at its first launch")
     parser.add_argument("--ahead-at-prefill", action="store_true",
                         help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
-                             "prefill, at its first attention layer (the default since the forty-sixth session; its "
+                             "prefill, at its first attention layer (the default; its "
                              "phases print as the dry step's)")
     parser.add_argument("--no-ahead-at-prefill", action="store_true",
                         help="OasisCache(..., ahead_at_prefill=False): the dry step runs before the first decode step")
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cumulative and own time)")
     parser.add_argument("--profile-call", type=int, default=0,
                         help="with --profile: which call of each child to profile (0: the first; e.g. 2 for a later "
-                             "call's prefill, whose first token still fell with fast_pinning: forty-first session)")
+                             "call's prefill, whose first token still fell with fast_pinning: earlier)")
     parser.add_argument("--compile-after-steps", type=int, default=0,
                         help="the default compile_decode=None with compile_after_steps=N (research): its switch sooner")
     parser.add_argument("--child-stderr", default="", help="each child's stderr into DIR/child-<i>.log (e.g. with "

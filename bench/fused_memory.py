@@ -3,7 +3,7 @@
     python bench/fused_memory.py --layers 4            # Qwen3-8B's layer shape, 4 layers, 4K prompt, 6 tokens
     python bench/fused_memory.py --layers 36 --history  # and where the largest blocks alive after the run came from
 
-The fortieth session's `bench/decode.py` rows showed a fused compiled run's decode peak 16.8 GiB above the unfused one
+earlier `bench/decode.py` rows showed a fused compiled run's decode peak 16.8 GiB above the unfused one
 (Qwen3-8B, 32K and 128K: twice the fused groups' 8.4 GiB) — a rise inside one step. Here each mode runs alone
 (`compile_decode=True`, `lookahead="previous"`, the other options the package's), one after the other in this
 process (the unfused first: its weights are the model's own), through `model.generate`; printed per new token: the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Work longer than one device call: a call returns within 10 minutes, but a job started in its own process session
 # runs on while the machine stays warm (calls back to back, each within ~30 s of the last). Jobs live in /tmp/bg.
-# A machine left 30 s without a call goes back with every job on it (lost so, the twenty-second session): keep a
+# A machine left 30 s without a call goes back with every job on it (lost so): keep a
 # `wait` call in flight the whole time and read results between calls in seconds, or after the jobs end.
 #   bash bench/gpu_bg.sh start NAME 'COMMAND'   runs COMMAND (bash, in this checkout) with OUT=/tmp/bg/NAME/out;
 #                                                returns at once; /tmp/bg/NAME/rc holds its exit status when it ends

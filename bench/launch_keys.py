@@ -2,7 +2,7 @@
 interpreter): each launch's specialization as Triton's JIT computes it on the GPU (argument types, 16-byte alignment
 and divisibility by 16 of pointers and ints, ints equal to 1, constexpr values), and the forward where each kernel
 first meets each one. A new specialization is a compilation on the GPU: ~0.2-2 s each on a machine without the
-kernels on disk (issue 21's first call: decode step 1 took 7.8 s and step 16 2.4 s on a fresh H200 machine), and a
+kernels on disk, and a
 load from disk elsewhere. Compiling them ahead needs to know them; a decode step meeting a new one late (an int
 whose divisibility changes as blocks complete) would stall a long generation.
 
@@ -17,7 +17,7 @@ whose divisibility changes as blocks complete) would stall a long generation.
 Prints, per kernel, its specializations and the forward (1: the prefill) where each first appeared (on CUDA with the
 seconds its first launch took), and how a later one differs from the first. Without the interpreter the eager path
 and the captured steps both run (the CPU has no captured steps: on a fresh H200 machine decode step 16 still took
-2.4 s in the thirty-fourth session, where the interpreter's run meets nothing new past step 1).
+2.4 s, where the interpreter's run meets nothing new past step 1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A decode step's weight matmuls alone (issue 21: 5.4 ms of a replayed 32K x 1 step against a ~3.4 ms floor): each
+"""A decode step's weight matmuls alone: each
 projection of a Qwen3-8B layer at M = batch rows, as `F.linear` runs it (cuBLAS), its achieved bandwidth; then the
 same with the projections that share an input concatenated (q/k/v, gate/up: one read of the input, one launch).
 Each is captured as a CUDA graph of `--calls` calls over distinct weights (no L2 reuse), replayed; medians.

@@ -1,7 +1,7 @@
 """Models for benchmarks: random weights of real shapes, SmolLM2 and Qwen2.5-Coder-0.5B with real weights, and a tiny
 shape for smoke runs on CPU. A dense step's speed does not depend on weight values; an oasis step's does: random
-weights select nearly independent blocks each step (the worst case for what a step must fetch; docs/perf.md,
-twenty-seventh session), a real model's selection is stable."""
+weights select nearly independent blocks each step (the worst case for what a step must fetch; docs/performance.md,
+earlier), a real model's selection is stable."""
 
 from __future__ import annotations
 

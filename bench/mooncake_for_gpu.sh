@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Mooncake Store for a device call (issue 24 on the H200: `bash bench/gpu_run.sh disagg`, the admitted-cache CUDA
-# test). The GPU image has python 3.12 and no Mooncake; the non-CUDA build is enough (TCP on loopback, host memory).
+# Mooncake Store for a device call. The GPU image has python 3.12 and no Mooncake; the non-CUDA build is enough (TCP on loopback, host memory).
 # Writes `.mc/` (ignored): the cp312 wheel (46 MB; the CUDA build is 98 MB, over a call's 64 MiB) and the Debian
 # packages of the system libraries it links (libibverbs, libnl, libnuma; ~0.3 MB). Run here once, with
 # `bash bench/device_light.sh on` (the tree must stay small), then carry [".mc"] and begin the call with:

@@ -1,6 +1,4 @@
-"""What pinning a host pool costs a process's first prefill, and whether it can overlap the device's work (issue 21,
-first call: a profile of the first `generate` at 32K x 1 on Qwen3-8B shapes showed 2.0-2.1 s in `torch.empty(...,
-pin_memory=True)` for the host pools' 324 chunks of 16 MiB; a later call of the process reuses torch's cached
+"""What pinning a host pool costs a process's first prefill, and whether it can overlap the device's work` for the host pools' 324 chunks of 16 MiB; a later call of the process reuses torch's cached
 pinned blocks).
 
     python bench/pinned_alloc.py                       # CUDA: each case in a fresh child process
@@ -19,8 +17,7 @@ Cases (each child a new process, so torch's caching host allocator starts empty)
   ahead      the same matmuls, the chunks pinned by a thread started first (the pool grown ahead of the prefill)
   device     the matmuls alone (the floor of `layered` and `ahead`)
   hugepages  the chunks mapped by the bench itself (anonymous mmap, 2 MiB-aligned, `MADV_HUGEPAGE`), touched by torch's
-             threads (`zero_`), then `cudaHostRegister`ed: whether transparent huge pages make registration faster
-             (forty-fourth session: the first prefill at 32K still pins 5 GiB in ~1.4 s); reports the touch and
+             threads (`zero_`), then `cudaHostRegister`ed: whether transparent huge pages make registration faster (: the first prefill at 32K still pins 5 GiB in ~1.4 s); reports the touch and
              register seconds apart, the AnonHugePages gained, and whether torch then sees the memory as pinned
   mmap       the same without `MADV_HUGEPAGE` (4 KiB pages: the control)
   hugeone    `hugepages` as one region for all the chunks, registered in one call

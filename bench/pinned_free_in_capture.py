@@ -1,4 +1,4 @@
-"""Diagnostic (thirty-seventh session): does freeing a pinned block, last used on a stream, while that stream is
+"""Diagnostic: does freeing a pinned block, last used on a stream, while that stream is
 being captured leave an event torch's caching host allocator later fails to query ("CUDA error: invalid argument"
 at the next pinned allocation or `.item()`)? Run on a GPU: `python bench/pinned_free_in_capture.py`."""
 

@@ -1,6 +1,6 @@
 """Prefill time: dense (`DynamicCache`, one forward) against OasisCache's chunked prefill with the prompt's keys and
 values kept on the device between chunks (`resident_prefill`, the default) and read back from the host pool at every
-chunk (`resident_prefill=False`, the behaviour before the twentieth session); `oasis-masked`: resident, with a chunk's
+chunk (`resident_prefill=False`, the behaviour); `oasis-masked`: resident, with a chunk's
 attention over its past by SDPA's lower-right causal mask (`compute/dense.SPLIT_PAST` off, before the forty-fifth
 session).
 
@@ -45,7 +45,7 @@ def build(model, method: str, args):
     from oasis_cache.compute import dense
 
     dense.SPLIT_PAST = method != "oasis-masked"  # (oasis-masked: a chunk over its past by SDPA's lower-right mask,
-    # as before the forty-fifth session; the others merge cuDNN's past and chunk)
+    # as; the others merge cuDNN's past and chunk)
     return OasisCache(model, token_budget=args.budget, prefill_chunk_tokens=args.chunk_tokens,
                       resident_prefill=method in ("oasis-resident", "oasis-masked"))
 

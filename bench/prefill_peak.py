@@ -8,8 +8,7 @@ smaller ones), in one process. A row lists the retries in smaller chunks the pre
 
 Prints per variant: ok or the error (with the out-of-memory error under the package's MemoryError, the frames that
 made the request, the bytes reserved but split unused and the allocator's retries; with `--history`, which
-allocations hold the split segments), the peak allocated and reserved GiB (issue 21: 32K x 8 ran under a 24 GiB cap
-in the sixteenth session, not in the forty-sixth).
+allocations hold the split segments), the peak allocated and reserved GiB.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def timed(command: list[str], cwd: Path = ROOT) -> dict:
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return {"seconds": round(seconds, 1), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2), "tail": done.stdout.strip().splitlines()[-8:]}
+            "load_after": round(os.getloadavg()[0], 2), "tail": done.stdout.strip().splitlines()[-30:]}
 
 
 def main() -> None:

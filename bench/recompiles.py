@@ -1,4 +1,4 @@
-"""Why `compile_decode` compiles more than one graph for a model's layers (a diagnosis run, issue 21): a tiny Qwen3 of
+"""Why `compile_decode` compiles more than one graph for a model's layers (a diagnosis run, this work): a tiny Qwen3 of
 10 layers decodes 12 tokens with `compile_decode=True`, printing dynamo's recompilation reasons and graph breaks,
 then the count of unique graphs and whether this torch has `torch.compiler.config.dynamic_sources`.
 

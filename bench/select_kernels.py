@@ -1,7 +1,7 @@
 """The selection's kernels after the block scores, at a decode step's shape: the top-k (the package's select kernel,
 and `torch.topk` + the sort into block order it replaced), then the slot assignment on a stream of selections.
-(The thirty-second session's variants lost and were dropped: four bits a round in the select, an eviction order
-by pairwise comparisons in the assignment; `bench/results/select-kernels-h200-2026-12-03-session32.txt`.) Each is
+(earlier variants lost and were dropped: four bits a round in the select, an eviction order
+by pairwise comparisons in the assignment.) Each is
 captured as a CUDA graph of `--calls` calls (no launch overhead: a replayed decode step's conditions), replayed
 `--repeats` times; medians.
 

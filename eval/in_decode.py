@@ -1,4 +1,4 @@
-"""The in-decode workload (issue 22): prompts that make the model write long outputs, so that most of the KV is
+"""The in-decode workload: prompts that make the model write long outputs, so that most of the KV is
 written *during decode* — blocks completed while generating are offloaded, summarized and selected like prompt
 blocks. The paper's own scenario (long reasoning, AIME); ours is long programs and explanations from a coder model.
 
@@ -17,7 +17,7 @@ Budgets are fractions of the final context (prompt + new tokens), at least `--mi
     python eval/in_decode.py --tiny      # CI size: random weights (plumbing only), two prompts, 96 new tokens
 
 The prompts run as one left-padded batch, or with `--per-prompt` each as its own batch of one (on CUDA both replay
-their decode steps as graphs since the eighteenth session; before, a padded batch's ran eagerly). Several processes
+their decode steps as graphs; before, a padded batch's ran eagerly). Several processes
 can share the work (`bench/gpu_run.sh qwenindecodepar` runs them side by side on one GPU): by mode and budget, with
 `--dense FILE` keeping dense's trajectories (made by the first process that finds them missing, read by the others),
 or by prompt (`--only 0 3`). Each process writes its rows to `--out` after every row; `--merge A.json B.json ...`

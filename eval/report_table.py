@@ -2,8 +2,8 @@
 task and length, how many of the samples dense answers each mode and budget also answers (`kept/dense-solved`), or,
 for tasks scored by partial credit (no sample fully solved by dense), the mode's accuracy beside dense's.
 
-    python eval/report_table.py eval/results/report-qwen05-8k-h200-2026-12-01.json \\
-        eval/results/report-qwen05-16384-partial-h200-2026-12-01.jsonl ...
+    python eval/report_table.py eval/results/suite-h200-2026-12-03/report-qwen*.json --modes none previous \\
+        eagle3-exact --fractions 16 32
 """
 
 from __future__ import annotations

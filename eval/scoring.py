@@ -119,7 +119,7 @@ def _centroids(q, keys, split="mean", level_dtype=None):
 def _centroids_grouped(q, keys, group: int):
     """`_centroids` with one split and one pair of levels per channel shared by `group` consecutive blocks (the last
     group may be shorter): the levels' bytes divided by `group`, the codes still one bit per key — the summaries a
-    ≤ 10% device-KV budget at 32K would allow (docs/perf.md)."""
+    ≤ 10% device-KV budget at 32K would allow (docs/performance.md)."""
     B, H, NB, T, D = keys.shape
     full = NB // group * group
     parts = [_centroid_keys(keys[:, :, :full].reshape(B, H, full // group, group * T, D)).reshape(B, H, full, T, D)]
@@ -132,7 +132,7 @@ def _centroids_grouped(q, keys, group: int):
 def _centroids_on_channels(q, keys, share: int, group: int = 1):
     """`_centroids` (or `_centroids_grouped`) over the D/`share` channels of `_channels` only: codes and levels of
     those channels, the other channels' share of q.k left out — summaries 1/`share` the size (half with share = 2:
-    3.1% of K+V per block in fp8), the other lever toward ≤ 10% device KV at 32K (docs/perf.md)."""
+    3.1% of K+V per block in fp8), the other lever toward ≤ 10% device KV at 32K (docs/performance.md)."""
     qs, ks = _on_channels(q, keys, share)
     return _centroids(qs, ks) if group == 1 else _centroids_grouped(qs, ks, group)
 

@@ -60,9 +60,9 @@ TASKS = ["single_needle", "multikey", "multivalue", "variable_tracking", "freque
 MODES = ["none", "previous", "eagle3", "eagle3-exact"]
 FRACTIONS = [8, 16, 32]
 NLL_PREFILL, NLL_TOKENS = 7936, 256
-LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-03-session30" / "suite.json"
+LAST_RUN = ROOT / "eval" / "results" / "suite-h200-2026-12-03" / "suite.json"
 # The report processes' environment: several share one GPU, so their allocators keep few reserved-but-unused bytes
-# (three 32K processes of the twenty-fourth session ran out of memory with 40 GiB of each reserved, not allocated).
+# (three 32K processes of earlier ran out of memory with 40 GiB of each reserved, not allocated).
 ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ, "PYTHONUNBUFFERED": "1"}
 
 

@@ -315,7 +315,10 @@ class OasisCache(Cache):
         """After a forward failed: the cache rolled back to its state before it (`undo.ForwardMarks`), or marked
         broken where it cannot be. Returns whether it was rolled back."""
         marks, self._marks = self._marks, None
-        why = "no record of the state before it" if marks is None else marks.undo()
+        try:
+            why = "no record of the state before it" if marks is None else marks.undo()
+        except Exception as error:  # noqa: BLE001 - (the undo itself failed: a store gone, say; refuse to serve)
+            why = f"its undo failed ({type(error).__name__}: {error})"
         if why is not None:
             self._broken = f"a forward failed midway and {why}"
         return why is None

@@ -340,7 +340,7 @@ def test_first_call_bench_gives_its_children_every_option_but_its_own():
 
 
 def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
-    """`bench/first_call.py` (issue 21's first call against later ones) on a tiny model, CPU: a child's calls, their
+    """`bench/first_call.py` on a tiny model, CPU: a child's calls, their
     first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step), and
     whether each call's cache outlived it."""
     rows = {}

@@ -121,8 +121,7 @@ def test_a_prompts_first_completed_block_leaves_the_steady_steps_layout(length):
     """After a prefill, the first decode step that completes a block needs no room the prefill did not make: the
     summaries and the slot map grew at the prefill (`OasisLayer._offload_complete_blocks`), so the steady steps
     before and after it share one replay signature — one captured graph of each kind, not a steady one captured
-    again right after the first completion (H200: ~90-110 ms at decode step 17 of every 32K call, forty-third
-    session) — and a prompt not a multiple of the top-k's row sizes meets its grown row width at the first step
+    again right after the first completion (H200: ~90-110 ms at decode step 17 of every 32K call) — and a prompt not a multiple of the top-k's row sizes meets its grown row width at the first step
     (the dry step compiles its kernels), not ~16 steps later."""
     model = tiny_model("qwen3", num_hidden_layers=3)
     cache = OasisCache(model, token_budget=128, recent_tokens=32)
@@ -493,8 +492,8 @@ def test_compile_decode_none_goes_on_uncompiled_when_the_compilation_fails(monke
 
 def test_compiled_decode_compiles_once_for_all_layers():
     """The decoder layers share their forward's code: a model deeper than dynamo's recompile limit (8) compiles the
-    same graphs as a two-layer one, so no layer past the limit runs eager, unseen (the H200 profile of the thirtieth
-    session: 8 of 36 layers compiled), and the first step compiles once, not once per layer. Where every layer is
+    same graphs as a two-layer one, so no layer past the limit runs eager, unseen (an H200 profile once
+    showed 8 of 36 layers compiled), and the first step compiles once, not once per layer. Where every layer is
     an oasis layer, the cache's update and the attention are custom ops (`compute/compiled_ops.py`): a layer is one
     graph, without a graph break; a model with sliding-window layers keeps the breaks and decodes the same too."""
     from torch._dynamo.utils import counters
@@ -554,7 +553,7 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
         graphs.append(counters["stats"]["unique_graphs"] - before)
         outs.append(out)
     assert products == [7, 4], products
-    # one compiled graph serves every layer, fused too (the thirty-second session's per-module forwards were guarded
+    # one compiled graph serves every layer, fused too (per-module forwards were guarded
     # by identity: a graph a layer up to the recompile limit, later layers eager, on the H200 too)
     assert graphs[1] == graphs[0] <= 2, graphs
     assert len(cache.fused_groups) == 6 and all(group.on for group in cache.fused_groups)
@@ -589,7 +588,7 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
 def test_a_copy_of_a_fused_cache_shares_the_models_buffers():
     """`copy.deepcopy` of a cache with `fuse_projections` (what `compile_ahead`'s dry step makes at a first decode
     step) shares the model's fused buffers instead of copying them: on the H200 the copies stayed alive through the
-    decode, +16.8 GiB for an 8B model (`bench/fused_memory.py`, fortieth session). Nothing else of the model is copied
+    decode, +16.8 GiB for an 8B model (`bench/fused_memory.py`). Nothing else of the model is copied
     with it."""
     import copy
 
@@ -668,7 +667,7 @@ def test_the_modules_settings_change_when_a_setting_does_only():
 def test_a_captured_steps_kept_output_does_not_hold_its_cache():
     """A captured step keeps its forward's output (the logits are the graph's buffer), but not the cache in it
     (`past_key_values`): the cycle cache -> graphs -> output -> cache kept a dropped cache and its pinned host pools
-    alive until Python's next collection (H200, forty-fourth session: 5 GiB pinned anew at each later 32K call). The
+    alive until Python's next collection (H200: 5 GiB pinned anew at each later 32K call). The
     output handed back per step carries the cache and a copy of the logits."""
     import gc
 

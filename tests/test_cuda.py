@@ -345,7 +345,7 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
 
 def test_compiled_decode_captured_decodes_what_eager_decodes():
     """`compile_decode=True` on CUDA, steps captured (the default here): every layer of a model deeper than dynamo's
-    recompile limit runs compiled (one graph for all; thirtieth session: only 8 of 36 did) and the greedy
+    recompile limit runs compiled (one graph for all) and the greedy
     tokens equal the eager cache's, with logits within rounding, across block completions."""
     from torch._dynamo.utils import counters
 
@@ -359,7 +359,7 @@ def test_compiled_decode_captured_decodes_what_eager_decodes():
     cache = OasisCache(model, compile_decode=True, **options)
     compiled = generate(model, cache, inputs, **kw)
     # one graph for all 10 layers (2: a torch without `dynamic_sources`), no break at the cache's calls (torch 2.11
-    # broke at the token's attribute write: then 10 graphs, thirty-second session)
+    # broke at the token's attribute write: then 10 graphs)
     assert 0 < counters["stats"]["unique_graphs"] - before <= 2
     assert sum(counters["graph_break"].values()) == breaks
     assert cache.captured_steps.replays >= 30
@@ -397,7 +397,7 @@ def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_
     for a, b in zip(eager.logits, got.logits):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
     # A later cache compiles nothing new: its first step (eager, with the caller's mask) runs uncompiled, not a
-    # second graph (thirty-sixth session: 1.4-2.4 s at the next call's first step on the H200); another prompt length
+    # second graph (: 1.4-2.4 s at the next call's first step on the H200); another prompt length
     graphs = counters["stats"]["unique_graphs"]
     other = on_cuda({"input_ids": prompt_ids(270, batch=2)})
     later = OasisCache(model, compile_after_steps=39 + 20, **options)
@@ -459,7 +459,7 @@ def test_half_channel_summaries_on_cuda():
 
 @pytest.mark.parametrize("lookahead", ["none", "previous"])
 def test_budget_at_the_context_on_cuda(lookahead):
-    """Issue 20's boundary on the default CUDA path (captured steps, Triton kernels): from the context on, every
+    """boundary on the default CUDA path (captured steps, Triton kernels): from the context on, every
     budget (block multiple or not) decodes exactly what dense decodes; slots grown during decode keep it exact."""
     model = tiny_model("llama").cuda()
     inputs = on_cuda({"input_ids": prompt_ids(45)})
@@ -623,7 +623,7 @@ def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(mon
 def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(mode):
     """A cache nothing references any more is freed with its last reference, not at Python's next collection, so the
     next cache of the same shape takes its pinned blocks from torch's host allocator instead of pinning anew. The
-    H200 (forty-fourth session): a captured step's kept output held its cache (`past_key_values`), a reference
+    H200: a captured step's kept output held its cache (`past_key_values`), a reference
     cycle; each later 32K `generate` of an 8B model pinned 5 GiB anew (1.7-2.0 s) and the pinned pool grew by as
     much per call until a collection."""
     import weakref
@@ -765,7 +765,7 @@ def test_a_prefill_pins_its_pools_in_one_region_reused_by_the_next_cache():
 
 def test_pinned_host_memory_is_released(monkeypatch):
     """Caches of different shapes made and dropped one after another leave pinned memory in torch's caching host
-    allocator (issue 20: a process died at its next 128K cache); a reset, or a host pool that would not fit
+    allocator; a reset, or a host pool that would not fit
     otherwise, hands it back to the system."""
     from oasis_cache.memory import host_memory
 
@@ -1134,7 +1134,7 @@ def test_capped_and_latent_steps_replay_captured_as_they_decode_eagerly(kind):
 def test_gemma3_with_an_image_replays_captured_as_it_decodes_eagerly():
     """Gemma 3 prompted with an image (its prefill's 4D mask; windows in rings at decode) with `cuda_graph=True`:
     eager's tokens and logits over 40 steps, one prompt and a left-padded batch — the check behind `gemma3_text` in
-    `CAPTURE_CHECKED_MODEL_TYPES` (passed on the H200, fifty-third session)."""
+    `CAPTURE_CHECKED_MODEL_TYPES` (passed on the H200)."""
     from test_multimodal import image_prompt, run, tiny_gemma3_vision
 
     model = tiny_gemma3_vision().cuda()

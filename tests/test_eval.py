@@ -138,7 +138,7 @@ def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer)
 def test_a_cache_rebuilt_from_its_dynamic_copy_decodes_as_the_one_that_prefilled(tokenizer):
     """`OasisCache.from_dynamic_cache` lays the tokens out as a prefill of them does, in its chunks (the summaries'
     key channels come from the first chunk's blocks): at a small budget, every pool and summary equal and the same
-    tokens decoded, whatever the chunk size (the seventeenth session's round trip was checked at a full budget only).
+    tokens decoded, whatever the chunk size.
     (A lookahead's first prediction, made by the prefill's last query, comes with the next forward instead.)"""
     from eval.report import encoded_batches
 

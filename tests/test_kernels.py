@@ -73,7 +73,7 @@ def test_kernel_on_cuda(check, case):
 
 
 # What still changes between two decode steps on the CUDA path (`bench/capture_audit.py`), by (file, function): the
-# work list of a captured decode step (docs/perf.md). Remove an entry when its cause moves to a device-side value;
+# work list of a captured decode step (docs/performance.md). Remove an entry when its cause moves to a device-side value;
 # a new entry means a new per-step host value in the hot path, which a CUDA graph cannot replay.
 STEP_VARYING = {
     ("bench/op_count.py", "step"),  # the caller grows the 2D mask, as `generate` does
@@ -201,8 +201,8 @@ def test_compile_workers_option_is_checked():
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_a_prefill_starts_compile_workers_before_the_cache_has_its_transfer_engine(monkeypatch):
     """`compute/ahead.beside_prefill` runs as a cache's first prefill begins, before its transfer engine exists (it
-    starts at the first layer's update): the option is judged from the prefill's device then (the forty-second
-    session's first GPU run started no worker for that reason). With `compile_workers=0`, the default, none start."""
+    starts at the first layer's update): the option is judged from the prefill's device then (else no worker
+    starts on a GPU). With `compile_workers=0`, the default, none start."""
     _, target = _compile_workers_or_skip()
     from triton.runtime import driver
 

@@ -470,8 +470,8 @@ def test_summaries_on_half_the_channels():
 def test_summary_channels_are_the_prompts_whatever_its_chunks_batch_and_padding():
     """The summaries' channels come from the prompt's real tokens, chosen at the first decode step: a prompt gets the
     same channels and decodes the same tokens alone, in a left-padded batch where it is mostly padding, and prefilled
-    in chunks of any size (before the twenty-fourth session they came from the first chunk's blocks, padding
-    included: they changed with the batch and the chunk size)."""
+    in chunks of any size (taken from the first chunk's blocks, padding included, they would
+    change with the batch and the chunk size)."""
     from conftest import left_padded, tiny_model
 
     from oasis_cache import OasisCache

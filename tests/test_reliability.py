@@ -1,4 +1,4 @@
-"""The edges of the contract and the misuse a demanding user tries (issue 20): budgets at and around the context,
+"""The edges of the contract and the misuse a demanding user tries: budgets at and around the context,
 the attention implementation switched behind a filled cache, memory that must follow the context (not the budget),
 copies and pickling, host memory refused up front, many caches in one process, and the statistics' step counts."""
 
@@ -536,7 +536,7 @@ def test_chunks_no_longer_than_a_decode_forward_still_prefill(padded):
     """`prefill_chunk_tokens` over a batch that leaves a sequence at most `max_decode_tokens` tokens a chunk: the
     chunks grow to the least that still prefills (`prefill.least_span`: 32 tokens with blocks of 16). Chunks of 16
     ran as decode steps, which do not write the prompt's keys and values kept on the device for the next chunk:
-    the last chunk read unwritten memory (garbage or NaN logits, forty-eighth session)."""
+    the last chunk read unwritten memory (garbage or NaN logits)."""
     from oasis_cache.compute.prefill import least_span, prefill_chunks
 
     model = tiny_model("llama")
@@ -946,9 +946,9 @@ def test_progress_bar_over_a_chunked_prefill(capsys):
 def test_forwards_recording_autograd_make_their_dry_copy_too(monkeypatch):
     """The dry decode step (`compile_ahead`, at the prefill by default or before the first decode step) copies the
     cache. Forwards that record autograd (a user's `model(...)` without `torch.no_grad()`) once put the state tensors
-    in autograd's graph, where they cannot be copied (on CUDA the prefill raised at its first layer once
-    `ahead_at_prefill` was the default: the forty-sixth session's CUDA suite), so neither dry way was tried then; the
-    cache's state records no autograd since the forty-eighth session, so both ways copy in either mode. (On CPU the
+    in autograd's graph, where they cannot be copied (on CUDA the prefill raised at its first layer with
+    `ahead_at_prefill`), so neither dry way was tried; the
+    cache's state records no autograd, so both ways copy in either mode. (On CPU the
     option is made to apply and the copy records.)"""
     from oasis_cache.compute import ahead
 
@@ -984,8 +984,7 @@ def test_forwards_recording_autograd_make_their_dry_copy_too(monkeypatch):
 def test_a_prefill_without_room_for_the_dry_copy_leaves_it_to_the_first_decode_step(monkeypatch):
     """`ahead_at_prefill` (the default) copies the cache beside the prefill's activations; where there is no room for
     the copy then (`_room_for_copy`: a capped card, a large batch), the dry step runs before the first decode step
-    instead, where the prefill's activations are gone — not never (before the forty-sixth session the prefill marked
-    it done either way). (On CPU the option is made to apply and the copy records.)"""
+    instead, where the prefill's activations are gone — not never. (On CPU the option is made to apply and the copy records.)"""
     from oasis_cache.compute import ahead
 
     copies, room = [], iter([False, True])

@@ -1,4 +1,4 @@
-"""`python -m oasis_cache.warm`: a machine's kernels compiled ahead of a process's first `generate` (issue 21). The
+"""`python -m oasis_cache.warm`: a machine's kernels compiled ahead of a process's first `generate`. The
 CUDA test that a warmed machine's first generate compiles nothing is in test_cuda.py."""
 
 from __future__ import annotations
