@@ -1,7 +1,7 @@
 """The picture of what OasisCache attends: SmolLM2-135M-Instruct answers a question about a long document (the demo's,
 the fact in the middle) while every decode step's selection is recorded; drawn as decode step x context position.
 
-    python examples/selection.py --out docs/selection-smollm2.png     # offline; CPU is fine (about a minute)
+    python examples/selection.py --out selection.png     # offline; CPU is fine (about a minute)
 """
 
 from __future__ import annotations

@@ -196,6 +196,7 @@ class OasisCache(Cache):
         self._routed = False  # a forward routed by the model's forward (`route_forward`) is running
         self._broken: str | None = None  # why the cache refuses to serve until `reset()` (a forward failed midway)
         self._closed = False
+        self._unchecked = True  # (the layers' lengths are checked before the next routed forward)
         # the model's "oasis" attention and routed forward, given back with its last cache (`runtime/install.py`)
         self._installation = install(model, self, ATTENTION_NAME)
         self._release = weakref.finalize(self, release, weakref.ref(model), id(self))
@@ -306,6 +307,7 @@ class OasisCache(Cache):
         """Every full-attention layer holds the same number of tokens before a forward (one that failed midway
         outside a forward this cache routes could leave them apart: the next would decode silently wrong)."""
         lengths = {each.get_seq_length() for each in self.layers if isinstance(each, OasisLayer)}
+        self._unchecked = False
         if len(lengths) > 1:
             self._broken = (f"its layers hold different numbers of tokens ({sorted(lengths)}): a forward failed "
                             "midway")
@@ -329,6 +331,7 @@ class OasisCache(Cache):
             from .undo import ForwardMarks
 
             self._check_lengths()
+            self._unchecked = True
             self._marks = ForwardMarks(self, partial=self._first_oasis_layer > 0)
         Qn = key_states.shape[2] - self.draft_rows
         self._forward_memo = {}
@@ -759,6 +762,7 @@ class OasisCache(Cache):
         self.decode_clock = 0
         self._device_clocks = {}
         self._broken = self._marks = None
+        self._unchecked = True
         self._forward_memo = {}
         if self.captured_steps is not None:
             self.captured_steps.drop()
@@ -912,7 +916,8 @@ class OasisCache(Cache):
         self._refuse_if_broken()
         if self._routed:  # (a forward inside a routed one: a dry step's; the outer one's marks hold)
             return self._route_forward(runner, kwargs)
-        self._check_lengths()
+        if self._unchecked:  # (after a forward the model's forward did not route: the layers may disagree)
+            self._check_lengths()
         self._marks, self._routed = ForwardMarks(self), True
         try:
             return self._route_forward(runner, kwargs)

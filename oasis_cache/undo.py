@@ -32,24 +32,32 @@ def _tensor_versions(layer) -> tuple:
     return tuple(held)
 
 
+def _kinds(cache) -> tuple[list[int], dict]:
+    """`(plain full-attention layers, {other layer: None})` of `cache`, found once per cache."""
+    from .layer import OasisLayer
+
+    kinds = cache.__dict__.get("_layer_kinds")
+    if kinds is None or len(kinds[0]) + len(kinds[1]) != len(cache.layers):
+        plain = [idx for idx, layer in enumerate(cache.layers) if type(layer) is OasisLayer]
+        kinds = cache.__dict__["_layer_kinds"] = (plain, [i for i in range(len(cache.layers)) if i not in plain])
+    return kinds[0], dict.fromkeys(kinds[1])
+
+
 class ForwardMarks:
     """The state of `cache` before a forward (see the module's docstring)."""
 
     def __init__(self, cache, partial: bool = False):
-        from .layer import OasisLayer
-
         self.cache = cache
         self.partial = partial  # taken after the forward had run layers already (not routed by the model's forward)
-        self.lengths = {}
-        self.others = {}
-        for idx, layer in enumerate(cache.layers):
-            if isinstance(layer, OasisLayer) and type(layer) is OasisLayer:
-                self.lengths[idx] = layer.get_seq_length()
-            else:  # (a HybridLayer holds a state too: it is followed as any other stateful layer)
-                self.others[idx] = _tensor_versions(layer)
+        plain, self.others = _kinds(cache)
+        # (every full-attention layer holds as many tokens as the first: checked before a forward, `_check_lengths`)
+        length = cache.layers[plain[0]].get_seq_length() if plain else 0
+        self.lengths = dict.fromkeys(plain, length)
+        for idx in self.others:  # (a HybridLayer holds a state too: it is followed as any other stateful layer)
+            self.others[idx] = _tensor_versions(cache.layers[idx])
         self.padding = cache.padding
         self.reshaped = cache.reshaped
-        self.weights = {idx: cache.layers[idx].summaries.channel_weight for idx in self.lengths
+        self.weights = {idx: cache.layers[idx].summaries.channel_weight for idx in plain
                         if cache.layers[idx].is_initialized}
 
     def changed_others(self) -> list[int]:
