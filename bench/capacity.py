@@ -53,7 +53,7 @@ def run_batches(args) -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     from models import code_prompt, load_model
-    from token_clock import TokenClock
+    from models import TokenClock
 
     from oasis_cache import OasisCache
     from oasis_cache.compat import generate_cache_argument

@@ -54,12 +54,12 @@ def units_fetched(cache) -> int:
 
 
 def timed_generate(model, ids, cache, steps, cuda):
-    """`(sequences, ms per decode step, warm)`, the first token excluded (`token_clock.TokenClock`); `warm`: over the
+    """`(sequences, ms per decode step, warm)`, the first token excluded (`models.TokenClock`); `warm`: over the
     second half of the steps, once the local cache has met most of what the selections come back to —
     `{"tpot_ms": median ms per step, "units_per_step": units read from the store per step}`."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from token_clock import TokenClock
+    from models import TokenClock
 
     class Units(StoppingCriteria):  # the store reads so far, after each token (never stops)
         def __init__(self):

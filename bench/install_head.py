@@ -1,5 +1,5 @@
-"""Install a head trained on the GPU machine (`bash bench/gpu_run.sh train` / `qwenhead`, collected by
-`bench/gpu_bg.sh collect`) as a shipped head: `oasis_cache/draft/heads/<name>/`.
+"""Install a head trained on the GPU machine (`bash bench/gpu_run.sh train`: its `head/` folder under `$OUT`) as a
+shipped head: `oasis_cache/draft/heads/<name>/`.
 
     python bench/install_head.py --parts DIR --name qwen2.5-coder-0.5b-instruct \
         --trained "2026-12-03, one H200, ...: <the command>" --data "<what the texts were>" --recall "<result files>"

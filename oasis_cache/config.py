@@ -105,7 +105,7 @@ class OasisConfig:
         gather_warps, gather_entries: research: the shape of a gather on a limited number of programs (the side
             stream's prefetch, or every gather where `gather_programs` > 0): warps per program and blocks a program
             copies at once (a power of two). None: 16 and 4 on the package's side-stream programs, 4 and 1 where
-            `gather_programs` is set; `bench/beside_gather.py` times shapes by what they cost the matmuls beside
+            `gather_programs` is set; a micro-benchmark times shapes by what they cost the matmuls beside
             them (docs/performance.md).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its

@@ -2,7 +2,6 @@
 turns step by step) computes what one-after-the-other computes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,30 +88,6 @@ def test_plot_draws_the_chosen_statistic(tmp_path):
     run = subprocess.run(plot + ["--methods", "oasis-previous", "--labels", "oasis"], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and (tmp_path / "chosen.png").stat().st_size > 1000, run.stderr[-2000:]
-
-
-def test_kv_bytes_counts_the_pools_against_dense(tmp_path):
-    """`bench/kv_bytes.py` (device KV bytes by pool, counted on CPU): the total is the pools' sum, the ratio is against
-    dense K+V of the same tokens, and the default summaries (on half the channels) take half the bytes of those on every
-    channel."""
-    out = tmp_path / "kv.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kv_bytes.py"), "--model", "tiny", "--context", "512", "--budget", "128",
-         "--steps", "4", "--prefill-chunk", "256", "--options", "summary_channels=1.0", "", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    full, half = json.loads(out.read_text())["rows"]
-    for row in (full, half):
-        pools = row["working_set_bytes"] + row["summaries_bytes"] + row["slot_map_bytes"] + row["recent_overflow_bytes"]
-        assert row["total_bytes"] == pools and row["ratio"] == row["total_bytes"] / row["dense_bytes"]
-        assert row["dense_bytes"] == 2 * 1 * 2 * 516 * 32 * 2  # K+V, batch 1, 2 KV heads, 516 tokens, D 32, bf16
-    assert full["options"] == {"summary_channels": 1.0} and half["options"] == {}
-    assert half["working_set_bytes"] == full["working_set_bytes"]
-    channels = 1 * 2 * 16 * 8  # the chosen channels' indices (int64)
-    scales = full["summary_blocks_capacity"] * 1 * 2 * 4  # fp8 levels' scale per block and KV head (fp32)
-    assert half["summary_blocks_capacity"] == full["summary_blocks_capacity"]
-    assert half["summaries_bytes"] - channels - scales == (full["summaries_bytes"] - scales) // 2  # codes + levels
 
 
 def test_capacity_bench_climbs_batches_until_one_fails(tmp_path, monkeypatch):
@@ -208,19 +183,6 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     assert sized["units_fetched_per_step"] >= row["remote_units_fetched"] / 4  # (4 steps; no larger cache, no fewer)
 
 
-def test_store_call_bench_puts_and_gets_back_what_it_put(tmp_path):
-    """`bench/store_calls.py` (a store of its own): every object it puts comes back bit for bit, by whole objects and
-    by byte ranges; the rows carry per-object costs."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import store_calls
-
-    rows = store_calls.per_object(1 << 20, [8 << 10, 64 << 10], repeats=1)  # asserts the bytes came back
-    assert [r["objects"] for r in rows] == [128, 16] and all(r["put_us_per_object"] > 0 for r in rows)
-    ranged = store_calls.ranges(repeats=1)  # asserts every range read equals what was put
-    assert [r["units_read_per_object"] for r in ranged] == [4, 16, 64]
-    assert all(r["session_get_us_per_unit"] > 0 for r in ranged)  # (the session reads are checked byte for byte too)
-
-
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     """`bench/prefill.py`: dense (whole and in the cache's chunks) and the chunked oasis prefills (past resident on
     the device, past from the host pool, resident with the chunk's past by SDPA's mask) timed in turns on one prompt;
@@ -289,32 +251,6 @@ def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_pat
     assert {p.name: p.read_bytes() for p in installed.iterdir()} == before
 
 
-def test_head_attention_bench_times_both_forms_and_they_agree(capsys):
-    """`bench/head_attention.py`: the full-mask and the chunked window attention timed on one text; same output."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import head_attention
-
-    head_attention.main(["--rows", "90", "--window", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                         "--repeats", "1"])
-    out = capsys.readouterr().out
-    assert "full mask" in out and "by chunks" in out
-    assert float(out.rsplit("largest output difference", 1)[1]) < 1e-5
-
-
-def test_compile_times_bench_compiles_the_top_k_for_a_gpu_on_this_machine():
-    """`bench/compile_times.py` compiles kernels for sm_90 here (no GPU): the top-k in one and two stages, the slot
-    assignment, the bits block scores, the decode attention, each timed in a new kernel cache."""
-    pytest.importorskip("triton")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_times.py"), "--widths", "2176", "8704",
-                          "--repeats", "1", "--kernels", "top_k", "slot_assign", "block_scores", "attention"],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for line in ("top-k, 2176 blocks a row", "top-k, 8704 blocks a row", "slot assignment", "block scores (bits)",
-                 "decode attention (split + combine)"):
-        assert line in run.stdout, run.stdout
-
-
 def test_first_call_bench_gives_its_children_every_option_but_its_own():
     """`bench/first_call.py`'s children parse what the parent was given (a new option reaches them without being
     listed twice: `--pinned-regions` did not, and a run labelled torch pinned by regions), the parent's own options
@@ -361,20 +297,3 @@ def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     assert [seen["previous_alive"] for seen in rows["oasis"]["pinned"]] == [False, False]
     assert rows["oasis"]["routed"] == [[], []]  # (no captured steps on the CPU: the router is never asked)
 
-
-def test_prefill_peak_bench_runs_every_variant_and_restores_the_module_constants(tmp_path, capsys):
-    """`bench/prefill_peak.py` (CPU smoke; on CUDA it caps the process and reports peaks): each variant's `generate`
-    over a prompt prefilled in chunks runs, and the module constants a variant changes are back afterwards."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import prefill_peak
-
-    from oasis_cache.compute import dense, prefill
-
-    before = (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES)
-    out = tmp_path / "peak.json"
-    prefill_peak.main(["--model", "tiny", "--device", "cpu", "--context", "600", "--batch", "2", "--budget", "128",
-                       "--chunk-tokens", "256", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [row["variant"] for row in rows] == list(prefill_peak.VARIANTS) and all(row["ok"] for row in rows)
-    assert all(row["smaller_chunks"] == [] for row in rows)  # (no chunk ran out of memory here)
-    assert (dense.SPLIT_PAST, dense.SPLIT_WARM_QUERIES, prefill.SHRINK_RETRIES) == before

@@ -588,7 +588,7 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
 def test_a_copy_of_a_fused_cache_shares_the_models_buffers():
     """`copy.deepcopy` of a cache with `fuse_projections` (what `compile_ahead`'s dry step makes at a first decode
     step) shares the model's fused buffers instead of copying them: on the H200 the copies stayed alive through the
-    decode, +16.8 GiB for an 8B model (`bench/fused_memory.py`). Nothing else of the model is copied
+    decode, +16.8 GiB for an 8B model (a micro-benchmark). Nothing else of the model is copied
     with it."""
     import copy
 

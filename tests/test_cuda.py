@@ -574,7 +574,7 @@ def test_ahead_at_prefill_compiles_during_the_prefill_and_decodes_the_same(chunk
 def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(monkeypatch):
     """The H200, 2026-12-03 (twice, 7-12 tests each): "CUDA error: invalid argument" at `generate`'s `.item()` and at
     pinned allocations. A pinned host block last used on a stream and freed while that stream is captured leaves
-    torch's host allocator an event it cannot query (`bench/pinned_free_in_capture.py`). Here an earlier cache
+    torch's host allocator an event it cannot query (a micro-benchmark). Here an earlier cache
     in a reference cycle shares the capturing cache's side stream (streams come from torch's pool of 32), and a
     collection runs inside each capture wherever Python's automatic collection is on, as it may at any
     allocation (here once the side stream has joined the capture): captures pause it, so nothing of the earlier cache

@@ -44,7 +44,7 @@ def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
                                       "256"]],
                          ids=["previous", "none-batch2-chunked", "at-prefill-none-batch2-chunked"])
 def test_no_kernel_meets_a_new_specialization_once_a_block_has_completed(setting):
-    """`bench/launch_keys.py --check --compile-ahead` under the interpreter: every specialization the package's
+    """`tests/tools/launch_keys.py --check --compile-ahead` under the interpreter: every specialization the package's
     kernels meet (what the GPU would compile: types, alignment, ints' divisibility by 16, constexprs) appears by the
     first decode step that completes a block; the 27 steps after it, across blocks numbering 32 and 33, meet none (a
     late one would be a compilation in the middle of a long generation on a machine without the kernels on disk).
@@ -52,7 +52,7 @@ def test_no_kernel_meets_a_new_specialization_once_a_block_has_completed(setting
     was met first by the dry copy (compiled, not run: `compute/ahead.py`; after a prefill whole or in chunks; with
     `ahead_at_prefill`, during the prefill's last chunk), and the greedy tokens equal a run without the option."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "launch_keys.py"), "--check", "--compile-ahead",
+    run = subprocess.run([sys.executable, str(HERE / "tools" / "launch_keys.py"), "--check", "--compile-ahead",
                           *setting], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "late specializations: none" in run.stdout, run.stdout
@@ -72,11 +72,11 @@ def test_kernel_on_cuda(check, case):
     assert check(*case, device=torch.device("cuda"))
 
 
-# What still changes between two decode steps on the CUDA path (`bench/capture_audit.py`), by (file, function): the
+# What still changes between two decode steps on the CUDA path (`tests/tools/capture_audit.py`), by (file, function): the
 # work list of a captured decode step (docs/performance.md). Remove an entry when its cause moves to a device-side value;
 # a new entry means a new per-step host value in the hot path, which a CUDA graph cannot replay.
 STEP_VARYING = {
-    ("bench/op_count.py", "step"),  # the caller grows the 2D mask, as `generate` does
+    ("tests/tools/op_count.py", "step"),  # the caller grows the 2D mask, as `generate` does
     ("transformers/masking_utils.py", "_preprocess_mask_arguments"),  # HF: the mask's length
     ("transformers/models/qwen3/modeling_qwen3.py", "forward"),  # HF: cache_position from the cache's length
     ("oasis_cache/compute/attention.py", "oasis_mask"),  # the mask cut to the cache's length
@@ -100,7 +100,7 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mod
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     out = tmp_path / "audit.json"
     mode, admitted = mode.removesuffix("-admitted"), mode.endswith("-admitted")
-    run = subprocess.run([sys.executable, str(HERE.parent / "bench" / "capture_audit.py"), "--backend", "triton",
+    run = subprocess.run([sys.executable, str(HERE / "tools" / "capture_audit.py"), "--backend", "triton",
                           *(["--admitted"] if admitted else []),
                           "--modes", mode, "--layers", "3" if mode.startswith("eagle3") else "2",
                           "--context", "300", "--budget", "128",

@@ -79,7 +79,7 @@ def no_collection_while_capturing():
     """Python's automatic garbage collection paused for a capture. A pinned host block last used on a stream and
     freed while that stream is being captured makes torch's caching host allocator record its release event into the
     graph; the next pinned allocation or `.item()` then fails to query it ("CUDA error: invalid argument", once per
-    such block; `bench/pinned_free_in_capture.py` shows it on an H200). A collection during a capture frees
+    such block; a micro-benchmark shows it on an H200). A collection during a capture frees
     exactly such blocks: an earlier cache left in a reference cycle, whose side stream (streams come from torch's
     pool of 32) may be the capturing cache's."""
     enabled = gc.isenabled()

@@ -94,7 +94,7 @@ SPLIT_PAST = True
 _CUDNN = {"failed": False, "gqa_failed": False}
 # The split's cuDNN calls on the unexpanded keys and values (PyTorch's cuDNN attention takes fewer KV heads than query
 # heads): no `[B, Hq, L, D]` copies; a refusal turns it off for the process. H200, a chunk of 8,192 over 8-123K past
-# tokens: bit-equal to the split on expanded heads and 3-7% faster (`bench/chunk_attention.py`'s `gqa` way;
+# tokens: bit-equal to the split on expanded heads and 3-7% faster (a micro-benchmark's `gqa` way;
 # docs/performance.md).
 SPLIT_GQA = True
 SPLIT_MIN_QUERIES = 128  # fewer new queries (a short extend, a step before the first block): one masked call

@@ -2,7 +2,7 @@
 decoder layer's q/k/v projections read one weight, and so do the MLP's gate/up projections.
 
 At one token per sequence a projection is a matrix-vector product bound by reading its weight; the small ones cannot
-fill the GPU alone (H200, Qwen3-8B shapes, `bench/matmul.py`: k/v at 1.1 TB/s, gate/up/down at 3.4-3.6): a layer's
+fill the GPU alone (H200, Qwen3-8B shapes, a micro-benchmark: k/v at 1.1 TB/s, gate/up/down at 3.4-3.6): a layer's
 seven products take 128 us, and 109 us with q/k/v as one [q + 2kv, h] product and gate/up as one [2i, h] (-0.68 ms a
 36-layer step). inductor does not merge separate `F.linear` calls (no CSE of extern
 matmuls), so the fusion is explicit:

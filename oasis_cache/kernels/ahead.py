@@ -1,7 +1,7 @@
 """The package's kernels compiled instead of launched, in parallel: what a dry decode step runs under
 (`compile_ahead`, `compute/ahead.py`).
 
-A new machine compiles each kernel specialization where a step first launches it, one after another: on the H200 (`bench/launch_keys.py`) 0.3-2.6 s each, ~8 of them at a cache's first decode step with
+A new machine compiles each kernel specialization where a step first launches it, one after another: on the H200 (`tests/tools/launch_keys.py`) 0.3-2.6 s each, ~8 of them at a cache's first decode step with
 lookahead "none". Inside `compile_only()` every launch of the package's kernels (`KERNELS`) is Triton's warm-up
 instead (`JITFunction.run(..., warmup=True)`: the specialization is computed and compiled, nothing runs), and on a
 Triton with `AsyncCompileMode` the compilations go to a thread pool: leaving the context waits for all of them, and

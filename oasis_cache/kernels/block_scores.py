@@ -131,7 +131,7 @@ def _as_int8(mask: torch.Tensor) -> torch.Tensor:
 
 
 def default_blocks_per_program(batch: int, bits: bool) -> int:
-    """Blocks a program scores: 32 for the bits scorer on one sequence, else 64 (H200, 4 warps, `bench/score_kernel.py`
+    """Blocks a program scores: 32 for the bits scorer on one sequence, else 64 (H200, 4 warps, a micro-benchmark
     graphed as in a captured step. Bits, one sequence, 8 rows, 64 kept channels, 2,176 / 8,704 blocks: 32 a program
     8.6 / 23.7 us, 64 11.6 / 27.6. An earlier form of the kernel: bits, four
     sequences, 2,048 blocks, 64 94 us, 32 125; the bound scorer 64 faster at one sequence too, 143 against 198)."""
@@ -149,7 +149,7 @@ def block_scores(query: torch.Tensor, levels: torch.Tensor, num_blocks: int, for
     forced, -inf not allowed); with `split_last` (Qn >= 2) `[B, Hkv, 2, NB]`: the first Qn - 1 tokens' ranking, then
     the last token's. `channels` `[B, Hkv, D']` int64: the summaries cover these channels of the query only (the
     query passed whole, its channels read in the kernel). `blocks_per_program` (a power of two >= 16; None:
-    `default_blocks_per_program`) and `num_warps` are tuning knobs (`bench/score_kernel.py`)."""
+    `default_blocks_per_program`) and `num_warps` are tuning knobs (a micro-benchmark)."""
     B, Hq, Qn, D = query.shape
     if channels is not None:
         D = channels.shape[-1]  # D': the channels the summaries (levels, codes) hold

@@ -26,7 +26,7 @@ With `tickets` (`[>= B*Hkv]` int32, zero, owned by the caller) it is one launch:
 stored, takes a ticket of its KV head (an atomic add, after a barrier: its stores are released with it); the program
 that takes the last one combines that KV head's splits as the second kernel would (reading the partials from L2) and
 sets the counter back to 0. Research, not what the package runs: it was to save the second launch and the gap before
-it (7.0 us a layer inside a compiled H200 step), but on the H200 (`bench/attention_kernel.py`)
+it (7.0 us a layer inside a compiled H200 step), but on the H200 (a micro-benchmark)
 it took 62.7 us a call against 14.6 for two launches at the Qwen3-8B shape (B 1, Qn 1, 33 splits; equal at 8
 splits, 2x at 16) and a compiled 32K x 1 step 10.5 ms against 8.6 — the one combining program per KV head walks
 every split's partials itself, no spills (233 registers), cause not yet found.
@@ -158,7 +158,7 @@ if triton is not None:
 
 def _programs_wanted(device: torch.device) -> int:
     """About two programs per SM (the interpreter: a few); `decode_attention` also keeps two tiles per program. H200,
-    Qwen3-8B shape (`bench/attention_kernel.py`): the fastest split counts were 16 at batch 1 (two tiles each; 14.7 us
+    Qwen3-8B shape (a micro-benchmark): the fastest split counts were 16 at batch 1 (two tiles each; 14.7 us
     per call, 22 at one tile) and 8 at batch 4 (two programs per SM; 20.6 us, 22.6 at one)."""
     if device.type != "cuda":
         return 4

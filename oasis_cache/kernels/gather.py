@@ -99,7 +99,7 @@ def gather_blocks(
     are its slots (the local cache of a remote tier, `remote/local_cache.py`). `num_warps`: per program (a tuning knob;
     64 programs of 2 warps and 128 of 1 were 3.7-4.6 ms slower a compiled step than the 32 of 4 the package runs on
     the side stream: docs/performance.md). `entries` (a power of two): blocks a program copies at
-    once (a tuning knob, `bench/beside_gather.py`)."""
+    once (a tuning knob, a micro-benchmark)."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]

@@ -4,7 +4,7 @@ compiled steps' q/k/v and gate/up, commit `20cb175`, its calls took 48.6 us insi
 H200's 32K and 128K x 1 steps were 0.2 ms slower than with cuBLAS a projection).
 
 At decode sizes (a few rows) a projection is a read of its weight; the small ones cannot fill the GPU alone (H200,
-Qwen3-8B, `bench/matmul.py`: k/v 1.1 TB/s, q 2.6, gate/up/down 3.4-3.6): a layer's seven cuBLAS products take 128
+Qwen3-8B, a micro-benchmark: k/v 1.1 TB/s, q 2.6, gate/up/down 3.4-3.6): a layer's seven cuBLAS products take 128
 us, 109 with q/k/v and gate/up as one product each. `fuse_projections` (research) gets the
 109 by re-homing each group's weights into one buffer, which changes the model's parameters' storage. This kernel
 reads the group's weights in place: one launch whose programs split the group's rows, so k and v ride with q's
@@ -77,7 +77,7 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
                    num_stages: int = 3) -> list[torch.Tensor]:
     """`[F.linear(x, w, b) for w, b in zip(weights, biases)]` in one launch (shapes above; `x` may have leading
     dims, flattened to M rows). `block_n`, `block_k`, `num_warps`, `num_stages`: tuning knobs
-    (`bench/matmul.py --grouped`)."""
+    (a micro-benchmark)."""
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"grouped_linear takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
     biases = list(biases) if biases is not None else [None] * len(weights)

@@ -16,7 +16,7 @@ ranks 2,176 blocks, a 128K one 8,704), and one power of two past it doubled the 
 4,096 ranks: 8.6 -> 14.3 us on the H200) or, past 8,192, fell back to `torch.topk` + sort (~60 us a layer).
 
 Four bits a round (8 rounds, 15 candidates' counts as four packed sums in one reduction) was slower on the H200:
-24.8 against 8.4 us for 8 rows of 2048 (`bench/select_kernels.py`, 2026-12-03).
+24.8 against 8.4 us for 8 rows of 2048 (a micro-benchmark, 2026-12-03).
 
 An earlier kernel sorted each row instead (a bitonic `tl.sort` of 64-bit keys): 87 us a layer at 32K,
 130 at 48K on the H200 — ~66 dependent exchange stages of the whole row for one program; here 16 sums.
@@ -126,7 +126,7 @@ PREFERRED_SEGMENTS = 8  # (`default_segments`)
 
 def unrolled(segments: int) -> bool:
     """Whether the kernel's 16 rounds are unrolled (compiled as 16 copies) or a loop: a loop compiles ~5x faster for
-    sm_90 (CI machine, `bench/compile_times.py`: 1.8 -> 0.31 s at 2,176 blocks a row, 2.6 -> 0.47 s at 8,704; the
+    sm_90 (CI machine, a micro-benchmark: 1.8 -> 0.31 s at 2,176 blocks a row, 2.6 -> 0.47 s at 8,704; the
     first decode step's longest compilation on a new machine) and costs nothing where a program holds a whole row (H200,
     `gpu_run.sh looptopk`: 2,176 blocks 10.97 against 10.78 us), but ~9% where a row is cut in
     segments of ~1K (8,704 blocks, two stages: 18.97 against 17.47 us, ~54 us a 128K step of Qwen3-8B's 36 layers).
@@ -137,7 +137,7 @@ def unrolled(segments: int) -> bool:
 def default_segments(W: int, k: int) -> int:
     """Segments a row of W ranks is cut into (1: one stage). Two stages once a row is past 4,096 ranks: 8 segments
     (fewer where segments of 4k ranks would not fill them; more where one would pass `MAX_ROW`), so 8,704 blocks,
-    k = 128 -> 8 segments of 1,088 and 1,024 candidates. H200, 8 rows, k = 128 (`bench/select_kernels.py
+    k = 128 -> 8 segments of 1,088 and 1,024 candidates. H200, 8 rows, k = 128 (a micro-benchmark
     --segments`): alone 8 segments fastest at 4,352 and 8,704 ranks (13.8, 17.7 us), one
     stage at 2,176, 8 and 16 tied at 17,408; beside the gather as in a step (`--beside-gather`) 8
     fastest at 8,704 (17.9 us, 16 segments 19.4) and 4,352."""
@@ -159,7 +159,7 @@ def row_parts(W: int, grows: bool = True) -> tuple[int, int]:
 
 
 def default_warps(keys: int) -> int:
-    """Warps of the program that holds `keys` ranks (a row's two parts; H200, `bench/select_kernels.py --warps`, rows
+    """Warps of the program that holds `keys` ranks (a row's two parts; H200, a micro-benchmark, rows
     of 8 (sequence, KV head) pairs: 4 fastest at 2,048 and 2,176 blocks, 8 at 4,096, 16 at 8,192 and 8,704)."""
     return 4 if keys <= 2560 else 8 if keys <= 5120 else 16
 
@@ -190,7 +190,7 @@ def top_k(ranks: torch.Tensor, k: int, num_warps: int | None = None,
     """`(ids, values)` `[B, H, k]`: the k largest of `ranks` `[B, H, W]` per row (equal values: the lower indices),
     in index order. Rows the kernel does not take (`kernel_fits`) go through `torch.topk` and are put in index
     order too (which of equal values it keeps is its own choice). `num_warps` (the one-stage kernel's, or stage
-    one's) and `segments` (1: one stage; None: `default_segments`) are tuning knobs (`bench/select_kernels.py`)."""
+    one's) and `segments` (1: one stage; None: `default_segments`) are tuning knobs (a micro-benchmark)."""
     stages = _stages(ranks, k, segments)
     if stages is None:
         top = torch.topk(ranks, k, dim=-1, sorted=False)

@@ -103,7 +103,7 @@ def use_fast_pinning() -> bool:
     """Once per process, before a CUDA cache pins its first host chunk (`OasisConfig.fast_pinning`): the settings
     extended with `FAST_PINNING`, every other setting kept (torch resets the ones a new settings string leaves out,
     so the string is the current one plus these). Left alone where the settings name `pinned_use_cuda_host_register`
-    (the user chose) or torch cannot take them. Measured on the H200 host (`bench/pinned_alloc.py`): 5 GiB in 16 MiB
+    (the user chose) or torch cannot take them. Measured on the H200 host (a micro-benchmark): 5 GiB in 16 MiB
     chunks 1.9-2.2 s by `cudaHostAlloc`, 0.72 s this way; a 32K prompt of Qwen3-8B pins 4.5 GiB, 128K 18 GiB. Returns
     whether the process pins this way."""
     if "on" in _PINNING:

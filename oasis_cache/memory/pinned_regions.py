@@ -3,7 +3,7 @@
 A prefill of 32K tokens of an 8B model fills 5 GiB of host pools (18 GiB at 128K). Through torch's caching host
 allocator (`fast_pinning`: malloc, pages touched by threads, `cudaHostRegister` per 16 MiB chunk) that took 0.7-1.4 s
 of the process's first prefill on the H200's host; one anonymous mapping on transparent huge pages, touched by torch's
-threads and registered once, took 0.25-0.27 s for the same 5 GiB (`bench/pinned_alloc.py`, cases `runtime` and
+threads and registered once, took 0.25-0.27 s for the same 5 GiB (a micro-benchmark, cases `runtime` and
 `hugeone`). With `OasisConfig.pinned_regions` (research, off: the first `generate` gained nothing, its pinning
 overlaps the prefill's device work; docs/performance.md) a prefill reserves, at its first
 full-attention layer, every chunk its pools will take (`OasisCache._reserve_pinned`), as one region; the pools take

@@ -6,5 +6,4 @@ from .local_cache import LocalBlockCache, LocalCacheGroup
 from .mooncake import RemoteBlocksMissing, RemoteTier, StoreClient, cleanup, connect, local_store
 
 __all__ = ["RemoteTier", "RemoteBlocksMissing", "StoreClient", "LocalBlockCache", "LocalCacheGroup",
-           "connect", "local_store", "publish",
-           "publishing", "admit"]
+           "connect", "local_store", "publish", "publishing", "admit", "cleanup"]

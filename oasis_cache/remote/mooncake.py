@@ -46,7 +46,7 @@ NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room
 TRANSFER_FAILED = -800  # TRANSFER_FAIL (also a transfer that timed out)
 # Objects per batched call. Mooncake 0.3.13's batch_put_from / batch_get_into fail a batch of more than ~2,048
 # objects (3,000: 2,832 of them, after a 60 s timeout, status -800; 2,049: one or none; whatever their size: measured
-# on loopback TCP, `bench/store_calls.py`, docs/performance.md), so every batch here is cut into calls of at most this many.
+# on loopback TCP, a micro-benchmark, docs/performance.md), so every batch here is cut into calls of at most this many.
 BATCH_OBJECTS = 1024
 # Memory a failed transfer may still write into or read from: Mooncake can leave a timed-out transfer's I/O in flight
 # after the call returns, so the tensors behind its addresses are kept until the process exits (never freed).

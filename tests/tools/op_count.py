@@ -1,9 +1,9 @@
 """Operators launched per decode step, by lookahead mode: a CPU-side proxy for the launch-bound cost of each mode.
 
-    python bench/op_count.py --layers 8 --modes dense previous eagle3 eagle3-exact
-    TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes previous eagle3-exact
-    TRITON_INTERPRET=1 python bench/op_count.py --backend triton --layers 4 --modes dense previous --by-site
-    python bench/op_count.py --layers 4 --modes previous --inductor   # what compile_decode's regions compile into
+    python tests/tools/op_count.py --layers 8 --modes dense previous eagle3 eagle3-exact
+    TRITON_INTERPRET=1 python tests/tools/op_count.py --backend triton --layers 4 --modes previous eagle3-exact
+    TRITON_INTERPRET=1 python tests/tools/op_count.py --backend triton --layers 4 --modes dense previous --by-site
+    python tests/tools/op_count.py --layers 4 --modes previous --inductor   # what compile_decode's regions compile into
 
 Runs a tiny random Qwen3 (CPU), prefills `--context` tokens, decodes a few steps, then records one decode step
 with `torch.profiler` and counts the outermost `aten::` operators (what a GPU step would launch, roughly); `dense` is HF's
@@ -24,7 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from conftest import prompt_ids, random_head, tiny_model  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402

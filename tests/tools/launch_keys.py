@@ -6,12 +6,12 @@ kernels on disk, and a
 load from disk elsewhere. Compiling them ahead needs to know them; a decode step meeting a new one late (an int
 whose divisibility changes as blocks complete) would stall a long generation.
 
-    TRITON_INTERPRET=1 python bench/launch_keys.py                          # tiny qwen3, prompt 500, 40 tokens
-    TRITON_INTERPRET=1 python bench/launch_keys.py --lookahead none --prompt 300 --batch 2
-    TRITON_INTERPRET=1 python bench/launch_keys.py --check   # exit 1 if a kernel meets a new specialization after
+    TRITON_INTERPRET=1 python tests/tools/launch_keys.py                          # tiny qwen3, prompt 500, 40 tokens
+    TRITON_INTERPRET=1 python tests/tools/launch_keys.py --lookahead none --prompt 300 --batch 2
+    TRITON_INTERPRET=1 python tests/tools/launch_keys.py --check   # exit 1 if a kernel meets a new specialization after
                                                             # the first step that completes a block (CPU test)
 
-    python bench/launch_keys.py --model qwen3-8b --prompt 32768 --new-tokens 40   # on CUDA: the real launches
+    python tests/tools/launch_keys.py --model qwen3-8b --prompt 32768 --new-tokens 40   # on CUDA: the real launches
                                 # (`JITFunction.run`), each first one timed (its compilation, or its load from disk)
 
 Prints, per kernel, its specializations and the forward (1: the prefill) where each first appeared (on CUDA with the
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent)]
 
 
 class LaunchKeys:
@@ -122,7 +122,7 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
     if model_name is None:
         model, options = tiny_model("qwen3"), dict(recent_tokens=32)
     else:
-        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, str(HERE.parent.parent / "bench"))
         from models import load_model
 
         model, _ = load_model(model_name, "cuda", torch.bfloat16)

@@ -1,11 +1,11 @@
 """What stands between a decode step and a CUDA graph, found on the CPU.
 
-    python bench/capture_audit.py --modes dense previous eagle3-exact
-    TRITON_INTERPRET=1 python bench/capture_audit.py --backend triton --modes previous [--completing]
+    python tests/tools/capture_audit.py --modes dense previous eagle3-exact
+    TRITON_INTERPRET=1 python tests/tools/capture_audit.py --backend triton --modes previous [--completing]
 
 A graph captured at one step replays, at the next, exactly the operators it recorded: the same shapes, the same
 scalar arguments (slice ends, sizes, offsets), the same kernel grids; every value that changes must come from a
-tensor. So: run a tiny random Qwen3 (`bench/op_count.py`'s setup: prefill, a few decode steps, the 2D mask grown as
+tensor. So: run a tiny random Qwen3 (`tests/tools/op_count.py`'s setup: prefill, a few decode steps, the 2D mask grown as
 `generate` grows it), record every aten operator (and, with `--backend triton`, every launch of the package's
 kernels with its arguments) of two consecutive decode steps that complete no block, and compare them. Reported:
 - host syncs (`.item()` and other operators whose output size or value the host must read): a graph cannot hold them;
@@ -34,7 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from conftest import prompt_ids, random_head, tiny_model  # noqa: E402
 from op_count import decoding, step_arguments  # noqa: E402
@@ -51,7 +52,7 @@ OUR_KERNELS = (("oasis_cache.kernels.block_scores", "block_scores"), ("oasis_cac
 class Op:
     name: str
     signature: tuple  # tensors as (shape, dtype), other arguments as they are
-    site: str  # file:line (function) of the innermost frame in oasis_cache, transformers or bench
+    site: str  # file:line (function) of the innermost frame in oasis_cache, transformers or the tools
 
 
 def describe(value):
@@ -71,7 +72,7 @@ def call_site() -> str:
         if frame.filename == __file__:
             continue
         path = frame.filename.replace(os.sep, "/")
-        for package in ("/oasis_cache/", "/transformers/", "/bench/"):  # bench: the caller (the growing mask)
+        for package in ("/oasis_cache/", "/transformers/", "/tests/tools/"):  # tools: the caller (the growing mask)
             if package in path:
                 return f"{package.strip('/')}/{path.split(package, 1)[1]}:{frame.lineno} ({frame.name})"
     return "?"
