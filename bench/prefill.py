@@ -1,8 +1,7 @@
 """Prefill time: dense (`DynamicCache`, one forward) against OasisCache's chunked prefill with the prompt's keys and
 values kept on the device between chunks (`resident_prefill`, the default) and read back from the host pool at every
-chunk (`resident_prefill=False`, the behaviour); `oasis-masked`: resident, with a chunk's
-attention over its past by SDPA's lower-right causal mask (`compute/dense.SPLIT_PAST` off, before the forty-fifth
-session).
+chunk (`resident_prefill=False`); `oasis-masked`: resident, with a chunk's attention over its past by SDPA's
+lower-right causal mask (`compute/dense.SPLIT_PAST` off).
 
     python bench/prefill.py --model qwen3-8b --device cuda --context 32768 --batch 4     # the H200 figure
     python bench/prefill.py --model qwen25-coder-0.5b --context 8192 --chunk-tokens 1024 # real weights, CPU
