@@ -116,8 +116,6 @@ def child(args) -> dict:
         options["ahead_at_prefill"] = bool(args.ahead_at_prefill)
     if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
         options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
-    if args.pinned_regions:  # (research: the prefill's host chunks in one region the package maps and registers)
-        options["pinned_regions"] = True
     if args.warm_parts is not None:  # (research: which parts of Triton's start-up the prefill's thread pays)
         from oasis_cache.compute import ahead
 
@@ -235,19 +233,14 @@ def child_command(parser, args, index: int) -> list[str]:
 
 def host_pinned_stats() -> dict:
     """torch's pinned host pool now: `new_*` counters (a call's difference is what it pinned anew) and the pool's
-    size (GiB it owns: handed out and cached); the package's own regions (`memory/pinned_regions.py`): GiB mapped
-    (a call's difference: mapped anew) and held."""
+    size (GiB it owns: handed out and cached)."""
     import torch
-
-    from oasis_cache.memory.pinned_regions import REGIONS
 
     stats = torch.cuda.host_memory_stats()
     return {"new_blocks": stats.get("num_host_alloc", 0),
             "new_gib": stats.get("allocated_bytes.allocated", 0) / 2**30,
             "new_pin_s": stats.get("host_alloc_time.total", 0) / 1e6,
-            "owned_gib": round(stats.get("allocated_bytes.current", 0) / 2**30, 2),
-            "new_region_gib": REGIONS.mapped_total / 2**30,
-            "region_gib": round(REGIONS.held_bytes() / 2**30, 2)}
+            "owned_gib": round(stats.get("allocated_bytes.current", 0) / 2**30, 2)}
 
 
 def triton_cache_dir() -> str:
@@ -347,9 +340,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-workers", default=None,
                         help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
                              "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
-    parser.add_argument("--pinned-regions", action="store_true",
-                        help="OasisCache(..., pinned_regions=True): the prefill's host chunks in one region the "
-                             "package maps and registers, not from torch's allocator (fast_pinning)")
     parser.add_argument("--warm-parts", default=None,
                         help="compute/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
                              "pays, comma-separated (key,driver,ptxas; '' none)")
@@ -393,7 +383,7 @@ def main(argv=None):
               + (", compile_ahead=False" if args.no_compile_ahead else "")
               + (", ahead_at_prefill" if args.ahead_at_prefill else "")
               + (", ahead_at_prefill=False" if args.no_ahead_at_prefill else "")
-              + (", pinned_regions" if args.pinned_regions else "")
+
               + (f", warm parts '{args.warm_parts}'" if args.warm_parts is not None else "")
               + (f", split warm-up {args.split_warm_queries}" if args.split_warm_queries is not None else "")
               + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")

@@ -59,16 +59,6 @@ def held_out_code(tokenizer, tokens: int) -> torch.Tensor:
     raise ValueError(f"the standard library's code has only {len(ids)} tokens; ask for fewer")
 
 
-def _lookup_spec(spec: str | None) -> tuple[int | None, bool]:
-    """"N" or "N+arbiter" (`--draft-lookup`) -> (order, arbiter); None: the package's default, no arbiter."""
-    if spec is None:
-        return None, False
-    order, _, rest = spec.partition("+")
-    if not order.isdigit() or rest not in ("", "arbiter"):
-        raise SystemExit(f"--draft-lookup {spec}: give N or N+arbiter (N tokens matched, 0: off)")
-    return int(order), rest == "arbiter"
-
-
 def use_documentation_from(path: str) -> None:
     """Make `pydoc_data.topics` the module at `path` (another CPython's `pydoc_data/topics.py`) for this process:
     every reader of the documentation (`held_out_document`, the tasks' filler) imports it from there."""
@@ -114,10 +104,6 @@ def main():
     parser.add_argument("--head", default=None, help="an EAGLE-3 head for SmolLM2 (directory): adds an eagle3 row")
     parser.add_argument("--prompt", choices=["document", "chat"], default="document",
                         help="continue the document, or answer a question about it as a chat turn")
-    parser.add_argument("--draft-sees-its-blocks", nargs="?", const="resident",
-                        help="eagle3 rows: the draft row attends only its own top-K's resident blocks (research); "
-                        "'all': its whole top-K, read from the host pool (the prediction's ceiling); 'all:N': so in "
-                        "the first N layers")
     parser.add_argument("--oracle", action="store_true",
                         help="with --head: also an eagle3 row whose draft is the true next token (the upper bound)")
     parser.add_argument("--scorer", choices=["bits", "bound"], default="bits", help="the block scorer (OasisConfig)")
@@ -131,10 +117,6 @@ def main():
     parser.add_argument("--text", choices=["docs", "code"], default="docs",
                         help="held-out text: the documentation's first 16K tokens, or the standard library's code "
                              "without docstrings (any length: 32K contexts)")
-    parser.add_argument("--draft-lookup", nargs="+", default=None, metavar="N[+arbiter]",
-                        help="OasisConfig.draft_lookup for the eagle3 rows (default: the package's; 0: the head "
-                             "alone); N+arbiter: the lookup's candidate only where it was right as often as the head "
-                             "lately (draft/ngram_lookup.py's arbiter); several: one eagle3 row each")
     parser.add_argument("--modes", nargs="+", default=None, choices=["none", "previous", "eagle3", "eagle3-head",
                                                                  "eagle3-oracle"],
                         help="the rows to run (default: all that apply)")
@@ -177,37 +159,24 @@ def main():
     # (`OasisConfig.min_slots`: one more than K when the budget is not a multiple of the block size)
     K = OasisConfig(token_budget=args.budget).num_selected_blocks
     min_slots = OasisConfig(token_budget=args.budget).min_slots
-    lookups = [_lookup_spec(spec) for spec in args.draft_lookup or [None]]
-    runs = [(mode, lookup) for mode in modes for lookup in (lookups if mode == "eagle3" else lookups[:1])]
     first = None
-    for mode, (order, arbiter) in runs:
+    for mode in modes:
         lookahead = mode.split("-")[0]
         draft = dict(draft=args.head) if lookahead == "eagle3" else {}
-        if lookahead == "eagle3" and order is not None:
-            draft["draft_lookup"] = order
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
-        if lookahead == "eagle3" and args.draft_sees_its_blocks:
-            sees = args.draft_sees_its_blocks
-            draft.update(draft_sees_its_blocks=True if sees == "resident" else sees,
-                         attention_kernel=False)  # (the torch attention path has it)
         predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
         cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
                            summary_channels=args.summary_channels,
                            **predicting, **draft)
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[:, position, None]  # [N, 1]
-        if lookahead == "eagle3" and cache.ride_along.lookup is not None:
-            cache.ride_along.lookup.arbiter = arbiter
-        name = mode if len(lookups) == 1 or mode != "eagle3" else \
-            f"eagle3 lookup {order}{'+arbiter' if arbiter else ''}"
+        name = mode
         tokens = model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=args.steps, do_sample=False,
                                 pad_token_id=tok.pad_token_id)[:, inputs["input_ids"].shape[1] :]
         first = tokens if first is None else first  # (the first row's tokens: every row should follow them)
         stats = cache.stats()
-        row = dict(lookahead=name, draft_lookup=order if lookahead == "eagle3" else None,
-                   lookup_arbiter=arbiter if lookahead == "eagle3" and order else None,
-                   recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
+        row = dict(lookahead=name, recall=stats["prediction_recall"], hit_rate=stats["hit_rate"],
                    blocks_selected_per_step=stats["blocks_selected_per_step"],
                    recall_per_layer=stats["prediction_recall_per_layer"],
                    same_tokens_as_first_row=(tokens == first).float().mean().item())
@@ -223,8 +192,7 @@ def main():
                 dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=torch.cuda.get_device_name() if args.device == "cuda" else platform.machine() + " CPU",
-                model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size,
-                draft_lookup=args.draft_lookup if args.draft_lookup is not None else OasisConfig.draft_lookup)
+                model=args.model, K=cache.config.num_selected_blocks, block_size=cache.config.block_size)
     print(f"{args.model}, {args.prompt} prompt ({args.text}), context {args.context}, budget {args.budget} "
           f"(K={meta['K']} blocks of 16), {args.steps} steps × {args.sequences} sequence(s), {args.scorer} scorer")
     for r in rows:

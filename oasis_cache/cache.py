@@ -25,7 +25,7 @@ from .control import Padding, StepVisibility, step_visibility
 from .hybrid import HybridLayer, HybridWindowLayer, forget_state
 from .layer import OasisLayer
 from .window import WindowLayer
-from .memory import TransferEngine, pinned_regions
+from .memory import TransferEngine
 from .memory.device_memory import device_room
 from .memory.host_memory import available_host_bytes, check_host_room, release_cached_pinned
 from .memory.streams import PrefetchStreams
@@ -58,7 +58,7 @@ class OasisCache(Cache):
         cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; every lookahead, the
             eagle3 ride-along included). None (default): on for CUDA models of the checked architectures with the
             Triton backend (see `OasisConfig`); True / False: on (an error where it cannot run) / off.
-        scorer, fp8_levels, summary_channels, exact, gather_programs, draft_lookup, chain_drafts, attention_kernel: see
+        scorer, fp8_levels, summary_channels, exact, gather_programs, chain_drafts, attention_kernel: see
             `OasisConfig` (by default the block summaries cover half of each head's key channels:
             `summary_channels`; decode attention runs a Triton kernel wherever the Triton backend does).
     """
@@ -347,7 +347,6 @@ class OasisCache(Cache):
             self.counters.decode_tokens += Qn
         else:
             self._check_host_room(Qn, key_states)
-            self._reserve_pinned(Qn, key_states)
             if self._chunked_prefill and self.prefill_resident is None:
                 self.prefill_resident = self._resident_room(self._chunked_prefill, key_states)
             self.counters.dense_forwards += 1
@@ -428,22 +427,6 @@ class OasisCache(Cache):
             tokens = self.get_seq_length(self._first_oasis_layer) + new_tokens
             check_host_room(needed, f"the host pool of {len(layers)} layers for {tokens} tokens x {B} sequences ({H} "
                                     f"KV heads of {D}, {key_states.dtype})")
-
-    def _reserve_pinned(self, new_tokens: int, key_states: torch.Tensor) -> None:
-        """At a CUDA prefill's first full-attention layer (after the room check): every host chunk its pools will
-        take for `new_tokens` (a prompt prefilled in chunks: all of it) set aside in one region the package pins
-        (`memory/pinned_regions.py`, `OasisConfig.pinned_regions`; a no-op outside `route_forward`'s prefill)."""
-        if not self.config.pinned_regions or key_states.device.type != "cuda":
-            return
-        if self._chunked_prefill:
-            new_tokens = max(new_tokens, self._chunked_prefill - self.get_seq_length(self._first_oasis_layer))
-        wanted = {}
-        for layer in self.layers:
-            if isinstance(layer, OasisLayer):
-                nbytes, count = layer.host_chunks_for(new_tokens, key_states)
-                wanted[nbytes] = wanted.get(nbytes, 0) + count
-        for nbytes, count in wanted.items():
-            pinned_regions.reserve_for_forward(nbytes, count)
 
     @property
     def transfer(self) -> TransferEngine:
@@ -976,8 +959,7 @@ class OasisCache(Cache):
                 and tokens.shape[1] > self.config.max_decode_tokens):
             return self._route(runner, kwargs, tokens, spans, past)
         ahead.beside_prefill(self, tokens.device)  # (a prefill: Triton's start-up, any compile workers, beside it)
-        with pinned_regions.reserving():  # (its host chunks, set aside at its first layer: `_reserve_pinned`)
-            return self._route(runner, kwargs, tokens, spans, past)
+        return self._route(runner, kwargs, tokens, spans, past)
 
     def _route(self, runner, kwargs, tokens, spans, past):
         """`route_forward`'s way: the prefill's chunks (`spans`), a dry step first where one is wanted, one forward."""

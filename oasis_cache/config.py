@@ -123,22 +123,11 @@ class OasisConfig:
             K+V per block with fp8 levels instead of 6.25%, which keeps the device's KV within 10% of dense at 32K
             with a 2048-token budget (on SmolLM2's six tasks: equal retention but one sample).
             1.0: every channel. An explicit fraction must keep an even number of the head's channels.
-        draft_lookup: with eagle3, when the last `draft_lookup` tokens occurred earlier within the head's attention
-            window, the token that followed them is drafted instead of the head's guess (prompt-lookup;
-            `draft/ngram_lookup.py`); 0 (default) turns it off. It lifts recall where the generation repeats itself
-            (CPU trajectories) and lowered it by a point on the H200's (docs/performance.md).
         chain_drafts: with eagle3, the draft row also goes through the model's LM head (one more row of the real
             row's product: its weights are read once) and its most likely next token is kept. At the next step, where
             the draft was right (the token that came is the one that rode), that token is the target's own prediction
             of the step after — it becomes the draft instead of the head's guess; where it was wrong, the head
             drafts (`draft/lookahead.py`). False: the head drafts every step.
-        draft_sees_its_blocks: research (eagle3 + exact, on the torch attention path: on CUDA with
-            attention_kernel=False): the riding draft row attends only the working-set blocks among its own top-K
-            (those the next step is predicted to attend), not every block of this step, so that its deeper layers'
-            queries come closer to the next step's real ones. "all": its whole top-K, the blocks not resident read
-            from the host pool on the critical path (a measure of the prediction's ceiling, not a speed path);
-            "all:N": so in the first N layers only (by index), the others as by default. Off by default
-            (docs/performance.md).
         attention_kernel: decode attention over the working set by the Triton kernel
             (`kernels/decode_attention.py`: no mask tensor, no query or output copy) instead of SDPA with an additive
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
@@ -202,13 +191,6 @@ class OasisConfig:
             H200 host, 5 GiB in 16 MiB chunks: 1.9-2.2 -> 0.72 s; Qwen3-8B at 32K x 1, the first token 3.0-3.2 ->
             2.0-2.7 s in every call of a process (`memory/host_memory.py`, docs/performance.md).
             True (default); False leaves torch's settings as they are.
-        pinned_regions: a CUDA prefill reserves, at its first full-attention layer, every host chunk its pools will
-            take as one region the package maps on transparent huge pages, touches and registers itself, reused by
-            later prefills once their caches are gone (`memory/pinned_regions.py`); chunks added later (decode
-            growth, forks) still come from torch's allocator. Research: on the H200's host 5 GiB pin in 0.25-0.27 s
-            this way against 0.78-1.22 s through torch's allocator with `fast_pinning`, but the first `generate` at
-            32K x 1 gained nothing (the pinning overlaps the prefill's device work: first token 2.73-2.74 s against
-            2.60-2.75; docs/performance.md). False (default): every chunk from torch's allocator.
         top_k_kernel: with the Triton backend, choose each KV head's k best blocks in one launch of the package's
             threshold select (`kernels/top_k.py`) instead of `torch.topk` and the sort of its results: the same
             blocks (ties: the lower block ids, where torch leaves them unspecified), listed in block order rather
@@ -250,9 +232,7 @@ class OasisConfig:
     scorer: str = "bits"
     fp8_levels: bool | None = None
     summary_channels: float | None = None
-    draft_lookup: int = 0
     chain_drafts: bool = True
-    draft_sees_its_blocks: bool | str = False
     attention_kernel: bool | None = None
     cuda_graph: bool | None = None
     compile_decode: bool | None = None
@@ -262,21 +242,10 @@ class OasisConfig:
     ahead_at_prefill: bool = True
     compile_workers: int | None = 0
     fast_pinning: bool = True
-    pinned_regions: bool = False
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
-
-    @property
-    def draft_all_layers(self) -> int | None:
-        """`draft_sees_its_blocks` "all" (every layer: a large number) or "all:N" (N), else None."""
-        spec = self.draft_sees_its_blocks
-        if spec == "all":
-            return 1 << 30
-        if isinstance(spec, str) and spec.startswith("all:") and spec[4:].isdigit() and int(spec[4:]) >= 1:
-            return int(spec[4:])
-        return None
 
     def __post_init__(self):
         _check_types(self)
@@ -335,11 +304,6 @@ class OasisConfig:
                                  "longer bound q.k).")
         if not isinstance(self.chain_drafts, bool):
             raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
-        if not isinstance(self.draft_sees_its_blocks, bool) and self.draft_all_layers is None:
-            raise ValueError(f"draft_sees_its_blocks must be True, False, 'all' or 'all:N' (N layers, N >= 1), got "
-                             f"{self.draft_sees_its_blocks!r}.")
-        if not isinstance(self.draft_lookup, int) or isinstance(self.draft_lookup, bool) or self.draft_lookup < 0:
-            raise ValueError(f"draft_lookup must be an int >= 0 (tokens matched; 0: off), got {self.draft_lookup!r}.")
         if self.attention_kernel not in (None, True, False):
             raise ValueError(f"attention_kernel must be None (automatic), True or False, got "
                              f"{self.attention_kernel!r}.")
@@ -382,8 +346,6 @@ class OasisConfig:
                              f"{self.compile_workers!r}.")
         if self.fast_pinning not in (True, False):
             raise ValueError(f"fast_pinning must be True or False, got {self.fast_pinning!r}.")
-        if self.pinned_regions not in (True, False):
-            raise ValueError(f"pinned_regions must be True or False, got {self.pinned_regions!r}.")
         if self.top_k_kernel not in (None, True, False):
             raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:

@@ -69,10 +69,6 @@ class OasisLayer(CacheLayerMixin):
             if getattr(cfg, name) and not self.use_kernels:
                 raise ValueError(f"{name}=True runs a Triton kernel, but this cache runs the torch backend on "
                                  f"{self.device}: leave {name} at its default here (or pass backend='triton').")
-        if self.attention_kernel and cfg.draft_sees_its_blocks:
-            raise ValueError(f"draft_sees_its_blocks={cfg.draft_sees_its_blocks!r} runs on the torch attention path "
-                             "(the Triton decode kernel masks every row of a sequence alike): pass "
-                             "attention_kernel=False with it.")
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
         self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
@@ -426,51 +422,9 @@ class OasisLayer(CacheLayerMixin):
         else:
             bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)
-            out = sparse_attention(query, keys, values, mask, scale, bias, self._draft_visible(mask, cfg, S, T), sinks,
-                                   softcap)
-            all_layers = cfg.draft_all_layers
-            if all_layers is not None and cache.draft_rows == 1 and self._draft_ranks is not None \
-                    and self.layer_idx < all_layers and sinks is None and softcap is None:
-                out[:, :, -1:] = self._draft_over_its_blocks(query[:, :, -1:], view, keys, values, mask, S * T, scale)
+            out = sparse_attention(query, keys, values, mask, scale, bias, sinks, softcap)
         cache.counters.record_layer_step(B * H, n)
         return out
-
-    def _draft_over_its_blocks(self, query, view, keys, values, mask, slot_tokens: int, scale) -> torch.Tensor:
-        """`draft_sees_its_blocks="all"` (research): the riding draft row's attention (`query` `[B, Hq, 1, D]`) over
-        its own top-K blocks, read from the host pool whether resident or not, and the recent tokens (`keys`,
-        `values`, `mask` past `slot_tokens`): what the next step's real query would attend, given the same token.
-        `[B, Hq, 1, D]`."""
-        NB, ranks = self._draft_ranks
-        block_ids, kept = top_blocks(ranks, self.config.slots, self.top_k_kernel)  # [B, Hkv, K]
-        B, H, K = block_ids.shape
-        T, D = self.config.block_size, query.shape[-1]
-        ids = block_ids.clamp(max=NB - 1)
-        past = self._cache.transfer.load_range(self.pool, 0, NB)  # [2, B, Hkv, NB, T, D]
-        kv = past.gather(3, ids[None, :, :, :, None, None].expand(2, B, H, K, T, D)).flatten(3, 4)
-        seen = ((block_ids < NB) & (kept > -torch.inf))[..., None].expand(B, H, K, T)
-        if view.block_tokens is not None:  # padding inside blocks
-            seen = seen & view.block_tokens[torch.arange(B, device=ids.device)[:, None, None], ids]
-        k = torch.cat((kv[0], keys[:, :, slot_tokens:]), dim=2).float()
-        v = torch.cat((kv[1], values[:, :, slot_tokens:]), dim=2).float()
-        visible = torch.cat((seen.flatten(2), mask[:, :, slot_tokens:]), dim=2)  # [B, Hkv, L']
-        G = query.shape[1] // H
-        scores = torch.einsum("bhgd,bhld->bhgl", query.reshape(B, H, G, D).float(), k) * scale
-        weights = scores.masked_fill(~visible[:, :, None], -torch.inf).softmax(dim=-1)
-        return torch.einsum("bhgl,bhld->bhgd", weights, v).reshape(B, H * G, 1, D).to(query.dtype)
-
-    def _draft_visible(self, mask: torch.Tensor, cfg, S: int, T: int) -> torch.Tensor | None:
-        """`OasisConfig.draft_sees_its_blocks`: `mask` `[B, Hkv, L]` but the slot tokens of blocks outside the riding
-        draft row's own top-K (its ranking, made in this step's selection), or None."""
-        if not (cfg.draft_sees_its_blocks and self._cache.draft_rows == 1 and self._draft_ranks is not None) or \
-                cfg.draft_all_layers is not None:  # ("all": the row is attended anew, or as by default past N)
-            return None
-        NB, ranks = self._draft_ranks
-        block_ids, _ = top_blocks(ranks, cfg.slots, self.top_k_kernel)
-        B, H = block_ids.shape[:2]
-        held = self.slot_map.slot_block[..., :S]
-        mine = marked_blocks(block_ids, block_ids < NB, NB).gather(-1, held.clamp(0, NB - 1)) & (held >= 0)  # [B,H,S]
-        slots = mask[:, :, : S * T] & mine[..., None].expand(B, H, S, T).reshape(B, H, S * T)
-        return torch.cat((slots, mask[:, :, S * T :]), dim=-1)
 
     def _prefetch_next(self, query, visible, after_decode: bool) -> None:
         """Lookahead: `query` (this forward's, or the draft token's) selects the next step's blocks; their gather

@@ -253,13 +253,12 @@ def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_pat
 
 def test_first_call_bench_gives_its_children_every_option_but_its_own():
     """`bench/first_call.py`'s children parse what the parent was given (a new option reaches them without being
-    listed twice: `--pinned-regions` did not, and a run labelled torch pinned by regions), the parent's own options
-    left out and `--profile` a file per child."""
+    listed twice), the parent's own options left out and `--profile` a file per child."""
     sys.path.insert(0, str(ROOT / "bench"))
     import first_call
 
     parser = first_call.build_parser()
-    given = ["--model", "tiny", "--context", "300", "--pinned-regions", "--dense", "--warm-parts", "",
+    given = ["--model", "tiny", "--context", "300", "--dense", "--warm-parts", "",
              "--compile-workers", "auto", "--compile-after-steps", "5", "--processes", "3", "--out", "x.json",
              "--fresh-kernel-cache", "--profile", "/tmp/p", "--profile-call", "2", "--warm-first"]
     args = parser.parse_args(given)

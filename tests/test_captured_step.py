@@ -13,8 +13,7 @@ from oasis_cache import OasisCache
 from conftest import dense_cache, generate, prompt_ids, random_head, tiny_model
 
 MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True),
-         dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True), dict(lookahead="eagle3", draft_lookup=2),
-         dict(lookahead="eagle3", draft_lookup=2, lookup_arbiter=True)]
+         dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True)]
 _SKIPPED = {"_model", "_modules", "_forward_memo", "_cache", "captured_steps", "config"}
 
 
@@ -63,7 +62,6 @@ def decoding_cache(model, mode, steps):
     steps; returns `(cache, next token)`. With eagle3: a random head of a 12-row window whose decode call runs on
     static buffers (on CUDA the default; here asked for), as a captured step runs it."""
     mode = dict(mode)
-    arbiter = mode.pop("lookup_arbiter", False)  # (no cache option: the lookup's research toggle)
     draft = {}
     if mode.get("lookahead") == "eagle3":
         head = random_head(model)
@@ -72,8 +70,6 @@ def decoding_cache(model, mode, steps):
     cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode, **draft)
     if cache.ride_along is not None:
         cache.ride_along.static_head = "eager"
-        if arbiter:
-            cache.ride_along.lookup.arbiter = True
     token = prompt_ids(400)
     with torch.no_grad():
         for _ in range(steps + 1):

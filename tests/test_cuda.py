@@ -630,8 +630,6 @@ def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(
 
     from conftest import random_head
 
-    from oasis_cache.memory import pinned_regions
-
     model = tiny_model("qwen3", num_hidden_layers=4).cuda()  # (a head reads three of its layers' hidden states)
     mode = dict(mode)
     static_head = mode.pop("static_head", None)
@@ -657,8 +655,7 @@ def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(
             del cache
             held = gone()
             assert held is None, f"the dropped cache lives on, held by {[type(r) for r in gc.get_referrers(held)]}"
-            pinned.append(torch.cuda.host_memory_stats()["allocated_bytes.allocated"]  # (bytes pinned so far: by
-                          + pinned_regions.REGIONS.mapped_total)  # torch's allocator and the package's regions)
+            pinned.append(torch.cuda.host_memory_stats()["allocated_bytes.allocated"])  # (bytes pinned so far)
         assert pools[2] > 0
         # (with the head's own graph ~12% of this tiny pool was pinned anew per cache while its capture went through
         # `torch.cuda.graph`, which empties torch's pinned cache as it begins: `draft/head_step.py`)
@@ -717,50 +714,6 @@ def test_a_prompts_first_chunk_warms_cudnns_kernels_in_a_thread_and_decodes_the_
         assert not any(thread.is_alive() for thread in dense._WARM_THREADS.values())
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1])
-
-
-def test_a_prefill_pins_its_pools_in_one_region_reused_by_the_next_cache():
-    """`OasisConfig.pinned_regions` (research): a CUDA prefill's host chunks come from a region the package maps and
-    registers itself (`memory/pinned_regions.py`), read by the gather as torch's pinned chunks are (the same tokens
-    and logits as `pinned_regions=False`); the next cache of the shape, after the first is dropped, takes the same
-    chunks back (nothing mapped anew), and a reset hands its regions back to the system."""
-    from oasis_cache.memory import host_memory, pinned_regions
-
-    regions = pinned_regions.REGIONS
-    model = tiny_model("llama", num_key_value_heads=4, num_attention_heads=4).cuda()
-    inputs = on_cuda({"input_ids": prompt_ids(700, batch=2)})
-    kw = dict(max_new_tokens=40, do_sample=False)
-    gc.collect()  # (caches earlier tests left in reference cycles go now)
-    host_memory.release_cached_pinned()
-
-    def region_chunks(cache):
-        chunks = [c for layer in cache.layers if isinstance(layer, OasisLayer) for c in layer.pool.chunks]
-        assert chunks and all(c.is_pinned() for c in chunks)
-        return [c for c in chunks if any(r.start <= c.data_ptr() < r.start + r.size for r in regions.regions)]
-
-    plain = OasisCache(model, token_budget=256, host_chunk_blocks=4, pinned_regions=False)
-    expected = generate(model, plain, inputs, **kw)
-    assert region_chunks(plain) == []
-    del plain
-    outs, mapped = [], []
-    for _ in range(2):
-        cache = OasisCache(model, token_budget=256, host_chunk_blocks=4, pinned_regions=True)
-        outs.append(generate(model, cache, inputs, **kw))
-        outs[-1]["past_key_values"] = None  # (an output holding its cache would keep it alive; an attribute set
-        # to None would leave the mapping's item)
-        layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
-        assert len(region_chunks(cache)) >= layers * (700 // 16 // 4)  # every chunk the prefill filled
-        mapped.append(regions.mapped_total)
-        if len(outs) == 1:
-            del cache
-    assert mapped[1] == mapped[0]  # (the second cache took the first's chunks back)
-    for out in outs:
-        assert torch.equal(out.sequences, expected.sequences)
-        for a, b in zip(expected.logits, out.logits):
-            torch.testing.assert_close(b, a, atol=0, rtol=0)
-    mine = {id(r) for r in regions.regions for c in region_chunks(cache) if r.start <= c.data_ptr() < r.start + r.size}
-    cache.reset()
-    assert mine and not mine & {id(r) for r in regions.regions}
 
 
 def test_pinned_host_memory_is_released(monkeypatch):

@@ -47,4 +47,4 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch):
     assert oasis_out == hf_out  # budget >= context: the same generations as HF's own model
     assert made and all(o == dict(token_budget=2048, scorer="bits", fp8_levels=False, exact=True, lookahead="previous",
                                   max_decode_tokens=8) for o in made)
-    assert {"cuda_graph", "draft", "draft_lookup", "measure", "token_budget"} <= set(integration.CACHE_OPTIONS)
+    assert {"cuda_graph", "draft", "chain_drafts", "measure", "token_budget"} <= set(integration.CACHE_OPTIONS)

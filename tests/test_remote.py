@@ -51,8 +51,7 @@ def empty_like(pool: HostKVPool) -> HostKVPool:
 
 
 SPLITS = [(64, "previous", 2), (64, "none", 1), (1024, "previous", 2), (64, "eagle3", 2),  # (budget, lookahead
-          (64, "previous-exact", 1), (64, "eagle3-lookup", 2)]  # (-exact: with exact=True; -lookup: draft_lookup=2),
-# batch)
+          (64, "previous-exact", 1)]  # (-exact: with exact=True), batch)
 
 
 def split_model(lookahead):
@@ -66,16 +65,12 @@ def split_options(model, budget, lookahead) -> dict:
 
     name, _, variant = lookahead.partition("-")
     return {**OPTIONS, "token_budget": budget, "lookahead": name, "exact": variant == "exact",
-            **({"draft": random_head(model)} if name == "eagle3" else {}),
-            **({"draft_lookup": 2} if variant == "lookup" else {})}
+            **({"draft": random_head(model)} if name == "eagle3" else {})}
 SPLIT_LENGTH = 803
 
 
 def split_prompt(lookahead: str, batch: int) -> torch.Tensor:
-    """A split's prompt `[batch, SPLIT_LENGTH]`: random ids; with the n-gram lookup, a 40-token run repeated (so the
-    lookup's history, which the admission carries, decides drafts)."""
-    if lookahead.endswith("lookup"):
-        return prompt_ids(40, batch=batch).repeat(1, SPLIT_LENGTH // 40 + 1)[:, :SPLIT_LENGTH]
+    """A split's prompt `[batch, SPLIT_LENGTH]`: random ids."""
     return prompt_ids(SPLIT_LENGTH, batch=batch)
 
 
@@ -313,7 +308,7 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
-    if lookahead.startswith("eagle3"):  # the head's state came along (the lookup's too): drafts checked alike
+    if lookahead.startswith("eagle3"):  # the head's state came along : drafts checked alike
         assert stats["draft_accuracy"] == local.stats()["draft_accuracy"]
     layers = sum(isinstance(layer, OasisLayer) for layer in cache.layers)
     heads = cache.layers[0].pool.num_kv_heads

@@ -27,8 +27,7 @@ def new_token_bias(num_queries: int, group: int, length: int, slot_tokens: int, 
 
 def sparse_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
-    bias: torch.Tensor, last_visible: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
+    bias: torch.Tensor, sinks: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """
     Args:
@@ -39,8 +38,6 @@ def sparse_attention(
         scale: softmax scale.
         bias: `new_token_bias(...)`, `[G * Qn, L]` or `[1, L]`: the new tokens' causality (the cache builds it once
             per forward for all layers: `OasisCache.new_token_bias`).
-        last_visible: `[B, Hkv, L]` bool or None: what the last new token (a riding draft row) sees instead of
-            `visible` (`OasisConfig.draft_sees_its_blocks`).
         sinks: `[Hq]` learned sink logits (`compute/sinks.py`) or None.
         softcap: attention logit soft-capping (scores `softcap * tanh(s / softcap)`), or None.
     Returns:
@@ -53,9 +50,6 @@ def sparse_attention(
     # The additive mask in one operation, [B, Hkv, G * Qn or 1, L]: what a boolean mask would become inside the
     # attention call (0 where seen, -inf elsewhere), with the new tokens' causality folded in.
     mask = torch.where(visible[:, :, None, :], bias, float("-inf"))
-    if last_visible is not None:
-        rows = torch.arange(G * Qn, device=query.device) % Qn == Qn - 1  # (g, Qn - 1): the last new token's rows
-        mask = torch.where(rows[:, None] & ~last_visible[:, :, None, :], float("-inf"), mask)
     if sinks is not None or softcap is not None:  # the scores explicitly, sinks in the softmax's sum (float32)
         from .sinks import grouped_sinks, softmax_with_sinks
 

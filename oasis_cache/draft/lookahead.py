@@ -27,7 +27,6 @@ from ..layer import OasisLayer
 from .eagle3 import Eagle3Head
 from .head_step import StaticDraftStep
 from .head_window import HeadKV
-from .ngram_lookup import NgramLookup
 
 
 def kept_in_place(kept: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -57,8 +56,6 @@ class RideAlong:
         self._aux: dict[int, torch.Tensor] = {}
         self._last_features: torch.Tensor | None = None  # [B, 3H]: the previous forward's last real row
         self._head_kv = HeadKV(self.window)  # the head's keys/values (a ring of window - 1 rows)
-        order = cache.config.draft_lookup
-        self.lookup = NgramLookup(order, (self.window or 256) + order) if order else None
         # "graph" replays a full ring's decode call as one CUDA graph, "eager" runs the same static-buffer call
         # eagerly (tests); None: the plain call; "auto" (default): "graph" on CUDA ("eager" when the cache captures
         # whole decode steps: the step's graph holds the call), else None. Beam search (reordered rows) always takes
@@ -119,8 +116,6 @@ class RideAlong:
         self._last_features, self._rows, self._made = None, 0, None
         self._draft_hidden, self._chain_ready = None, False
         self._head_kv.reset()
-        if self.lookup is not None:
-            self.lookup.reset()
         self._static, self._reordered = None, False
 
     def index_batch(self, indices: torch.Tensor) -> None:
@@ -129,8 +124,6 @@ class RideAlong:
             indices = indices.to(self._last_features.device)
             self._last_features = self._last_features.index_select(0, indices)
         self._head_kv.index_batch(indices)
-        if self.lookup is not None:
-            self.lookup.index_batch(indices)
         self._static, self._reordered, self._made, self._chain_ready = None, True, None, False
 
     def repeat_interleave(self, repeats: int) -> None:
@@ -166,10 +159,6 @@ class RideAlong:
         token = input_ids[:, -1:]
         if made is not None and q == 1 and self.oracle is None:
             self._count_hit(made, token)
-        if self.lookup is not None:
-            if q == 1:
-                self.lookup.observe(token)
-            self.lookup.extend(input_ids)
         # the token the last draft row predicted holds where that draft was right (one token came: the one it drafted)
         rode = made if chain_ready and q == 1 and made is not None and self._chained.shape == made.shape else None
         draft = self._draft(token, rode)  # [B, 1]
@@ -229,8 +218,6 @@ class RideAlong:
         if ids is None:  # no token ids to pair with: the head starts over at the next forward
             self.reset()
             return None
-        if self.lookup is not None:
-            self.lookup.extend(ids)
         if self._last_features is not None and ids.shape[1] >= 1:  # the first new token pairs with the old row
             self._head_rows(self._last_features[:, None], ids[:, :1])
         if ids.shape[1] > 1:  # only the last `window` rows can matter later
@@ -270,8 +257,7 @@ class RideAlong:
         return (self.oracle is None and not self._reordered and self._static is not None
                 and self._static.graph is None and kv.full and kv.k.shape[-4] == batch and self._made is not None
                 and self._hits is not None and self._last_features is not None
-                and (self.lm_head is None or self._chain_ready)
-                and (self.lookup is None or not self.lookup.arbiter or self.lookup.proposed is not None))
+                and (self.lm_head is None or self._chain_ready))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors a replayed step reads or writes (their addresses are part of the replay signature)."""
@@ -279,8 +265,6 @@ class RideAlong:
         tensors = [self._last_features, self._made, self._hits, self._chained, self._head_kv.k, self._head_kv.v]
         if static is not None:
             tensors += [static.features, static.token, static.position, static.slot, static.draft]
-        if self.lookup is not None and self.lookup.history is not None:
-            tensors += [self.lookup.history, self.lookup.scores, self.lookup.proposed]
         return [t for t in tensors if t is not None]
 
     def advance_replayed_step(self) -> None:
@@ -325,8 +309,6 @@ class RideAlong:
         else:
             logits = self._head_rows(self._last_features[:, None], token)
             draft = self.head.greedy_draft(logits)
-        if self.lookup is not None:
-            draft = self.lookup.propose(draft)
         if rode is not None:
             draft = torch.where(rode == token, self._chained, draft)
         if self.oracle is None:

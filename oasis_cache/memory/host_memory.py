@@ -51,22 +51,16 @@ def pinned_bytes_held() -> int:
     CUDA). Its "active" counters are not a way to tell the two apart (torch 2.11 keeps a freed block active until its
     events are processed, and never counts it down on an empty-cache), so what is cached shows as the drop across
     `release_cached_pinned`."""
-    from .pinned_regions import REGIONS  # (the package's own regions: `pinned_regions`)
-
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return REGIONS.held_bytes()
+        return 0
     try:
-        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) + REGIONS.held_bytes()
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (RuntimeError, AttributeError):
-        return REGIONS.held_bytes()
+        return 0
 
 
 def release_cached_pinned() -> None:
-    """Hand the pinned memory torch's caching host allocator keeps (blocks no tensor holds), and the package's
-    regions no chunk of which is in use (`pinned_regions`), back to the system."""
-    from .pinned_regions import REGIONS
-
-    REGIONS.release_unused()
+    """Hand the pinned memory torch's caching host allocator keeps (blocks no tensor holds) back to the system."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
     torch.cuda.synchronize()  # a block an asynchronous copy still reads is freed only once its event has completed

@@ -13,8 +13,6 @@ block `first_block + i` is the pool's local block i.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 # A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
@@ -160,14 +158,7 @@ class HostKVPool:
         self.shared = set()
 
     def _empty(self, shape) -> torch.Tensor:
-        """A new chunk: pinned, one a prefill set aside where there is one (`memory.pinned_regions`), else torch's."""
-        if self.pin_memory:
-            from ..memory import pinned_regions  # (here: the memory plane imports the pools)
-
-            nbytes = math.prod(shape) * self.dtype.itemsize
-            chunk = pinned_regions.take(nbytes)
-            if chunk is not None:
-                return chunk.view(self.dtype).view(shape)
+        """A new chunk, pinned where the pool is (torch's caching host allocator)."""
         return torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin_memory)
 
     def _own_copy(self, index: int, num_blocks: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ CLASSES = {
     ("oasis_cache.pools.slot_map", "SlotMap"),
     ("oasis_cache.control.visibility", "Padding"),
     ("oasis_cache.draft.head_window", "HeadKV"),
-    ("oasis_cache.draft.ngram_lookup", "NgramLookup"),
     ("oasis_cache.window", "WindowLayer"),
     ("oasis_cache.hybrid", "HybridWindowLayer"),
 }
