@@ -43,6 +43,7 @@ import contextlib
 import gc
 import inspect
 import itertools
+import operator
 
 import torch
 
@@ -105,35 +106,34 @@ def weights_where_they_are(model) -> int:
 class ModelState:
     """What a replayed step depends on in the model, taken when its steps are (re)captured, and `unchanged()`: a
     cheap look at the model's own state before each step of a cache with captured steps — its module tree (each
-    child still in its parent's place), each parameter and buffer (the same tensor in its module, at the same
-    address: `model.to(...)` and back, a parameter or buffer or module put in place, `load_state_dict(assign=True)`)
-    and each module's mode (`train()` / `eval()`). One pass over references, no device work: ~0.1 ms for an 8B
-    model's 547 modules on a 2-core CPU machine under load. Other settings (an attribute set by hand, as PEFT's
-    `set_adapter` sets them) are read at each prefill (`module_settings`) or after `cache.model_changed()`."""
+    child still in its parent's place, none added or removed), each parameter and buffer (the same tensor in its
+    module, at the same address: `model.to(...)` and back, a parameter, buffer or module put in place,
+    `load_state_dict(assign=True)`) and each module's mode (`train()` / `eval()`). References compared in C loops
+    (`map`), no device work. Other settings (an attribute set by hand, as PEFT's `set_adapter` sets them) are read at
+    each prefill (`module_settings`) or after `cache.model_changed()`."""
 
     def __init__(self, model):
         modules = list(model.modules())
-        self.edges = tuple((parent._modules, name, child) for parent in modules
-                           for name, child in parent._modules.items())
-        self.tensors = tuple((held, name, tensor, tensor.data_ptr()) for module in modules
-                             for held in (module._parameters, module._buffers)
-                             for name, tensor in held.items() if tensor is not None)
-        self.modules = tuple(modules)
-        self.modes = [module.training for module in modules]
-        self.sizes = tuple((held, len(held)) for module in modules
-                           for held in (module._modules, module._parameters, module._buffers))
+        edges = [(parent._modules, name, child) for parent in modules for name, child in parent._modules.items()]
+        held = [(store, name, tensor) for module in modules for store in (module._parameters, module._buffers)
+                for name, tensor in store.items() if tensor is not None]
+        self.children_of = [module._modules for module in modules]
+        self.sizes = [len(children) for children in self.children_of]
+        self.stores, self.names, self.objects = (list(x) for x in zip(*(edges + held))) if edges or held else ([],) * 3
+        self.tensors = [tensor for _, _, tensor in held]
+        self.addresses = list(map(_data_ptr, self.tensors))
+        self.modules = modules
+        self.modes = list(map(_training, modules))
 
     def unchanged(self) -> bool:
-        for held, size in self.sizes:  # (nothing added or removed)
-            if len(held) != size:
-                return False
-        for held, name, child in self.edges:
-            if held.get(name) is not child:
-                return False
-        for held, name, tensor, address in self.tensors:
-            if held.get(name) is not tensor or tensor.data_ptr() != address:
-                return False
-        return [module.training for module in self.modules] == self.modes
+        return (list(map(len, self.children_of)) == self.sizes
+                and all(map(operator.is_, map(dict.get, self.stores, self.names), self.objects))
+                and list(map(_data_ptr, self.tensors)) == self.addresses
+                and list(map(_training, self.modules)) == self.modes)
+
+
+_data_ptr = torch.Tensor.data_ptr
+_training = operator.attrgetter("training")
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
