@@ -23,7 +23,7 @@ forced; = oasis-eagle3 on CUDA, the name of 2026-11-30's results), oasis-eagle3-
 cost sits in the steps that capture, so compare means (`--statistic mean`, `--steps` a multiple of 16). An oasis method with the suffix `@bound` or `@bits` uses that block scorer
 (default: the package's, bits), e.g. `oasis-previous@bound`; `@full` keeps the bits summaries on every key channel
 (`summary_channels=1.0`; the default keeps half), e.g. `oasis-previous-captured@full` (`OPTION_VARIANTS` in
-oasis_cache/config.py). The oasis methods run uncompiled decode steps (`compile_decode=False`) unless a variant
+eval/variants.py). The oasis methods run uncompiled decode steps (`compile_decode=False`) unless a variant
 compiles them (`@compiled`, `@compiledfused`): the package's default compiles a model's steps only
 after its 2,048th decode step in a process, which a run of many methods and repeats could cross midway — each row
 measures one kind of step. dense-compiled: HF's fastest dense decode, a
@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import oasis_cache  # noqa: E402,F401
 from oasis_cache import OasisCache  # noqa: E402
-from oasis_cache.config import OasisConfig  # noqa: E402
+from eval.variants import cache_kwargs, variant_options  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import dense_attention, load_model  # noqa: E402
 
@@ -78,21 +78,23 @@ def make_cache(method: str, model, args, capacity: int = 0):
     method, _, variant = method.partition("@")
     # (uncompiled unless the variant compiles: the default would compile after 2,048 steps of the model, midway)
     options = dict(token_budget=args.budget, gather_programs=args.gather_programs or None, compile_decode=False)
-    options.update(OasisConfig.variant_options(variant))  # a variant overrides the command line
-    # -captured: decode steps replayed as CUDA graphs (compute/captured_step.py); without it every step runs eagerly
+    options.update(variant_options(variant))  # a variant overrides the command line
+    # -captured: decode steps replayed as CUDA graphs (runtime/captured_step.py); without it every step runs eagerly
     options["cuda_graph"] = method.endswith("-captured")
     method = method.removesuffix("-captured")
     if method in ("oasis-eagle3", "oasis-eagle3-graph", "oasis-eagle3-plain", "oasis-eagle3-exact"):
-        cache = OasisCache(model, lookahead="eagle3", draft=args.head, exact=method.endswith("-exact"), **options)
+        cache = OasisCache(model, **cache_kwargs(dict(options, lookahead="eagle3", draft=args.head,
+                                                      exact=method.endswith("-exact"))))
         if method.endswith("-graph"):  # the head's decode call replayed as a CUDA graph (draft/head_step.py)
             cache.ride_along.static_head = "graph" if torch.device(args.device).type == "cuda" else "eager"
         if method.endswith("-plain"):
             cache.ride_along.static_head = None
         return cache
     if method == "oasis-exact":
-        return OasisCache(model, lookahead="previous", exact=True, num_slots=args.exact_slots or None, **options)
+        return OasisCache(model, **cache_kwargs(dict(options, lookahead="previous", exact=True,
+                                                     num_slots=args.exact_slots or None)))
     if method.startswith("oasis-"):
-        return OasisCache(model, lookahead=method.split("-", 1)[1], **options)
+        return OasisCache(model, **cache_kwargs(dict(options, lookahead=method.split("-", 1)[1])))
     raise ValueError(method)
 
 

@@ -132,7 +132,7 @@ def main(argv=None):
         what = f"{args.model} on Python's documentation"
     deferred = {"auto": None, "on": True, "off": False}[args.deferred]
     with local_store(args.segment) as master:
-        prefill = OasisCache(model, token_budget=args.budget, lookahead="previous", measure=args.measure)
+        prefill = OasisCache(model, token_budget=args.budget, lookahead="previous", advanced=dict(measure=args.measure))
         store = connect(master)
         t0 = time.perf_counter()
         with publishing(prefill, store, "bench") if args.pipelined else contextlib.nullcontext() as job:

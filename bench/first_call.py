@@ -90,6 +90,7 @@ def child(args) -> dict:
     from models import load_model
 
     from oasis_cache import OasisCache
+    from oasis_cache.runtime.build import cache_kwargs
 
     cuda = torch.device(args.device).type == "cuda"
     t0 = time.perf_counter()
@@ -110,14 +111,12 @@ def child(args) -> dict:
     options = dict(compile_decode=True, fuse_projections=args.fuse_projections) if args.compile_decode else {}
     if args.compile_after_steps:  # (the default compile_decode=None, switching sooner)
         options["compile_after_steps"] = args.compile_after_steps
-    if args.compile_ahead or args.no_compile_ahead:  # (default: a dry first decode step on CUDA, compute/ahead.py)
+    if args.compile_ahead or args.no_compile_ahead:  # (default: a dry first decode step on CUDA, runtime/ahead.py)
         options["compile_ahead"] = bool(args.compile_ahead)
     if args.ahead_at_prefill or args.no_ahead_at_prefill:  # (the dry step's compilations during the prefill: default)
         options["ahead_at_prefill"] = bool(args.ahead_at_prefill)
-    if args.compile_workers is not None:  # (research: worker processes compile the dry step's kernels)
-        options["compile_workers"] = None if args.compile_workers == "auto" else int(args.compile_workers)
     if args.warm_parts is not None:  # (research: which parts of Triton's start-up the prefill's thread pays)
-        from oasis_cache.compute import ahead
+        from oasis_cache.runtime import ahead
 
         ahead.WARM_PARTS = tuple(part for part in args.warm_parts.split(",") if part)
     if args.split_warm_queries is not None:  # (the first chunk's warm-up of the later chunks' attention kernels)
@@ -131,7 +130,7 @@ def child(args) -> dict:
     from torch._dynamo.utils import counters
 
     kernel_dir = triton_cache_dir()
-    dry_step = None  # `compile_ahead`'s dry step in the first call (compute/ahead.py's LAST)
+    dry_step = None  # `compile_ahead`'s dry step in the first call (runtime/ahead.py's LAST)
     compiled_per_call = []  # per call: dynamo graphs (recompilations included: why, `--child-stderr` with
     # TORCH_LOGS=recompiles), Triton kernels written to the cache
     routed = trace_captured_steps()  # per forward: which way the captured steps' router went, its host ms
@@ -139,7 +138,7 @@ def child(args) -> dict:
     pinned = []  # per call: the previous call's cache still alive at this call's start, and torch's pinned pool
     previous = None  # (a weak reference to the previous call's cache)
     for call in range(args.calls):
-        cache = None if args.dense else OasisCache(model, token_budget=args.budget, **options)
+        cache = None if args.dense else OasisCache(model, **cache_kwargs(dict(token_budget=args.budget, **options)))
         alive = previous is not None and previous() is not None
         before = host_pinned_stats() if cuda else {}
         clock = Stamps()
@@ -163,7 +162,7 @@ def child(args) -> dict:
         first_token.append(clock.stamps[0] - t0)
         steps.append([round((b - a) * 1e3, 2) for a, b in zip(clock.stamps, clock.stamps[1:])])  # decode steps, ms
         if call == 0 and cache is not None:  # `compile_ahead`'s dry step: its phases (None: it did not run)
-            from oasis_cache.compute import ahead
+            from oasis_cache.runtime import ahead
 
             dry_step = {k: round(v, 3) for k, v in ahead.LAST.items()} or None
         compiled_per_call.append({"graphs": counters["stats"]["unique_graphs"] - graphs,
@@ -194,7 +193,7 @@ def trace_captured_steps() -> list:
     decode steps), which way it went — `eager` (not replayable), `first` (a cache's first eager step on the capture
     stream), `capture` (captured, then replayed once), `replay` — and its host milliseconds (launches; the device's
     own time shows in the token clock). Returns the list the records go to (the caller clears it per call)."""
-    from oasis_cache.compute import captured_step
+    from oasis_cache.runtime import captured_step
 
     records: list = []
     forward = captured_step.CapturedSteps.forward
@@ -337,11 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dense", action="store_true",
                         help="no OasisCache: generate's own dense cache (DynamicCache), the baseline's first call "
                              "against its later ones (a process's first CUDA work, which oasis pays too)")
-    parser.add_argument("--compile-workers", default=None,
-                        help="OasisCache(..., compile_workers=N): processes compiling the dry step's kernels (0, the "
-                             "package's default: threads; 'auto': None, the CPUs less one, at most 8)")
     parser.add_argument("--warm-parts", default=None,
-                        help="compute/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
+                        help="runtime/ahead.WARM_PARTS: the parts of Triton's start-up the first prefill's thread "
                              "pays, comma-separated (key,driver,ptxas; '' none)")
     parser.add_argument("--split-warm-queries", type=int, default=None,
                         help="compute/dense.SPLIT_WARM_QUERIES: queries of the first chunk's warm-up of the later "
@@ -386,7 +382,6 @@ def main(argv=None):
 
               + (f", warm parts '{args.warm_parts}'" if args.warm_parts is not None else "")
               + (f", split warm-up {args.split_warm_queries}" if args.split_warm_queries is not None else "")
-              + (f", compile_workers={args.compile_workers}" if args.compile_workers is not None else "")
               + (", dense (no OasisCache)" if args.dense else "")
               + (", fuse_projections" if args.compile_decode and args.fuse_projections else "")
               + (f", compile_after_steps={args.compile_after_steps}" if args.compile_after_steps else "")

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU runs, in one device call: `bash bench/gpu_run.sh <part> ...` runs the named parts in order; logs and JSON
 # under $OUT. Decode benchmarks interleave their methods step by step (`bench/decode.py --interleave`).
-#   tests / testseager   the CUDA tests (captured steps, as by default / every step eager)
+#   tests / testseager   the CUDA tests (captured steps, as by default / every step eager); `tests` then the audits
+#                        (`-m audit`: minutes each on 2 cores) on the host's cores
 #   resultstable         the README's speed table: dense eager / compiled, HF offload, oasis, compiled steps at 32K x 1,
 #                        32K x 4, 128K x 1 (Qwen3-8B shape, random weights; ~9 minutes on an H200)
 #   captured             its first part: 32K x {1, 4} (CAPTURED_BATCHES="1" or "4" runs one)
 #   budgetbound          32K x 4 at budgets 2048 / 1024 / 512 (the step against the bytes fetched), 32K x 1 compiled
+#   beforeafter          the captured 32K x 1, 32K x 4, 128K x 1 and capped 128K rows of this tree and of the tree in
+#                        $BEFORE (an earlier commit's `git archive` of oasis_cache and bench), alternating, each in a
+#                        process of its own (BEFORE_ROWS="32k1 32k4 128k capped" picks rows)
 #   capacity32k / capacity128k / capped128k   the largest batch under a 24 GiB cap (CAPS, METHODS, BATCHES, TAG,
 #                        BENCH_MODEL=qwen25-coder-0.5b PROMPT=code for real weights), 128K x 1 under the cap
 #   prefill              the prefill against dense's (PREFILL_BATCHES, PREFILL_GENERATE=1: through generate)
@@ -24,7 +28,8 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 for arg in "$@"; do
   case "$arg" in
     tests) python3 -c "import xdist" 2>/dev/null && X="-n 2" || X=""  # (two processes on the card: 251 s against 521 in one, H200, 2026-12-05)
-      python3 -m pytest -q $X -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
+      python3 -m pytest -q $X -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+      python3 -m pytest -q -n 8 -m audit tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-audit.log" | tail -5 ;;  # (CPU audits, on the host's cores)
     testseager) OASIS_TEST_CUDA_GRAPH=0 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu-eager.log" | tail -25 ;;
     captured) for spec in "1:dense offload oasis-previous oasis-previous-captured oasis-exact-captured" "4:dense offload oasis-previous oasis-previous-captured"; do [[ " ${CAPTURED_BATCHES:-1 4} " == *" ${spec%%:*} "* ]] || continue; python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches "${spec%%:*}" --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b${spec%%:*}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-b${spec%%:*}.log" | tail -7; done ;;
     resultstable) bash "$0" captured  # README "Results" (~540 s on the H200): the rows above, 128K's dense and oasis, dense compiled, the compiled steady state
@@ -36,6 +41,13 @@ for arg in "$@"; do
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 4 --budget $budget --steps 32 --warmup 8 --measure-steps 4 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-32k-b4-budget$budget.json" 2>&1 | grep -v Warning | tail -1 | sed "s/^/32K x 4, budget $budget: /"; done
       for budget in 2048 1024 2048 1024; do  # 32K x 1 compiled steps, alternating budgets in sibling processes
         python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches 1 --budget $budget --steps 32 --warmup 8 --measure-steps 0 --methods oasis-previous-captured@compiled --out "$OUT/decode-qwen3-8b-32k-b1-compiled-budget$budget-$SECONDS.json" 2>&1 | grep -v Warning | tail -1 | sed "s/^/32K x 1 compiled, budget $budget: /"; done ;;
+    beforeafter) for row in ${BEFORE_ROWS:-32k1 32k4 128k capped}; do case $row in
+        32k1) a="--interleave --contexts 32768 --batches 1 --steps 48 --warmup 4 --statistic mean" ;;
+        32k4) a="--interleave --contexts 32768 --batches 4 --steps 48 --warmup 4 --statistic mean" ;;
+        128k) a="--interleave --contexts 131072 --batches 1 --steps 24 --warmup 4 --statistic mean --prefill-chunk 32768" ;;
+        capped) a="--contexts 131072 --batches 1 --steps 8 --warmup 2 --memory-cap-gib 24" ;; esac
+        for tree in after before; do root=$PWD; [ $tree = before ] && root=$(cd "$BEFORE" && pwd)
+          (cd "$root" && PYTHONPATH=$root:$root/tests python3 bench/decode.py --model qwen3-8b --budget 2048 --measure-steps 0 $a --methods oasis-previous-captured --out "$OUT/beforeafter-$row-$tree.json" 2>&1 | grep --line-buffered -v Warning | tail -1 | sed "s/^/$row $tree: /"); done; done ;;
     capacity32k) python3 bench/capacity.py --model ${BENCH_MODEL:-qwen3-8b} --prompt ${PROMPT:-random} --contexts 32768 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4 8 16} --new-tokens 24 --try-timeout 120 --out "$OUT/capacity-${BENCH_MODEL:-qwen3-8b}-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4} --new-tokens 24 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     capped128k) python3 bench/decode.py --model qwen3-8b --contexts 131072 --batches 1 --budget 2048 --steps 8 --warmup 2 --measure-steps 0 --memory-cap-gib 24 --methods oasis-previous-captured --out "$OUT/decode-qwen3-8b-128k-capped24-defaults.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-capped128k.log" | tail -4 ;;

@@ -46,7 +46,7 @@ def build(model, method: str, args):
     dense.SPLIT_PAST = method != "oasis-masked"  # (oasis-masked: a chunk over its past by SDPA's lower-right mask,
     # as; the others merge cuDNN's past and chunk)
     return OasisCache(model, token_budget=args.budget, prefill_chunk_tokens=args.chunk_tokens,
-                      resident_prefill=method in ("oasis-resident", "oasis-masked"))
+                      advanced=dict(resident_prefill=method in ("oasis-resident", "oasis-masked")))
 
 
 def prefill(model, ids, cache, device, chunk_tokens: int = 0,

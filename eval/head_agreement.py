@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from oasis_cache.draft import load_eagle3
-from oasis_cache.draft.train import HELD_OUT_SHARE, evaluate, held_out_document, load_texts, split_texts
+from oasis_cache.draft.train import evaluate
+from oasis_cache.draft.training_data import HELD_OUT_SHARE, held_out_document, load_texts, split_texts
 from oasis_cache.loaders import load_smollm2
 
 

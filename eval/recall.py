@@ -35,8 +35,9 @@ import torch
 import oasis_cache  # noqa: F401
 from oasis_cache import OasisCache, OasisConfig
 from oasis_cache.config import OasisConfig
-from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, held_out_document
+from oasis_cache.draft.training_data import HELD_OUT_DOCUMENT_TOKENS, held_out_document
 from oasis_cache.loaders import OFFLINE_MODELS, load_offline
+from oasis_cache.runtime.build import cache_kwargs
 
 
 CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by section."
@@ -44,12 +45,12 @@ CHAT_QUESTION = "\n\nExplain in detail what the text above describes, section by
 
 def held_out_code(tokenizer, tokens: int) -> torch.Tensor:
     """`[tokens]`: the standard library's own top-level modules (`Lib/*.py` of this Python, in name order) with every
-    docstring removed and comments dropped (`draft.train.stdlib_code`), each headed by its file name. No shipped
+    docstring removed and comments dropped (`draft.training_data.stdlib_code`), each headed by its file name. No shipped
     head was trained on it — their documents are Python's documentation past its first `HELD_OUT_DOCUMENT_TOKENS`
     tokens, the standard library's docstrings and, with `--document-source code`, the code of its packages — and it
     is long enough for 32K contexts (the held-out documentation is 16K tokens). Code, for a coder model. (Another
     Python version gives another text.)"""
-    from oasis_cache.draft.train import stdlib_code
+    from oasis_cache.draft.training_data import stdlib_code
 
     ids: list[int] = []
     for text in stdlib_code(top_level=True):
@@ -153,8 +154,8 @@ def main():
     if "eagle3-oracle" in modes:  # the trajectory every row follows: what a perfect draft would propose
         truth = model.generate(**inputs, max_new_tokens=args.steps + 1, do_sample=False,
                                pad_token_id=tok.pad_token_id,
-                               **OasisCache(model, token_budget=args.budget, scorer=args.scorer,
-                                            summary_channels=args.summary_channels).generate_kwargs())
+                               **OasisCache(model, token_budget=args.budget, advanced=dict(
+                                   scorer=args.scorer, summary_channels=args.summary_channels)).generate_kwargs())
     # K: the blocks a step selects; the slots hold at least every block of a context that fits the budget
     # (`OasisConfig.min_slots`: one more than K when the budget is not a multiple of the block size)
     K = OasisConfig(token_budget=args.budget).num_selected_blocks
@@ -166,9 +167,10 @@ def main():
         if mode == "eagle3-head":
             draft["chain_drafts"] = False
         predicting = dict(exact=True, num_slots=max(args.slots or K, min_slots)) if lookahead != "none" else {}
-        cache = OasisCache(model, token_budget=args.budget, lookahead=lookahead, measure=True, scorer=args.scorer,
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=args.budget, lookahead=lookahead, measure=True,
+                                                      scorer=args.scorer,
                            summary_channels=args.summary_channels,
-                           **predicting, **draft)
+                           **predicting, **draft)))
         if mode == "eagle3-oracle":
             cache.ride_along.oracle = lambda position: truth[:, position, None]  # [N, 1]
         name = mode

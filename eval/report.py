@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
 from eval.tasks import chat_prompt, generate_samples, score  # noqa: E402
+from eval.variants import OPTION_VARIANTS, cache_kwargs as nested, variant_options  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
-from oasis_cache.config import OPTION_VARIANTS, OasisConfig  # noqa: E402
 from oasis_cache.compat import generate_cache_argument, layer_types_and_kwargs  # noqa: E402
+from oasis_cache.config import OasisConfig  # noqa: E402
 from oasis_cache.compute.dense import mask_layout  # noqa: E402
 from oasis_cache.memory.host_memory import pinned_bytes_held, release_cached_pinned  # noqa: E402
 
@@ -64,7 +65,7 @@ def make_cache(model, mode: str, budget: int | None, **cache_options):
     """A cache for `mode`: dense, or an OasisCache lookahead (none, previous, eagle3), "-exact" for miss repair
     (e.g. eagle3-exact: what `OasisCache(model)` picks when a shipped head matches), "@bound" / "@bits" for the
     block scorer (default: the package's, bits), "@full" / "@half" for the bits summaries on every key channel or on
-    half of them (the default; `OPTION_VARIANTS` in oasis_cache/config.py)."""
+    half of them (the default; `OPTION_VARIANTS` in eval/variants.py)."""
     if mode == "dense":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
@@ -81,7 +82,7 @@ def cache_kwargs(mode: str, budget: int, **cache_options) -> dict:
     if variant not in ("", "exact") or lookahead not in ("none", "previous", "eagle3"):
         raise unknown
     try:  # (the variants' own parsing: unknown names, two that disagree)
-        variants = OasisConfig.variant_options(option_variant)
+        variants = variant_options(option_variant)
     except ValueError as error:
         raise unknown from error
     options = dict(exact=variant == "exact", **variants, **cache_options)
@@ -89,7 +90,7 @@ def cache_kwargs(mode: str, budget: int, **cache_options) -> dict:
         if HEAD is None:
             raise SystemExit("mode eagle3 needs --head DIR (a head trained for the model)")
         options["draft"] = HEAD
-    return dict(token_budget=budget, lookahead=lookahead, **options)
+    return nested(dict(token_budget=budget, lookahead=lookahead, **options))
 
 
 class FirstToken(StoppingCriteria):
@@ -288,8 +289,8 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it
     and its whole time (`shared_prefill_seconds`; of it, building the bases from HF's cache:
     `shared_prefill_base_seconds`), and the time of the run's `fork`s (`fork_seconds`, in no other field)."""
-    from oasis_cache.cache import ATTENTION_NAME
-    from oasis_cache.compute.prefill import prefill_chunks
+    from oasis_cache.runtime.model_checks import ATTENTION_NAME
+    from oasis_cache.runtime.prefill import prefill_chunks
 
     budgets = sorted(set(budgets))
     keys = ([("dense", None)] if dense else []) + [(m, b) for m in modes for b in budgets]

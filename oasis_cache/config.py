@@ -18,7 +18,6 @@ place in the device working set. The two are never called by one name.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 # `compile_decode=None` compiles a model's decode steps from its this-many-th in a process (docs/performance.md:
@@ -26,32 +25,8 @@ from dataclasses import dataclass
 COMPILE_AFTER_STEPS = 2048
 
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
-IMPLEMENTED_LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
-# Named option sets that benchmarks and evaluations append to a method as "@name" (bench/decode.py, eval/report.py):
-# the summaries' scorer and channels compared under one spelling.
-OPTION_VARIANTS = {
-    "bits": dict(scorer="bits"),
-    "bound": dict(scorer="bound"),
-    "half": dict(summary_channels=0.5),  # what the default picks with the bits scorer
-    "full": dict(summary_channels=1.0),  # the bits summaries on every key channel
-    "sdpa": dict(attention_kernel=False),  # decode attention through SDPA, as before the Triton kernel
-    "headonly": dict(chain_drafts=False),  # eagle3: the head drafts every step (no chained drafts)
-    "compiled": dict(compile_decode=True),  # the layers' own work torch.compile'd in decode steps
-    "compiledsoon": dict(compile_decode=None, compile_after_steps=4),  # the default's switch, at the 4th step
-    "topk": dict(top_k_kernel=True),  # the k best blocks by the package's select kernel (the default on Triton)
-    "torchtopk": dict(top_k_kernel=False),  # ... by torch.topk, best first
-    "compiledtopk": dict(compile_decode=True, top_k_kernel=True),
-    "compiledfused": dict(compile_decode=True, fuse_projections=True),  # + q/k/v and gate/up as one product each
-    "compiledtorchtopk": dict(compile_decode=True, top_k_kernel=False),
-    # the gather kernel on so many programs (default: chosen by the package; docs/performance.md)
-    "gatherall": dict(gather_programs=0),  # one program per block, the default
-    "gather16": dict(gather_programs=16),
-    "gather32": dict(gather_programs=32),
-    "gather64": dict(gather_programs=64),
-    "gather128": dict(gather_programs=128),
-}
 # Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
 # a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
@@ -102,11 +77,6 @@ class OasisConfig:
             before); n: n programs everywhere. A gather's programs mostly wait on PCIe while holding SMs
             that the compute running beside a prefetch needs: H200, Qwen3-8B shape, budget 2048, a captured
             `previous` step at 32K x 1 took 12.7 ms with 32 programs against 17.4 with one per block (docs/performance.md).
-        gather_warps, gather_entries: research: the shape of a gather on a limited number of programs (the side
-            stream's prefetch, or every gather where `gather_programs` > 0): warps per program and blocks a program
-            copies at once (a power of two). None: 16 and 4 on the package's side-stream programs, 4 and 1 where
-            `gather_programs` is set; a micro-benchmark times shapes by what they cost the matmuls beside
-            them (docs/performance.md).
         scorer: how blocks are ranked (`control.selection`): "bits" (1 bit per key channel kept on the device —
             above the block's mean key or not — read back as the mean of the keys on that side; a block scores its
             best coarse key: it ranks like the exact max of q.k) or "bound" (the min/max upper bound of q.k,
@@ -133,7 +103,7 @@ class OasisConfig:
             mask (`compute/sparse.py`); same result within floating-point rounding. None (default): the kernel
             wherever the Triton backend runs. True: the kernel (an error unless the backend is Triton on CUDA).
             False: SDPA.
-        cuda_graph: replay one-token decode steps as CUDA graphs (`compute/captured_step.py`; a left-padded batch's too):
+        cuda_graph: replay one-token decode steps as CUDA graphs (`runtime/captured_step.py`; a left-padded batch's too):
             one graph for the steps that complete no block, one for those that complete one, recaptured when a pool's
             capacity grows; every lookahead (with eagle3, once the head's attention window has filled). None
             (default): on for models on one CUDA device with the Triton backend whose architecture the CUDA suite
@@ -141,7 +111,7 @@ class OasisConfig:
             one CUDA device, the Triton backend; an error elsewhere). False: every step runs eagerly. Never for a
             rotary scaling by length ("dynamic", "longrope": transformers picks the frequencies on the host).
         compile_decode: run each decoder layer's own work (norms, rotary, activations, residuals) `torch.compile`d
-            in decode steps (`compute/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
+            in decode steps (`runtime/compiled_layers.py`; the cache's update and the oasis attention as opaque custom
             ops in the graph, `compute/compiled_ops.py`): fewer, fused kernels per layer (H200, a 32K x 1 step of an
             8B model: 11.2 -> 8.5 ms). Same tokens as eager within floating-point rounding. Compiling costs seconds
             once per process (~2-7 s with the kernels on disk, ~10-20 s on a new machine), so None (default):
@@ -157,13 +127,13 @@ class OasisConfig:
             steps are compiled (2048: at ~2.7 ms saved a step the compilation's seconds are repaid within about as many
             steps again; docs/performance.md). 0 compiles at the first decode step.
         fuse_projections: research, with `compile_decode=True`: each decoder layer's q/k/v projections computed as one
-            product inside compiled decode steps, and the MLP's gate/up as one (`compute/fused_projections.py`: the
+            product inside compiled decode steps, and the MLP's gate/up as one (`runtime/fused_projections.py`: the
             weights re-homed once into one buffer per group, each parameter its rows of it; `save_pretrained`
             unchanged; `fused_projections.unfuse(model)` undoes it). H200, a 32K x 1 decode step of an 8B model
             with `compile_decode`: 8.5 -> 7.8 ms (docs/performance.md). Off.
         compile_ahead: with the Triton backend: before a cache's first decode step (once per process for each
             configuration and batch shape), the same step runs on a read-only copy of the cache with every kernel
-            launch made a compilation, the compilations in parallel (`compute/ahead.py`); the real step then finds
+            launch made a compilation, the compilations in parallel (`runtime/ahead.py`); the real step then finds
             its kernels compiled instead of compiling them one after another. None (default): on a CUDA device (on
             a new machine's H200, Qwen3-8B at 32K x 1: the first `generate` 14.1-16.1 -> 11.3-11.8 s, no change
             once the kernels are on disk; docs/performance.md). True: on any device (the CPU tests run
@@ -176,14 +146,6 @@ class OasisConfig:
             measured on the H200, Qwen3-8B at 32K x 1, new kernel and JIT caches, alternating, the first
             `generate` 6.62-7.05 -> 5.36-5.82 s (it gained nothing while the trace took every layer and the
             prefill was not yet device-bound; docs/performance.md).
-        compile_workers: with `compile_ahead` on, where no dry step has run in the process yet: worker processes
-            started at the prefill (torch and Triton imported, Triton's start-up paid while the prefill runs) that
-            compile the dry step's kernels side by side (`kernels/compile_workers.py`: threads take turns on the
-            interpreter lock in Triton's code generator); closed after that step. Research: the trace beside the
-            compilations 1.3 -> 0.2-0.3 s, but the workers' start (3.8-4.8 s: torch, Triton, a first compilation)
-            and the slowest kernel (~1.5 s) are the critical path, and the first `generate` gained nothing (H200,
-            Qwen3-8B at 32K x 1 on a new machine: 7.3-8.2 s against 7.2-7.9 with threads; docs/performance.md).
-            0 (default): threads; None: the CPUs less one, at most 8, none below 3 CPUs.
         fast_pinning: before a CUDA cache pins its first host chunk, once per process, extend torch's allocator
             settings with `pinned_use_cuda_host_register:True,pinned_num_register_threads:8` (pinned memory taken by
             malloc, its pages touched by 8 threads, then registered, instead of `cudaHostAlloc`), keeping the
@@ -201,7 +163,7 @@ class OasisConfig:
             up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
-            this many tokens (`compute/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
+            this many tokens (`runtime/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
             prompt's activations stay bounded, so a long prompt fits a small card without `prefill_chunk_size`; 0:
             off. Same result as the whole forward (the cache's prefill is dense attention either way; the summaries'
             channels are the whole prompt's, not the first chunk's). A model whose
@@ -213,6 +175,8 @@ class OasisConfig:
             memory (the past's traffic over PCIe grows with the square of the chunk count). False: every chunk reads
             the past from the host pool. Same attention either way.
         progress: show a progress bar (tqdm) over a chunked prefill's tokens.
+        measure: also time how long compute waits on prefetches and, for predictions, their recall against the
+            real query's top-K (extra events and selections per layer: for analysis, not for speed).
     """
 
     token_budget: int
@@ -227,8 +191,6 @@ class OasisConfig:
     host_chunk_blocks: int = 256
     backend: str = "auto"
     gather_programs: int | None = None
-    gather_warps: int | None = None
-    gather_entries: int | None = None
     scorer: str = "bits"
     fp8_levels: bool | None = None
     summary_channels: float | None = None
@@ -240,23 +202,27 @@ class OasisConfig:
     fuse_projections: bool = False
     compile_ahead: bool | None = None
     ahead_at_prefill: bool = True
-    compile_workers: int | None = 0
     fast_pinning: bool = True
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
     resident_prefill: bool = True
     progress: bool = False
+    measure: bool = False
 
     def __post_init__(self):
-        _check_types(self)
+        _check_types(self)  # (types first: a bool is not taken for an int, nor None for a bool)
+        self._check_sizes()
+        self._check_modes()
+        self._check_switches()
+
+    def _check_sizes(self) -> None:
         T = self.block_size
-        if not isinstance(T, int) or T <= 0 or T & (T - 1):
+        if T <= 0 or T & (T - 1):
             raise ValueError(f"block_size must be a positive power of two (e.g. 16), got {T!r}.")
         for name in ("sink_tokens", "recent_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
-        if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool) or self.token_budget <= 0:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {getattr(self, name)!r}.")
+        if self.token_budget <= 0:
             raise ValueError(f"token_budget must be a positive int (tokens per step), got {self.token_budget!r}.")
         needed = (self.num_sink_blocks + self.num_recent_blocks + 1) * T
         if self.token_budget < needed:
@@ -266,126 +232,52 @@ class OasisConfig:
                 f"= {needed} tokens (block_size={T}). Raise token_budget to at least {needed}, or lower "
                 f"sink_tokens / recent_tokens."
             )
-        if self.lookahead not in LOOKAHEAD_MODES:
-            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {self.lookahead!r}.")
-        if self.lookahead not in IMPLEMENTED_LOOKAHEAD_MODES:
-            raise NotImplementedError(
-                f"lookahead={self.lookahead!r} is not implemented yet in this version; use lookahead='none'."
-            )
         if self.fetch_ratio is not None and not 0 < self.fetch_ratio <= 1:
             raise ValueError(f"fetch_ratio must be in (0, 1] (a fraction of the context's blocks), got {self.fetch_ratio!r}.")
-        if self.exact and self.lookahead == "none":
-            raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous' or "
-                             "'eagle3'.")
-        if self.num_slots is not None and (not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool)
-                                           or self.num_slots < self.min_slots):
+        if self.num_slots is not None and self.num_slots < self.min_slots:
             raise ValueError(
                 f"num_slots={self.num_slots!r} is below the {self.min_slots} blocks a step may attend: "
                 f"{self.num_selected_blocks} selected (token_budget // block_size - 1), or every complete block of "
                 f"a context that fits token_budget ({self.num_fitting_blocks}); leave num_slots=None or raise it."
             )
-        if not isinstance(self.max_decode_tokens, int) or self.max_decode_tokens < 1:
-            raise ValueError(f"max_decode_tokens must be an int >= 1, got {self.max_decode_tokens!r}.")
-        if not isinstance(self.host_chunk_blocks, int) or self.host_chunk_blocks < 1:
-            raise ValueError(f"host_chunk_blocks must be an int >= 1, got {self.host_chunk_blocks!r}.")
-        if self.scorer not in SCORERS:
-            raise ValueError(f"scorer must be one of {SCORERS}, got {self.scorer!r}.")
-        if self.fp8_levels not in (None, True, False):
-            raise ValueError(f"fp8_levels must be None (automatic), True or False, got {self.fp8_levels!r}.")
+        for name, least in (("max_decode_tokens", 1), ("host_chunk_blocks", 1), ("prefill_chunk_tokens", 0),
+                            ("compile_after_steps", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {getattr(self, name)!r}.")
+        if self.gather_programs is not None and self.gather_programs < 0:
+            raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
+                             f"positive int, got {self.gather_programs!r}.")
+        if self.summary_channels is not None and not 0 < self.summary_channels <= 1:
+            raise ValueError(f"summary_channels must be None (automatic) or in (0, 1] (a fraction of the key "
+                             f"channels), got {self.summary_channels!r}.")
+
+    def _check_modes(self) -> None:
+        for name, modes in (("lookahead", LOOKAHEAD_MODES), ("scorer", SCORERS), ("backend", BACKENDS)):
+            if getattr(self, name) not in modes:
+                raise ValueError(f"{name} must be one of {modes}, got {getattr(self, name)!r}.")
+        if self.exact and self.lookahead == "none":
+            raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous' or "
+                             "'eagle3'.")
         if self.fp8_levels and self.scorer != "bits":
             raise ValueError("fp8_levels=True is for scorer='bits' (a rounded min/max would no longer bound q.k).")
-        if self.summary_channels is not None:
-            if isinstance(self.summary_channels, bool) or not isinstance(self.summary_channels, (int, float)) or \
-                    not 0 < self.summary_channels <= 1:
-                raise ValueError(f"summary_channels must be None (automatic) or in (0, 1] (a fraction of the key "
-                                 f"channels), got {self.summary_channels!r}.")
-            if self.summary_channels < 1 and self.scorer != "bits":
-                raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no "
-                                 "longer bound q.k).")
-        if not isinstance(self.chain_drafts, bool):
-            raise ValueError(f"chain_drafts must be True or False, got {self.chain_drafts!r}.")
-        if self.attention_kernel not in (None, True, False):
-            raise ValueError(f"attention_kernel must be None (automatic), True or False, got "
-                             f"{self.attention_kernel!r}.")
+        if self.summary_channels is not None and self.summary_channels < 1 and self.scorer != "bits":
+            raise ValueError("summary_channels < 1 is for scorer='bits' (a min/max over some channels would no "
+                             "longer bound q.k).")
+
+    def _check_switches(self) -> None:
         if self.attention_kernel and self.backend == "torch":
             raise ValueError("attention_kernel=True runs a Triton kernel: it needs backend='triton' (or 'auto' on "
                              "CUDA).")
-        if not isinstance(self.prefill_chunk_tokens, int) or isinstance(self.prefill_chunk_tokens, bool) or \
-                self.prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be an int >= 0 (tokens per prefill forward over the batch; 0: "
-                             f"off), got {self.prefill_chunk_tokens!r}.")
-        if self.resident_prefill not in (True, False):
-            raise ValueError(f"resident_prefill must be True or False, got {self.resident_prefill!r}.")
-        if self.progress not in (True, False):
-            raise ValueError(f"progress must be True or False, got {self.progress!r}.")
-        if self.cuda_graph not in (None, True, False):
-            raise ValueError(f"cuda_graph must be None (automatic), True or False, got {self.cuda_graph!r}.")
-        if self.compile_decode not in (None, True, False):
-            raise ValueError(f"compile_decode must be None (automatic), True or False, got {self.compile_decode!r}.")
-        if not isinstance(self.compile_after_steps, int) or isinstance(self.compile_after_steps, bool) or \
-                self.compile_after_steps < 0:
-            raise ValueError(f"compile_after_steps must be an int >= 0 (decode steps of a model in a process before "
-                             f"compile_decode=None compiles them), got {self.compile_after_steps!r}.")
         if self.compile_after_steps != COMPILE_AFTER_STEPS and self.compile_decode is not None:
             raise ValueError(f"compile_after_steps={self.compile_after_steps} sets when compile_decode=None (automatic) "
                              f"compiles; with compile_decode={self.compile_decode} it would do nothing: drop it, or "
                              f"pass compile_decode=None.")
-        if self.fuse_projections not in (True, False):
-            raise ValueError(f"fuse_projections must be True or False, got {self.fuse_projections!r}.")
         if self.fuse_projections and self.compile_decode is not True:
             raise ValueError("fuse_projections=True fuses the projections inside compiled decode steps: pass "
                              "compile_decode=True with it.")
-        if self.compile_ahead not in (None, True, False):
-            raise ValueError(f"compile_ahead must be None (automatic), True or False, got {self.compile_ahead!r}.")
-        if self.ahead_at_prefill not in (True, False):
-            raise ValueError(f"ahead_at_prefill must be True or False, got {self.ahead_at_prefill!r}.")
-        if self.compile_workers is not None and (isinstance(self.compile_workers, bool)
-                                                 or not isinstance(self.compile_workers, int)
-                                                 or self.compile_workers < 0):
-            raise ValueError(f"compile_workers must be None (automatic) or a count >= 0 (0: compile in threads), got "
-                             f"{self.compile_workers!r}.")
-        if self.fast_pinning not in (True, False):
-            raise ValueError(f"fast_pinning must be True or False, got {self.fast_pinning!r}.")
-        if self.top_k_kernel not in (None, True, False):
-            raise ValueError(f"top_k_kernel must be None (automatic), True or False, got {self.top_k_kernel!r}.")
         if self.top_k_kernel and self.fetch_ratio is not None:
             raise ValueError("top_k_kernel=True lists the chosen blocks in block order, but fetch_ratio's cap keeps "
                              "the best ones first: pass one of top_k_kernel=True and fetch_ratio, not both.")
-        if self.gather_programs is not None and (not isinstance(self.gather_programs, int) or
-                                                 isinstance(self.gather_programs, bool) or self.gather_programs < 0):
-            raise ValueError(f"gather_programs must be None (chosen by the package), 0 (one program per block) or a "
-                             f"positive int, got {self.gather_programs!r}.")
-        if self.gather_warps is not None and (not isinstance(self.gather_warps, int) or isinstance(
-                self.gather_warps, bool) or self.gather_warps not in (1, 2, 4, 8, 16, 32)):
-            raise ValueError(f"gather_warps must be None (chosen by the package) or a power of two from 1 to 32, got "
-                             f"{self.gather_warps!r}.")
-        entries = self.gather_entries
-        if entries is not None and (not isinstance(entries, int) or isinstance(entries, bool) or entries < 1
-                                    or entries & (entries - 1)):
-            raise ValueError(f"gather_entries must be None (chosen by the package) or a power of two >= 1, got "
-                             f"{self.gather_entries!r}.")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
-
-    @staticmethod
-    def variant_options(name: str) -> dict:
-        """The OasisCache options of an "@name" variant (`OPTION_VARIANTS`), or of several joined by "+" (e.g.
-        "compiled+gather64"; two that set one option differently are refused); "" gives none. "gatherPxWxE": the
-        gather on P programs of W warps copying E blocks at once."""
-        options = {}
-        for part in filter(None, name.split("+")):
-            shape = re.fullmatch(r"gather(\d+)x(\d+)x(\d+)", part)
-            chosen = dict(zip(("gather_programs", "gather_warps", "gather_entries"), map(int, shape.groups()))) \
-                if shape else OPTION_VARIANTS.get(part)
-            if chosen is None:
-                raise ValueError(f"unknown option variant @{part}: one of "
-                                 f"{', '.join('@' + v for v in OPTION_VARIANTS)} or @gatherPxWxE (several joined by "
-                                 f"'+')")
-            clash = {k for k, v in chosen.items() if k in options and options[k] != v}
-            if clash:
-                raise ValueError(f"option variant @{name}: @{part} sets {', '.join(sorted(clash))} otherwise")
-            options.update(chosen)
-        return options
 
     def kept_channels(self, head_dim: int) -> int:
         """The key channels the summaries cover for a head of `head_dim` channels (`summary_channels`)."""

@@ -20,9 +20,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .compute.attention import leave_pending
-from .compute.dense import dense_causal_attention
+from .compute.sinks import causal_attention
 from .compute.sparse import sparse_attention
-from .control import all_blocks, rank_blocks, top_blocks
+from .control import all_blocks, attended_blocks, marked_blocks, rank_blocks, top_blocks
 from .kernels.decode_attention import decode_attention
 from .memory.host_memory import use_fast_pinning
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
@@ -106,7 +106,7 @@ class OasisLayer(CacheLayerMixin):
         """Which Triton kernels this layer runs: its cache's backend on its device decides, with the config's
         toggles; the slot map and recent tokens, when made already (a cache admitted on another device), follow."""
         cfg = self.config
-        self.use_kernels = self._cache.backend_for(self.device) == "triton"
+        self.use_kernels = self._cache.context.backend_for(self.device) == "triton"
         self.top_k_kernel = self.use_kernels and (cfg.fetch_ratio is None if cfg.top_k_kernel is None else
                                                   cfg.top_k_kernel)
         self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
@@ -140,7 +140,7 @@ class OasisLayer(CacheLayerMixin):
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         value_states = self._as_wide_as_keys(key_states, value_states)
         if self.is_initialized and self.get_seq_length() == 0 and self.shaped_as(key_states) != self.shaped_as(None):
-            self.reset()  # (made ahead for keys of another shape, `OasisCache._size_for_prompt`: made again)
+            self.reset()  # (made ahead for keys of another shape, `ForwardContext.size_for_prompt`: made again)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.batch_size:
@@ -287,13 +287,14 @@ class OasisLayer(CacheLayerMixin):
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
         if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
-            self._cache.note_padding(visible, self)  # a multi-token forward: the one-token steps after it read this
+            self._cache.context.note_padding(visible,
+                                             self)  # a multi-token forward: the one-token steps after it read this
         draft_rows = self._cache.draft_rows
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)
         # (a one-token step reads no padding: its completed block holds its own token, and a captured one replays)
         self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed)
-        chunked = self._cache._chunked_prefill  # (a prompt's chunk before its last is followed by no decode step)
+        chunked = self._cache.context.prefill_tokens  # (a prompt's chunk before its last is followed by no decode step)
         if cfg.lookahead != "none" and self.pool.num_blocks > 0 and not (
                 chunked and not is_decode and self.get_seq_length() < chunked):
             # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
@@ -305,21 +306,21 @@ class OasisLayer(CacheLayerMixin):
         return out
 
     def _attend_dense(self, query, visible, scale, sinks=None, pattern=None, softcap=None, dense=None):
-        tokens = self._cache.prefill_resident
+        tokens = self._cache.context.prefill_resident
         if tokens:  # a prompt prefilled in chunks, whose keys and values stay on the device until its last chunk
             return self._attend_resident(query, visible, scale, tokens, sinks, pattern, softcap, dense)
         kv = self._whole_kv()
-        return (dense or dense_causal_attention)(query, kv[0], kv[1], visible, scale, sinks, pattern, softcap)
+        return (dense or causal_attention)(query, kv[0], kv[1], visible, scale, sinks, pattern, softcap)
 
     def _past_kv(self, tokens: int, shared: bool = True) -> torch.Tensor:
         """`[2, B, Hkv, tokens, D]` on the device whose first `NB * T` positions hold the pool's blocks, read from host
         memory a host chunk at a time into it (`TransferEngine.load_range(out=)`); the rest unwritten. `shared`: the
-        cache's buffer for a dense forward's past where it has one (`OasisCache.past_buffer`), else a new tensor."""
+        cache's buffer for a dense forward's past where it has one (`ForwardContext.past_buffer`), else a new tensor."""
         recent = self.recent.kv  # [2, B, Hkv, r, D]
         _, B, H, _, D = recent.shape
         NB, T = self.pool.num_blocks, self.pool.block_size
         if shared:
-            kv = self._cache.past_buffer(recent, tokens)
+            kv = self._cache.context.past_buffer(recent, tokens)
         else:
             kv = torch.empty((2, B, H, tokens, D), dtype=recent.dtype, device=recent.device)
         self._cache.transfer.load_range(self.pool, 0, NB, out=kv[:, :, :, : NB * T].view(2, B, H, NB, T, D))
@@ -335,7 +336,7 @@ class OasisLayer(CacheLayerMixin):
 
     def _attend_resident(self, query, visible, scale, tokens: int, sinks=None, pattern=None, softcap=None,
                          dense=None):
-        """`_attend_dense` for a chunk of a prompt prefilled in chunks (`OasisCache.route_forward`): the prompt's keys
+        """`_attend_dense` for a chunk of a prompt prefilled in chunks (`runtime/routing.py`): the prompt's keys
         and values so far are kept in `resident_kv` `[2, B, Hkv, tokens, D]` on the device (the pool's blocks read
         from the host once, at the first chunk), so a later chunk reads them there instead of bringing the whole past
         back from host memory; each chunk writes its recent tokens (those the pool will take included) at their
@@ -346,9 +347,8 @@ class OasisLayer(CacheLayerMixin):
             self.resident_kv = self._past_kv(tokens, shared=False)
         end = NB * T + recent.shape[3]
         self.resident_kv[:, :, :, NB * T : end] = recent
-        return (dense or dense_causal_attention)(query, self.resident_kv[0, :, :, :end],
-                                                 self.resident_kv[1, :, :, :end], visible, scale, sinks, pattern,
-                                                 softcap)
+        return (dense or causal_attention)(query, self.resident_kv[0, :, :, :end],
+                                           self.resident_kv[1, :, :, :end], visible, scale, sinks, pattern, softcap)
 
     def _select(self, query, view, k: int):
         """`(block_ids, ranks)`, `[B, H, k']`: the k best blocks for `query` `[B, Hq, Qn, D]` (all when NB <= k)."""
@@ -377,7 +377,7 @@ class OasisLayer(CacheLayerMixin):
         B, Hq, Qn, D = query.shape
         H, T, S = self.num_kv_heads, cfg.block_size, self.working_set.num_slots
         NB, n = self.pool.num_blocks, self.recent.num_tokens
-        view = cache.step_visibility(visible, self, decode=True)
+        view = cache.context.step_visibility(visible, self, decode=True)
         ws = self.working_set
         cache.streams.wait(self.layer_idx)  # the blocks prefetched for this step have landed
 
@@ -393,14 +393,14 @@ class OasisLayer(CacheLayerMixin):
                 block_ids, ranks = self._select_with_draft(query, view, k)
             else:
                 block_ids, ranks = self._select(real, view, k)
-            placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device), ws.visible,
+            placed = self.slot_map.assign(block_ids, ranks, cache.context.device_clock(self.device), ws.visible,
                                           cache.counters.device_counts(self.device)[0], T, cfg.max_fetch(NB))
             cache.transfer.fetch(self.pool, ws, block_ids, placed.dest, placed.fetch)
             if cache.measure and cfg.lookahead == "none":  # a check of the measure: 1.0 unless a fetch cap bites
                 self._measure_recall(real, view)
 
         # Compute: attend over the selected slots and the recent tokens (visibility: padding, causality).
-        recent_visible = cache.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
+        recent_visible = cache.context.recent_visibility(view, n, self.recent.count, ws.recent_capacity, self.device)
         kernel = self.attention_kernel and softcap is None  # (no kernel caps the scores: the torch attention)
         if not kernel:  # (the kernel reads the per-forward mask itself: no copy per layer)
             ws.set_recent_visible(recent_visible)
@@ -409,7 +409,7 @@ class OasisLayer(CacheLayerMixin):
             batch = torch.arange(B, device=held.device)[:, None, None]
             ws.visible[:, :, : S * T] &= view.block_tokens[batch, held].reshape(B, H, S * T)
         if cache.record_selection:
-            self.last_selection = self._attended_blocks()
+            self.last_selection = attended_blocks(self.working_set, self.slot_map, T, NB)
             self.last_recent_tokens = n - cache.draft_rows  # the real rows' recent tokens, the new ones included
             if cache.selection_log is not None:  # `oasis_cache.plot.record` (analysis: copies to the host)
                 cache.selection_log.append(dict(step=cache.decode_clock, layer=self.layer_idx,
@@ -420,7 +420,7 @@ class OasisLayer(CacheLayerMixin):
             out = decode_attention(query, keys, values, mask, self.recent.count, S * T, scale,
                                    recent_visible=recent_visible, sinks=sinks)
         else:
-            bias = cache.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
+            bias = cache.context.new_token_bias(Qn, Hq // H, keys.shape[2], S * T, self.recent.count, query.dtype,
                                         self.device)
             out = sparse_attention(query, keys, values, mask, scale, bias, sinks, softcap)
         cache.counters.record_layer_step(B * H, n)
@@ -431,7 +431,7 @@ class OasisLayer(CacheLayerMixin):
         runs on the side stream while the rest of this step computes. With `exact`, all slots are filled (the next
         step repairs what is missing)."""
         cache, cfg = self._cache, self.config
-        view = cache.step_visibility(visible, self, decode=after_decode)  # blocks completed here count too
+        view = cache.context.step_visibility(visible, self, decode=after_decode)  # blocks completed here count too
         # (the next step attends what is placed here, without `exact`: its query sees one more token)
         k = cfg.slots if cfg.exact else cfg.blocks_for_step(self.pool.num_blocks, self.recent.num_tokens + 1)
         ranked, self._draft_ranks = self._draft_ranks, None
@@ -440,7 +440,7 @@ class OasisLayer(CacheLayerMixin):
         else:
             block_ids, ranks = self._select(query, view, k)
         max_fetch = cfg.max_fetch(self.pool.num_blocks) if after_decode else cfg.slots
-        placed = self.slot_map.assign(block_ids, ranks, cache.device_clock(self.device),
+        placed = self.slot_map.assign(block_ids, ranks, cache.context.device_clock(self.device),
                                       self.working_set.visible, cache.counters.device_counts(self.device)[2],
                                       cfg.block_size, max_fetch)
         if cache.selection_log is not None:  # what this prediction placed, for the next step's record
@@ -454,21 +454,15 @@ class OasisLayer(CacheLayerMixin):
         )
         self.predicted = True
 
-    def _attended_blocks(self) -> torch.Tensor:
-        """`[B, H, NB]` bool: the blocks whose slots this step attends to."""
-        S, T, NB = self.working_set.num_slots, self.config.block_size, self.pool.num_blocks
-        B, H = self.batch_size, self.num_kv_heads
-        attended = self.working_set.visible[:, :, : S * T].reshape(B, H, S, T).any(-1)
-        held = self.slot_map.slot_block[..., :S]
-        return marked_blocks(held, attended & (held >= 0), NB)
-
     def _measure_recall(self, query, view) -> None:
         """Measurement mode: how many of the real query's top-K blocks (sink and recent excluded: always in both) the
         prediction made resident and attended."""
         block_ids, ranks = self._select(query, view, self.config.num_selected_blocks)
         real = (ranks > -torch.inf) & (ranks < torch.inf)
         # (ids past NB, picked at -inf when few blocks are allowed, are not real: clamped only to stay in range)
-        predicted = self._attended_blocks().gather(-1, block_ids.clamp(max=self.pool.num_blocks - 1))
+        NB = self.pool.num_blocks
+        attended = attended_blocks(self.working_set, self.slot_map, self.config.block_size, NB)
+        predicted = attended.gather(-1, block_ids.clamp(max=NB - 1))
         self._cache.counters.record_recall(self.layer_idx, (predicted & real).sum(), real.sum())
 
     def _offload_complete_blocks(self, padding: bool = True) -> None:
@@ -489,7 +483,7 @@ class OasisLayer(CacheLayerMixin):
     def _real_tokens(self, n: int) -> torch.Tensor | None:
         """`[B, n, T]` bool: which tokens of the `n` blocks just completed (after the pool's earlier ones) are real,
         from the batch's recorded padding (noted by this forward's first layer); None without padding there."""
-        padding, T = self._cache.padding, self.config.block_size
+        padding, T = self._cache.context.padding, self.config.block_size
         start = (self.pool.num_blocks - n) * T
         if padding is None or padding.tokens is None or padding.tokens.shape[1] < start + n * T:
             return None
@@ -603,11 +597,3 @@ class OasisLayer(CacheLayerMixin):
 
     def __repr__(self):
         return f"OasisLayer(layer_idx={self.layer_idx}, tokens={self.get_seq_length()})"
-
-
-def marked_blocks(block_ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """`[B, H, num_blocks]` bool: the blocks named in `block_ids` `[B, H, k]` where `keep` `[B, H, k]` is True."""
-    B, H = block_ids.shape[:2]
-    marked = torch.zeros((B, H, num_blocks + 1), dtype=torch.bool, device=block_ids.device)
-    return marked.scatter_(-1, torch.where(keep, block_ids, num_blocks), True)[..., :num_blocks]
-

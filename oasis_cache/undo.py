@@ -55,7 +55,7 @@ class ForwardMarks:
         self.lengths = dict.fromkeys(plain, length)
         for idx in self.others:  # (a HybridLayer holds a state too: it is followed as any other stateful layer)
             self.others[idx] = _tensor_versions(cache.layers[idx])
-        self.padding = cache.padding
+        self.padding = cache.context.padding
         self.reshaped = cache.reshaped
         self.weights = {idx: cache.layers[idx].summaries.channel_weight for idx in plain
                         if cache.layers[idx].is_initialized}
@@ -101,7 +101,7 @@ class ForwardMarks:
             layer.resident_kv = None
             if idx in self.weights:
                 layer.summaries.channel_weight = self.weights[idx]
-        cache.padding, cache.reshaped = self.padding, self.reshaped
+        cache.context.padding, cache.reshaped = self.padding, self.reshaped
         if cache.ride_along is not None and touched:
             cache.ride_along.reset()
         if cache.captured_steps is not None:

@@ -28,6 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: the cores shared amo
 import oasis_cache  # noqa: F401  (registers "oasis")
 from oasis_cache import OasisCache
 from oasis_cache.compat import generate_cache_argument
+from oasis_cache.runtime.build import cache_kwargs
 
 VOCAB = 96
 _COMMON = dict(
@@ -139,7 +140,7 @@ def drafts_of_two_generates(model, cache, prompt: torch.Tensor, extend: torch.Te
     ride, drafts, draft = cache.ride_along, [], type(cache.ride_along)._draft
 
     def recording(self, token, rode):  # (a bound method: a dry step's copy of the cache binds it to its own copy of
-        out = draft(self, token, rode)  # the ride-along, whose drafts are not this cache's: `compute/ahead.py`)
+        out = draft(self, token, rode)  # the ride-along, whose drafts are not this cache's: `runtime/ahead.py`)
         if self is ride:
             drafts.append(out.clone())
         return out
@@ -157,7 +158,7 @@ def dense_cache(model):
 
 def oasis_cache_for(model, **kwargs):
     kwargs.setdefault("token_budget", 1024)
-    return OasisCache(model, **kwargs)
+    return OasisCache(model, **cache_kwargs(kwargs))
 
 
 @pytest.fixture(params=list(ARCHITECTURES))
@@ -212,7 +213,7 @@ def _no_cuda_error_left(request):
     """GPU tests: a failed CUDA runtime call that nobody checked leaves its error in the thread's "last error", and
     torch's next kernel-launch check raises it wherever that is — in a later test (the H200, 2026-12-03: 12 tests
     failed with "CUDA error: invalid argument" at their first kernel; that one was a bad event in torch's host
-    allocator, not a pending error: `captured_step.no_collection_while_capturing`). Here the test that leaves
+    allocator, not a pending error: `memory.streams.no_collection_while_capturing`). Here the test that leaves
     one fails itself, naming it (and clears it: the tests after it run as if it had not happened); one found before a
     test started was left between tests (an object collected late). `OASIS_TEST_GC_CHECK=1`: the test's garbage is
     collected at its end and checked apart ("when its garbage was collected": a destructor's call)."""

@@ -343,33 +343,6 @@ def check_append(B, H, q, D, R, steps, key_dtype, dtype, device) -> bool:
     return torch.equal(kernel_base[:, :, :, :6].cpu(), base[:, :, :, :6])  # nothing written before the region
 
 
-# (M, K, rows of each weight, bias, dtype, block_n, block_k): projections sharing an input in one launch
-GROUPED_CASES = [(1, 80, (64, 16, 16), False, torch.float32, 16, 32),  # q/k/v-like; K not a multiple of block_k
-                 (3, 64, (48, 40), True, torch.float32, 16, 64),  # gate/up-like with biases; a partial last program
-                 (2, 96, (33,), False, torch.bfloat16, 32, 32),
-                 (5, 128, (16, 16, 32), True, torch.float16, 16, 128)]
-
-
-def check_grouped(M, K, rows, bias, dtype, block_n, block_k, device) -> bool:
-    """`grouped_linear` against `F.linear` of each weight (fp32 reference; the output in the input's dtype), with
-    leading dims on the input."""
-    from oasis_cache.kernels.grouped_linear import grouped_linear
-
-    g = torch.Generator().manual_seed(M * 1000 + K)
-    x = torch.randn(1, M, K, generator=g).to(dtype)
-    weights = [torch.randn(n, K, generator=g).to(dtype) for n in rows]
-    biases = [torch.randn(n, generator=g).to(dtype) for n in rows] if bias else None
-    got = grouped_linear(x.to(device), [w.to(device) for w in weights],
-                         [b.to(device) for b in biases] if bias else None, block_n=block_n, block_k=block_k)
-    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
-    for i, w in enumerate(weights):
-        want = torch.nn.functional.linear(x.float(), w.float(), biases[i].float() if bias else None)
-        if got[i].shape != want.shape or got[i].dtype != dtype or not torch.allclose(
-                got[i].cpu().float(), want, atol=tolerance * want.abs().max().item(), rtol=tolerance):
-            return False
-    return True
-
-
 # Every kernel check with its cases: (name, cases, check); run here in the interpreter, by test_kernels.py on CUDA.
 CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], partial(check_case, max_programs=3)),
           ("gather-1-warp", CASES[1:2], partial(check_case, max_programs=5, num_warps=1)),
@@ -386,8 +359,7 @@ CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], parti
           ("decode-refused-tiles", DECODE_CASES[:1], partial(check_refused_tiles, decode_attention_module,
                                                              "_split_kernel", 16, check_decode)),
           ("scores-refused-tiles", SCORE_CASES[3:4], partial(check_refused_tiles, block_scores_module,
-                                                             "_block_scores_kernel", 16, check_scores)),
-          ("grouped-linear", GROUPED_CASES, check_grouped)]
+                                                             "_block_scores_kernel", 16, check_scores))]
 
 
 if __name__ == "__main__":

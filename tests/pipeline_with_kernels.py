@@ -13,6 +13,7 @@ import torch
 from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
 from oasis_cache.layer import OasisLayer
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, generate, left_padded, random_head, tiny_model
 
@@ -44,11 +45,13 @@ def sinks_part(inputs) -> bool:
     model = tiny_sinks_model()
     dense = sinks_dense(model, inputs, do_sample=False)
     options = dict(backend="triton", sink_tokens=16, recent_tokens=16)
-    full = generate(model, OasisCache(model, token_budget=512, **options), inputs, seed=7, max_new_tokens=16,
+    full = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=512, **options))), inputs, seed=7,
+                    max_new_tokens=16,
                     do_sample=False)
     ok = torch.equal(dense.sequences, full.sequences)
     ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(dense.logits, full.logits))
-    kernel, plain = (generate(model, OasisCache(model, token_budget=64, attention_kernel=use, **options), inputs,
+    kernel, plain = (generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=64, attention_kernel=use,
+                                                                           **options))), inputs,
                               seed=7, max_new_tokens=16, do_sample=False) for use in (True, False))
     sparse_ok = torch.equal(kernel.sequences, plain.sequences)
     sparse_ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(kernel.logits, plain.logits))
@@ -63,7 +66,8 @@ def dense_part(model, inputs) -> bool:
     # (plain `previous` at full budget: the torch-path budget sweeps and the CUDA suite; here its prefetch and the
     # miss repair run through `exact`)
     for mode in (dict(lookahead="none"), dict(lookahead="previous", exact=True)):
-        full = generate(model, OasisCache(model, token_budget=512, backend="triton", host_chunk_blocks=2, **mode),
+        full = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=512, backend="triton",
+                                                                     host_chunk_blocks=2, **mode))),
                         inputs, **longer)  # (small chunks: the gather's address table grows in place)
         ok &= torch.equal(dense.sequences, full.sequences)
         ok &= all(torch.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(dense.logits, full.logits))
@@ -83,7 +87,7 @@ def sparse_part(model, inputs, kw) -> bool:
         return out
 
     OasisLayer.attend = recording
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, backend="triton")
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16, backend="triton"))
     cache.record_selection = True
     generate(model, cache, inputs, **kw)
     OasisLayer.attend = attend
@@ -100,19 +104,21 @@ def draft_part(inputs, kw) -> tuple[bool, bool]:
     # exact, the real rows' choice is attended, so the tokens are those of lookahead="none".
     model = tiny_model("qwen3", num_hidden_layers=4)
     small = dict(token_budget=64, sink_tokens=16, recent_tokens=16, backend="triton")
-    none = generate(model, OasisCache(model, **small), inputs, **kw)
-    ridden = generate(model, OasisCache(model, lookahead="eagle3", exact=True, draft=random_head(model), **small),
+    none = generate(model, OasisCache(model, **cache_kwargs(small)), inputs, **kw)
+    ridden = generate(model, OasisCache(model, **cache_kwargs(dict(lookahead="eagle3", exact=True,
+                                                                   draft=random_head(model), **small))),
                       inputs, **kw)
     ride_ok = torch.equal(none.sequences, ridden.sequences)
     print("eagle3 exact equals none:", ride_ok)
     # Summaries on half the key channels: the kernel ranks with the queries read on the chosen channels, as the
     # torch path does (same tokens at a budget that selects).
     half = dict(token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous", summary_channels=0.5)
-    by_kernels = generate(model, OasisCache(model, backend="triton", **half), inputs, **kw)
-    by_torch = generate(model, OasisCache(model, backend="torch", **half), inputs, **kw)
+    by_kernels = generate(model, OasisCache(model, **cache_kwargs(dict(backend="triton", **half))), inputs, **kw)
+    by_torch = generate(model, OasisCache(model, **cache_kwargs(dict(backend="torch", **half))), inputs, **kw)
     # ... and with the k best blocks taken by torch.topk (best first) instead of the package's select kernel (the
     # default with Triton: the same blocks in block order)
-    by_topk = generate(model, OasisCache(model, backend="triton", top_k_kernel=False, **half), inputs, **kw)
+    by_topk = generate(model, OasisCache(model, **cache_kwargs(dict(backend="triton", top_k_kernel=False, **half))),
+                       inputs, **kw)
     half_ok = torch.equal(by_kernels.sequences, by_torch.sequences) and torch.equal(by_topk.sequences,
                                                                                     by_torch.sequences)
     print("half-channel summaries, kernels (the select kernel or torch.topk) equal torch:", half_ok)

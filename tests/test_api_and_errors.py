@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from oasis_cache import OasisCache, OasisConfig
 from oasis_cache.layer import OasisLayer
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_model
 
@@ -31,7 +32,6 @@ from conftest import dense_cache, generate, oasis_cache_for, prompt_ids, tiny_mo
         (dict(token_budget=256, attention_kernel="yes"), "attention_kernel must be bool or None"),
         (dict(token_budget=256, top_k_kernel="yes"), "top_k_kernel must be bool or None"),
         (dict(token_budget=256, compile_ahead="yes"), "compile_ahead must be bool or None"),
-        (dict(token_budget=256, gather_warps=3), r"gather_warps must be None"),
         (dict(token_budget=256, top_k_kernel=True, fetch_ratio=0.1), "pass one of top_k_kernel=True and fetch_ratio"),
         (dict(token_budget=256, backend="torch", attention_kernel=True), "attention_kernel=True runs a Triton kernel"),
     ],
@@ -46,7 +46,7 @@ def test_a_triton_kernel_without_the_triton_backend_names_the_fix(option):
     """On CPU ("auto" resolves to the torch backend) the Triton decode attention or top-k cannot run: the first
     forward says so instead of running the torch path silently."""
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=128, **{option: True})
+    cache = OasisCache(model, **cache_kwargs(dict(token_budget=128, **{option: True})))
     with pytest.raises(ValueError, match=f"leave {option} at its default"):
         generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=2)
 
@@ -167,7 +167,7 @@ def test_encoder_decoder_is_refused():
 
 def test_stats_are_a_plain_dict_with_the_documented_fields():
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16))
     model.generate(input_ids=prompt_ids(200), past_key_values=cache, max_new_tokens=11, pad_token_id=0,
                    eos_token_id=None, do_sample=False)
     stats = cache.stats()
@@ -201,7 +201,7 @@ def test_device_memory_does_not_grow_with_context_beyond_summaries():
     model = tiny_model("llama")
     held = {}
     for context in (300, 1200):
-        cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=16)
+        cache = OasisCache(model, token_budget=128, advanced=dict(sink_tokens=16, recent_tokens=16))
         model.generate(input_ids=prompt_ids(context), past_key_values=cache, max_new_tokens=3, pad_token_id=0,
                        eos_token_id=None, do_sample=False)
         held[context] = cache.device_nbytes()
@@ -226,37 +226,37 @@ def test_device_clock_is_the_decode_clock_on_the_device():
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=160, lookahead="previous")
     generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=12, do_sample=False)
-    clock = cache.device_clock("cpu")
+    clock = cache.context.device_clock("cpu")
     assert cache.decode_clock > 0 and clock.tolist() == [cache.decode_clock]
     cache.decode_clock += 3
-    assert cache.device_clock("cpu") is clock and clock.tolist() == [cache.decode_clock]
+    assert cache.context.device_clock("cpu") is clock and clock.tolist() == [cache.decode_clock]
     cache.reset()
-    assert cache.device_clock("cpu").tolist() == [0]
+    assert cache.context.device_clock("cpu").tolist() == [0]
 
 
 def test_summary_channels_must_keep_rotary_pairs():
     """A fraction of the key channels that is not an even count for this model's heads is refused when the layers
     learn the head size (the first forward), naming fractions that fit."""
     model = tiny_model("qwen3")  # head_dim 16
-    cache = OasisCache(model, token_budget=256, summary_channels=0.3)
+    cache = OasisCache(model, token_budget=256, advanced=dict(summary_channels=0.3))
     with pytest.raises(ValueError, match=r"keeps 4.8 of this model's 16 key channels.*0.5 \(8\)"):
         generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=2, do_sample=False)
 
 
 def test_every_option_variant_is_a_valid_config():
-    """The "@name" variants of bench/eval (`OPTION_VARIANTS`) each make a valid config, and so do two joined by "+"; an
-    unknown name is refused with the list, two that disagree by what they set."""
-    from oasis_cache.config import OPTION_VARIANTS
+    """The "@name" variants of bench/eval (`eval/variants.py`) each make a valid config, and so do two joined by "+";
+    an unknown name is refused with the list, two that disagree by what they set."""
+    from eval.variants import OPTION_VARIANTS, variant_options
 
     for name in OPTION_VARIANTS:
-        options = OasisConfig.variant_options(name)
+        options = variant_options(name)
         config = OasisConfig(token_budget=512, **options)
         assert all(getattr(config, key) == value for key, value in options.items())
     with pytest.raises(ValueError, match="@gather32"):
-        OasisConfig.variant_options("gather33")
-    assert OasisConfig.variant_options("compiled+gather64") == dict(compile_decode=True, gather_programs=64)
+        variant_options("gather33")
+    assert variant_options("compiled+gather64") == dict(compile_decode=True, gather_programs=64)
     with pytest.raises(ValueError, match="@compiled sets compile_decode otherwise"):
-        OasisConfig.variant_options("compiledsoon+compiled")
+        variant_options("compiledsoon+compiled")
 
 
 def test_print_says_what_was_chosen_and_why():
@@ -265,13 +265,13 @@ def test_print_says_what_was_chosen_and_why():
     text = str(cache)
     assert "lookahead 'none' (picked: on the CPU no transfer is there to hide" in text
     assert "decode steps: eager" in text
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu, cache_module._on_an_accelerator = cache_module._on_an_accelerator, lambda model: True
+    on_a_gpu, cache_module.on_an_accelerator = cache_module.on_an_accelerator, lambda model: True
     try:  # (where blocks cross a link and no head ships: the trainer is named)
         assert "oasis_cache.draft.train" in str(OasisCache(model, token_budget=128))
     finally:
-        cache_module._on_an_accelerator = on_a_gpu
+        cache_module.on_an_accelerator = on_a_gpu
     model.generate(input_ids=prompt_ids(100), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
     text = str(cache)
     assert "102 tokens cached" in text and "50% of the key channels" in text and "torch backend" in text
@@ -293,14 +293,14 @@ def test_generate_kwargs_run_without_a_deprecation_warning():
 
     model = tiny_model("llama")
     ids = prompt_ids(90)
-    cache = OasisCache(model, token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(block_size=8, sink_tokens=8, recent_tokens=16))
     kwargs = cache.generate_kwargs()
     newer = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 24)
     assert list(kwargs) == (["cache"] if newer else ["past_key_values"]) and kwargs[next(iter(kwargs))] is cache
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         out = model.generate(input_ids=ids, **kwargs, max_new_tokens=12, do_sample=False)
-    other = OasisCache(model, token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16)
+    other = OasisCache(model, token_budget=64, advanced=dict(block_size=8, sink_tokens=8, recent_tokens=16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         assert torch.equal(model.generate(input_ids=ids, past_key_values=other, max_new_tokens=12, do_sample=False), out)

@@ -16,6 +16,8 @@ from eval.architectures import compare, tiny_model_of
 from oasis_cache import OasisCache
 from oasis_cache.layer import OasisLayer
 from oasis_cache.compat import holds_no_keys
+from oasis_cache.runtime import replay
+from oasis_cache.runtime.build import cache_kwargs
 
 OPTIONS = dict(token_budget=4096, block_size=16, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
 def assert_same(dense, oasis):
@@ -49,7 +51,7 @@ def test_linear_attention_hybrids_equal_dense(name, mode):
         if "stateful" not in str(error):
             raise
         pytest.skip(f"transformers refuses it with any cache: {error}")
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     kinds = {"falcon_h1": ["HybridLayer"] * 4, "zamba2": ["LinearAttentionLayer", "HybridLayer"] * 2}.get(
         name, ["LinearAttentionLayer", "OasisLayer"])
     assert [type(layer).__name__ for layer in cache.layers] == kinds
@@ -67,9 +69,10 @@ def test_a_linear_attention_hybrid_chunks_continues_and_converts_as_dense():
     ids = prompt_ids(300)
     kw = dict(max_new_tokens=10, do_sample=False)
     dense = generate(model, dense_cache(model), {"input_ids": ids}, **kw)
-    assert_same(dense, generate(model, OasisCache(model, prefill_chunk_tokens=64, **OPTIONS), {"input_ids": ids}, **kw))
+    assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=64, **OPTIONS))),
+                                {"input_ids": ids}, **kw))
 
-    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **OPTIONS)
+    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **cache_kwargs(OPTIONS))
     for turn in range(2):  # the second turn: the first's sequences plus new text
         inputs = {"input_ids": ids[:, :100] if turn == 0 else torch.cat([first.sequences, ids[:, 200:240]], 1)}
         first = generate(model, dense_turns, inputs, **kw)
@@ -78,7 +81,7 @@ def test_a_linear_attention_hybrid_chunks_continues_and_converts_as_dense():
     prefilled = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :-1], past_key_values=prefilled)
-    converted = OasisCache.from_dynamic_cache(model, prefilled, **OPTIONS)
+    converted = OasisCache.from_dynamic_cache(model, prefilled, **cache_kwargs(OPTIONS))
     assert type(converted.layers[0]).__name__ == "LinearAttentionLayer"
     assert_same(dense, generate(model, converted, {"input_ids": ids}, **kw))
 
@@ -94,12 +97,13 @@ def test_assisted_decoding_on_a_linear_attention_hybrid_prefills_whole():
         if "stateful" not in str(error):
             raise
         pytest.skip(f"transformers refuses it with any cache: {error}")
-    assert_same(dense, generate(model, OasisCache(model, prefill_chunk_tokens=64, **OPTIONS), inputs, **kw))
+    assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=64, **OPTIONS))),
+                                inputs, **kw))
 
 
 def test_a_linear_attention_hybrid_decodes_sparsely_and_says_what_it_keeps():
     model = tiny_hybrid("qwen3_5")
-    cache = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=8, do_sample=False)
     stats = cache.stats()
     assert out.sequences.shape == (1, 308) and stats["decode_steps"] == 7
@@ -116,8 +120,8 @@ def steps_asked(model, cache, part: int, steps: int = 4) -> tuple[list, list]:
     with torch.no_grad():
         out = model(input_ids=prompt_ids(150), past_key_values=cache, use_cache=True)
         for _ in range(steps):
-            kinds.append(cache.step_kind())
-            signatures.append(cache.replay_signature()[part])
+            kinds.append(replay.step_kind(cache))
+            signatures.append(replay.replay_signature(cache)[part])
             out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     return kinds, signatures
 
@@ -131,16 +135,16 @@ def test_a_linear_attention_hybrid_s_decode_steps_may_be_captured(name):
     from oasis_cache import compat
 
     model = tiny_hybrid(name)
-    cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=4096, advanced=dict(sink_tokens=16, recent_tokens=16))
     kinds, signatures = steps_asked(model, cache, part=1)
     linear = cache.layers[0]
     assert kinds[1:] == ["steady"] * 3  # (the first decode step fixes the summaries' channels: eager)
     assert signatures[1] == signatures[3] and len(signatures[1][0]) >= 2
     assert signatures[1][0][0] == linear.conv_states[0].data_ptr()
     linear.record_past = True
-    assert cache.step_kind() is None and compat.state_addresses(linear) is None
+    assert replay.step_kind(cache) is None and compat.state_addresses(linear) is None
     linear.record_past = False
-    assert cache.step_kind() == "steady"
+    assert replay.step_kind(cache) == "steady"
     assert compat.state_addresses(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=8)) is None
 
 
@@ -152,10 +156,10 @@ def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_a
     ids = prompt_ids(300)
     kw = dict(max_new_tokens=10, do_sample=False)
     dense = generate(model, dense_cache(model), {"input_ids": ids}, **kw)
-    chunked = OasisCache(model, prefill_chunk_tokens=64, **OPTIONS)
+    chunked = OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=64, **OPTIONS)))
     assert_same(dense, generate(model, chunked, {"input_ids": ids}, **kw))
 
-    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **OPTIONS)
+    dense_turns, oasis_turns = dense_cache(model), OasisCache(model, **cache_kwargs(OPTIONS))
     for turn in range(2):  # the second turn: the first's sequences plus new text
         inputs = {"input_ids": ids[:, :100] if turn == 0 else torch.cat([first.sequences, ids[:, 200:240]], 1)}
         if turn == 1:
@@ -168,14 +172,15 @@ def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_a
     prefilled = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :-1], past_key_values=prefilled)
-    converted = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **OPTIONS)
+    converted = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **cache_kwargs(OPTIONS))
     assert_same(dense, generate(model, converted, {"input_ids": ids}, **kw))
-    back = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **OPTIONS).to_dynamic_cache()
+    back = OasisCache.from_dynamic_cache(model, copy.deepcopy(prefilled), **cache_kwargs(OPTIONS)).to_dynamic_cache()
     for mine, theirs in zip(back.layers, prefilled.layers):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.conv_states[0], theirs.conv_states[0])
         assert torch.equal(mine.recurrent_states[0], theirs.recurrent_states[0]) and mine.has_previous_state[0]
 
-    repeated = OasisCache(model, **OPTIONS)  # (one sequence prefilled, then repeated, as contrastive search does)
+    repeated = OasisCache(model,
+                          **cache_kwargs(OPTIONS))  # (one sequence prefilled, then repeated, as contrastive search does)
     with torch.no_grad():
         model(input_ids=ids[:, :80], past_key_values=repeated)
         repeated.batch_repeat_interleave(3)
@@ -191,7 +196,7 @@ def test_a_layer_holding_keys_and_a_state_chunks_continues_copies_and_converts_a
     oasis_turns.reset()  # (a batch of two now: the state made anew at its size)
     assert_same(dense_batch, generate(model, oasis_turns, batch, **kw))
 
-    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    sparse = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, sparse, {"input_ids": ids}, **kw)
     stats = sparse.stats()
     assert out.sequences.shape == (1, 310) and stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
@@ -205,15 +210,15 @@ def test_a_layer_holding_keys_and_a_state_may_be_captured():
     CUDA replays), the state's addresses in the replay signature, unchanged across steps; recording its past for
     assisted decoding keeps every step eager."""
     model = sharpened("falcon_h1")
-    cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=4096, advanced=dict(sink_tokens=16, recent_tokens=16))
     kinds, signatures = steps_asked(model, cache, part=0)
     layer = cache.layers[0]
     assert kinds[1:] == ["steady"] * 3 and signatures[1] == signatures[3]
     assert layer.conv_states[0].data_ptr() in signatures[1][0][2][-2]  # (the state's addresses, `state_stamps`)
     layer.record_past = True
-    assert cache.step_kind() is None
+    assert replay.step_kind(cache) is None
     layer.record_past = False
-    assert cache.step_kind() == "steady"
+    assert replay.step_kind(cache) == "steady"
 
 
 def test_a_sliding_window_holding_a_state_updates_as_transformers_own_layer():
@@ -266,7 +271,7 @@ def test_a_reset_hybrid_cache_serves_a_batch_of_another_size(name):
     kw = dict(max_new_tokens=8, do_sample=False)
     batch = left_padded([70, 55])
     expected = generate(model, dense_cache(model), batch, **kw)
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     generate(model, cache, {"input_ids": prompt_ids(90)}, **kw)
     cache.reset()
     assert_same(expected, generate(model, cache, batch, **kw))
@@ -281,12 +286,13 @@ def test_sliding_windows_wider_than_the_context_name_the_way_to_full_attention()
     inputs = {"input_ids": prompt_ids(100)}
     windowed = generate(model, dense_cache(model), inputs, max_new_tokens=8, do_sample=False)
     with pytest.raises(ValueError, match="sliding_window = None"):
-        OasisCache(model, **OPTIONS)
+        OasisCache(model, **cache_kwargs(OPTIONS))
     model.config.sliding_window = None
-    assert_same(windowed, generate(model, OasisCache(model, **OPTIONS), inputs, max_new_tokens=8, do_sample=False))
+    assert_same(windowed, generate(model, OasisCache(model, **cache_kwargs(OPTIONS)), inputs, max_new_tokens=8,
+                                   do_sample=False))
     model.config.sliding_window = 1024  # a real bound: refused as bounded, nothing to offload
     with pytest.raises(ValueError, match="no full-attention layer"):
-        OasisCache(model, **OPTIONS)
+        OasisCache(model, **cache_kwargs(OPTIONS))
 
 
 def test_which_layer_kinds_are_kept():
@@ -369,7 +375,7 @@ def test_learned_sinks_and_soft_capping_equal_dense(kind, mode):
     model = tiny_sinks_model() if kind == "sinks" else tiny_capped_model()
     inputs, kw = MODES[mode]
     dense = sinks_dense(model, inputs, **kw)
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     assert [type(layer).__name__ for layer in cache.layers][:2] == ["WindowLayer", "OasisLayer"]
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
@@ -381,16 +387,17 @@ def test_learned_sinks_through_the_cache_s_chunks_turns_and_lookaheads_and_they_
     ids = prompt_ids(300)
     dense = sinks_dense(model, {"input_ids": ids})
     for options in (dict(prefill_chunk_tokens=64), dict(lookahead="none"), dict(lookahead="previous", exact=True)):
-        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids}, seed=7,
+        assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(**{**OPTIONS, **options}))),
+                                    {"input_ids": ids}, seed=7,
                                     max_new_tokens=16))
-    turns = OasisCache(model, **OPTIONS)
+    turns = OasisCache(model, **cache_kwargs(OPTIONS))
     first = generate(model, turns, {"input_ids": ids[:, :100]}, max_new_tokens=8, do_sample=False)
     second = {"input_ids": torch.cat([first.sequences, ids[:, 200:240]], 1)}
     second_dense = sinks_dense(model, second)
     model.set_attn_implementation("oasis")  # (the dense run switched the model away from the cache's attention)
     assert_same(second_dense, generate(model, turns, second, seed=7, max_new_tokens=16))
 
-    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    sparse = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
     assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
 
@@ -398,7 +405,8 @@ def test_learned_sinks_through_the_cache_s_chunks_turns_and_lookaheads_and_they_
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.Tensor):
                 module.sinks.fill_(-1e4)  # (no weight to the sinks: another model)
-    moved = generate(model, OasisCache(model, **OPTIONS), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+    moved = generate(model, OasisCache(model, **cache_kwargs(OPTIONS)), {"input_ids": ids}, max_new_tokens=16,
+                     do_sample=False)
     assert not all(torch.allclose(a, b, atol=1e-2) for a, b in zip(dense.logits, moved.logits))
 
 
@@ -509,14 +517,15 @@ def test_soft_capping_through_the_cache_s_chunks_and_a_sparse_budget_and_it_coun
     ids = prompt_ids(300)
     dense = sinks_dense(model, {"input_ids": ids})
     for options in (dict(prefill_chunk_tokens=64), dict(lookahead="previous", exact=True)):
-        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids}, seed=7,
+        assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(**{**OPTIONS, **options}))),
+                                    {"input_ids": ids}, seed=7,
                                     max_new_tokens=16))
-    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    sparse = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
     assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
     moved = generate(model.apply(lambda m: setattr(m, "attn_logit_softcapping", 50.0)
                                  if getattr(m, "attn_logit_softcapping", None) else None),
-                     OasisCache(model, **OPTIONS), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
+                     OasisCache(model, **cache_kwargs(OPTIONS)), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
     assert not all(torch.allclose(a, b, atol=1e-2) for a, b in zip(dense.logits, moved.logits))
     with pytest.raises(ValueError, match="caps its scores"):
         OasisCache(model, token_budget=1024, compile_decode=True)
@@ -534,7 +543,7 @@ def test_latent_attention_equals_dense(mode):
     model = tiny_latent_model()
     inputs, kw = MODES[mode]
     dense = generate(model, DynamicCache(config=model.config), inputs, seed=7, max_new_tokens=16, **kw)
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
     attn = model.model.layers[0].self_attn
     layer = cache.layers[0]
@@ -552,23 +561,24 @@ def test_latent_attention_through_chunks_turns_conversions_and_a_sparse_budget()
     ids = prompt_ids(300)
     dense = generate(model, DynamicCache(config=model.config), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
     for options in (dict(prefill_chunk_tokens=64), dict(lookahead="previous", exact=True)):
-        assert_same(dense, generate(model, OasisCache(model, **{**OPTIONS, **options}), {"input_ids": ids},
+        assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(**{**OPTIONS, **options}))),
+                                    {"input_ids": ids},
                                     max_new_tokens=16, do_sample=False))
-    turns = OasisCache(model, **OPTIONS)
+    turns = OasisCache(model, **cache_kwargs(OPTIONS))
     first = generate(model, turns, {"input_ids": ids[:, :100]}, max_new_tokens=8, do_sample=False)
     second = torch.cat([first.sequences, ids[:, 200:240]], 1)
     second = {"input_ids": second, "attention_mask": torch.ones_like(second)}  # (a generated 0 is no padding)
     assert_same(generate(model, DynamicCache(config=model.config), second, max_new_tokens=16, do_sample=False),
                 generate(model, turns, second, max_new_tokens=16, do_sample=False))
 
-    prefilled = OasisCache(model, **OPTIONS)
+    prefilled = OasisCache(model, **cache_kwargs(OPTIONS))
     model(ids[:, :-1], **prefilled.generate_kwargs())
     plain = prefilled.to_dynamic_cache()
     assert plain.layers[0].keys.shape[-1] == model.model.layers[0].self_attn.kv_lora_rank  # (transformers' own form)
-    for cache in (OasisCache.from_dynamic_cache(model, plain, **OPTIONS), prefilled.fork()):
+    for cache in (OasisCache.from_dynamic_cache(model, plain, **cache_kwargs(OPTIONS)), prefilled.fork()):
         assert_same(dense, generate(model, cache, {"input_ids": ids}, max_new_tokens=16, do_sample=False))
 
-    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    sparse = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
     assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
     with pytest.raises(ValueError, match=r"attends latent rows \(MLA\)"):
@@ -594,9 +604,10 @@ def test_latent_dense_forwards_expanded_or_absorbed_equal_dense(expanded, monkey
     for inputs, options in (({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64)),
                             (left_padded([61, 37, 50]), {})):
         dense = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=12, do_sample=False)
-        assert_same(dense, generate(model, OasisCache(model, **OPTIONS, **options), inputs, max_new_tokens=12,
+        assert_same(dense, generate(model, OasisCache(model, **cache_kwargs(dict(**OPTIONS, **options))), inputs,
+                                    max_new_tokens=12,
                                     do_sample=False))
-    layers = sum(isinstance(layer, OasisLayer) for layer in OasisCache(model, **OPTIONS).layers)
+    layers = sum(isinstance(layer, OasisLayer) for layer in OasisCache(model, **cache_kwargs(OPTIONS)).layers)
     assert len(made) == layers * (300 // 64 + 1 + 1)  # (a dense forward a chunk and a prompt, each layer)
     assert all((attend is not None) == expanded for attend in made)
 
@@ -653,7 +664,7 @@ def test_values_narrower_than_keys_equal_dense(mode):
     model = tiny_narrow_values_model()
     inputs, kw = MODES[mode]
     dense = sinks_dense(model, inputs, **kw)
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     assert_same(dense, generate(model, cache, inputs, seed=7, max_new_tokens=16, **kw))
 
 
@@ -666,7 +677,7 @@ def test_values_narrower_than_keys_round_trip_and_decode_sparsely():
     dense_cache_ = DynamicCache(config=model.config)
     model.set_attn_implementation(model.dense_attention)
     dense = generate(model, dense_cache_, {"input_ids": ids}, seed=7, max_new_tokens=16)
-    cache = OasisCache(model, **{**OPTIONS, "prefill_chunk_tokens": 64})
+    cache = OasisCache(model, **cache_kwargs(dict(**{**OPTIONS, "prefill_chunk_tokens": 64})))
     assert_same(dense, generate(model, cache, {"input_ids": ids}, seed=7, max_new_tokens=16))
     held = cache.to_dynamic_cache()
     full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, OasisLayer)]
@@ -676,7 +687,7 @@ def test_values_narrower_than_keys_round_trip_and_decode_sparsely():
         assert held.layers[i].values.shape[-1] == model.config.v_head_dim
         torch.testing.assert_close(held.layers[i].values, dense_cache_.layers[i].values[:, :, :n])
         torch.testing.assert_close(held.layers[i].keys, dense_cache_.layers[i].keys[:, :, :n])
-    sparse = OasisCache(model, token_budget=64, block_size=16, sink_tokens=16, recent_tokens=16)
+    sparse = OasisCache(model, token_budget=64, advanced=dict(block_size=16, sink_tokens=16, recent_tokens=16))
     out = generate(model, sparse, {"input_ids": prompt_ids(400)}, max_new_tokens=12, do_sample=False)
     assert sparse.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
     layer = OasisLayer(cache, full[0])

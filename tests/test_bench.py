@@ -259,7 +259,7 @@ def test_first_call_bench_gives_its_children_every_option_but_its_own():
 
     parser = first_call.build_parser()
     given = ["--model", "tiny", "--context", "300", "--dense", "--warm-parts", "",
-             "--compile-workers", "auto", "--compile-after-steps", "5", "--processes", "3", "--out", "x.json",
+             "--compile-after-steps", "5", "--processes", "3", "--out", "x.json",
              "--fresh-kernel-cache", "--profile", "/tmp/p", "--profile-call", "2", "--warm-first"]
     args = parser.parse_args(given)
     command = first_call.child_command(parser, args, 1)

@@ -1,4 +1,4 @@
-"""The captured decode step (`OasisCache(..., cuda_graph=True)`, `compute/captured_step.py`), what CPU can check of
+"""The captured decode step (`OasisCache(..., cuda_graph=True)`, `runtime/captured_step.py`), what CPU can check of
 it: a replay re-runs the captured device work and skips the Python, so (1) a steady decode step must update every
 tensor the cache keeps in place (a replay writes where the capture wrote) and (2) `advance_replayed_step` must have
 the host effects of an eager step. Replays themselves: `tests/test_cuda.py`."""
@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from oasis_cache import OasisCache
+from oasis_cache.runtime import replay
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, generate, prompt_ids, random_head, tiny_model
 
 MODES = [dict(lookahead="none"), dict(lookahead="previous"), dict(lookahead="previous", exact=True),
          dict(lookahead="eagle3"), dict(lookahead="eagle3", exact=True)]
-_SKIPPED = {"_model", "_modules", "_forward_memo", "_cache", "captured_steps", "config"}
+_SKIPPED = {"_model", "_modules", "memo", "_cache", "captured_steps", "config"}
 
 
 def _walk(obj, path, seen, visit):
@@ -67,7 +69,8 @@ def decoding_cache(model, mode, steps):
         head = random_head(model)
         head.config.attention_window = 12
         draft = dict(draft=head)
-    cache = OasisCache(model, token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode, **draft)
+    cache = OasisCache(model, **cache_kwargs(dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, **mode,
+                                                  **draft)))
     if cache.ride_along is not None:
         cache.ride_along.static_head = "eager"
     token = prompt_ids(400)
@@ -78,8 +81,8 @@ def decoding_cache(model, mode, steps):
 
 
 def step_kind(cache) -> str:
-    """The kind of captured step the next one-token decode step is (`OasisCache.replayable_step`'s answer on CUDA)."""
-    kind = "steady" if cache.steady_step() else "completing" if cache.completing_step() else None
+    """The kind of captured step the next one-token decode step is (`replay.replayable_step`'s answer on CUDA)."""
+    kind = "steady" if replay.steady_step(cache) else "completing" if replay.completing_step(cache) else None
     assert kind is not None
     return kind
 
@@ -100,8 +103,8 @@ def test_decode_steps_update_state_in_place(mode):
     counts, signatures = {"steady": 0, "completing": 0}, set()
     for _ in range(40):
         kind = step_kind(cache)
-        cache.prepare_step(kind)
-        signatures.add(cache.replay_signature())
+        replay.prepare_step(cache, kind)
+        signatures.add(replay.replay_signature(cache))
         before = {p: t for p, t in tensors_of(cache).items() if ".chunks[" not in p}
         blocks = cache.layers[0].pool.num_blocks
         token = step(model, cache, token)
@@ -120,7 +123,7 @@ def test_a_prompts_first_completed_block_leaves_the_steady_steps_layout(length):
     again right after the first completion (H200: ~90-110 ms at decode step 17 of every 32K call) — and a prompt not a multiple of the top-k's row sizes meets its grown row width at the first step
     (the dry step compiles its kernels), not ~16 steps later."""
     model = tiny_model("qwen3", num_hidden_layers=3)
-    cache = OasisCache(model, token_budget=128, recent_tokens=32)
+    cache = OasisCache(model, token_budget=128, advanced=dict(recent_tokens=32))
     token = prompt_ids(length)
     with torch.no_grad():
         token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -130,8 +133,8 @@ def test_a_prompts_first_completed_block_leaves_the_steady_steps_layout(length):
     first_seen, completed = {}, 0
     for index in range(2, 40):
         kind = step_kind(cache)
-        cache.prepare_step(kind)
-        first_seen.setdefault((kind, cache.replay_signature()), index)
+        replay.prepare_step(cache, kind)
+        first_seen.setdefault((kind, replay.replay_signature(cache)), index)
         completed += kind == "completing"
         token = step(model, cache, token)
     assert completed >= 2 and sorted(kind for kind, _ in first_seen) == ["completing", "steady"], first_seen.values()
@@ -159,7 +162,8 @@ def test_equal_pool_stamps_mean_the_same_state_tensors(monkeypatch):
     monkeypatch.setattr(OasisLayer, "update", recorded)
     model = tiny_model("qwen3", num_hidden_layers=2)
     options = dict(token_budget=96, recent_tokens=32, host_chunk_blocks=2)
-    cache = OasisCache(model, lookahead="previous", token_budget=512, recent_tokens=32, host_chunk_blocks=2)
+    cache = OasisCache(model, lookahead="previous", token_budget=512, advanced=dict(recent_tokens=32,
+                                                                                    host_chunk_blocks=2))
     generate(model, cache, {"input_ids": prompt_ids(40)}, max_new_tokens=60, do_sample=False)
     slots = cache.layers[0].working_set.num_slots
     cache.reset()
@@ -172,7 +176,8 @@ def test_equal_pool_stamps_mean_the_same_state_tensors(monkeypatch):
         generate(model, c, {"input_ids": ids}, max_new_tokens=8, do_sample=False)
     for kw in (dict(do_sample=True, temperature=0.8, top_k=20), dict(num_beams=3, num_return_sequences=2),
                dict(prompt_lookup_num_tokens=4)):
-        generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(70)}, max_new_tokens=12, **kw)
+        generate(model, OasisCache(model, **cache_kwargs(options)), {"input_ids": prompt_ids(70)}, max_new_tokens=12,
+                 **kw)
     assert grown > 4 and len(seen) > grown  # (the runs above made many pools and rebound their tensors)
 
 
@@ -189,8 +194,8 @@ def test_replay_bookkeeping_equals_an_eager_step(mode):
         assert host_state_of(eager) == host_state_of(replayed)
         kind = step_kind(eager)
         for cache in (eager, replayed):  # (what the captured forward does before capturing or replaying)
-            cache.prepare_step(kind)
-        replayed.advance_replayed_step(kind)
+            replay.prepare_step(cache, kind)
+        replay.advance_replayed_step(replayed, kind)
         checked[kind] += 1
         token = step(model, eager, token)
     assert host_state_of(eager) == host_state_of(replayed)
@@ -210,9 +215,9 @@ def test_cuda_graph_options():
         OasisCache(model, token_budget=128, lookahead="previous", cuda_graph="yes")
     cache = OasisCache(model, token_budget=128, lookahead="previous")  # the default on CPU: every step eager
     assert cache.config.cuda_graph is None and cache.captured_steps is None
-    from oasis_cache.compute.captured_step import CapturedForward
+    from oasis_cache.runtime.routing import CapturedForward
 
-    # (the forward is routed for every OasisCache all the same: a long prefill runs in chunks, `compute/prefill.py`)
+    # (the forward is routed for every OasisCache all the same: a long prefill runs in chunks, `runtime/prefill.py`)
     assert isinstance(model.__dict__["forward"], CapturedForward)
 
 
@@ -222,7 +227,8 @@ def test_routed_forward_keeps_the_model_as_it_was():
     import inspect
 
     from oasis_cache.compat import generate_cache_argument
-    from oasis_cache.compute.captured_step import CapturedForward, CapturedSteps
+    from oasis_cache.runtime.captured_step import CapturedSteps
+    from oasis_cache.runtime.routing import CapturedForward
 
     from conftest import generate
 
@@ -230,14 +236,15 @@ def test_routed_forward_keeps_the_model_as_it_was():
     signature, argument = inspect.signature(model.forward), generate_cache_argument(model)
     inputs = {"input_ids": prompt_ids(120, batch=2)}
     kw = dict(max_new_tokens=24, do_sample=False)
-    expected = generate(model, OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous"), inputs, **kw)
+    expected = generate(model, OasisCache(model, token_budget=128, lookahead="previous",
+                                          advanced=dict(recent_tokens=32)), inputs, **kw)
     assert isinstance(model.__dict__["forward"], CapturedForward)  # (while a cache of the model lives)
     assert inspect.signature(model.forward) == signature and generate_cache_argument(model) == argument
-    cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous")
+    cache = OasisCache(model, token_budget=128, lookahead="previous", advanced=dict(recent_tokens=32))
     cache.captured_steps = steps = CapturedSteps()  # as cuda_graph=True would (on CUDA)
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, expected.sequences)
-    assert cache.padding is not None and cache.padding.tokens is None  # the prompt's record: no padding
+    assert cache.context.padding is not None and cache.context.padding.tokens is None  # the prompt's record: no padding
     assert steps.captures == steps.replays == 0
 
 
@@ -246,17 +253,17 @@ def test_a_reshaped_cache_runs_eagerly_until_its_next_prefill():
     recapture, so after such a call no step is steady until the next dense forward."""
     model = tiny_model("qwen3", num_hidden_layers=3)
     cache, token = decoding_cache(model, dict(lookahead="previous"), steps=2)
-    while not cache.steady_step():
+    while not replay.steady_step(cache):
         token = step(model, cache, token)
     cache.reorder_cache(torch.zeros(1, dtype=torch.long))
-    assert not cache.steady_step()
+    assert not replay.steady_step(cache)
     for _ in range(20):
         token = step(model, cache, token)
-        assert not cache.steady_step()
+        assert not replay.steady_step(cache)
     cache.reset()
     step(model, cache, prompt_ids(400))  # a new prompt: steady steps again
     token = step(model, cache, token)
-    assert cache.steady_step()
+    assert replay.steady_step(cache)
 
 
 def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_prefill():
@@ -272,7 +279,7 @@ def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_pr
     inputs = left_padded([150, 97, 123])
     kw = dict(max_new_tokens=24, do_sample=False)
     options = dict(token_budget=64, recent_tokens=32, lookahead="previous")  # sparse: 150 tokens, 64 attended
-    read = generate(model, OasisCache(model, **options), inputs, **kw)  # every step reads its mask
+    read = generate(model, OasisCache(model, **cache_kwargs(options)), inputs, **kw)  # every step reads its mask
     maskless = []
 
     def as_captured(module, args, kwargs):  # one-token steps without their mask, as a captured step is called
@@ -282,17 +289,17 @@ def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_pr
 
     handle = model.register_forward_pre_hook(as_captured, with_kwargs=True)
     try:
-        cache = OasisCache(model, **options)
+        cache = OasisCache(model, **cache_kwargs(options))
         recorded = generate(model, cache, inputs, **kw)
     finally:
         handle.remove()
     assert len(maskless) == 23 and all(maskless)
-    assert cache.padding.tokens is not None and cache.padding.clear_from == 150 - 97  # after the last padding token
-    assert cache.padding.first.flatten().tolist() == [0, 53, 27]
+    assert cache.context.padding.tokens is not None and cache.context.padding.clear_from == 150 - 97  # after the last padding token
+    assert cache.context.padding.first.flatten().tolist() == [0, 53, 27]
     assert torch.equal(recorded.sequences, read.sequences)
     for a, b in zip(recorded.logits, read.logits):
         assert torch.equal(a, b)
-    assert cache.padding_covers(cache.layers[0].pool.num_blocks) and not cache.padding_covers(2)
+    assert cache.context.padding_covers(cache.layers[0].pool.num_blocks) and not cache.context.padding_covers(2)
 
     def step(c, mask=None):
         with torch.no_grad():
@@ -306,20 +313,20 @@ def test_decode_steps_of_a_left_padded_batch_read_the_padding_recorded_at_the_pr
     assert not torch.allclose(step(copy.deepcopy(cache), mask)[1], without[1])
     # A next turn (a multi-token forward) records the padding anew: a graph captured over the old record's tensors
     # is not replayed over the new one (its signature names them).
-    signature = cache.replay_signature()
+    signature = replay.replay_signature(cache)
     mask[1, 60] = 1
     turn = prompt_ids(40, batch=3, seed=5)
     with torch.no_grad():
         model(input_ids=turn, past_key_values=cache, attention_mask=torch.cat((mask[:, :-1], torch.ones(3, 40,
               dtype=torch.long)), 1))
-    assert cache.padding.tokens.shape[1] == length - 1 + 40 and cache.replay_signature() != signature
+    assert cache.context.padding.tokens.shape[1] == length - 1 + 40 and replay.replay_signature(cache) != signature
     cache.batch_select_indices(torch.tensor([0, 2]))
-    assert cache.padding is None
+    assert cache.context.padding is None
     # generate's own chunked prefill whose last chunk is short enough to decode sparsely (140 = 64 + 64 + 12) records
     # the padding from that chunk's mask: the steps after it can be captured
-    chunked = OasisCache(model, **options)
+    chunked = OasisCache(model, **cache_kwargs(options))
     generate(model, chunked, left_padded([140, 97, 123]), max_new_tokens=4, do_sample=False, prefill_chunk_size=64)
-    assert chunked.padding is not None and chunked.padding.clear_from == 140 - 97
+    assert chunked.context.padding is not None and chunked.context.padding.clear_from == 140 - 97
 
 
 def test_step_visibility_from_a_padding_record_equals_the_one_from_the_mask():
@@ -359,20 +366,22 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
              (left_padded([250, 190]), dict(token_budget=96, recent_tokens=32, lookahead="eagle3", exact=True,
                                             draft=random_head(model)))]
     for inputs, options in cases:
-        expected = generate(model, OasisCache(model, **options), inputs, **kw)
+        expected = generate(model, OasisCache(model, **cache_kwargs(options)), inputs, **kw)
         before = counters["stats"]["unique_graphs"]
-        got = generate(model, OasisCache(model, compile_decode=True, **options), inputs, **kw)
+        got = generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=True, **options))), inputs, **kw)
         assert counters["stats"]["unique_graphs"] > before  # (one and two query rows: each its own graphs)
         assert torch.equal(got.sequences, expected.sequences)
         for a, b in zip(got.logits, expected.logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     graphs = counters["stats"]["unique_graphs"]
-    again = generate(model, OasisCache(model, compile_decode=True, **cases[0][1]), cases[0][0], **kw)
-    assert torch.equal(again.sequences, generate(model, OasisCache(model, **cases[0][1]), cases[0][0], **kw).sequences)
+    again = generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=True, **cases[0][1]))), cases[0][0],
+                     **kw)
+    assert torch.equal(again.sequences, generate(model, OasisCache(model, **cache_kwargs(dict(**cases[0][1]))),
+                                                 cases[0][0], **kw).sequences)
     assert counters["stats"]["unique_graphs"] == graphs  # compiled once per process, not per cache
     # Called as a captured step is (no mask, its own positions), across steps that complete blocks: nothing is
     # compiled after the first step (a compilation inside a CUDA graph's capture would fail it).
-    cache = OasisCache(model, compile_decode=True, **cases[0][1])
+    cache = OasisCache(model, **cache_kwargs(dict(compile_decode=True, **cases[0][1])))
     ids = prompt_ids(300, batch=2)
     with torch.no_grad():
         token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -387,10 +396,10 @@ def test_compiled_decode_steps_decode_what_eager_steps_decode():
         OasisCache(model, token_budget=128, compile_decode="yes")
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="compile_after_steps must be"):
-            OasisCache(model, token_budget=128, compile_after_steps=bad)
+            OasisCache(model, token_budget=128, advanced=dict(compile_after_steps=bad))
     for decided in (True, False):
         with pytest.raises(ValueError, match=f"with compile_decode={decided} it would do nothing"):
-            OasisCache(model, token_budget=128, compile_decode=decided, compile_after_steps=8)
+            OasisCache(model, token_budget=128, compile_decode=decided, advanced=dict(compile_after_steps=8))
 
 
 def _fresh_uncompiled_run(layers: int, new_tokens: int):
@@ -402,7 +411,8 @@ def _fresh_uncompiled_run(layers: int, new_tokens: int):
     kw = dict(max_new_tokens=new_tokens, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
     inputs = {"input_ids": prompt_ids(300, batch=2)}
-    return model, kw, options, inputs, generate(model, OasisCache(model, compile_decode=False, **options), inputs, **kw)
+    return model, kw, options, inputs, generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=False,
+                                                                                             **options))), inputs, **kw)
 
 
 def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(monkeypatch):
@@ -414,12 +424,12 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     from torch._dynamo.utils import counters
 
     from conftest import generate
-    from oasis_cache.compute import compiled_layers
+    from oasis_cache.runtime import compiled_layers
 
     model, kw, options, inputs, expected = _fresh_uncompiled_run(layers=3, new_tokens=12)
-    plain = OasisCache(model, **options)
+    plain = OasisCache(model, **cache_kwargs(options))
     generate(model, plain, inputs, **kw)
-    assert not plain.compiles_decode() and compiled_layers.decoded_steps(model) == 0
+    assert not replay.compiles_decode(plain) and compiled_layers.decoded_steps(model) == 0
     assert "forward" not in model.model.layers[0].__dict__  # (no layer wrapped)
 
     monkeypatch.setattr(compiled_layers, "may_compile_automatically", lambda cache: True)
@@ -428,15 +438,15 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
     monkeypatch.setattr(compiled_layers.CompiledDecode, "run_compiled", lambda self, cache, *a, **k: (
         compiled_calls.append(compiled_layers.decoded_steps(model)), run_compiled(self, cache, *a, **k))[1])
     before = counters["stats"]["unique_graphs"]
-    first = OasisCache(model, compile_after_steps=16, **options)
+    first = OasisCache(model, **cache_kwargs(dict(compile_after_steps=16, **options)))
     got = generate(model, first, inputs, **kw)  # 11 decode steps (the prefill gives the first token)
-    assert compiled_layers.decoded_steps(model) == 11 and not first.compiles_decode()
+    assert compiled_layers.decoded_steps(model) == 11 and not replay.compiles_decode(first)
     assert "eager; torch.compile'd once the model has decoded 16 steps in this process (11 so far" in str(first)
     assert not compiled_calls and counters["stats"]["unique_graphs"] == before
     assert torch.equal(got.sequences, expected.sequences)
-    second = OasisCache(model, compile_after_steps=16, **options)
+    second = OasisCache(model, **cache_kwargs(dict(compile_after_steps=16, **options)))
     got = generate(model, second, inputs, **kw)  # steps 12..22 of the model: compiled from its 16th on
-    assert second.compiles_decode() and counters["stats"]["unique_graphs"] > before
+    assert replay.compiles_decode(second) and counters["stats"]["unique_graphs"] > before
     assert "decode steps: torch.compile'd (compile_decode)" in str(second)
     assert compiled_calls == [step for step in range(16, 23) for _ in range(3)]  # every layer of those steps
     assert torch.equal(got.sequences, expected.sequences)
@@ -447,10 +457,11 @@ def test_compile_decode_none_compiles_once_the_model_has_decoded_enough_steps(mo
 
     riding = dict(token_budget=96, recent_tokens=32, lookahead="eagle3", exact=True, draft=random_head(model))
     padded = left_padded([250, 190])
-    expected = generate(model, OasisCache(model, compile_decode=False, **riding), padded, **kw)
+    expected = generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=False, **riding))), padded, **kw)
     compiled_calls.clear()
     steps = compiled_layers.decoded_steps(model)
-    got = generate(model, OasisCache(model, compile_after_steps=steps + 6, **riding), padded, **kw)
+    got = generate(model, OasisCache(model, **cache_kwargs(dict(compile_after_steps=steps + 6, **riding))), padded,
+                   **kw)
     assert compiled_calls == [step for step in range(steps + 6, steps + 12) for _ in range(3)]
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.logits, expected.logits):
@@ -464,7 +475,7 @@ def test_compile_decode_none_goes_on_uncompiled_when_the_compilation_fails(monke
     import warnings
 
     from conftest import generate
-    from oasis_cache.compute import compiled_layers
+    from oasis_cache.runtime import compiled_layers
 
     def failing(graph, example_inputs):
         raise RuntimeError("no compiler here")
@@ -473,17 +484,17 @@ def test_compile_decode_none_goes_on_uncompiled_when_the_compilation_fails(monke
     model, kw, options, inputs, expected = _fresh_uncompiled_run(layers=2, new_tokens=10)
     monkeypatch.setattr(compiled_layers, "may_compile_automatically", lambda cache: True)
     monkeypatch.setattr(torch, "compile", lambda fn, **k: real_compile(fn, backend=failing))
-    cache = OasisCache(model, compile_after_steps=4, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(compile_after_steps=4, **options)))
     with pytest.warns(RuntimeWarning, match="decode steps failed .*no compiler here.*compile_decode=False"):
         got = generate(model, cache, inputs, **kw)
     assert torch.equal(got.sequences, expected.sequences) and compiled_layers.compile_failed(model)
-    assert not cache.compiles_decode()
+    assert not replay.compiles_decode(cache)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no second attempt, no second warning)
-        again = generate(model, OasisCache(model, compile_after_steps=4, **options), inputs, **kw)
+        again = generate(model, OasisCache(model, **cache_kwargs(dict(compile_after_steps=4, **options))), inputs, **kw)
     assert torch.equal(again.sequences, expected.sequences)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
-        generate(model, OasisCache(model, compile_decode=True, **options), inputs, **kw)
+        generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=True, **options))), inputs, **kw)
 
 
 def test_compiled_decode_compiles_once_for_all_layers():
@@ -502,11 +513,13 @@ def test_compiled_decode_compiles_once_for_all_layers():
         torch._dynamo.reset()
         model = tiny_model("qwen3", num_hidden_layers=layers)
         before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-        got = generate(model, OasisCache(model, compile_decode=True, **options), {"input_ids": prompt_ids(300)},
+        got = generate(model, OasisCache(model, **cache_kwargs(dict(compile_decode=True, **options))),
+                       {"input_ids": prompt_ids(300)},
                        max_new_tokens=6, do_sample=False)
         graphs.append(counters["stats"]["unique_graphs"] - before)
         assert sum(counters["graph_break"].values()) == breaks  # one graph a layer: no break at the cache's calls
-        expected = generate(model, OasisCache(model, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
+        expected = generate(model, OasisCache(model, **cache_kwargs(options)), {"input_ids": prompt_ids(300)},
+                            max_new_tokens=6,
                             do_sample=False)
         assert torch.equal(got.sequences, expected.sequences)
     assert 0 < graphs[0] <= 2 and graphs[1] == graphs[0], graphs  # (2: a torch without `dynamic_sources`)
@@ -516,10 +529,12 @@ def test_compiled_decode_compiles_once_for_all_layers():
     hybrid = tiny_model("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=48,
                         use_sliding_window=True)
     breaks = sum(counters["graph_break"].values())
-    got = generate(hybrid, OasisCache(hybrid, compile_decode=True, **options), {"input_ids": prompt_ids(300)},
+    got = generate(hybrid, OasisCache(hybrid, **cache_kwargs(dict(compile_decode=True, **options))),
+                   {"input_ids": prompt_ids(300)},
                    max_new_tokens=6, do_sample=False)
     assert sum(counters["graph_break"].values()) > breaks  # (the update and the attention run outside the graphs)
-    expected = generate(hybrid, OasisCache(hybrid, **options), {"input_ids": prompt_ids(300)}, max_new_tokens=6,
+    expected = generate(hybrid, OasisCache(hybrid, **cache_kwargs(options)), {"input_ids": prompt_ids(300)},
+                        max_new_tokens=6,
                         do_sample=False)
     assert torch.equal(got.sequences, expected.sequences)
 
@@ -534,7 +549,7 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
     from torch._inductor.utils import run_and_get_code
 
     from conftest import generate
-    from oasis_cache.compute.fused_projections import unfuse
+    from oasis_cache.runtime.fused_projections import unfuse
 
     model = tiny_model("qwen2", num_hidden_layers=3)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous", compile_decode=True)
@@ -543,7 +558,7 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
     for fuse in (False, True):
         torch._dynamo.reset()
         before = counters["stats"]["unique_graphs"]
-        cache = OasisCache(model, fuse_projections=fuse, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(fuse_projections=fuse, **options)))
         out, code = run_and_get_code(lambda: generate(model, cache, inputs, **kw))
         products.append(sum("\n".join(code).count(f"extern_kernels.{op}(") for op in ("mm", "addmm")))
         graphs.append(counters["stats"]["unique_graphs"] - before)
@@ -566,9 +581,10 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
 
     model.to(torch.float64)  # the parameters get new storage: the groups end; a fused cache fuses them anew
     torch._dynamo.reset()
-    alone = generate(model, OasisCache(model, **options), inputs, **kw)  # (a cache without the option: unfused)
+    alone = generate(model, OasisCache(model, **cache_kwargs(options)), inputs,
+                     **kw)  # (a cache without the option: unfused)
     old_groups = cache.fused_groups
-    cache = OasisCache(model, fuse_projections=True, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(fuse_projections=True, **options)))
     assert not any(group.on for group in old_groups) and all(group.on for group in cache.fused_groups)
     assert cache.fused_groups[0].weight.dtype == torch.float64
     assert torch.equal(generate(model, cache, inputs, **kw).sequences, alone.sequences)
@@ -576,9 +592,10 @@ def test_fused_projections_compute_one_product_per_group(tmp_path):
     pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(pointers) == len(list(model.parameters()))  # every parameter its own storage
     assert type(attn.q_proj) is torch.nn.Linear and not hasattr(attn.q_proj, "fused_group")
-    assert torch.equal(generate(model, OasisCache(model, **options), inputs, **kw).sequences, alone.sequences)
+    assert torch.equal(generate(model, OasisCache(model, **cache_kwargs(options)), inputs, **kw).sequences,
+                       alone.sequences)
     with pytest.raises(ValueError, match="pass compile_decode=True with it"):
-        OasisCache(model, token_budget=128, fuse_projections=True)
+        OasisCache(model, token_budget=128, advanced=dict(fuse_projections=True))
 
 
 def test_a_copy_of_a_fused_cache_shares_the_models_buffers():
@@ -589,7 +606,8 @@ def test_a_copy_of_a_fused_cache_shares_the_models_buffers():
     import copy
 
     model = tiny_model("qwen3", num_hidden_layers=2)
-    cache = OasisCache(model, token_budget=128, recent_tokens=32, compile_decode=True, fuse_projections=True)
+    cache = OasisCache(model, token_budget=128, compile_decode=True, advanced=dict(recent_tokens=32,
+                                                                                   fuse_projections=True))
     dup = copy.deepcopy(cache)
     assert len(cache.fused_groups) == 4 and len(dup.fused_groups) == 4
     assert all(a is b for a, b in zip(dup.fused_groups, cache.fused_groups))
@@ -603,7 +621,7 @@ def test_where_the_weights_are_changes_when_they_move_only():
     """`weights_where_they_are` (part of a captured cache's replay signature, taken at each prefill): the same while
     the parameters and buffers stay where they are, another number once one is rebound (a module's weight replaced,
     `model.to(...)` that copies)."""
-    from oasis_cache.compute.captured_step import weights_where_they_are
+    from oasis_cache.runtime.captured_step import weights_where_they_are
 
     model = tiny_model("qwen3")
     before = weights_where_they_are(model)
@@ -623,7 +641,7 @@ def test_the_modules_settings_change_when_a_setting_does_only():
     prefill): the same across `generate` calls with an OasisCache and across in-place weight updates; another number
     once a module's plain setting changes — `train()`, an attention's `scaling`, a PEFT-style adapter switched or
     disabled (a name, a flag), a dict of per-adapter scales — and the first number again once it is set back."""
-    from oasis_cache.compute.captured_step import module_settings
+    from oasis_cache.runtime.captured_step import module_settings
 
     class Adapted(torch.nn.Module):  # (what PEFT's LoRA layers keep: names, flags, per-adapter dicts)
         def __init__(self, base):
@@ -643,7 +661,7 @@ def test_the_modules_settings_change_when_a_setting_does_only():
     ids = prompt_ids(40)
     for draft in ({}, {"lookahead": "eagle3", "draft": random_head(model)}):  # (the ride-along's hooks too)
         for _ in range(2):
-            cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **draft)
+            cache = OasisCache(model, **cache_kwargs(dict(token_budget=64, sink_tokens=16, recent_tokens=16, **draft)))
             model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
             assert module_settings(model) == before
     with torch.no_grad():
@@ -669,7 +687,7 @@ def test_a_captured_steps_kept_output_does_not_hold_its_cache():
 
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from oasis_cache.compute.captured_step import _Graph
+    from oasis_cache.runtime.captured_step import _Graph
 
     model = tiny_model("llama", num_hidden_layers=2)
     cache = OasisCache(model, token_budget=128)
@@ -713,7 +731,7 @@ def test_sliding_windows_decode_in_place_once_full(model_type):
     options = dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, lookahead="previous")
     caches, tokens = [], []
     for m in (model, twin):
-        cache = OasisCache(m, **options)
+        cache = OasisCache(m, **cache_kwargs(options))
         with torch.no_grad():
             token = prompt_ids(400)
             for _ in range(3):
@@ -728,9 +746,9 @@ def test_sliding_windows_decode_in_place_once_full(model_type):
         assert host_state_of(eager) == host_state_of(replayed)
         kind = step_kind(eager)
         for cache in (eager, replayed):
-            cache.prepare_step(kind)
-        replayed.advance_replayed_step(kind)
-        signatures.add(eager.replay_signature())
+            replay.prepare_step(cache, kind)
+        replay.advance_replayed_step(replayed, kind)
+        signatures.add(replay.replay_signature(eager))
         before = {p: t for p, t in tensors_of(eager).items() if ".chunks[" not in p}
         token = step(model, eager, token)
         assert {p: t for p, t in tensors_of(eager).items() if ".chunks[" not in p} == before, kind
@@ -742,7 +760,8 @@ def test_sliding_windows_decode_in_place_once_full(model_type):
     for inputs in ({"input_ids": prompt_ids(200)}, left_padded([40, 10])):
         model.set_attn_implementation(model.dense_attention)  # (gpt-oss: eager, it has no SDPA path)
         dense = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=40, do_sample=False)
-        oasis = generate(model, OasisCache(model, token_budget=4096, recent_tokens=32), inputs, max_new_tokens=40,
+        oasis = generate(model, OasisCache(model, token_budget=4096, advanced=dict(recent_tokens=32)), inputs,
+                         max_new_tokens=40,
                          do_sample=False)
         assert torch.equal(dense.sequences, oasis.sequences)
         for a, b in zip(dense.logits, oasis.logits):
@@ -761,7 +780,7 @@ def test_a_rotary_scaled_by_length_is_prefilled_whole_and_equals_dense(rotary):
     anything runs."""
     import types
 
-    from oasis_cache.cache import _rotary_scaled_by_length
+    from oasis_cache.runtime.model_checks import rotary_scaled_by_length as _rotary_scaled_by_length
 
     def fresh():  # (a "dynamic" rotary keeps the longest length it met across calls: a new model for each run)
         return tiny_model("llama", max_position_embeddings=160, rope_parameters={**rotary, "rope_theta": 10000.0})
@@ -776,8 +795,8 @@ def test_a_rotary_scaled_by_length_is_prefilled_whole_and_equals_dense(rotary):
         OasisCache(model, token_budget=1024, cuda_graph=True)
     for inputs, chunk in (({"input_ids": prompt_ids(300)}, 64), ({"input_ids": prompt_ids(150)}, 8192)):
         dense = generate(model := fresh(), dense_cache(model), inputs, max_new_tokens=16, do_sample=False)
-        cache = OasisCache(model := fresh(), token_budget=1024, sink_tokens=16, recent_tokens=16,
-                           prefill_chunk_tokens=chunk)
+        cache = OasisCache(model := fresh(), token_budget=1024, 
+                           prefill_chunk_tokens=chunk, advanced=dict(sink_tokens=16, recent_tokens=16))
         oasis = generate(model, cache, inputs, max_new_tokens=16, do_sample=False)
         assert torch.equal(dense.sequences, oasis.sequences)
         torch.testing.assert_close(torch.stack(oasis.logits), torch.stack(dense.logits), atol=1e-4, rtol=1e-4)
@@ -792,7 +811,7 @@ def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
     not, nor does a step itself; an attribute set by hand is seen once the cache is told (`cache.model_changed()`).
     Nothing of torch is patched for it. On CPU the steps run eagerly: a stand-in for `CapturedSteps` records what each
     step would have been checked against."""
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import build as cache_module
     from oasis_cache.compat import generate_cache_argument
 
     class Steps:  # (route_forward hands each forward to it where steps are captured)
@@ -808,7 +827,7 @@ def test_a_model_changed_between_two_steps_of_a_loop_is_seen(monkeypatch):
         def drop(self):
             pass
 
-    monkeypatch.setattr(cache_module, "_captured_steps_for", lambda *args: Steps())
+    monkeypatch.setattr(cache_module, "captured_steps_for", lambda *args: Steps())
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=1024)
     steps, argument = cache.captured_steps, generate_cache_argument(model)

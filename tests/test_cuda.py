@@ -58,7 +58,7 @@ def test_exact_on_cuda(arch, backend, mode):
     ]:
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, **kw)
-        cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2, backend=backend, **mode)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=1024, host_chunk_blocks=2, backend=backend, **mode)))
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences)
         if "num_beams" not in kw:
@@ -83,8 +83,9 @@ def test_sparse_decode_equals_reference_on_cuda(monkeypatch, backend, lookahead)
         return out
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
-    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
-                       backend=backend, lookahead=lookahead, compile_ahead=False)  # (no dry step's layers recorded)
+    cache = OasisCache(model, token_budget=128, 
+                       lookahead=lookahead, advanced=dict(sink_tokens=16, recent_tokens=32, host_chunk_blocks=4,
+                                                          backend=backend, compile_ahead=False))  # (no dry step's layers recorded)
     cache.record_selection = True
     model.generate(**on_cuda(left_padded([300, 260])), past_key_values=cache, max_new_tokens=10,
                    do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -99,7 +100,7 @@ def test_device_memory_is_bounded_on_cuda():
     captured steps (the default) add the same few buffers at every context."""
     model = tiny_model("llama", num_key_value_heads=4, num_attention_heads=4, hidden_size=256).cuda()
     # Warm up first: the first matmuls allocate library workspaces (cuBLAS: ~32 MiB per stream, the capture stream's
-    # included: one per device, `compute/captured_step.py: capture_stream`) that are not the cache's.
+    # included: one per device, `memory/streams.py: capture_stream`) that are not the cache's.
     model.generate(input_ids=prompt_ids(300).cuda(), past_key_values=OasisCache(model, token_budget=256, cuda_graph=True),
                    max_new_tokens=8, pad_token_id=0, eos_token_id=None, do_sample=False)
     besides_metadata, captured_extra = {}, {}
@@ -177,8 +178,8 @@ def test_gather_with_few_programs_is_exact(programs):
     model = tiny_model("qwen3").cuda()
     inputs = on_cuda(left_padded([300, 260]))
     kw = dict(max_new_tokens=8, do_sample=False)
-    ref = generate(model, OasisCache(model, token_budget=128, backend="torch"), inputs, **kw)
-    got = generate(model, OasisCache(model, token_budget=128, gather_programs=programs), inputs, **kw)
+    ref = generate(model, OasisCache(model, token_budget=128, advanced=dict(backend="torch")), inputs, **kw)
+    got = generate(model, OasisCache(model, token_budget=128, advanced=dict(gather_programs=programs)), inputs, **kw)
     assert torch.equal(ref.sequences, got.sequences)
 
 
@@ -226,7 +227,8 @@ def test_decode_steps_make_no_host_sync(mode):
     static_head = mode.pop("static_head", None)
     if mode["lookahead"] == "eagle3":
         mode["draft"] = random_head(model)
-    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4, **mode)
+    cache = OasisCache(model, **cache_kwargs(dict(token_budget=128, sink_tokens=16, recent_tokens=32,
+                                                  host_chunk_blocks=4, **mode)))
     if static_head:
         cache.ride_along.static_head = static_head
     ids = prompt_ids(400).cuda()
@@ -293,7 +295,7 @@ def test_head_graph_drafts_what_the_plain_call_drafts(batch, layers):
 @pytest.mark.parametrize("mode", MODES + EAGLE3_MODES[:2] + [dict(lookahead="previous", top_k_kernel=True)],
                          ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_captured_steps_decode_what_eager_steps_decode(mode):
-    """cuda_graph=True (the default here) replays decode steps as CUDA graphs (`compute/captured_step.py`): the same greedy tokens
+    """cuda_graph=True (the default here) replays decode steps as CUDA graphs (`runtime/captured_step.py`): the same greedy tokens
     and logits as the eager cache, sparse (budget below the context) and dense-equal (budget above it), batch 1 and
     3; sparse, one graph per kind of step (steady, completing a block) serves every block count (the blocks exceed
     the slots), dense-equal they are recaptured as blocks complete (every block selected: shapes follow the count);
@@ -320,9 +322,9 @@ def test_captured_steps_decode_what_eager_steps_decode(mode):
     for inputs, budget, replays in cases:
         inputs = on_cuda(inputs)
         options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, **mode)
-        eager_cache = OasisCache(model, cuda_graph=False, **options)
+        eager_cache = OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options)))
         eager = generate(model, eager_cache, inputs, **kw)
-        cache = OasisCache(model, cuda_graph=True, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(cuda_graph=True, **options)))
         graphed = generate(model, cache, inputs, **kw)
         steps = cache.captured_steps
         assert torch.equal(eager.sequences, graphed.sequences), (budget, steps.captures, steps.replays)
@@ -354,9 +356,9 @@ def test_compiled_decode_captured_decodes_what_eager_decodes():
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, **kw)
+    eager = generate(model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options))), inputs, **kw)
     before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    cache = OasisCache(model, compile_decode=True, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(compile_decode=True, **options)))
     compiled = generate(model, cache, inputs, **kw)
     # one graph for all 10 layers (2: a torch without `dynamic_sources`), no break at the cache's calls (torch 2.11
     # broke at the token's attribute write: then 10 graphs)
@@ -375,23 +377,24 @@ def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_
     within rounding. Under the default count (2048) a short run compiles nothing."""
     from torch._dynamo.utils import counters
 
-    from oasis_cache.compute import compiled_layers
+    from oasis_cache.runtime import compiled_layers
 
     torch._dynamo.reset()
     model = tiny_model("qwen3", num_hidden_layers=10).cuda()
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    eager = generate(model, OasisCache(model, cuda_graph=False, compile_decode=False, **options), inputs, **kw)
+    eager = generate(model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, compile_decode=False, **options))),
+                     inputs, **kw)
     before = counters["stats"]["unique_graphs"]
-    short = OasisCache(model, **options)
-    assert short.captured_steps is not None and not short.compiles_decode()
+    short = OasisCache(model, **cache_kwargs(options))
+    assert short.captured_steps is not None and not replay.compiles_decode(short)
     assert torch.equal(generate(model, short, inputs, **kw).sequences, eager.sequences)
     assert counters["stats"]["unique_graphs"] == before and compiled_layers.decoded_steps(model) == 39
-    cache = OasisCache(model, compile_after_steps=39 + 20, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(compile_after_steps=39 + 20, **options)))
     got = generate(model, cache, inputs, **kw)
     steps = cache.captured_steps
-    assert cache.compiles_decode() and 0 < counters["stats"]["unique_graphs"] - before <= 2
+    assert replay.compiles_decode(cache) and 0 < counters["stats"]["unique_graphs"] - before <= 2
     assert steps.captures >= 4 and steps.replays >= 25, (steps.captures, steps.replays)  # before and after
     assert torch.equal(got.sequences, eager.sequences)
     for a, b in zip(eager.logits, got.logits):
@@ -400,10 +403,11 @@ def test_compile_decode_none_captures_compiled_steps_once_the_model_has_decoded_
     # second graph (: 1.4-2.4 s at the next call's first step on the H200); another prompt length
     graphs = counters["stats"]["unique_graphs"]
     other = on_cuda({"input_ids": prompt_ids(270, batch=2)})
-    later = OasisCache(model, compile_after_steps=39 + 20, **options)
+    later = OasisCache(model, **cache_kwargs(dict(compile_after_steps=39 + 20, **options)))
     assert torch.equal(generate(model, later, other, **kw).sequences, generate(
-        model, OasisCache(model, cuda_graph=False, compile_decode=False, **options), other, **kw).sequences)
-    assert later.compiles_decode() and later.captured_steps.replays >= 30
+        model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, compile_decode=False,
+                                                     **options))), other, **kw).sequences)
+    assert replay.compiles_decode(later) and later.captured_steps.replays >= 30
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -415,9 +419,10 @@ def test_captured_steps_are_the_default_where_checked():
     model = tiny_model("llama", num_hidden_layers=2).cuda()
     assert OasisCache(model, token_budget=128, lookahead="previous").captured_steps is not None
     assert OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=False).captured_steps is None
-    assert OasisCache(model, token_budget=128, lookahead="previous", backend="torch").captured_steps is None
+    assert OasisCache(model, token_budget=128, lookahead="previous",
+                      advanced=dict(backend="torch")).captured_steps is None
     with pytest.raises(ValueError, match="Triton backend"):
-        OasisCache(model, token_budget=128, lookahead="previous", backend="torch", cuda_graph=True)
+        OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True, advanced=dict(backend="torch"))
 
 
 def test_a_failed_capture_names_the_fix():
@@ -431,7 +436,8 @@ def test_a_failed_capture_names_the_fix():
 
     handle = model.model.layers[0].register_forward_hook(refuse)
     try:
-        cache = OasisCache(model, token_budget=128, recent_tokens=32, lookahead="previous", cuda_graph=True)
+        cache = OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True,
+                           advanced=dict(recent_tokens=32))
         with pytest.raises(RuntimeError, match="cuda_graph=False"):
             generate(model, cache, on_cuda({"input_ids": prompt_ids(300)}), max_new_tokens=8, do_sample=False)
     finally:
@@ -446,12 +452,12 @@ def test_half_channel_summaries_on_cuda():
     inputs = on_cuda({"input_ids": prompt_ids(300, batch=2)})
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    captured = OasisCache(model, cuda_graph=True, **options)
+    captured = OasisCache(model, **cache_kwargs(dict(cuda_graph=True, **options)))
     by_kernels = generate(model, captured, inputs, **kw)
-    by_torch = generate(model, OasisCache(model, backend="torch", **options), inputs, **kw)
+    by_torch = generate(model, OasisCache(model, **cache_kwargs(dict(backend="torch", **options))), inputs, **kw)
     assert torch.equal(by_kernels.sequences, by_torch.sequences)
     assert captured.captured_steps.replays >= 30
-    full = OasisCache(model, summary_channels=1.0, **options)
+    full = OasisCache(model, **cache_kwargs(dict(summary_channels=1.0, **options)))
     generate(model, full, inputs, **kw)
     layer, whole = captured.layers[0].summaries, full.layers[0].summaries
     assert layer.levels.shape[-1] == whole.levels.shape[-1] // 2 and layer.codes.shape[-1] == whole.codes.shape[-1] // 2
@@ -467,14 +473,15 @@ def test_budget_at_the_context_on_cuda(lookahead):
     dense = generate(model, dense_cache(model), inputs, **kw)
     context = 45 + 14 - 1
     for budget in (context, context + 1, 63, 64, 10**7):
-        cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, lookahead=lookahead)
+        cache = OasisCache(model, token_budget=budget, lookahead=lookahead, advanced=dict(sink_tokens=16,
+                                                                                          recent_tokens=16))
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences), budget
         for a, b in zip(dense.logits, oasis.logits):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
     long = on_cuda({"input_ids": prompt_ids(20)})
     dense = generate(model, dense_cache(model), long, max_new_tokens=300, do_sample=False)
-    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead=lookahead)
+    cache = OasisCache(model, token_budget=512, lookahead=lookahead, advanced=dict(sink_tokens=16, recent_tokens=16))
     assert torch.equal(generate(model, cache, long, max_new_tokens=300, do_sample=False).sequences, dense.sequences)
     assert cache.layers[0].working_set.num_slots > 16
 
@@ -491,7 +498,8 @@ def test_a_cache_reused_after_its_model_changed_captures_its_steps_anew(change):
     ids = prompt_ids(300).cuda()
     kw = dict(max_new_tokens=24, do_sample=False)
     options = dict(token_budget=128, recent_tokens=32, lookahead="previous")
-    cache, eager = OasisCache(model, **options), OasisCache(model, cuda_graph=False, **options)
+    cache, eager = OasisCache(model, **cache_kwargs(options)), OasisCache(model, **cache_kwargs(dict(cuda_graph=False,
+                                                                                                     **options)))
     first = generate(model, cache, {"input_ids": ids}, **kw)
     assert torch.equal(first.sequences, generate(model, eager, {"input_ids": ids}, **kw).sequences)
     captures = cache.captured_steps.captures
@@ -514,14 +522,11 @@ def test_a_cache_reused_after_its_model_changed_captures_its_steps_anew(change):
 
 
 @pytest.mark.parametrize("lookahead", ["none", "previous"])
-@pytest.mark.parametrize("workers", [2, 0], ids=["processes", "threads"])
-def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, workers, monkeypatch, tmp_path):
-    """`compile_ahead=True` on CUDA, in a new kernel cache: the dry copy's launches are compilations — in the worker
-    processes the prefill started (`compile_workers`, `kernels/compile_workers.py`: every one sent compiles), or in
-    Triton's thread pool — and run nothing; the real steps (captured ones too) decode what a cache without the option
-    decodes, and the dry step runs once per process and signature (`compute/ahead.py`; how much it saves on a new
-    machine: `bash bench/gpu_run.sh firstcallworkers`)."""
-    from oasis_cache.compute import ahead
+def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, monkeypatch, tmp_path):
+    """`compile_ahead=True` on CUDA, in a new kernel cache: the dry copy's launches are compilations in Triton's thread
+    pool and run nothing; the real steps (captured ones too) decode what a cache without the option decodes, and the
+    dry step runs once per process and signature (`runtime/ahead.py`)."""
+    from oasis_cache.runtime import ahead
     from oasis_cache.kernels.ahead import kernels
 
     monkeypatch.setattr(ahead, "_DONE", set())
@@ -531,21 +536,17 @@ def test_compile_ahead_compiles_the_first_step_and_decodes_the_same(lookahead, w
     model = tiny_model("qwen3").cuda()
     ids = prompt_ids(300).cuda()
     kw = dict(max_new_tokens=24, do_sample=False)
-    options = dict(token_budget=128, recent_tokens=32, lookahead=lookahead)
+    options = dict(token_budget=128, lookahead=lookahead)
     calls = []
     monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: calls.append(run(*a)) or calls[-1])
-    first = generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, ahead_at_prefill=False,
-                                       **options), {"input_ids": ids}, **kw)
+    first = generate(model, OasisCache(model, **options, advanced=dict(
+        recent_tokens=32, compile_ahead=True, ahead_at_prefill=False)), {"input_ids": ids}, **kw)
     assert calls == [True]
-    if workers:
-        assert 1 <= ahead.LAST["workers"] <= workers and ahead.LAST["failed"] == 0 and ahead.LAST["sent"] >= 4, \
-            ahead.LAST
-    else:
-        assert "sent" not in ahead.LAST, ahead.LAST
-    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": ids}, **kw)
+    plain = generate(model, OasisCache(model, **options, advanced=dict(recent_tokens=32, compile_ahead=False)),
+                     {"input_ids": ids}, **kw)
     assert torch.equal(first.sequences, plain.sequences)
-    generate(model, OasisCache(model, compile_ahead=True, compile_workers=workers, **options), {"input_ids": ids},
-             **kw)
+    generate(model, OasisCache(model, **options, advanced=dict(recent_tokens=32, compile_ahead=True)),
+             {"input_ids": ids}, **kw)
     assert calls == [True]  # (once per signature)
 
 
@@ -554,7 +555,7 @@ def test_ahead_at_prefill_compiles_during_the_prefill_and_decodes_the_same(chunk
     """`ahead_at_prefill=True` on CUDA (research): the first attention layer's dry decode token starts the step's
     compilations during the prefill (whole, or at its last chunk with the prompt resident on the device); the first
     decode step waits for them and runs no dry step; the tokens equal a cache without the option."""
-    from oasis_cache.compute import ahead
+    from oasis_cache.runtime import ahead
 
     monkeypatch.setattr(ahead, "_DONE", set())
     model = tiny_model("qwen3").cuda()
@@ -564,10 +565,12 @@ def test_ahead_at_prefill_compiles_during_the_prefill_and_decodes_the_same(chunk
     ran, dry = [], []
     monkeypatch.setattr(ahead, "at_prefill", lambda *a, run=ahead.at_prefill: ran.append(run(*a)) or ran[-1])
     monkeypatch.setattr(ahead, "dry_step", lambda *a: dry.append(1) or False)
-    first = generate(model, OasisCache(model, compile_ahead=True, ahead_at_prefill=True, **options),
+    first = generate(model, OasisCache(model, **cache_kwargs(dict(compile_ahead=True, ahead_at_prefill=True,
+                                                                  **options))),
                      {"input_ids": ids}, **kw)
     assert ran == [True] and dry == [] and ahead.PENDING == []
-    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": ids}, **kw)
+    plain = generate(model, OasisCache(model, **cache_kwargs(dict(compile_ahead=False, **options))),
+                     {"input_ids": ids}, **kw)
     assert torch.equal(first.sequences, plain.sequences)
 
 
@@ -579,14 +582,14 @@ def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(mon
     collection runs inside each capture wherever Python's automatic collection is on, as it may at any
     allocation (here once the side stream has joined the capture): captures pause it, so nothing of the earlier cache
     is freed inside a graph."""
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import context as cache_module
     from oasis_cache.memory.streams import PrefetchStreams
 
     model = tiny_model("llama").cuda()
     inputs = on_cuda({"input_ids": prompt_ids(45)})
     kw = dict(max_new_tokens=40, do_sample=False)
     options = dict(token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous")
-    first = OasisCache(model, **options)  # its blocks are offloaded into pinned memory on its side stream
+    first = OasisCache(model, **cache_kwargs(options))  # its blocks are offloaded into pinned memory on its side stream
     generate(model, first, inputs, **kw)
     side = first.streams.side
     assert first.layers[0].pool.pin_memory and first.layers[0].pool.num_blocks > 0
@@ -607,14 +610,14 @@ def test_a_cache_collected_during_another_caches_capture_leaves_no_bad_event(mon
                 collections.append(gc.collect())
 
     monkeypatch.setattr(cache_module, "PrefetchStreams", SharedSide)
-    second = OasisCache(model, **options)
+    second = OasisCache(model, **cache_kwargs(options))
     out = generate(model, second, inputs, **kw)
     torch.empty(1, pin_memory=True)  # the host allocator queries every pending event here
     torch.ones(1, device="cuda").sum().item()
     assert second.streams.side is side and second.captured_steps.captures > 0
     assert collections == [], "a collection ran inside a capture"
     monkeypatch.undo()
-    again = generate(model, OasisCache(model, **options), inputs, **kw)
+    again = generate(model, OasisCache(model, **cache_kwargs(options)), inputs, **kw)
     assert torch.equal(out.sequences, again.sequences)
 
 
@@ -642,7 +645,8 @@ def test_a_dropped_cache_is_freed_at_once_and_the_next_reuses_its_pinned_memory(
     try:
         pinned, pools = [], []
         for _ in range(3):
-            cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, host_chunk_blocks=4, **mode)
+            cache = OasisCache(model, **cache_kwargs(dict(token_budget=128, sink_tokens=16, recent_tokens=32,
+                                                          host_chunk_blocks=4, **mode)))
             if static_head:
                 cache.ride_along.static_head = static_head
             generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
@@ -754,7 +758,7 @@ def test_pinned_host_memory_is_released(monkeypatch):
 def test_an_admitted_cache_replays_captured_steps(request, overlap):
     """A cache admitted from a Mooncake Store with lookahead "previous" (no exact) replays its decode steps as CUDA
     graphs: a prefetch gathers the units its local cache holds and leaves the store reads to after the step
-    (`remote.disaggregate.repair_after_step`; with `overlap`, a host thread reads each layer's record after its
+    (`remote.repair.repair_after_step`; with `overlap`, a host thread reads each layer's record after its
     external event inside the graph and the store while the step runs). Same greedy tokens and logits as the
     prefill's own cache decoding eagerly in this process; steady and completing steps replayed across the blocks
     decode completes (its local pool's first block included); units did come from the store."""
@@ -767,7 +771,7 @@ def test_an_admitted_cache_replays_captured_steps(request, overlap):
     options = dict(token_budget=128, recent_tokens=32, host_chunk_blocks=4, lookahead="previous")
     # 90 tokens: ~5 completed blocks (the first two recapture: the local pool's first block changes the layout)
     kw = dict(max_new_tokens=90, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    local = OasisCache(model, cuda_graph=False, **options)
+    local = OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options)))
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **local.generate_kwargs())
     store = connect(mooncake_master)
@@ -787,7 +791,7 @@ def test_an_admitted_cache_replays_captured_steps(request, overlap):
     cache.reset()
     if not overlap:  # a request whose steps must read the store inside them: eager steps, and a warning naming the fix
         options["lookahead"] = "none"
-        none = OasisCache(model, **options)
+        none = OasisCache(model, **cache_kwargs(options))
         with torch.no_grad():
             model(input_ids=ids[:, :-1], **none.generate_kwargs())
         publish(none, store, "cuda-in-step")
@@ -836,8 +840,8 @@ def test_fork_on_cuda_decodes_what_a_copy_decodes_and_leaves_the_original(lookah
 
     model = tiny_model("llama").cuda()
     ids = prompt_ids(150).cuda()
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2,
-                       lookahead=lookahead)
+    cache = OasisCache(model, token_budget=64, 
+                       lookahead=lookahead, advanced=dict(sink_tokens=16, recent_tokens=16, host_chunk_blocks=2))
     first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
     twin, fork = copy.deepcopy(cache), cache.fork()
     assert fork.layers[0].pool.chunks[0].data_ptr() == cache.layers[0].pool.chunks[0].data_ptr()
@@ -858,6 +862,8 @@ import glob, json, os, sys, time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from oasis_cache import OasisCache
+from oasis_cache.runtime import replay
+from oasis_cache.runtime.build import cache_kwargs
 start = time.time() - 1
 config = AutoConfig.from_pretrained(sys.argv[1])
 torch.manual_seed(0)
@@ -921,13 +927,13 @@ def test_linear_attention_hybrids_on_cuda(name):
     ]:
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, **kw)
-        cache = OasisCache(model, **options, **extra)
+        cache = OasisCache(model, **cache_kwargs(dict(**options, **extra)))
         assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer", "OasisLayer"]
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences)
         for a, b in zip(dense.logits, oasis.logits):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16))
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     stats = cache.stats()
     assert out.sequences.shape == (1, 420) and stats["tokens_attended_per_step"] <= 64 < stats["seq_length"]
@@ -945,14 +951,14 @@ def test_a_linear_attention_hybrid_s_steps_replay_captured_as_they_decode_eagerl
     for inputs in ({"input_ids": prompt_ids(150)}, left_padded([61, 37, 50])):
         inputs = on_cuda(inputs)
         dense = generate(model, dense_cache(model), inputs, max_new_tokens=40, do_sample=False)
-        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, cuda_graph=True)
+        cache = OasisCache(model, token_budget=4096, cuda_graph=True, advanced=dict(sink_tokens=16, recent_tokens=16))
         oasis = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
         assert cache.captured_steps.replays > 20
         assert torch.equal(dense.sequences, oasis.sequences)
         for a, b in zip(dense.logits, oasis.logits):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=True)
-    eager = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=False)
+    cache = OasisCache(model, token_budget=64, cuda_graph=True, advanced=dict(sink_tokens=16, recent_tokens=16))
+    eager = OasisCache(model, token_budget=64, cuda_graph=False, advanced=dict(sink_tokens=16, recent_tokens=16))
     inputs = on_cuda({"input_ids": prompt_ids(400)})
     captured = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
     assert cache.captured_steps.replays > 20
@@ -970,9 +976,10 @@ def test_sliding_window_models_replay_captured_steps_as_they_decode_eagerly(mode
     options = dict(token_budget=4096, sink_tokens=16, recent_tokens=16)
     for inputs in ({"input_ids": prompt_ids(200)}, left_padded([40, 10])):
         inputs = on_cuda(inputs)
-        eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, max_new_tokens=60,
+        eager = generate(model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options))), inputs,
+                         max_new_tokens=60,
                          do_sample=False)
-        cache = OasisCache(model, cuda_graph=True, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(cuda_graph=True, **options)))
         captured = generate(model, cache, inputs, max_new_tokens=60, do_sample=False)
         assert cache.captured_steps.replays > 20
         assert torch.equal(eager.sequences, captured.sequences)
@@ -1006,8 +1013,9 @@ def test_values_narrower_than_keys_on_cuda():
     assert_same_on_cuda(torch_out, out)
     inputs = on_cuda({"input_ids": prompt_ids(200)})
     options = dict(token_budget=4096, sink_tokens=16, recent_tokens=16)
-    eager = generate(model, OasisCache(model, cuda_graph=False, **options), inputs, max_new_tokens=40, do_sample=False)
-    cache = OasisCache(model, cuda_graph=True, **options)
+    eager = generate(model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options))), inputs,
+                     max_new_tokens=40, do_sample=False)
+    cache = OasisCache(model, **cache_kwargs(dict(cuda_graph=True, **options)))
     captured = generate(model, cache, inputs, max_new_tokens=40, do_sample=False)
     assert cache.captured_steps.replays > 20
     assert_same_on_cuda(eager, captured)
@@ -1020,7 +1028,7 @@ def equal_to_dense_on_cuda(model, dense, chunks: bool = True):
     for inputs, extra in cases + ([({"input_ids": prompt_ids(300)}, dict(prefill_chunk_tokens=64))] if chunks else []):
         inputs = on_cuda(inputs)
         expected = dense(inputs)  # (before the cache: a dense run may switch the model's attention)
-        cache = OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)))
         assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
 
 
@@ -1032,7 +1040,7 @@ def assert_same_on_cuda(expected, got):
 
 def within_a_sparse_budget(model, **options):
     """A 400-token prompt decoded within a budget of 64 tokens: finite logits, no more tokens attended a step."""
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(token_budget=64, sink_tokens=16, recent_tokens=16, **options)))
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
     return out
@@ -1078,7 +1086,8 @@ def test_capped_and_latent_steps_replay_captured_as_they_decode_eagerly(kind):
         inputs = on_cuda(inputs)
         runs = []
         for graph in (False, True):
-            cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, cuda_graph=graph)
+            cache = OasisCache(model, token_budget=budget, cuda_graph=graph, advanced=dict(sink_tokens=16,
+                                                                                           recent_tokens=16))
             runs.append(generate(model, cache, inputs, max_new_tokens=40, do_sample=False))
         assert cache.captured_steps.replays > 20
         assert_same_on_cuda(*runs)
@@ -1112,7 +1121,7 @@ def test_layers_holding_keys_and_a_state_on_cuda(name):
                                                           max_new_tokens=16, do_sample=False))
     within_a_sparse_budget(model)
     eager = within_a_sparse_budget(model, cuda_graph=False)
-    captured = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=True)
+    captured = OasisCache(model, token_budget=64, cuda_graph=True, advanced=dict(sink_tokens=16, recent_tokens=16))
     out = generate(model, captured, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert captured.captured_steps.replays > 10 and torch.equal(out.sequences, eager.sequences)
 
@@ -1153,12 +1162,13 @@ def test_gemma4_s_wide_heads_through_the_kernels():
     model.set_attn_implementation("sdpa")
     inputs = on_cuda({"input_ids": prompt_ids(150)})
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=16, do_sample=False)
-    oasis = generate(model, OasisCache(model, token_budget=4096, sink_tokens=16, recent_tokens=16), inputs,
+    oasis = generate(model, OasisCache(model, token_budget=4096, advanced=dict(sink_tokens=16, recent_tokens=16)),
+                     inputs,
                      max_new_tokens=16, do_sample=False)
     assert torch.equal(dense.sequences, oasis.sequences)
     for a, b in zip(dense.logits, oasis.logits):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16))
     out = generate(model, cache, on_cuda({"input_ids": prompt_ids(400)}), max_new_tokens=20, do_sample=False)
     assert cache.stats()["tokens_attended_per_step"] <= 64 and torch.isfinite(torch.stack(out.logits)).all()
 
@@ -1179,7 +1189,8 @@ def test_a_rotary_scaled_by_length_decodes_eagerly_on_cuda():
     for inputs, extra in cases:
         inputs = on_cuda(inputs)
         expected = generate(model := fresh(), dense_cache(model), inputs, seed=7, max_new_tokens=16, do_sample=False)
-        cache = OasisCache(model := fresh(), token_budget=4096, sink_tokens=16, recent_tokens=16, **extra)
+        cache = OasisCache(model := fresh(), **cache_kwargs(dict(token_budget=4096, sink_tokens=16, recent_tokens=16,
+                                                                 **extra)))
         assert_same_on_cuda(expected, generate(model, cache, inputs, seed=7, max_new_tokens=16, do_sample=False))
 
 
@@ -1193,7 +1204,8 @@ def test_a_weight_rebound_or_moved_in_a_loop_of_one_s_own_replays_the_new_weight
 
     def loop(cuda_graph):
         model = tiny_model("llama").cuda()
-        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, cuda_graph=cuda_graph)
+        cache = OasisCache(model, token_budget=64, cuda_graph=cuda_graph, advanced=dict(sink_tokens=16,
+                                                                                        recent_tokens=16))
         argument, logits = generate_cache_argument(model), []
         with torch.no_grad():
             out = model(input_ids=prompt_ids(200).cuda(), **{argument: cache}).logits[:, -1:]

@@ -318,7 +318,8 @@ def test_learning_rate_schedules():
 
 
 def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):
-    from oasis_cache.draft.train import load_texts, split_texts, train
+    from oasis_cache.draft.train import train
+    from oasis_cache.draft.training_data import load_texts, split_texts
 
     a = [torch.full((5,), i) for i in range(40)]
     b = [torch.full((5,), 40 + i % 50) for i in range(60)]
@@ -346,7 +347,7 @@ def test_texts_of_several_runs_keep_their_own_held_out_split(tmp_path):
 
 
 def test_document_prompts_are_long_windows_with_a_question():
-    from oasis_cache.draft.train import DOCUMENT_QUESTIONS, document_prompts
+    from oasis_cache.draft.training_data import DOCUMENT_QUESTIONS, document_prompts
     from oasis_cache.loaders import load_smollm2
 
     tokenizer = load_smollm2()[1]
@@ -411,7 +412,7 @@ def _save_tiny_target(directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from oasis_cache.draft.train import seed_prompts
+    from oasis_cache.draft.training_data import seed_prompts
 
     words = sorted({w for p in seed_prompts() for w in p.lower().split()})[: 96 - 3]
     vocab = {"[UNK]": 0, "[PAD]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
@@ -463,8 +464,8 @@ class _CharTokenizer:
 
 
 def test_document_sources_are_large_distinct_and_deterministic():
-    from oasis_cache.draft.train import HELD_OUT_DOCUMENT_TOKENS, _documentation_ids, document_ids, document_prompts
-    from oasis_cache.draft.train import stdlib_docstrings
+    from oasis_cache.draft.training_data import HELD_OUT_DOCUMENT_TOKENS, _documentation_ids, document_ids, document_prompts
+    from oasis_cache.draft.training_data import stdlib_docstrings
 
     tok = _CharTokenizer()
     docs, docstrings, mixed = (document_ids(tok, source) for source in ("docs", "docstrings", "mixed"))
@@ -491,7 +492,7 @@ def test_document_sources_are_large_distinct_and_deterministic():
 def test_mixed_and_code_windows_come_from_each_source_alike():
     """"mixed+code" (the Qwen head's data): windows from the documentation, the docstrings and the package code in
     about equal numbers (not by length: the code is ~72% of the tokens), deterministic by seed."""
-    from oasis_cache.draft.train import document_ids, document_prompts
+    from oasis_cache.draft.training_data import document_ids, document_prompts
 
     tok = _CharTokenizer()
     texts = {part: tok.decode(document_ids(tok, part)) for part in ("docs", "docstrings", "code")}
@@ -504,7 +505,7 @@ def test_mixed_and_code_windows_come_from_each_source_alike():
 def test_code_source_is_the_packages_code_without_docstrings_and_never_the_held_out_modules():
     """`--document-source code`: the code of the standard library's packages, docstrings removed (training text for
     a coder model's head); `eval/recall.py --text code` reads the top-level modules, which never appear in it."""
-    from oasis_cache.draft.train import document_ids, stdlib_code
+    from oasis_cache.draft.training_data import document_ids, stdlib_code
 
     tok = _CharTokenizer()
     code = document_ids(tok, "code")

@@ -57,7 +57,8 @@ def test_draft_keys_and_values_never_enter_the_pool():
     ref = dense_cache(model)
     model.generate(input_ids=ids, past_key_values=ref, max_new_tokens=30, do_sample=False, pad_token_id=0,
                    eos_token_id=None)
-    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model), host_chunk_blocks=3)
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model),
+                       advanced=dict(host_chunk_blocks=3))
     model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=30, do_sample=False, pad_token_id=0,
                    eos_token_id=None)
     for layer, dense_layer in zip(cache.layers, ref.layers):
@@ -79,8 +80,8 @@ def test_small_budget_attends_what_the_draft_row_selected(monkeypatch):
         return out
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
-    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, lookahead="eagle3",
-                       draft=random_head(model), measure=True)
+    cache = OasisCache(model, token_budget=128, lookahead="eagle3",
+                       draft=random_head(model), advanced=dict(sink_tokens=16, recent_tokens=32, measure=True))
     cache.record_selection = True
     out = generate(model, cache, left_padded([300, 260]), max_new_tokens=8, do_sample=False)
     assert len(calls) == 7 * 4
@@ -111,8 +112,8 @@ def test_oracle_draft_plumbing():
     ids = prompt_ids(600)
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     truth = model.generate(input_ids=ids, past_key_values=dense_cache(model), **kw)[0]
-    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
-                       draft=random_head(model), measure=True)
+    cache = OasisCache(model, token_budget=512, lookahead="eagle3",
+                       draft=random_head(model), advanced=dict(sink_tokens=16, recent_tokens=16, measure=True))
     cache.ride_along.oracle = lambda position: truth[position].view(1, 1)
     model.generate(input_ids=ids, past_key_values=cache, **kw)
     assert cache.ride_along.draft_hits[1] == 15
@@ -124,7 +125,7 @@ def test_default_lookahead_uses_a_matching_bundled_head(tmp_path, monkeypatch):
     e.g. quantized, copy of its weights), none for another model of the same shape; an explicit choice wins."""
     from oasis_cache.draft import bundled, save_eagle3
 
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import build as cache_module
 
     model = tiny_model("llama", num_hidden_layers=4)
     save_eagle3(random_head(model), tmp_path / "tiny-head")
@@ -132,7 +133,7 @@ def test_default_lookahead_uses_a_matching_bundled_head(tmp_path, monkeypatch):
     monkeypatch.setattr(bundled, "HEADS_DIR", tmp_path)
     on_cpu = OasisCache(model, token_budget=256)  # (the CPU: no transfer to hide, the fastest exact way)
     assert on_cpu.config.lookahead == "none" and "CPU" in on_cpu.why["lookahead"]
-    monkeypatch.setattr(cache_module, "_on_an_accelerator", lambda model: True)  # (as on a GPU)
+    monkeypatch.setattr(cache_module, "on_an_accelerator", lambda model: True)  # (as on a GPU)
 
     cache = OasisCache(model, token_budget=256)
     assert cache.config.lookahead == "eagle3" and cache.config.exact and cache.ride_along is not None
@@ -227,7 +228,8 @@ def test_a_right_draft_chains_the_targets_next_token(chain):
     kw = dict(max_new_tokens=12, do_sample=False)
     base = generate(model, dense_cache(model), inputs, **kw)
     tokens = base.sequences[:, inputs["input_ids"].shape[1]:]  # [B, 12]
-    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model), chain_drafts=chain)
+    cache = OasisCache(model, token_budget=1024, lookahead="eagle3", draft=random_head(model),
+                       advanced=dict(chain_drafts=chain))
     guesses = _head_right_once(cache.ride_along.head, tokens, model.config.vocab_size)
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, base.sequences)
@@ -293,8 +295,8 @@ def test_draft_ranked_with_the_real_rows_prefetches_what_it_ranked_alone(monkeyp
             monkeypatch.setattr(OasisLayer, "_select_with_draft",
                                 lambda self, query, view, k: self._select(query[:, :, :-1], view, k))
         calls.clear()
-        cache = OasisCache(model, token_budget=128, lookahead="eagle3", exact=True, num_slots=9,
-                           draft=random_head(model))
+        cache = OasisCache(model, token_budget=128, lookahead="eagle3", exact=True, 
+                           draft=random_head(model), advanced=dict(num_slots=9))
         out = generate(model, cache, inputs, **kw)
         runs.append((out, cache.stats(), list(calls)))
     (joint_out, joint_stats, joint_calls), (alone_out, alone_stats, alone_calls) = runs

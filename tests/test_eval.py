@@ -17,6 +17,7 @@ from eval.nll import decode_nll
 from eval.tasks import TASKS, generate_samples, score
 from oasis_cache import OasisCache
 from oasis_cache.loaders import load_smollm2
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, prompt_ids, random_head, tiny_model
 
@@ -53,7 +54,8 @@ def test_decode_mode_nll_with_full_budget_equals_dense():
     oasis = decode_nll(model, ids, 200, OasisCache(model, token_budget=1024))
     assert dense.shape == (60,)
     torch.testing.assert_close(oasis, dense, atol=1e-4, rtol=1e-4)
-    sparse = decode_nll(model, ids, 200, OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16))
+    sparse = decode_nll(model, ids, 200, OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16,
+                                                                                          recent_tokens=16)))
     assert not torch.allclose(sparse, dense)  # a small budget is measured, not hidden by a dense forward
 
 
@@ -98,6 +100,7 @@ def test_report_runs_at_ci_size(tmp_path):
     assert [r["mode"] for r in report["nll"]] == ["dense", "none@full", "previous-exact"]
 
 
+@pytest.mark.audit
 def test_shared_prefill_generates_what_each_mode_and_budget_generates(tokenizer):
     """`report.py --shared-prefill`: a batch's prompts prefilled once (but their last tokens) by HF's model; dense
     continuing that cache and each (mode, budget) forked from an OasisCache made of it gives each the tokens of its own
@@ -148,9 +151,9 @@ def test_a_cache_rebuilt_from_its_dynamic_copy_decodes_as_the_one_that_prefilled
     kw = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     for chunk in (512, 0):
         options = dict(token_budget=128, lookahead="none", prefill_chunk_tokens=chunk, host_chunk_blocks=4)
-        cache = OasisCache(model, **options)
+        cache = OasisCache(model, **cache_kwargs(options))
         model.generate(**enc, max_new_tokens=1, **kw, **cache.generate_kwargs())
-        rebuilt = OasisCache.from_dynamic_cache(model, cache.to_dynamic_cache(), **options)
+        rebuilt = OasisCache.from_dynamic_cache(model, cache.to_dynamic_cache(), **cache_kwargs(options))
         for a, b in zip(cache.layers, rebuilt.layers):
             assert all(torch.equal(x, y) for x, y in zip(a.state_tensors(), b.state_tensors())), chunk
         decoded = [model.generate(**enc, max_new_tokens=8, **kw, **c.generate_kwargs()).tolist()
@@ -174,14 +177,14 @@ def test_the_padding_of_a_batch_weighs_in_no_summary(tokenizer):
     for scorer, channels in (("bits", 0.5), ("bound", 1.0)):
         options = dict(token_budget=128, lookahead="none", prefill_chunk_tokens=512, host_chunk_blocks=4,
                        scorer=scorer, summary_channels=channels)
-        cache = OasisCache(model, **options)
+        cache = OasisCache(model, **cache_kwargs(options))
         model.generate(**enc, max_new_tokens=1, **kw, **cache.generate_kwargs())
         dynamic = cache.to_dynamic_cache()
         N = dynamic.get_seq_length()
         for layer in dynamic.layers:
             layer.keys.mul_(mask[:, None, :N, None].to(layer.keys.dtype))  # the padding's keys: zeros
             layer.values.mul_(mask[:, None, :N, None].to(layer.values.dtype))
-        rebuilt = OasisCache.from_dynamic_cache(model, dynamic, attention_mask=mask[:, :N], **options)
+        rebuilt = OasisCache.from_dynamic_cache(model, dynamic, attention_mask=mask[:, :N], **cache_kwargs(options))
         for a, b in zip(cache.layers, rebuilt.layers):
             a.summaries.fix_channels()
             b.summaries.fix_channels()
@@ -248,6 +251,7 @@ def test_fp32_fast_path_repeats_the_kv_heads_and_gives_the_same_logits(monkeypat
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.audit
 def test_suite_runs_its_processes_and_tables_them(tmp_path):
     """eval/suite.py at CI size: the NLL rows in a process of their own, the report processes by (model, length)
     and tasks per process, two at once, suite.json with each process's time and exit status, the reports beside
@@ -538,7 +542,7 @@ def test_recall_reads_another_pythons_documentation(tmp_path, monkeypatch):
     import pydoc_data.topics
 
     from eval.recall import use_documentation_from
-    from oasis_cache.draft.train import _documentation_ids
+    from oasis_cache.draft.training_data import _documentation_ids
 
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", pydoc_data.topics)
     monkeypatch.setattr(pydoc_data, "topics", pydoc_data.topics)

@@ -15,6 +15,7 @@ from eval.lm_eval_tasks.build import build  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.loaders import load_smollm2  # noqa: E402
 from oasis_cache.loaders.smollm2 import DEFAULT_CACHE_DIR  # noqa: E402
+from oasis_cache.runtime.build import cache_kwargs
 
 
 def run(tmp_path, model, model_args, name):
@@ -39,7 +40,7 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch, capfd):
 
     made = []  # every model_args option reaches the cache (and the budget still covers the context)
     monkeypatch.setattr(integration, "OasisCache", lambda model, **options: made.append(options) or OasisCache(
-        model, **options))
+        model, **cache_kwargs(options)))
     oasis, oasis_out = run(tmp_path, "oasis", "pretrained=smollm2,token_budget=2048,scorer=bits,fp8_levels=False,"
                            "exact=True,lookahead=previous,max_decode_tokens=8", "oasis")
     hf, hf_out = run(tmp_path, "hf", f"pretrained={DEFAULT_CACHE_DIR},dtype=float32", "hf")
@@ -47,6 +48,6 @@ def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch, capfd):
     assert oasis_out == hf_out  # budget >= context: the same generations as HF's own model
     assert "not of type `str`" not in capfd.readouterr().err  # (lm-eval's warning for a model object passed as
     # `pretrained`: the offline models go by their checkpoint's path)
-    assert made and all(o == dict(token_budget=2048, scorer="bits", fp8_levels=False, exact=True, lookahead="previous",
-                                  max_decode_tokens=8) for o in made)
+    assert made and all(o == dict(token_budget=2048, exact=True, lookahead="previous", advanced=dict(
+        scorer="bits", fp8_levels=False, max_decode_tokens=8)) for o in made)
     assert {"cuda_graph", "draft", "chain_drafts", "measure", "token_budget"} <= set(integration.CACHE_OPTIONS)

@@ -10,6 +10,7 @@ import torch
 from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
 from oasis_cache.layer import OasisLayer
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, generate, left_padded, prompt_ids, tiny_model
 
@@ -26,7 +27,8 @@ def test_full_budget_equals_dense(arch, exact):
         (left_padded([45, 33]), dict(max_new_tokens=10, do_sample=False, num_beams=3)),
     ]:
         dense = generate(model, dense_cache(model), inputs, **kw)
-        cache = OasisCache(model, token_budget=1024, lookahead="previous", exact=exact, host_chunk_blocks=2)
+        cache = OasisCache(model, token_budget=1024, lookahead="previous", exact=exact,
+                           advanced=dict(host_chunk_blocks=2))
         oasis = generate(model, cache, inputs, **kw)
         assert torch.equal(dense.sequences, oasis.sequences)
         if "num_beams" not in kw:
@@ -50,8 +52,8 @@ def test_exact_repair_equals_on_demand_selection():
     inputs = left_padded([300, 260])
     kw = dict(max_new_tokens=12, do_sample=False)
     base = dict(token_budget=128, sink_tokens=16, recent_tokens=32)
-    on_demand = generate(model, OasisCache(model, **base), inputs, **kw)
-    cache = OasisCache(model, lookahead="previous", exact=True, num_slots=12, **base)
+    on_demand = generate(model, OasisCache(model, **cache_kwargs(base)), inputs, **kw)
+    cache = OasisCache(model, **cache_kwargs(dict(lookahead="previous", exact=True, num_slots=12, **base)))
     repaired = generate(model, cache, inputs, **kw)
     assert torch.equal(on_demand.sequences, repaired.sequences)
     for a, b in zip(on_demand.logits, repaired.logits):
@@ -77,8 +79,8 @@ def test_previous_attends_the_prediction_made_with_the_previous_query(monkeypatc
         return out
 
     monkeypatch.setattr(OasisLayer, "attend", recording)
-    cache = OasisCache(model, token_budget=128, sink_tokens=16, recent_tokens=32, lookahead="previous",
-                       measure=True)
+    cache = OasisCache(model, token_budget=128, lookahead="previous", advanced=dict(sink_tokens=16, recent_tokens=32,
+                                                                                    measure=True))
     cache.record_selection = True
     inputs = left_padded([300, 260])
     generate(model, cache, inputs, max_new_tokens=10, do_sample=False)
@@ -96,7 +98,7 @@ def test_previous_attends_the_prediction_made_with_the_previous_query(monkeypatc
 
 def test_fetch_cap_limits_new_blocks_per_step(monkeypatch):
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=256, sink_tokens=16, recent_tokens=16, fetch_ratio=0.05)
+    cache = OasisCache(model, token_budget=256, advanced=dict(sink_tokens=16, recent_tokens=16, fetch_ratio=0.05))
     ids = prompt_ids(800)  # 50 blocks: at most ceil(0.05 * 50) = 3 new blocks per step and head
     generate(model, cache, {"input_ids": ids}, max_new_tokens=8, do_sample=False)
     stats = cache.stats()

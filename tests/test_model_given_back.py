@@ -11,6 +11,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from oasis_cache import OasisCache
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, generate, prompt_ids, tiny_model
 
@@ -48,11 +49,11 @@ def test_the_model_is_given_back(how, options):
     hooks = [dict(h) for h in _torch_hooks()]
     apply, train = torch.nn.Module._apply, torch.nn.Module.train
     if how == "with":
-        with OasisCache(model, token_budget=4096, **options) as cache:
+        with OasisCache(model, **cache_kwargs(dict(token_budget=4096, **options))) as cache:
             generate(model, cache, {"input_ids": prompt_ids(50)}, max_new_tokens=4, do_sample=False)
             assert model.config._attn_implementation == "oasis"
     else:
-        cache = OasisCache(model, token_budget=4096, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=4096, **options)))
         generate(model, cache, {"input_ids": prompt_ids(50)}, max_new_tokens=4, do_sample=False)
         assert model.config._attn_implementation == "oasis" and model.__dict__.get("forward") is not None
         if how == "close":

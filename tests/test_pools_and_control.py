@@ -12,6 +12,7 @@ from oasis_cache.memory import TransferEngine
 from oasis_cache.pools import BlockSummaries, HostKVPool, SlotMap, WorkingSet
 from oasis_cache.pools.host_kv import READ_ONLY_COPY, SHARE_CHUNKS, fitted_chunk_blocks
 from oasis_cache.pools.summaries import unpack_key_bits
+from oasis_cache.runtime.build import cache_kwargs
 
 
 def ids(*rows):
@@ -259,7 +260,7 @@ def test_a_shared_copy_shares_full_chunks_and_copies_the_blocks_in_use():
 
 
 def test_a_read_only_copy_shares_every_chunk_and_refuses_host_writes():
-    """A dry step's copy (`compute/ahead.py`): every chunk shared, neither pool marks any (the original's crops copy
+    """A dry step's copy (`runtime/ahead.py`): every chunk shared, neither pool marks any (the original's crops copy
     nothing on its account); a host write from the copy would land in the original's chunks, so it raises."""
     B, H, T, D = 1, 2, 4, 5
     pool = HostKVPool(B, H, D, T, torch.float32, chunk_blocks=3, pin_memory=False)
@@ -399,7 +400,7 @@ def test_fp8_levels_by_default_where_they_run(monkeypatch):
                 fp8_levels_for(True, "bits", cuda, use_kernels=True)
     model = tiny_model("llama")
     for kwargs, expected in ((dict(), True), (dict(fp8_levels=False), False), (dict(scorer="bound"), False)):
-        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)))
         assert cache.stats()["fp8_levels"] is None  # not resolved before a layer has seen its device
         with torch.no_grad():
             model(input_ids=prompt_ids(100), past_key_values=cache, use_cache=True)
@@ -420,7 +421,7 @@ def test_summary_channels_default_to_half_with_the_bits_scorer():
     assert OasisConfig(token_budget=256, summary_channels=1.0).kept_channels(128) == 128
     model = tiny_model("llama")
     for kwargs, expected in ((dict(), 0.5), (dict(summary_channels=1.0), 1.0), (dict(scorer="bound"), 1.0)):
-        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=64, sink_tokens=16, recent_tokens=16, **kwargs)))
         assert cache.stats()["summary_channels"] is None
         with torch.no_grad():
             model(input_ids=prompt_ids(100), past_key_values=cache, use_cache=True)
@@ -488,7 +489,7 @@ def test_summary_channels_are_the_prompts_whatever_its_chunks_batch_and_padding(
     alone = {k: v[1:, -320:] for k, v in batch.items()}
     runs = []
     for inputs, chunk in ((alone, 0), (alone, 64), (batch, 0), (batch, 192)):  # (budget 128 of 320 tokens)
-        cache = OasisCache(model, token_budget=128, summary_channels=0.5, prefill_chunk_tokens=chunk)
+        cache = OasisCache(model, token_budget=128, prefill_chunk_tokens=chunk, advanced=dict(summary_channels=0.5))
         out = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=0, **cache.generate_kwargs())
         channels = [layer.summaries.channels[-1] for layer in cache.layers]
         runs.append((channels, out[-1, inputs["input_ids"].shape[1]:].tolist(), chunk))

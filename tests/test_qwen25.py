@@ -129,17 +129,17 @@ def test_the_shipped_head_is_picked_and_drafts(qwen):
     assert head is not None and head.name == "qwen2.5-coder-0.5b-instruct"
     assert (head / "model.safetensors").stat().st_size <= 40_000_000
     assert OasisCache(model, token_budget=256).config.lookahead == "none"  # (the CPU's default: nothing to hide)
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu = cache_module._on_an_accelerator
-    cache_module._on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
+    on_a_gpu = cache_module.on_an_accelerator
+    cache_module.on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
     try:
         default = OasisCache(model, token_budget=256)
     finally:
-        cache_module._on_an_accelerator = on_a_gpu
+        cache_module.on_an_accelerator = on_a_gpu
     assert default.config.lookahead == "eagle3" and default.config.exact
     # The head's own drafts (not chained with the target's prediction, which greedy decoding always confirms).
-    cache = OasisCache(model, token_budget=256, lookahead="eagle3", exact=True, chain_drafts=False)
+    cache = OasisCache(model, token_budget=256, lookahead="eagle3", exact=True, advanced=dict(chain_drafts=False))
     inputs = dict(tok(code_prompt(tok, 600, seed=4), return_tensors="pt"))
     model.generate(**inputs, past_key_values=cache, max_new_tokens=24, do_sample=False,
                    pad_token_id=tok.eos_token_id)

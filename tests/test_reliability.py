@@ -17,6 +17,7 @@ from oasis_cache import OasisCache
 from oasis_cache.config import OasisConfig
 from oasis_cache.layer import OasisLayer
 from oasis_cache.memory import host_memory
+from oasis_cache.runtime.build import cache_kwargs
 
 ATOL = 2e-4
 PROMPT, NEW = 45, 14
@@ -64,11 +65,12 @@ def test_budget_sweep_around_the_context(arch, block_size):
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=NEW, do_sample=False)
     small = dict(block_size=block_size, sink_tokens=block_size, recent_tokens=block_size)
     for budget in range(CONTEXT - 1, CONTEXT + 2 * block_size + 1):
-        oasis = generate(model, OasisCache(model, token_budget=budget, **small), inputs, max_new_tokens=NEW,
+        oasis = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=budget, **small))), inputs,
+                         max_new_tokens=NEW,
                          do_sample=False)
         if budget >= CONTEXT:
             assert same_as_dense(dense, oasis), f"budget {budget} >= context {CONTEXT}, block_size {block_size}"
-    below = OasisCache(model, token_budget=CONTEXT - 1, **small)
+    below = OasisCache(model, **cache_kwargs(dict(token_budget=CONTEXT - 1, **small)))
     assert attended_within_budget(model, below, inputs, CONTEXT - 1) <= CONTEXT - 1
 
 
@@ -84,7 +86,8 @@ def test_budget_at_the_context_in_every_lookahead(options):
     inputs = {"input_ids": prompt_ids(PROMPT)}
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=NEW, do_sample=False)
     for budget in (CONTEXT, CONTEXT + 1, -(-CONTEXT // 16) * 16 - 1):
-        oasis = generate(model, OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, **options),
+        oasis = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=budget, sink_tokens=16,
+                                                                      recent_tokens=16, **options))),
                          inputs, max_new_tokens=NEW, do_sample=False)
         assert same_as_dense(dense, oasis), (budget, options)
 
@@ -95,8 +98,8 @@ def test_budget_at_the_context_with_eagle3_sampling_and_padding():
     kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=20)
     dense = generate(model, dense_cache(model), padded, seed=5, **kw)
     for budget in (CONTEXT, CONTEXT + 3):
-        cache = OasisCache(model, token_budget=budget, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
-                           draft=random_head(model))
+        cache = OasisCache(model, token_budget=budget, lookahead="eagle3",
+                           draft=random_head(model), advanced=dict(sink_tokens=16, recent_tokens=16))
         assert same_as_dense(dense, generate(model, cache, padded, seed=5, **kw)), budget
 
 
@@ -115,7 +118,7 @@ def test_budget_at_the_final_length_in_speculative_modes(options):
     for kw in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=assistant)):
         kw = dict(kw, max_new_tokens=20, do_sample=False)
         dense = model.generate(input_ids=prompt, past_key_values=dense_cache(model), **kw)
-        cache = OasisCache(model, token_budget=prompt.shape[1] + 20, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=prompt.shape[1] + 20, **options)))
         assert torch.equal(model.generate(input_ids=prompt, past_key_values=cache, **kw), dense), (kw, options)
 
 
@@ -148,9 +151,9 @@ def test_forwards_with_and_without_autograd_mix_on_one_cache(lookahead):
     ids = prompt_ids(60)
     draft = dict(draft=random_head(model)) if lookahead == "eagle3" else {}
     options = dict(token_budget=1024, lookahead=lookahead, **draft)
-    expected = OasisCache(model, **options)
+    expected = OasisCache(model, **cache_kwargs(options))
     first = generate(model, expected, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     assert torch.equal(generate(model, cache, {"input_ids": ids}, max_new_tokens=6, do_sample=False).sequences, first)
     more = prompt_ids(8, seed=5)
     with torch.no_grad():
@@ -200,7 +203,8 @@ def test_slots_grow_with_the_context_and_keep_their_blocks():
     model = tiny_model("llama")
     inputs = {"input_ids": prompt_ids(20)}
     dense = generate(model, dense_cache(model), inputs, max_new_tokens=300, do_sample=False)
-    cache = OasisCache(model, token_budget=512, sink_tokens=16, recent_tokens=16, lookahead="previous", exact=True)
+    cache = OasisCache(model, token_budget=512, lookahead="previous", exact=True, advanced=dict(sink_tokens=16,
+                                                                                                recent_tokens=16))
     layer = cache.layers[0]
     oasis = generate(model, cache, inputs, max_new_tokens=300, do_sample=False)
     assert same_as_dense(dense, oasis)
@@ -212,7 +216,7 @@ def test_deepcopy_is_an_independent_cache():
     model = tiny_model("llama")
     ids = prompt_ids(70)
     dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16))
     first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     twin = copy.deepcopy(cache)
     assert twin.get_seq_length() == cache.get_seq_length() and twin.layers[0]._cache == twin
@@ -230,8 +234,8 @@ def test_deepcopy_is_an_independent_cache():
 def test_deepcopy_with_eagle3_keeps_its_own_drafts():
     model = tiny_model("llama", num_hidden_layers=4)
     ids = prompt_ids(70)
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="eagle3",
-                       draft=random_head(model))
+    cache = OasisCache(model, token_budget=64, lookahead="eagle3",
+                       draft=random_head(model), advanced=dict(sink_tokens=16, recent_tokens=16))
     first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     hooks = len(model.model._forward_hooks)
     twin = copy.deepcopy(cache)
@@ -252,7 +256,7 @@ def test_fork_shares_complete_blocks_and_neither_cache_sees_the_other():
     model = tiny_model("llama")
     ids = prompt_ids(150)
     options = dict(token_budget=64, sink_tokens=16, recent_tokens=16, host_chunk_blocks=2)
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
     twin, fork = copy.deepcopy(cache), cache.fork()
     for layer, forked in zip(cache.layers, fork.layers):
@@ -278,7 +282,7 @@ def test_fork_shares_complete_blocks_and_neither_cache_sees_the_other():
 def prefilled_but_the_last_chunk(model, cache, inputs):
     """`cache` after `generate` ran the prompt `inputs` but the last chunk of the chunked prefill its own
     `generate` on the whole prompt would run (the evaluation's shared prefill, `eval/report.py`)."""
-    from oasis_cache.compute.prefill import prefill_chunks
+    from oasis_cache.runtime.prefill import prefill_chunks
 
     cfg = cache.config
     split = prefill_chunks(dict(inputs, logits_to_keep=1), cfg.prefill_chunk_tokens, cfg.block_size,
@@ -299,10 +303,11 @@ def test_one_prefill_forked_to_larger_budgets_decodes_as_those_budgets_do(mode, 
                    draft=random_head(model) if lookahead == "eagle3" else None)
     inputs = left_padded([700, 640])
     kw = dict(max_new_tokens=20, do_sample=False)
-    base = prefilled_but_the_last_chunk(model, OasisCache(model, token_budget=96, **options), inputs)
+    base = prefilled_but_the_last_chunk(model, OasisCache(model, **cache_kwargs(dict(token_budget=96, **options))),
+                                        inputs)
     assert base.layers[0].pool.shared == set()
     for budget in (96, 160, 256):
-        direct = generate(model, OasisCache(model, token_budget=budget, **options), inputs, **kw)
+        direct = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=budget, **options))), inputs, **kw)
         forked = generate(model, base.fork(token_budget=budget), inputs, **kw)
         assert torch.equal(forked.sequences, direct.sequences), budget
         for a, b in zip(forked.logits, direct.logits):
@@ -322,13 +327,15 @@ def test_one_eagle3_prefill_forks_to_every_mode_and_budget(one_thread):
     kw = dict(max_new_tokens=20, do_sample=False)
     common = dict(prefill_chunk_tokens=512, host_chunk_blocks=4)
     base = prefilled_but_the_last_chunk(
-        model, OasisCache(model, token_budget=96, lookahead="eagle3", exact=True, draft=head, **common), inputs)
+        model, OasisCache(model, **cache_kwargs(dict(token_budget=96, lookahead="eagle3", exact=True, draft=head,
+                                                     **common))), inputs)
     hooks = len(model.model._forward_hooks)
     for lookahead, exact in [("none", False), ("previous", False), ("previous", True), ("eagle3", False)]:
         for budget in (96, 200):
             extra = dict(draft=head) if lookahead == "eagle3" else {}
-            direct = generate(model, OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact,
-                                                **extra, **common), inputs, **kw)
+            direct = generate(model, OasisCache(model, **cache_kwargs(dict(token_budget=budget, lookahead=lookahead,
+                                                                           exact=exact,
+                                                **extra, **common))), inputs, **kw)
             fork = base.fork(token_budget=budget, lookahead=lookahead, exact=exact)
             assert (fork.ride_along is None) == (lookahead != "eagle3")
             forked = generate(model, fork, inputs, **kw)
@@ -336,7 +343,7 @@ def test_one_eagle3_prefill_forks_to_every_mode_and_budget(one_thread):
             del fork, forked, direct
             gc.collect()
     assert len(model.model._forward_hooks) == hooks  # (the forks' hooks left with them)
-    plain = OasisCache(model, token_budget=96, lookahead="previous", **common)
+    plain = OasisCache(model, **cache_kwargs(dict(token_budget=96, lookahead="previous", **common)))
     with pytest.raises(ValueError, match="needs a cache with a draft head"):
         plain.fork(lookahead="eagle3")
 
@@ -345,13 +352,13 @@ def test_pickle_names_the_way_out_and_the_dynamic_round_trip_is_exact():
     model = tiny_model("llama")
     ids = prompt_ids(70)
     dense = generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=16, do_sample=False)
-    cache = OasisCache(model, token_budget=1024, host_chunk_blocks=2)
+    cache = OasisCache(model, token_budget=1024, advanced=dict(host_chunk_blocks=2))
     first = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with pytest.raises(TypeError, match=r"deepcopy.*to_dynamic_cache"):
         pickle.dumps(cache)
     shipped = pickle.loads(pickle.dumps(cache.to_dynamic_cache()))
     assert shipped.get_seq_length() == cache.get_seq_length() == 77
-    rebuilt = OasisCache.from_dynamic_cache(model, shipped, token_budget=1024, host_chunk_blocks=2)
+    rebuilt = OasisCache.from_dynamic_cache(model, shipped, token_budget=1024, advanced=dict(host_chunk_blocks=2))
     assert rebuilt.get_seq_length() == 77 and rebuilt.layers[0].pool.num_blocks == 4
     again = generate(model, rebuilt, {"input_ids": first}, max_new_tokens=8, do_sample=False)
     assert torch.equal(again.sequences, dense.sequences)
@@ -381,7 +388,7 @@ def test_host_pool_that_cannot_fit_is_refused_before_writing(monkeypatch):
 def test_host_bytes_for_matches_the_pools():
     model = tiny_model("llama")
     for chunk in (2, 256):
-        cache = OasisCache(model, token_budget=256, host_chunk_blocks=chunk)
+        cache = OasisCache(model, token_budget=256, advanced=dict(host_chunk_blocks=chunk))
         like = torch.empty(3, 2, 1, 16)
         predicted = sum(layer.host_bytes_for(500, like) for layer in cache.layers)
         model(input_ids=prompt_ids(500, batch=3), past_key_values=cache, use_cache=True)
@@ -404,7 +411,8 @@ def test_many_caches_in_one_process_return_memory():
     def use(i):
         batch, length = 1 + i % 3, 40 + 37 * (i % 5)
         options = dict(lookahead="eagle3", draft=head) if i % 4 == 0 else {}
-        cache = OasisCache(model, token_budget=64 + 16 * (i % 3), sink_tokens=16, recent_tokens=16, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=64 + 16 * (i % 3), sink_tokens=16, recent_tokens=16,
+                                                      **options)))
         model.generate(input_ids=prompt_ids(length, batch=batch, seed=i), past_key_values=cache, max_new_tokens=5,
                        do_sample=False, pad_token_id=0)
         return weakref.ref(cache)
@@ -425,7 +433,7 @@ def test_selected_blocks_per_step_counts_only_steps():
     """`blocks_selected_per_step` with a prediction that decides (lookahead="previous"): the prediction made after
     the last step (for a step that never came) is not counted; the bytes it moved are."""
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous")
+    cache = OasisCache(model, token_budget=64, lookahead="previous", advanced=dict(sink_tokens=16, recent_tokens=16))
     generate(model, cache, {"input_ids": prompt_ids(110)}, max_new_tokens=20, do_sample=False)
     stats = cache.stats()
     assert stats["blocks_selected_per_step"] == cache.config.num_selected_blocks == 3
@@ -435,8 +443,7 @@ def test_selected_blocks_per_step_counts_only_steps():
 def test_gather_programs_are_chosen_per_stream(monkeypatch):
     """gather_programs=None: a side-stream prefetch runs on a power of two near a sixteenth of the SMs (8 on an
     H200) of 16 warps copying 4 blocks at once, a gather on the critical path on one program per block; 0 and n are
-    the user's, everywhere (4 warps, one block at once, unless gather_warps / gather_entries say otherwise); bad
-    values are refused."""
+    the user's, everywhere (4 warps, one block at once); bad values are refused."""
     from types import SimpleNamespace
 
     from oasis_cache.memory import transfer
@@ -460,17 +467,8 @@ def test_gather_programs_are_chosen_per_stream(monkeypatch):
         dict(num_warps=16, entries=4)
     assert transfer.TransferEngine("torch", torch.device("cpu"), gather_programs=32).gather_shape == \
         dict(num_warps=4, entries=1)
-    assert transfer.TransferEngine("torch", torch.device("cpu"), gather_warps=8, gather_entries=2).gather_shape == \
-        dict(num_warps=8, entries=2)
     with pytest.raises(ValueError, match="gather_programs"):
-        OasisCache(tiny_model("llama"), token_budget=256, gather_programs=-1)
-    for name, bad in (("gather_warps", 3), ("gather_warps", 64), ("gather_entries", 0), ("gather_entries", 6)):
-        with pytest.raises(ValueError, match=name):
-            OasisCache(tiny_model("llama"), token_budget=256, **{name: bad})
-    assert OasisConfig.variant_options("compiled+gather8x16x4") == dict(
-        compile_decode=True, gather_programs=8, gather_warps=16, gather_entries=4)
-    with pytest.raises(ValueError, match="gather_programs"):
-        OasisConfig.variant_options("gather8x16x4+gather16")
+        OasisCache(tiny_model("llama"), token_budget=256, advanced=dict(gather_programs=-1))
 
 
 def test_selection_is_recorded_and_drawn(tmp_path):
@@ -479,7 +477,8 @@ def test_selection_is_recorded_and_drawn(tmp_path):
     from oasis_cache.plot import record, selection
 
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, lookahead="previous", exact=True)
+    cache = OasisCache(model, token_budget=64, lookahead="previous", exact=True, advanced=dict(sink_tokens=16,
+                                                                                               recent_tokens=16))
     with record(cache) as rec:
         generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=10, do_sample=False)
     assert rec.layers == [0, 1] and len(rec.steps) == 9  # the first new token came from the prefill
@@ -520,13 +519,15 @@ def test_long_prefill_runs_in_chunks_and_equals_the_whole_forward(lookahead):
             handle.remove()
         assert calls[: len(expected)] == expected and set(calls[len(expected):]) == {1}
         assert same_as_dense(dense, oasis)
-        assert (cache.padding.tokens is None) == ("attention_mask" not in inputs)  # decode steps read the record
+        assert (cache.context.padding.tokens is None) == ("attention_mask" not in inputs)  # decode steps read the record
     # Sparse decode after either prefill: the same cache. (Every key channel summarized: by default the summaries'
     # channels are chosen from the blocks of the first forward that completes any, here the first chunk.)
     sparse = dict(token_budget=96, sink_tokens=16, recent_tokens=16, summary_channels=1.0)
-    whole = generate(model, OasisCache(model, prefill_chunk_tokens=0, **sparse), {"input_ids": prompt_ids(300)},
+    whole = generate(model, OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=0, **sparse))),
+                     {"input_ids": prompt_ids(300)},
                      max_new_tokens=12, do_sample=False)
-    chunked = generate(model, OasisCache(model, prefill_chunk_tokens=64, **sparse), {"input_ids": prompt_ids(300)},
+    chunked = generate(model, OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=64, **sparse))),
+                       {"input_ids": prompt_ids(300)},
                        max_new_tokens=12, do_sample=False)
     assert same_as_dense(whole, chunked)
 
@@ -537,7 +538,7 @@ def test_chunks_no_longer_than_a_decode_forward_still_prefill(padded):
     chunks grow to the least that still prefills (`prefill.least_span`: 32 tokens with blocks of 16). Chunks of 16
     ran as decode steps, which do not write the prompt's keys and values kept on the device for the next chunk:
     the last chunk read unwritten memory (garbage or NaN logits)."""
-    from oasis_cache.compute.prefill import least_span, prefill_chunks
+    from oasis_cache.runtime.prefill import least_span, prefill_chunks
 
     model = tiny_model("llama")
     inputs = left_padded([121, 77, 100]) if padded else {"input_ids": prompt_ids(121, batch=3)}
@@ -567,22 +568,22 @@ def test_only_the_last_chunk_of_a_prefill_prefetches(lookahead):
         options.update(draft=random_head(model), exact=True)
     moved, tokens = {}, {}
     for chunk in (0, 64):
-        cache = OasisCache(model, prefill_chunk_tokens=chunk, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=chunk, **options)))
         generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=1, do_sample=False)
         moved[chunk] = cache.stats()["blocks_prefetched"]
-        tokens[chunk] = generate(model, OasisCache(model, prefill_chunk_tokens=chunk, **options),
+        tokens[chunk] = generate(model, OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=chunk, **options))),
                                  {"input_ids": prompt_ids(300)}, max_new_tokens=8, do_sample=False)
     assert moved[0] == moved[64] > 0
     assert same_as_dense(tokens[0], tokens[64])
 
 
 def test_a_dry_step_that_runs_out_of_memory_gives_way_to_the_real_one(monkeypatch):
-    """`compile_ahead`'s dry step (`compute/ahead.py`) is an optimization: where its copy of the cache runs out of
+    """`compile_ahead`'s dry step (`runtime/ahead.py`) is an optimization: where its copy of the cache runs out of
     device memory it answers False and the real step runs as without it; it is not retried for that signature."""
-    from oasis_cache.compute import ahead
+    from oasis_cache.runtime import ahead
 
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=96, sink_tokens=16, recent_tokens=16)
+    cache = OasisCache(model, token_budget=96, advanced=dict(sink_tokens=16, recent_tokens=16))
     generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=2, do_sample=False)
     monkeypatch.setattr(ahead, "_DONE", set())
 
@@ -601,7 +602,7 @@ def test_a_dry_step_runs_one_layers_attention_and_decodes_the_same(monkeypatch):
     kernel specialization of the step (`launch_keys --check --compile-ahead` checks that under the interpreter); the
     other layers' seconds were the dry step's largest part on a new machine. The real step runs every layer, and the
     greedy tokens equal a run without the dry step."""
-    from oasis_cache.compute import ahead
+    from oasis_cache.runtime import ahead
 
     model = tiny_model("llama", num_hidden_layers=4)
     options = dict(token_budget=96, sink_tokens=16, recent_tokens=16)
@@ -611,12 +612,13 @@ def test_a_dry_step_runs_one_layers_attention_and_decodes_the_same(monkeypatch):
         calls.append((id(self), self.layer_idx))
         return attend(self, *args, **kwargs)
 
-    plain = generate(model, OasisCache(model, compile_ahead=False, **options), {"input_ids": prompt_ids(200)},
+    plain = generate(model, OasisCache(model, **cache_kwargs(dict(compile_ahead=False, **options))),
+                     {"input_ids": prompt_ids(200)},
                      max_new_tokens=3, do_sample=False)
     monkeypatch.setattr(OasisLayer, "attend", spy)
     monkeypatch.setattr(ahead, "wanted", lambda cache, tokens: tokens.shape[1] == 1 and not ahead.LAST)
     monkeypatch.setattr(ahead, "LAST", {})
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     tokens = generate(model, cache, {"input_ids": prompt_ids(200)}, max_new_tokens=3, do_sample=False)
     assert ahead.LAST["layers_traced"] == 1
     own = {id(layer) for layer in cache.layers}
@@ -682,10 +684,10 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
     last chunk, so each layer reads its past from the host pool once (at the first chunk: a conversation's earlier
     turns) instead of at every chunk; the same tokens and logits as reading it back each time; dropped after the
     prefill. Without room for it (half of what the process may still take) the chunks read the host pool, every
-    layer and chunk of a prefill into one buffer sized for the prompt (`OasisCache.past_buffer`: a past of a new size
+    layer and chunk of a prefill into one buffer sized for the prompt (`ForwardContext.past_buffer`: a past of a new size
     at each read split the allocator's segments), dropped after the prefill."""
-    import oasis_cache.cache as cache_module
     from oasis_cache.memory.transfer import TransferEngine
+    from oasis_cache.runtime import context as cache_module
 
     model = tiny_model("llama")
     layers = model.config.num_hidden_layers
@@ -700,7 +702,7 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
     for name, resident in (("resident", True), ("host", False), ("no room", True)):
         if name == "no room":
             monkeypatch.setattr(cache_module, "available_host_bytes", lambda: 1000)  # (host: the CPU device)
-        cache = OasisCache(model, resident_prefill=resident, **options)
+        cache = OasisCache(model, **cache_kwargs(dict(resident_prefill=resident, **options)))
         loads.clear()
         out = generate(model, cache, {"input_ids": first}, max_new_tokens=6, do_sample=False)
         prefill_loads, buffers = len(loads), {0: set(loads)}
@@ -710,7 +712,7 @@ def test_a_chunked_prefill_keeps_the_past_on_the_device_where_it_fits(monkeypatc
         runs[name] = (out, again, prefill_loads, len(loads))
         buffers[1] = set(loads)
         assert [len(b) for b in buffers.values()] == ([1, 1] if name != "resident" else [layers, layers]), name
-        assert cache.prefill_resident is None and cache.prefill_past is None and all(
+        assert cache.context.prefill_resident is None and cache.context.prefill_past is None and all(
             layer.resident_kv is None for layer in cache.layers if isinstance(layer, OasisLayer))
     assert runs["resident"][2:] == (layers, layers)  # once per layer and prefill
     assert runs["host"][2:] == runs["no room"][2:] == (5 * layers, 3 * layers)  # once per layer and chunk
@@ -744,7 +746,7 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
     slots = WorkingSet.grown
     monkeypatch.setattr(WorkingSet, "grown", lambda self, n: grown.append(("working_set", n)) or slots(self, n))
     options = dict(token_budget=1024, sink_tokens=16, recent_tokens=16, lookahead="previous")  # (~64 slots)
-    cache = OasisCache(model, prefill_chunk_tokens=128, **options)
+    cache = OasisCache(model, **cache_kwargs(dict(prefill_chunk_tokens=128, **options)))
     chunked = generate(model, cache, {"input_ids": prompt}, max_new_tokens=4, do_sample=False)
     layers = [layer for layer in cache.layers if isinstance(layer, OasisLayer)]
     summaries = layers[0].summaries
@@ -753,20 +755,20 @@ def test_a_chunked_prefill_sizes_the_summaries_for_its_prompt_once(monkeypatch):
     assert [n for what, n in grown if what == "working_set"] == [cache.config.slots] * len(layers)  # (all at once)
     assert all(layer.summaries.capacity_blocks >= 1200 // 16 + 1 for layer in layers)
     grown.clear()
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     whole = generate(model, cache, {"input_ids": prompt}, max_new_tokens=4, do_sample=False)
     assert same_as_dense(chunked, whole)
 
 
 def test_a_chunked_prefill_makes_and_sizes_every_layer_before_its_first_chunk_runs(monkeypatch):
-    """`OasisCache._size_for_prompt`: at the first chunk, before any layer stores a token, every full-attention
+    """`ForwardContext.size_for_prompt`: at the first chunk, before any layer stores a token, every full-attention
     layer is made and sized for the whole prompt (summaries, slot table, working set; with the past read from host
     memory, the past buffer too): made layer by layer among the chunk's activations, they split the allocator's free
     memory. Tokens and logits as before; a layer made ahead for keys of another shape is made again at its update."""
     model = tiny_model("llama", num_hidden_layers=4)
     prompt = {"input_ids": prompt_ids(1200)}
     options = dict(token_budget=512, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128, resident_prefill=False)
-    reference = generate(model, OasisCache(model, **options), prompt, max_new_tokens=6, do_sample=False)
+    reference = generate(model, OasisCache(model, **cache_kwargs(options)), prompt, max_new_tokens=6, do_sample=False)
     seen, update = [], OasisLayer.update
 
     def watched(self, key_states, *args, **kwargs):
@@ -774,17 +776,17 @@ def test_a_chunked_prefill_makes_and_sizes_every_layer_before_its_first_chunk_ru
             cache = self._cache
             seen.append(([(layer.is_initialized and layer.summaries.capacity_blocks,
                            layer.is_initialized and layer.working_set.num_slots) for layer in cache.layers],
-                         cache.prefill_past is not None and cache.prefill_past.shape[3]))
+                         cache.context.prefill_past is not None and cache.context.prefill_past.shape[3]))
         return update(self, key_states, *args, **kwargs)
 
     monkeypatch.setattr(OasisLayer, "update", watched)
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     out = generate(model, cache, prompt, max_new_tokens=6, do_sample=False)
     from oasis_cache.pools.summaries import capacity_for
 
     assert seen == [([(capacity_for(1200 // 16 + 1), cache.config.slots)] * 4, 1200)]
     assert same_as_dense(reference, out)
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     wrong = torch.zeros(1, 1, 0, 8)  # (one head of 8: the model's are 2 of 16)
     cache.layers[2].lazy_initialization(wrong, wrong)
     assert same_as_dense(reference, generate(model, cache, prompt, max_new_tokens=6, do_sample=False))
@@ -799,7 +801,7 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
     failed (dense-equal budget), its channel weights, its tokens counted once; the ride-along as it was where the
     chunk did not reach it, else started over. A chunk that keeps failing ends in the MemoryError after
     `prefill.SHRINK_RETRIES` halvings."""
-    from oasis_cache.compute import prefill
+    from oasis_cache.runtime import prefill
     from oasis_cache.pools.summaries import BlockSummaries
 
     model = tiny_model("llama", num_hidden_layers=4)
@@ -808,7 +810,7 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
                    draft=random_head(model), exact=True)
     weights, fix = [], BlockSummaries.fix_channels  # (each layer's channel weights at the prefill's end)
     monkeypatch.setattr(BlockSummaries, "fix_channels", lambda self: weights.append(self.channel_weight) or fix(self))
-    reference_cache = OasisCache(model, **options)
+    reference_cache = OasisCache(model, **cache_kwargs(options))
     reference = generate(model, reference_cache, prompt, max_new_tokens=8, do_sample=False)
     reference_weights = list(weights)
     chunks, starts, failures = [], [], []  # (the forward at token 256 fails `fail_times` times)
@@ -832,7 +834,7 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
     model.lm_head.register_forward_pre_hook(after_layers)
     fail_times = 1
     weights.clear()
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     with pytest.warns(RuntimeWarning, match=r"1 x 128 tokens ran out of device memory; going on from token 256 in "
                                             r"chunks of 1 x 64 \(set prefill_chunk_tokens=64"):
         out = generate(model, cache, prompt, max_new_tokens=8, do_sample=False)
@@ -849,7 +851,7 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
     assert rows == expected_rows if where == "in a layer" else rows < expected_rows
     chunks.clear(), starts.clear(), failures.clear()
     fail_times = 99
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     # (halved down to the least chunk that still prefills, `least_span`: 128, 64, 32 — 16 tokens would decode)
     least = prefill.least_span(cache.config.block_size, shortest)
     halvings = min(prefill.SHRINK_RETRIES, (128 // least).bit_length() - 1)
@@ -865,7 +867,7 @@ def test_a_prefill_chunk_out_of_device_memory_goes_on_in_smaller_chunks(monkeypa
                                                                            r"chunks did not fit either: .* Lower the "
                                                                            r"batch or token_budget \(or "
                                                                            r"prefill_chunk_tokens further, e\.g\. 32"):
-            generate(model, OasisCache(model, **options), prompt, max_new_tokens=8, do_sample=False)
+            generate(model, OasisCache(model, **cache_kwargs(options)), prompt, max_new_tokens=8, do_sample=False)
         assert len(failures) == 2
 
 
@@ -886,7 +888,8 @@ def test_a_chunk_out_of_memory_inside_a_layers_bookkeeping_is_not_retried(monkey
         return append(self, *args, **kwargs)
 
     monkeypatch.setattr(BlockSummaries, "append", failing)
-    cache = OasisCache(model, token_budget=1024, sink_tokens=16, recent_tokens=16, prefill_chunk_tokens=128)
+    cache = OasisCache(model, token_budget=1024, prefill_chunk_tokens=128, advanced=dict(sink_tokens=16,
+                                                                                         recent_tokens=16))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (no "going on" warning)
         with pytest.raises(MemoryError, match=r"in forwards of 1 x 128 tokens\. Lower prefill_chunk_tokens \(now "
@@ -924,8 +927,9 @@ def test_chunked_prefill_feeds_the_draft_head_the_same_rows():
     head = random_head(model)
     runs = []
     for chunk_tokens in (0, 64):
-        cache = OasisCache(model, token_budget=96, sink_tokens=16, recent_tokens=16, lookahead="eagle3", draft=head,
-                           prefill_chunk_tokens=chunk_tokens, summary_channels=1.0)
+        cache = OasisCache(model, token_budget=96, lookahead="eagle3", draft=head,
+                           prefill_chunk_tokens=chunk_tokens, advanced=dict(sink_tokens=16, recent_tokens=16,
+                                                                            summary_channels=1.0))
         out = generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=12, do_sample=False)
         runs.append((out.sequences, cache.ride_along._head_kv.k.clone(), cache.stats()["drafts_checked"]))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2] > 0
@@ -934,7 +938,7 @@ def test_chunked_prefill_feeds_the_draft_head_the_same_rows():
 
 def test_progress_bar_over_a_chunked_prefill(capsys):
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64, progress=True)
+    cache = OasisCache(model, token_budget=1024, prefill_chunk_tokens=64, advanced=dict(progress=True))
     generate(model, cache, {"input_ids": prompt_ids(300)}, max_new_tokens=2, do_sample=False)
     err = capsys.readouterr().err
     assert "prefill" in err and "300/300" in err
@@ -950,7 +954,7 @@ def test_forwards_recording_autograd_make_their_dry_copy_too(monkeypatch):
     `ahead_at_prefill`), so neither dry way was tried; the
     cache's state records no autograd, so both ways copy in either mode. (On CPU the
     option is made to apply and the copy records.)"""
-    from oasis_cache.compute import ahead
+    from oasis_cache.runtime import ahead
 
     copies = []
 
@@ -967,8 +971,8 @@ def test_forwards_recording_autograd_make_their_dry_copy_too(monkeypatch):
 
     def forwards(ahead_at_prefill: bool) -> torch.Tensor:
         monkeypatch.setattr(ahead, "_DONE", set())
-        cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, compile_ahead=True,
-                           ahead_at_prefill=ahead_at_prefill)
+        cache = OasisCache(model, token_budget=64,  advanced=dict(sink_tokens=16, recent_tokens=16, compile_ahead=True,
+                                                                  ahead_at_prefill=ahead_at_prefill))
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         return model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
 
@@ -985,7 +989,7 @@ def test_a_prefill_without_room_for_the_dry_copy_leaves_it_to_the_first_decode_s
     """`ahead_at_prefill` (the default) copies the cache beside the prefill's activations; where there is no room for
     the copy then (`_room_for_copy`: a capped card, a large batch), the dry step runs before the first decode step
     instead, where the prefill's activations are gone — not never. (On CPU the option is made to apply and the copy records.)"""
-    from oasis_cache.compute import ahead
+    from oasis_cache.runtime import ahead
 
     copies, room = [], iter([False, True])
 
@@ -1000,7 +1004,7 @@ def test_a_prefill_without_room_for_the_dry_copy_leaves_it_to_the_first_decode_s
     dry_steps = []
     monkeypatch.setattr(ahead, "dry_step", lambda *a, run=ahead.dry_step: dry_steps.append(1) or run(*a))
     model = tiny_model("llama")
-    cache = OasisCache(model, token_budget=64, sink_tokens=16, recent_tokens=16, compile_ahead=True)
+    cache = OasisCache(model, token_budget=64, advanced=dict(sink_tokens=16, recent_tokens=16, compile_ahead=True))
     with torch.no_grad():
         out = model(input_ids=prompt_ids(200), past_key_values=cache, use_cache=True)
         assert copies == [] and dry_steps == []  # no room beside the prefill

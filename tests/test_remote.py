@@ -16,6 +16,8 @@ from oasis_cache import OasisCache
 from oasis_cache.layer import OasisLayer
 from oasis_cache.pools.host_kv import HostKVPool
 from oasis_cache.remote import RemoteBlocksMissing, RemoteTier, connect
+from oasis_cache.runtime import replay
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import generate, prompt_ids, tiny_hybrid, tiny_model
 
@@ -25,7 +27,7 @@ OPTIONS = dict(token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16, l
 
 def prefilled(batch=2, length=203):
     model = tiny_model("llama")
-    cache = OasisCache(model, **OPTIONS)
+    cache = OasisCache(model, **cache_kwargs(OPTIONS))
     model(input_ids=prompt_ids(length, batch=batch), past_key_values=cache, use_cache=True)
     return cache
 
@@ -35,7 +37,7 @@ def published_and_admitted(model, ids, store, request: str):
     and the cache a decode process admits from that record."""
     from oasis_cache.remote import admit, publish
 
-    prefill = OasisCache(model, **OPTIONS)
+    prefill = OasisCache(model, **cache_kwargs(OPTIONS))
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **prefill.generate_kwargs())
     publish(prefill, store, request)
@@ -87,7 +89,7 @@ def publish_everything(master: str) -> dict:
     reports = {}
     for budget, lookahead, batch in SPLITS:
         model = split_model(lookahead)
-        cache = OasisCache(model, **split_options(model, budget, lookahead))
+        cache = OasisCache(model, **cache_kwargs(dict(**split_options(model, budget, lookahead))))
         model(input_ids=split_prompt(lookahead, batch)[:, :-1], past_key_values=cache, use_cache=True)
         name = f"split-{budget}-{lookahead}-{batch}"
         reports[name] = publish(cache, store, name)
@@ -273,7 +275,7 @@ def test_prefill_process_then_decode_process_equals_one_process(mooncake_master,
     model = split_model(lookahead)
     ids = split_prompt(lookahead, batch)
     kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    local = OasisCache(model, **split_options(model, budget, lookahead))
+    local = OasisCache(model, **cache_kwargs(dict(**split_options(model, budget, lookahead))))
     model(input_ids=ids[:, :-1], past_key_values=local, use_cache=True)
     expected = model.generate(input_ids=ids, **local.generate_kwargs(), **kw)
     store = connect(mooncake_master)
@@ -473,9 +475,9 @@ def test_deferred_prefetches_are_repaired_after_the_step(mooncake_master, publis
     kinds, signatures = [], set()  # what each step would be on CUDA, read before its first layer runs
 
     def before_step(module, args):
-        kinds.append(cache.step_kind())
+        kinds.append(replay.step_kind(cache))
         if kinds[-1] == "steady" and len(kinds) > 1:  # (the first step, eager on CUDA too, makes the records)
-            signatures.add(cache.replay_signature())
+            signatures.add(replay.replay_signature(cache))
     hook = model.model.layers[0].register_forward_pre_hook(before_step)
     expected = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     hook.remove()
@@ -507,16 +509,16 @@ def test_an_admitted_cache_carries_the_prompts_padding(mooncake_master):
     model = tiny_model("llama")
     inputs = left_padded([203, 150])
     prefix = {k: v[:, :-1] for k, v in inputs.items()}
-    local = OasisCache(model, **OPTIONS)
+    local = OasisCache(model, **cache_kwargs(OPTIONS))
     with torch.no_grad():
         model(**prefix, **local.generate_kwargs())
     store = connect(mooncake_master)
     publish(local, store, "padded")
     cache = admit(model, store, "padded")
-    padding, expected = cache.padding, local.padding
+    padding, expected = cache.context.padding, local.context.padding
     assert padding is not None and padding.clear_from == expected.clear_from > 0
     assert torch.equal(padding.tokens, expected.tokens) and torch.equal(padding.first, expected.first)
-    assert cache.padding_covers(cache.layers[0].pool.num_blocks)
+    assert cache.context.padding_covers(cache.layers[0].pool.num_blocks)
     kw = dict(max_new_tokens=10, do_sample=False)
     assert torch.equal(model.generate(**inputs, **cache.generate_kwargs(), **kw),
                        model.generate(**inputs, **local.generate_kwargs(), **kw))
@@ -663,13 +665,13 @@ def test_blocks_are_published_while_the_prefill_runs(mooncake_master):
     options = {**OPTIONS, "prefill_chunk_tokens": 256}  # 802 prompt tokens x 2: chunks of 128 tokens per sequence
     kw = dict(max_new_tokens=12, do_sample=False)
     store = connect(mooncake_master)
-    cache = OasisCache(model, **options)
+    cache = OasisCache(model, **cache_kwargs(options))
     with publishing(cache, store, "pipelined") as job:
         with torch.no_grad():
             model(input_ids=ids[:, :-1], **cache.generate_kwargs())
     report = job.report
     assert 0 < report["blocks_in_background"] == report["blocks"]  # every block went while the prefill ran
-    after = OasisCache(model, **options)
+    after = OasisCache(model, **cache_kwargs(options))
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **after.generate_kwargs())
     assert publish(after, store, "after")["blocks"] == report["blocks"]
@@ -677,7 +679,7 @@ def test_blocks_are_published_while_the_prefill_runs(mooncake_master):
     expected = model.generate(input_ids=ids, **decoded.generate_kwargs(), **kw)
     assert torch.equal(model.generate(input_ids=ids, **admit(model, store, "pipelined").generate_kwargs(), **kw),
                        expected)
-    failing = OasisCache(model, **options)
+    failing = OasisCache(model, **cache_kwargs(options))
     with pytest.raises(RuntimeError, match="prefill stopped"):
         with publishing(failing, store, "failed"):
             with torch.no_grad():

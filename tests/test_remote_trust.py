@@ -19,8 +19,9 @@ import torch
 
 from oasis_cache import OasisCache
 from oasis_cache.remote import RemoteTier, admit, cleanup, connect, publish
-from oasis_cache.remote.disaggregate import AlreadyPublished
+from oasis_cache.remote.publisher import AlreadyPublished
 from oasis_cache.remote.wire import MAGIC, RecordError
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import prompt_ids, tiny_model
 
@@ -30,7 +31,7 @@ KW = dict(max_new_tokens=10, do_sample=False)
 
 
 def _prefilled(model, ids, **options):
-    cache = OasisCache(model, **{**OPTIONS, **options})
+    cache = OasisCache(model, **cache_kwargs(dict(**{**OPTIONS, **options})))
     with torch.no_grad():
         model(input_ids=ids[:, :-1], **cache.generate_kwargs())
     return cache
@@ -50,7 +51,7 @@ def test_publishing_over_a_request_is_refused_or_replaces_it_whole(mooncake_mast
     first, second = prompt_ids(203, seed=1), prompt_ids(203, seed=2)
     store = connect(mooncake_master)
     publish(_prefilled(model, first), store, "twice", input_ids=first)
-    old = admit.__globals__["_read_manifest"](store, "twice")["generation"]
+    old = admit.__globals__["read_manifest"](store, "twice")["generation"]
     with pytest.raises(AlreadyPublished, match=r"'twice' is in the Mooncake Store already: publish\(..., "
                                                r"replace=True\)"):
         publish(_prefilled(model, second), store, "twice", input_ids=second)
@@ -89,7 +90,7 @@ def test_nothing_read_from_the_store_runs_as_code(mooncake_master, tmp_path):
     ids = prompt_ids(203)
     store = connect(mooncake_master)
     publish(_prefilled(model, ids), store, "trusted")
-    manifest = admit.__globals__["_read_manifest"](store, "trusted")
+    manifest = admit.__globals__["read_manifest"](store, "trusted")
     tier = RemoteTier(store, "trusted", manifest["generation"])
     assert bytes(store.get(tier.key("record", 0)))[:8] == MAGIC
     marker = tmp_path / "ran"
@@ -117,7 +118,7 @@ def test_a_record_larger_than_the_clients_buffer_travels_in_parts(mooncake_maste
     ids = prompt_ids(2403, batch=4)
     store = connect(mooncake_master, buffer_bytes=1 << 18)
     report = publish(_prefilled(model, ids, token_budget=1024), store, "parts")
-    manifest = admit.__globals__["_read_manifest"](store, "parts")
+    manifest = admit.__globals__["read_manifest"](store, "parts")
     assert report["record"] > 1 << 18 and len(manifest["parts"]) > 3 and max(manifest["parts"]) <= 1 << 16
     cache = admit(model, store, "parts")
     assert torch.equal(model.generate(input_ids=ids, **cache.generate_kwargs(), **KW),
@@ -191,7 +192,7 @@ def test_a_killed_decode_process_leaves_keys_that_cleanup_removes(mooncake_maste
     assert child.stdout.readline().strip() == "admitted"
     child.send_signal(signal.SIGKILL)
     child.wait()
-    tier = RemoteTier(store, "killed", admit.__globals__["_read_manifest"](store, "killed")["generation"])
+    tier = RemoteTier(store, "killed", admit.__globals__["read_manifest"](store, "killed")["generation"])
     assert any(tier.exists(0, range(4)))
     assert cleanup(store, "killed") > 0
     assert not any(tier.exists(0, range(4))) and not store.get(tier.record_key)
@@ -204,7 +205,7 @@ def test_a_killed_decode_process_leaves_keys_that_cleanup_removes(mooncake_maste
 
 def test_a_failed_publication_leaves_nothing(mooncake_master, monkeypatch):
     """A publication that fails midway (here: the record refused) deletes the blocks it had put."""
-    from oasis_cache.remote import disaggregate
+    from oasis_cache.remote import publisher as disaggregate
 
     model = tiny_model("llama")
     ids = prompt_ids(203)

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from oasis_cache import OasisCache
 from oasis_cache.compat import generate_cache_argument
+from oasis_cache.runtime.build import cache_kwargs
 
 
 def _same(a, b, atol=1e-4):
@@ -56,7 +57,7 @@ def test_chunked_attention_equals_dense_past_its_chunks(mode):
     if mode == "prompt lookup":
         kwargs["prompt_lookup_num_tokens"] = 3
     dense = generate(model, dense_cache(model), inputs, **kwargs)
-    _same(dense, generate(model, OasisCache(model, **options), inputs, **kwargs))
+    _same(dense, generate(model, OasisCache(model, **cache_kwargs(options)), inputs, **kwargs))
 
 
 # ------------------------------------------------------------------------------------------------------ forks
@@ -114,8 +115,8 @@ def test_a_forward_that_fails_midway_leaves_the_cache_as_before_it(stage, call, 
     model = tiny_model("llama", num_hidden_layers=4)
     ids = prompt_ids(200)
     options = dict(token_budget=budget, lookahead="none", prefill_chunk_tokens=chunk)
-    expected = _greedy(model, OasisCache(model, **options), {"input_ids": ids})
-    cache = OasisCache(model, **options)
+    expected = _greedy(model, OasisCache(model, **cache_kwargs(options)), {"input_ids": ids})
+    cache = OasisCache(model, **cache_kwargs(options))
     hook = _fail_at(model, layer, call, KeyboardInterrupt if layer == 3 else Interrupted)
     try:
         with pytest.raises((Interrupted, KeyboardInterrupt)):
@@ -251,7 +252,7 @@ def test_from_dynamic_cache_takes_the_legacy_tuple_form():
 def test_options_of_the_wrong_type_are_refused(option):
     model = tiny_model("llama")
     with pytest.raises(TypeError, match=next(iter(option))):
-        OasisCache(model, **{"token_budget": 4096, "lookahead": "previous", **option})
+        OasisCache(model, **cache_kwargs(dict(**{"token_budget": 4096, "lookahead": "previous", **option})))
 
 
 def test_crop_with_a_positive_count_answers_as_the_installed_dynamic_cache():

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from oasis_cache import OasisCache
 from oasis_cache.loaders import load_smollm2
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import generate
 
@@ -50,7 +51,8 @@ def test_greedy_and_logits_match_dense(smollm2):
     model, tok = smollm2
     inputs = chat(tok, [document(tok, 700)])
     ref = generate(model, dense(model), inputs, max_new_tokens=16, do_sample=False)
-    got = generate(model, OasisCache(model, token_budget=2048, host_chunk_blocks=8), inputs, max_new_tokens=16,
+    got = generate(model, OasisCache(model, token_budget=2048, advanced=dict(host_chunk_blocks=8)), inputs,
+                   max_new_tokens=16,
                    do_sample=False)
     assert torch.equal(ref.sequences, got.sequences), tok.batch_decode(got.sequences[:, -16:])
     for a, b in zip(ref.logits, got.logits):
@@ -86,6 +88,7 @@ def test_sparse_decode_at_an_eighth_of_the_context_still_answers(smollm2):
     assert stats["tokens_attended_per_step"] <= 256 and stats["seq_length"] > 1800
 
 
+@pytest.mark.audit
 def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
     """The eagle3 mechanism on real weights: with the true next token as the draft, the blocks its queries choose
     are nearly all those the next step's real query chooses — far more than `previous` (this step's query)."""
@@ -102,16 +105,19 @@ def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
         model(input_ids=ids[:, :-1], past_key_values=prompt, use_cache=True)
     truth = model.generate(input_ids=ids, past_key_values=copy.deepcopy(prompt), **kw)[0]
     budget = dict(token_budget=512, sink_tokens=16, recent_tokens=16)  # 1/8 of the context, K = 31 blocks
-    previous = OasisCache.from_dynamic_cache(model, prompt, lookahead="previous", measure=True, **budget)
+    previous = OasisCache.from_dynamic_cache(model, prompt, **cache_kwargs(dict(lookahead="previous", measure=True,
+                                                                                **budget)))
     model.generate(input_ids=ids, past_key_values=previous, **kw)
     head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=256))  # untrained: the oracle drafts
-    oracle = OasisCache.from_dynamic_cache(model, prompt, lookahead="eagle3", draft=head, measure=True, **budget)
+    oracle = OasisCache.from_dynamic_cache(model, prompt, **cache_kwargs(dict(lookahead="eagle3", draft=head,
+                                                                              measure=True, **budget)))
     oracle.ride_along.oracle = lambda position: truth[position].view(1, 1)
     model.generate(input_ids=ids, past_key_values=oracle, **kw)
     recall, baseline = oracle.stats()["prediction_recall"], previous.stats()["prediction_recall"]
     assert recall > 0.9 and recall > baseline + 0.1, (recall, baseline)
 
 
+@pytest.mark.audit
 def test_shipped_head_drafts_the_next_token_often(smollm2):
     """`OasisCache(model)` picks the head shipped for SmolLM2 (eagle3 with exact) on a GPU ("none" on the CPU), and
     that head drafts SmolLM2's
@@ -124,14 +130,14 @@ def test_shipped_head_drafts_the_next_token_often(smollm2):
     kw = dict(max_new_tokens=40, do_sample=False)
     base = generate(model, dense(model), inputs, **kw)
     assert OasisCache(model, token_budget=1024).config.lookahead == "none"  # (the CPU's default: nothing to hide)
-    from oasis_cache import cache as cache_module
+    from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu = cache_module._on_an_accelerator
-    cache_module._on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
+    on_a_gpu = cache_module.on_an_accelerator
+    cache_module.on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
     try:
         cache = OasisCache(model, token_budget=1024)
     finally:
-        cache_module._on_an_accelerator = on_a_gpu
+        cache_module.on_an_accelerator = on_a_gpu
     assert cache.config.lookahead == "eagle3" and cache.config.exact
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, base.sequences)
@@ -148,6 +154,7 @@ def test_eagle3_asked_for_by_name_uses_the_shipped_head(smollm2):
     assert "head shipped for this model" in str(cache) and "eagle3" in cache.stats()["lookahead"]
 
 
+@pytest.mark.audit
 def test_readme_demo_runs(tmp_path):
     """The README's first command ends in `python examples/demo.py`: it runs (a shorter document here), dense finds
     the planted fact, and OasisCache picks its CPU default (lookahead "none": no transfer to hide)."""
@@ -165,6 +172,7 @@ def test_readme_demo_runs(tmp_path):
     assert "oasis answer contains the planted fact:" in run.stdout
 
 
+@pytest.mark.audit
 def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path, smollm2):
     """`eval/recall.py --sequences 2`: two windows of the held-out documentation decoded as one batch (chat prompts,
     so left-padded); every row measured, per layer too; `none` is 1.000 by definition, the head drafts some tokens

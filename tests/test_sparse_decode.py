@@ -212,7 +212,7 @@ def test_host_pools_grow_ahead_at_staggered_steps():
     ids = prompt_ids(8 * 16)  # 8 blocks: two chunks exactly
 
     def run(chunk_blocks, check):
-        cache = OasisCache(model, token_budget=128, lookahead="none", host_chunk_blocks=chunk_blocks)
+        cache = OasisCache(model, token_budget=128, lookahead="none", advanced=dict(host_chunk_blocks=chunk_blocks))
         with torch.no_grad():
             token = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
             check(cache)

@@ -31,8 +31,8 @@ def test_first_layers_keep_one_of_each_kind_and_at_least_two():
 def test_warm_runs_a_generate_of_the_first_layers_on_the_cpu():
     config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    done = warm(config, context=[200, 90], token_budget=64, device="cpu", dtype=torch.float32, sink_tokens=16,
-                recent_tokens=16)
+    done = warm(config, context=[200, 90], token_budget=64, device="cpu", dtype=torch.float32,
+                advanced=dict(sink_tokens=16, recent_tokens=16))
     assert done["layers"] == 2 and done["seconds"] > 0
     with pytest.raises(ValueError, match="context, batch and new_tokens must be positive"):
         warm(config, context=0, device="cpu")
@@ -60,6 +60,6 @@ def test_warm_takes_a_multimodal_config_s_text_model():
     config = transformers.Qwen3_5Config(text_config=text)
     small = first_layers(config)
     assert small.get_text_config().num_hidden_layers == 2 and config.get_text_config().num_hidden_layers == 4
-    done = warm(config, context=120, token_budget=64, device="cpu", dtype=torch.float32, sink_tokens=16,
-                recent_tokens=16)
+    done = warm(config, context=120, token_budget=64, device="cpu", dtype=torch.float32,
+                advanced=dict(sink_tokens=16, recent_tokens=16))
     assert done["layers"] == 2

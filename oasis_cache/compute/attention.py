@@ -278,3 +278,6 @@ def _explicit_scores_fallback(module, query, key, value, attention_mask, scale, 
         out = attention_with_sinks(query, key, value, scale, sinks, mask=seen,
                                    window=window if isinstance(window, int) and window > 0 else None, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+compiled_ops.EAGER_ATTENTION[:] = [oasis_attention_eager]

@@ -82,13 +82,16 @@ def _(key, value, layer_idx):
     return key.new_empty(0)
 
 
+# the eager "oasis" attention the op runs, given by `compute/attention.py` when it is imported (it imports this
+# module for the traced path)
+EAGER_ATTENTION: list = []
+
+
 @torch.library.custom_op("oasis::attend", mutates_args=())
 def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
               token: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    from .attention import oasis_attention_eager
-
     module = _cache()._modules[layer_idx]
-    out, _ = oasis_attention_eager(module, query, key, value, mask, scaling=scale, check_given=False)
+    out, _ = EAGER_ATTENTION[0](module, query, key, value, mask, scaling=scale, check_given=False)
     return out
 
 

@@ -223,7 +223,7 @@ def merge_partial(first, first_lse, second, second_lse):
 
 def dense_causal_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
-    sinks: torch.Tensor | None = None, pattern: torch.Tensor | None = None, softcap: float | None = None,
+    pattern: torch.Tensor | None = None, causal=None, explicit=None,
 ) -> torch.Tensor:
     """Attention of the last Qn positions over all L.
 
@@ -232,25 +232,16 @@ def dense_causal_attention(
         keys, values: `[B, Hkv, L, D]`.
         visible: `[B, L]` bool (False = padding), or None.
         scale: softmax scale.
-        sinks: `[Hq]` learned sink logits, or None (`compute/sinks.py`: then the scores explicitly).
         pattern: what each query sees, `[B or 1, 1 or Hq, Qn, L]` bool, or None (causal among `visible`): as
             transformers' SDPA attends it (a multimodal prompt's image tokens see each other).
-        softcap: attention logit soft-capping (Gemma 2), or None: explicit scores (`compute/sinks.py`).
+        causal, explicit: the unpadded causal call `(q, k, v, scale)` and the explicit-mask one `(q, k, v, visible,
+            scale)`; None: SDPA's (`compute/sinks.py` passes its own, which add learned sinks).
     Returns:
         `[B, Hq, Qn, D]`; rows of padding queries are finite but meaningless.
     """
-    if softcap is not None:
-        from .sinks import attention_with_sinks
-
-        return attention_with_sinks(query, keys, values, scale, sinks, visible=visible, mask=pattern, softcap=softcap)
     if pattern is not None:
-        return _pattern_attention(query, keys, values, pattern, scale, sinks)
-    causal = _sdpa_causal  # (unpadded, causal from the bottom right; with sinks, `compute/sinks.py`'s)
-    if sinks is not None:
-        from . import sinks as sink_attention
-
-        def causal(q, k, v, scale):
-            return sink_attention.causal_with_sinks(q, k, v, scale, sinks)
+        return _pattern_attention(query, keys, values, pattern, scale)
+    causal = causal or _sdpa_causal  # (unpadded, causal from the bottom right)
     if visible is None:
         return causal(query, keys, values, scale)
     B, Hq, Qn, D = query.shape
@@ -267,9 +258,7 @@ def dense_causal_attention(
                     query[b : b + 1, :, q_start:], keys[b : b + 1, :, start:], values[b : b + 1, :, start:], scale
                 )
         return out
-    if sinks is not None:
-        return sink_attention._explicit(query, keys, values, scale, sinks, visible, None)
-    return _explicit_mask_attention(query, keys, values, visible, scale)
+    return (explicit or _explicit_mask_attention)(query, keys, values, visible, scale)
 
 
 def mask_layout(visible: torch.Tensor) -> tuple[bool, bool, list[int]]:
@@ -291,13 +280,9 @@ def mask_layout(visible: torch.Tensor) -> tuple[bool, bool, list[int]]:
 _layouts = threading.local()
 
 
-def _pattern_attention(query, keys, values, pattern, scale, sinks=None):
+def _pattern_attention(query, keys, values, pattern, scale):
     """`dense_causal_attention` with a 4D `pattern`: SDPA given it as transformers' SDPA attention gives it (KV heads
-    repeated), in slices of queries past `_MASK_ELEMENTS` scores a head; with sinks, `compute/sinks.py`'s scores."""
-    if sinks is not None:
-        from .sinks import attention_with_sinks
-
-        return attention_with_sinks(query, keys, values, scale, sinks, mask=pattern)
+    repeated), in slices of queries past `_MASK_ELEMENTS` scores a head."""
     keys, values = _expand_kv_heads(query, keys, values)
     B, Qn, L = query.shape[0], query.shape[2], keys.shape[2]
     rows = max(1, min(Qn, _MASK_ELEMENTS // max(1, B * L)))

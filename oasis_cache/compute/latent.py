@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .dense import dense_causal_attention
+from .sinks import causal_attention
 
 # The most bytes a dense forward's expanded keys and values may take (`expanded_attention`; transformers' own
 # attention expands as many): past it the forward attends the rows absorbed, whose memory grows with one KV head.
@@ -105,5 +105,5 @@ def expanded_attention(module, query: torch.Tensor, rows: int):
         kv = torch.nn.functional.linear(keys[:, 0, :, :R], module.kv_b_proj.weight.to(keys.dtype))
         kv = kv.view(B, N, heads, nope + v).transpose(1, 2)  # [B, H, N, nope + v]
         expanded = torch.cat((kv[..., :nope], keys[:, :, :, R:].expand(B, heads, N, rope)), dim=-1)
-        return dense_causal_attention(query, expanded, kv[..., nope:], visible, scale, sinks, pattern, softcap)
+        return causal_attention(query, expanded, kv[..., nope:], visible, scale, sinks, pattern, softcap)
     return attend

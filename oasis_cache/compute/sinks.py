@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from . import dense
+from .dense import causal_rows, dense_causal_attention
+
 _SCORE_ELEMENTS = 1 << 25  # largest float32 score block computed at once (128 MiB)
 
 
@@ -55,8 +58,6 @@ def _with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     `values` `[B, Hkv, L, D]`, causal from the bottom right, by a kernel that returns its log-sum-exp: cuDNN's on
     CUDA (where `dense._cudnn_applies`), the flash kernel for CPU; the past and the queries' own tokens separately,
     merged. None where neither applies."""
-    from . import dense
-
     if query.is_cuda:
         if _KERNEL["refused"] or not dense._cudnn_applies(query):
             return None
@@ -111,9 +112,19 @@ def attention_with_sinks(query: torch.Tensor, keys: torch.Tensor, values: torch.
     `[B, Hq, Qn, D]` in `query`'s dtype."""
     if mask is not None or softcap is not None:
         return _explicit(query, keys, values, scale, sinks, visible if mask is None else None, mask, window, softcap)
-    from .dense import dense_causal_attention
+    if sinks is None:
+        return dense_causal_attention(query, keys, values, visible, scale)
+    return dense_causal_attention(
+        query, keys, values, visible, scale,
+        causal=lambda q, k, v, s: causal_with_sinks(q, k, v, s, sinks),
+        explicit=lambda q, k, v, seen, s: _explicit(q, k, v, s, sinks, seen, None))
 
-    return dense_causal_attention(query, keys, values, visible, scale, sinks)
+
+def causal_attention(query, keys, values, visible, scale, sinks=None, pattern=None, softcap=None) -> torch.Tensor:
+    """`dense_causal_attention` with learned `sinks` and a `softcap` where the model has them."""
+    if sinks is None and softcap is None:
+        return dense_causal_attention(query, keys, values, visible, scale, pattern)
+    return attention_with_sinks(query, keys, values, scale, sinks, visible=visible, mask=pattern, softcap=softcap)
 
 
 def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, softcap=None) -> torch.Tensor:
@@ -121,8 +132,6 @@ def _explicit(query, keys, values, scale, sinks, visible, mask, window=None, sof
     `softcap` where given): what a query sees as `attention_with_sinks` says, a row that sees
     nothing giving zeros. With `mask` and `window`, the keys of a chunk of queries are those within `window` positions of one of
     them (the mask hides the others)."""
-    from .dense import causal_rows
-
     B, Hq, Qn, D = query.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     G = Hq // Hkv

@@ -37,7 +37,7 @@ def sparse_attention(
         visible: `[B, Hkv, L]` bool: tokens of selected slots and visible recent tokens (none past the last one).
         scale: softmax scale.
         bias: `new_token_bias(...)`, `[G * Qn, L]` or `[1, L]`: the new tokens' causality (the cache builds it once
-            per forward for all layers: `OasisCache.new_token_bias`).
+            per forward for all layers: `ForwardContext.new_token_bias`).
         sinks: `[Hq]` learned sink logits (`compute/sinks.py`) or None.
         softcap: attention logit soft-capping (scores `softcap * tanh(s / softcap)`), or None.
     Returns:

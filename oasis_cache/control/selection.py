@@ -119,3 +119,19 @@ def all_blocks(allowed: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, 
     ids = torch.arange(NB, device=allowed.device).expand(B, num_kv_heads, NB)
     ranks = torch.where(allowed, 0.0, -torch.inf)[:, None].expand(B, num_kv_heads, NB)
     return ids, ranks
+
+
+def marked_blocks(block_ids: torch.Tensor, keep: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """`[B, H, num_blocks]` bool: the blocks named in `block_ids` `[B, H, k]` where `keep` `[B, H, k]` is True."""
+    B, H = block_ids.shape[:2]
+    marked = torch.zeros((B, H, num_blocks + 1), dtype=torch.bool, device=block_ids.device)
+    return marked.scatter_(-1, torch.where(keep, block_ids, num_blocks), True)[..., :num_blocks]
+
+
+def attended_blocks(working_set, slot_map, block_size: int, num_blocks: int) -> torch.Tensor:
+    """`[B, H, NB]` bool: the blocks whose working-set slots a step attends to."""
+    S, T = working_set.num_slots, block_size
+    B, H = working_set.visible.shape[:2]
+    attended = working_set.visible[:, :, : S * T].reshape(B, H, S, T).any(-1)
+    held = slot_map.slot_block[..., :S]
+    return marked_blocks(held, attended & (held >= 0), num_blocks)

@@ -6,7 +6,7 @@ A captured decode step cannot read a mask that grows every step: it is called wi
 prompt, and `generate`'s decode masks extend the prompt's with ones, so the cache keeps the prompt's padding
 (`Padding`, taken from the last multi-token forward's mask) and a one-token step without a mask computes its
 visibility from it and from the block count on the device, in shapes that do not change from step to step
-(`compute/captured_step.py`). A step given a mask reads the mask."""
+(`runtime/captured_step.py`). A step given a mask reads the mask."""
 
 from __future__ import annotations
 

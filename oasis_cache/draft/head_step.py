@@ -4,7 +4,7 @@ Once the head's ring of keys/values is full (`head_window.HeadKV`), a decode ste
 `[B, 1, 3Ht]` and token `[B, 1]` are copied into buffers, the call reads the whole ring without a mask, writes its
 own key/value into the ring at a slot kept on the device, advances that slot and its position on the device, and
 leaves the draft (target ids) in `draft` `[B, 1]`. Every buffer is written in place, so a decode step captured
-whole (`compute/captured_step.py`) may run this call inside its own graph. On CUDA the call is captured once and
+whole (`runtime/captured_step.py`) may run this call inside its own graph. On CUDA the call is captured once and
 replayed (one launch instead of ~60; the default on CUDA, `RideAlong.static_head`); `use_graph=False` runs the same
 function eagerly (CPU, tests, and inside a captured decode step). The capture (once, when the ring first fills)
 does not synchronize the device.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compute.captured_step import capture_stream, no_collection_while_capturing
+from ..memory.streams import capture_stream, no_collection_while_capturing
 from .eagle3 import Eagle3Head
 from .head_window import HeadKV
 
@@ -48,7 +48,7 @@ class StaticDraftStep:
         self.position.add_(1)
 
     def _capture(self) -> None:
-        """Warm up and capture on the process's capture stream (`captured_step.capture_stream`), with
+        """Warm up and capture on the process's capture stream (`memory.streams.capture_stream`), with
         `capture_begin`/`capture_end` rather than `torch.cuda.graph`: the latter synchronizes the device and empties
         torch's device and pinned host caches as it begins (each new cache pinned part of its host pools anew: the
         CUDA dropped-cache test), and a stream of its own would add a cuBLAS workspace per cache."""

@@ -27,7 +27,6 @@ token j+2 (the target's distribution at position j+1).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import random
@@ -41,175 +40,8 @@ import torch.nn.functional as F
 from .bundled import write_target
 from .eagle3 import Eagle3Config, Eagle3Head
 from .loading import load_eagle3, save_eagle3
-
-SEED_PROMPTS = Path(__file__).with_name("seed_prompts.txt")
-
-
-def seed_prompts() -> list[str]:
-    return [line.strip() for line in SEED_PROMPTS.read_text().splitlines() if line.strip()]
-
-
-DOCUMENT_QUESTIONS = [
-    "Explain in detail what the text above describes, section by section.",
-    "Summarize the text above.",
-    "What are the most important points of the text above?",
-    "Write questions a student could ask about the text above, and answer them.",
-    "Continue the text above in the same style.",
-]
-
-
-# The first tokens of Python's documentation are held out of training: eval/recall.py measures the head there.
-HELD_OUT_DOCUMENT_TOKENS = 16384
-
-
-DOCUMENT_SOURCES = ("docs", "docstrings", "mixed", "code", "mixed+code")
-# Directories of the standard library left out of the docstring corpus: tests, and code that is not the library's.
-_NOT_LIBRARY = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
-
-
-def _documentation_ids(tokenizer) -> list[int]:
-    """Python's documentation (`pydoc_data.topics`, ships with CPython) as token ids (~113K for SmolLM2)."""
-    import pydoc_data.topics as topics
-
-    return tokenizer("\n\n".join(topics.topics.values()))["input_ids"]
-
-
-@functools.lru_cache(maxsize=2)
-def stdlib_docstrings(min_chars: int = 200) -> tuple[str, ...]:
-    """The docstrings (modules, classes, functions) of at least `min_chars` characters of the standard library that
-    ships with this Python, in file order, tests excluded: prose in the documentation's style, ~1.3 MB on CPython
-    3.11 (about 3x the documentation), so long training windows need not repeat the same text."""
-    import ast
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for path in sorted(root.rglob("*.py")):
-        if _NOT_LIBRARY.intersection(path.relative_to(root).parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= min_chars:
-                    texts.append(doc)
-    return tuple(texts)
-
-
-def stdlib_code(top_level: bool):
-    """The standard library's own code, module by module (name order), each as `# <path>\n<code>` with every
-    docstring removed and comments dropped (`ast.unparse`): the top-level modules (`Lib/*.py`: `eval/recall.py
-    --text code` holds them out, ~2.9 MB on CPython 3.11) or, `top_level=False`, the modules of its packages
-    (`Lib/*/**.py`, tests and vendored code excluded: training text for a coder model's head). A generator."""
-    import ast
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(root.glob("*.py")) if top_level else sorted(
-        p for p in root.glob("*/**/*.py") if not _NOT_LIBRARY.intersection(p.relative_to(root).parts))
-    for path in paths:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
-                    isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-                    isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-        yield f"# {path.relative_to(root).as_posix()}\n{ast.unparse(tree)}\n\n"
-
-
-@functools.lru_cache(maxsize=1)
-def _package_code() -> str:
-    """`stdlib_code(top_level=False)` as one text (~3.8 MB on CPython 3.11; ~6 s to build, once)."""
-    return "".join(stdlib_code(top_level=False))
-
-
-def document_ids(tokenizer, source: str = "docs") -> list[int]:
-    """The token ids long training windows are drawn from: "docs" (Python's documentation without its first
-    `HELD_OUT_DOCUMENT_TOKENS` tokens, which `eval/recall.py` and the held-out check read), "docstrings" (the
-    standard library's, `stdlib_docstrings`), "mixed" (both, one after the other), "code" (the code of the standard
-    library's packages, `stdlib_code(top_level=False)`: `eval/recall.py --text code` reads the top-level modules)
-    or "mixed+code" (all three, one after the other; `document_prompts` draws its windows from each of the three in
-    equal shares)."""
-    if source not in DOCUMENT_SOURCES:
-        raise ValueError(f"document source must be one of {DOCUMENT_SOURCES}, got {source!r}")
-    ids = []
-    if source in ("docs", "mixed", "mixed+code"):
-        ids += _documentation_ids(tokenizer)[HELD_OUT_DOCUMENT_TOKENS:]
-    if source in ("docstrings", "mixed", "mixed+code"):
-        ids += tokenizer("\n\n".join(stdlib_docstrings()))["input_ids"]
-    if source in ("code", "mixed+code"):
-        ids += tokenizer(_package_code())["input_ids"]
-    return ids
-
-
-def document_prompts(tokenizer, count: int, tokens: int, seed: int = 0, source: str = "docs",
-                     question: bool = True) -> list[str]:
-    """`count` long prompts: a `tokens`-token window of `document_ids(tokenizer, source)` and a question about it
-    (`question=False`: the window alone, to be continued as plain text), so that the head also sees the target's
-    features deep into long contexts. "mixed+code" draws each window from the documentation, the docstrings or the
-    package code with equal odds (by length, code would take ~72% of the windows and the documentation ~7%: a head
-    for both kinds of text needs both)."""
-    parts = [document_ids(tokenizer, part) for part in ("docs", "docstrings", "code")] if source == "mixed+code" \
-        else [document_ids(tokenizer, source)]
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        ids = parts[0] if len(parts) == 1 else rng.choice(parts)
-        start = rng.randrange(0, max(1, len(ids) - tokens))
-        ask = rng.choice(DOCUMENT_QUESTIONS)  # drawn either way: the same windows for a seed
-        prompts.append(tokenizer.decode(ids[start : start + tokens]) + ("\n\n" + ask if question else ""))
-    return prompts
-
-
-def held_out_document(tokenizer, tokens: int) -> torch.Tensor:
-    """The first `tokens` tokens of Python's documentation (never trained on): the head's long-context check."""
-    return torch.tensor(_documentation_ids(tokenizer)[:tokens])
-
-
-@torch.no_grad()
-def generate_corpus(model, tokenizer, prompts, max_new_tokens=256, batch_size=16, seed=0,
-                    chat=None, greedy=False) -> list[torch.Tensor]:
-    """The target's own chat transcripts (prompt + response sampled at temperature 0.7, top-p 0.95; `greedy`: the
-    greedy response), one token tensor each. A tokenizer without a chat template (a base model), or `chat=False`,
-    continues the plain prompts."""
-    torch.manual_seed(seed)
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    if chat is None:
-        chat = getattr(tokenizer, "chat_template", None) is not None
-    texts = []
-    for i in range(0, len(prompts), batch_size):
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) if chat else p
-                 for p in prompts[i : i + batch_size]]
-        enc = tokenizer(chats, return_tensors="pt", padding=True).to(model.device)
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=0.7, top_p=0.95)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-        width = enc["input_ids"].shape[1]
-        for row, mask in zip(out, enc["attention_mask"]):
-            prompt, response = row[:width][mask.bool()], row[width:]
-            ends = (response == tokenizer.eos_token_id).nonzero()
-            if len(ends):
-                response = response[: int(ends[0]) + 1]
-            texts.append(torch.cat((prompt, response)).cpu())
-    return texts
-
-
-def draft_vocabulary(texts: list[torch.Tensor], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
-    """The `draft_vocab_size` most frequent target ids (ties: lower id), sorted."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids in texts:
-        counts += torch.bincount(ids, minlength=vocab_size)
-    order = torch.argsort(counts, descending=True, stable=True)  # ties: the lower id first
-    return order[:draft_vocab_size].sort().values
-
+from .training_data import (DOCUMENT_SOURCES, HELD_OUT_SHARE, document_prompts, draft_vocabulary, generate_corpus,
+                            held_out_document, load_texts, seed_prompts, split_texts)
 
 @torch.no_grad()
 def target_features(model, ids: torch.Tensor, aux_ids: list[int], draft_ids: torch.Tensor):
@@ -309,60 +141,10 @@ def learning_rate(peak: float, schedule: str, progress: float, step: int, warmup
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def load_texts(path) -> list[list[torch.Tensor]]:
-    """A `data.pt`'s texts as parts, one per run that made them: a run's file holds its token tensors `[n]`; a run on
-    several files (`train(data=[...])`) keeps a list per file, each of which `split_texts` splits on its own."""
-    saved = torch.load(path)
-    parts = saved if saved and isinstance(saved[0], list) else [saved]
-    return [[t.long() for t in part] for part in parts]
-
-
-HELD_OUT_SHARE = 0.05  # of each data file's texts, kept out of training (`split_texts`)
-
-
-def split_texts(parts, held_out: float, seed: int):
-    """`(held, train)` texts: each part (one run's texts) holds out its own `held_out` share (at least one), drawn
-    with `seed` — the same texts whichever other parts come with it."""
-    held, train_ids = [], []
-    for part in parts:
-        order = list(range(len(part)))
-        random.Random(seed).shuffle(order)
-        n_held = max(1, int(len(part) * held_out))
-        held += [part[i] for i in order[:n_held]]
-        train_ids += [part[i] for i in order[n_held:]]
-    return held, train_ids
-
-
-def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
-          save_every=500, resume=False, held_out=HELD_OUT_SHARE, seed=0, progress=True, prompts=None,
-          cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
-          time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
-          lr_schedule="constant", continue_documents=False, layers=None, greedy=False,
-          confidence_weight=0.0, intermediate_size=None) -> dict:
-    """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
-    once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
-    prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
-    which training stops early (at a step boundary), saves and evaluates; the data generation counts too.
-    `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt`
-    from an earlier run, or a list of them (each split into train / held-out texts on its own), saved to `out`
-    and used instead of generating texts. `document_source`: where the
-    `documents` windows come from (`document_ids`). `chats=False`: no seed-prompt transcripts, only the documents
-    (more data for an earlier run's texts, with another `seed`). `crop`: train each text on a window of at most this
-    many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
-    step's rows weigh answers more than the long documents they follow, and steps get cheaper. `lr_schedule`:
-    "constant" or "cosine" (`learning_rate`: warm-up, then down to 0 at `steps` or at `time_limit`, whichever
-    comes first). `continue_documents`: the `documents` windows come without a question and
-    the target continues them as plain text (no chat turn): what it drafts for when a long text is continued.
-    `layers`: the head's decoder layers (default 1, EAGLE-3's; more is our own format); with `init_head` of fewer
-    layers, the new ones start as the identity (`Eagle3Head.deepen`). `greedy`: the target's responses are greedy
-    rather than sampled (what a greedy decode drafts for). `confidence_weight`: γ of `distill_loss` (rows weighted by
-    the target's top-1 probability to the power γ). `intermediate_size`: the head's MLP width (default the target's;
-    a narrower one keeps a shipped head small: at 896 hidden and an 8192-token draft vocabulary, 2048 gives ~36 MB
-    in bf16 against ~52 MB at Qwen2.5-0.5B's 4864)."""
-    started = time.monotonic()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = model.device
+def _texts(model, tokenizer, out: Path, data, prompts, chats, documents, document_tokens, seed, document_source,
+           continue_documents, generate_batch, max_new_tokens, greedy, started) -> tuple[list, bool]:
+    """`(parts, generated)`: the training texts in parts (one per data file), from `data` or an earlier run's
+    `data.pt` in `out`, else generated by the target now (and saved there); `generated`: made by this call."""
     data_path = out / "data.pt"
     sources = [Path(d) for d in ([data] if isinstance(data, (str, Path)) else data or [])]
     if len(sources) == 1 and sources[0].resolve() != data_path.resolve():
@@ -390,10 +172,12 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         print(f"data: {len(texts)} texts, {sum(len(t) for t in texts)} tokens, {time.monotonic() - started:.0f} s",
               flush=True)
         parts = [texts]
-    held, train_ids = split_texts(parts, held_out, seed)
-    texts = [t for part in parts for t in part]
-    rng = random.Random(seed)
+    return parts, generated
 
+
+def _head(model, out: Path, texts, resume, init_head, layers, draft_vocab, window, intermediate_size, device):
+    """`(head, trainer state or None, first step)`: the checkpoint in `out` to resume, the head to start from, or a
+    new head whose draft vocabulary is the texts' most frequent tokens."""
     state_path = out / "trainer.pt"
     if resume and state_path.exists():
         head = load_eagle3(out / "head", target_model=model).to(device)
@@ -411,6 +195,106 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         head = Eagle3Head(config).to(device)
         head.set_vocab_map(draft_vocabulary(texts, model.config.vocab_size, config.draft_vocab_size).to(device))
         state, start = None, 0
+    return head, state, start
+
+
+def _step_batch(model, train_ids, features: dict, seq_per_step, aux_ids, draft_ids, crop, window_rows, rng) -> list:
+    """A step's texts with the target's features (kept ones where `features` has them), cropped where asked: one
+    padded batch, one head forward and backward (launch-bound otherwise)."""
+    batch = []  # the step's texts in one padded batch: one head forward/backward (launch-bound otherwise)
+    for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
+        ids = train_ids[i]
+        if i in features:
+            aux, logits, top = (t.float() if t.is_floating_point() else t for t in features[i])
+        else:
+            aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
+        text = (ids, aux, logits, top)
+        batch.append(crop_text(text, crop, window_rows, rng) if crop else text)
+    return batch
+
+
+def _metrics(head, model, tokenizer, held, documents, document_tokens, run: dict) -> dict:
+    """The held-out agreement (and, with documents, on a held-out document) with what the run was (`run`)."""
+    metrics = evaluate(head, model, held)
+    if documents:
+        document = held_out_document(tokenizer, document_tokens)
+        metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
+    metrics.update(run, matmul_precision=torch.get_float32_matmul_precision(), layers=head.config.num_hidden_layers,
+                   draft_vocab=head.config.draft_vocab_size)
+    return metrics
+
+
+def _features(model, train_ids, aux_ids, draft_ids, progress) -> dict:
+    """The target's features of every training text, kept in memory in bf16 (`cache_features`)."""
+    features = {}
+    for i, ids in enumerate(_progress(train_ids, progress, "target features")):
+        aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
+        features[i] = (aux.to(torch.bfloat16), logits.to(torch.bfloat16), top)
+    return features
+
+
+def _train_step(head, optimizer, embed, batch, draft_ids, ttt, confidence_weight, rate: float) -> float:
+    """One optimizer step at learning rate `rate` on `batch`; returns its loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    optimizer.zero_grad()
+    loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt, confidence_weight)
+    total = 0.0
+    if loss is not None:
+        loss.backward()
+        total = loss.item()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    optimizer.step()
+    return total
+
+
+def _share(steps_done: int, steps: int, seconds: float, time_limit, seconds_before: float) -> float:
+    """How far the run is, for the learning-rate schedule: by steps, or by time where a time limit ends it sooner
+    (the time left when the loop began is the run's length)."""
+    share = steps_done / max(1, steps)
+    if time_limit is not None:
+        share = max(share, seconds / max(1e-9, time_limit - seconds_before))
+    return share
+
+
+def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, seq_per_step=8, max_new_tokens=256,
+          save_every=500, resume=False, held_out=HELD_OUT_SHARE, seed=0, progress=True, prompts=None,
+          cache_features=False, documents=0, document_tokens=2048, window=256, generate_batch=None,
+          time_limit=None, init_head=None, data=None, document_source="docs", chats=True, crop=None,
+          lr_schedule="constant", continue_documents=False, layers=None, greedy=False,
+          confidence_weight=0.0, intermediate_size=None) -> dict:
+    """Train (or resume) a head for `model` into `out`; returns the final metrics. `cache_features` runs the target
+    once per text and keeps its features in memory (fast when the target is slow, e.g. on CPU). `generate_batch`:
+    prompts per `generate` call when making the data (default 16, 4 with documents). `time_limit`: seconds after
+    which training stops early (at a step boundary), saves and evaluates; the data generation counts too.
+    `init_head`: a head directory to start from (ignored when `resume` finds a checkpoint). `data`: a `data.pt`
+    from an earlier run, or a list of them (each split into train / held-out texts on its own), saved to `out`
+    and used instead of generating texts. `document_source`: where the `documents` windows come from.
+    `chats=False`: no seed-prompt transcripts, only the documents (with another `seed`: more data for a run's texts). `crop`: train each text on a window of at most this
+    many rows (`crop_text`: half of them at the text's end, with the head's attention window as history), so a
+    step's rows weigh answers more than the long documents they follow, and steps get cheaper. `lr_schedule`:
+    "constant" or "cosine" (`learning_rate`: warm-up, then down to 0 at `steps` or at `time_limit`, whichever
+    comes first). `continue_documents`: the `documents` windows come without a question and
+    the target continues them as plain text (no chat turn): what it drafts for when a long text is continued.
+    `layers`: the head's decoder layers (default 1, EAGLE-3's; more is our own format); with `init_head` of fewer
+    layers, the new ones start as the identity (`Eagle3Head.deepen`). `greedy`: the target's responses are greedy
+    rather than sampled (what a greedy decode drafts for). `confidence_weight`: γ of `distill_loss` (rows weighted by
+    the target's top-1 probability to the power γ). `intermediate_size`: the head's MLP width (default the target's;
+    a narrower one keeps a shipped head small: at 896 hidden and an 8192-token draft vocabulary, 2048 gives ~36 MB
+    in bf16 against ~52 MB at Qwen2.5-0.5B's 4864)."""
+    started = time.monotonic()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = model.device
+    parts, generated = _texts(model, tokenizer, out, data, prompts, chats, documents, document_tokens, seed,
+                              document_source, continue_documents, generate_batch, max_new_tokens, greedy,
+                              started)
+    held, train_ids = split_texts(parts, held_out, seed)
+    texts = [t for part in parts for t in part]
+    rng = random.Random(seed)
+
+    head, state, start = _head(model, out, texts, resume, init_head, layers, draft_vocab, window,
+                               intermediate_size, device)
     head.train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     if state is not None:
@@ -422,12 +306,7 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     if crop is not None and crop < 1:
         raise ValueError(f"crop must be a positive number of rows, got {crop}")
     learning_rate(lr, lr_schedule, 0.0, 0)  # a wrong schedule's name fails before the features are made
-    features = {}
-    if cache_features:
-        for i, ids in enumerate(_progress(train_ids, progress, "target features")):
-            aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
-            features[i] = (aux.to(torch.bfloat16), logits.to(torch.bfloat16), top)
-
+    features = _features(model, train_ids, aux_ids, draft_ids, progress) if cache_features else {}
     bar = _progress(range(start, steps), progress)
     done = saved = start
     loop_started = time.monotonic()
@@ -436,28 +315,10 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
         if time_limit is not None and now - started > time_limit:
             print(f"time limit: stopping after {step} steps", flush=True)
             break
-        share = (step - start) / max(1, steps - start)
-        if time_limit is not None:  # the time left when the loop began is this run's length too
-            share = max(share, (now - loop_started) / max(1e-9, time_limit - (loop_started - started)))
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(lr, lr_schedule, share, step - start)
-        optimizer.zero_grad()
-        batch = []  # the step's texts in one padded batch: one head forward/backward (launch-bound otherwise)
-        for i in rng.sample(range(len(train_ids)), min(seq_per_step, len(train_ids))):
-            ids = train_ids[i]
-            if cache_features:
-                aux, logits, top = (t.float() if t.is_floating_point() else t for t in features[i])
-            else:
-                aux, logits, top = target_features(model, ids, aux_ids, draft_ids)
-            text = (ids, aux, logits, top)
-            batch.append(crop_text(text, crop, window_rows, rng) if crop else text)
-        loss, _, _ = distill_loss(head, embed, batch, draft_ids, ttt, confidence_weight)
-        total = 0.0
-        if loss is not None:
-            loss.backward()
-            total = loss.item()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
+        share = _share(step - start, steps - start, now - loop_started, time_limit, loop_started - started)
+        batch = _step_batch(model, train_ids, features, seq_per_step, aux_ids, draft_ids, crop, window_rows, rng)
+        total = _train_step(head, optimizer, embed, batch, draft_ids, ttt, confidence_weight,
+                            learning_rate(lr, lr_schedule, share, step - start))
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{total:.3f}")
         done = step + 1
@@ -469,17 +330,11 @@ def train(model, tokenizer, out, steps=2000, draft_vocab=8192, ttt=2, lr=3e-4, s
     loop_seconds = time.monotonic() - loop_started
     if saved != done or not (out / "head").exists():  # the last steps, or a head that no step changed
         _save(head, optimizer, done, out, model)
-    metrics = evaluate(head, model, held)
-    if documents:
-        document = held_out_document(tokenizer, document_tokens)
-        metrics["held_out_document_top1_agreement"] = evaluate(head, model, [document])["top1_agreement"]
-    metrics.update(steps=done, train_seconds=round(loop_seconds, 1),
-                   steps_per_second=round((done - start) / max(loop_seconds, 1e-9), 3),
-                   matmul_precision=torch.get_float32_matmul_precision(), layers=head.config.num_hidden_layers,
-                   ttt=ttt, confidence_weight=confidence_weight,
-                   lr=lr, lr_schedule=lr_schedule,
-                   crop=crop, draft_vocab=head.config.draft_vocab_size, sequences=len(train_ids),
-                   held_out=len(held), document_source=document_source if documents and generated else None)
+    metrics = _metrics(head, model, tokenizer, held, documents, document_tokens, dict(
+        steps=done, train_seconds=round(loop_seconds, 1), steps_per_second=round((done - start) / max(
+            loop_seconds, 1e-9), 3), ttt=ttt, confidence_weight=confidence_weight, lr=lr, lr_schedule=lr_schedule,
+        crop=crop, sequences=len(train_ids), held_out=len(held),
+        document_source=document_source if documents and generated else None))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
 

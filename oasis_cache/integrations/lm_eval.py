@@ -23,6 +23,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..cache import OasisCache
+from ..runtime.build import cache_kwargs
 from ..compat import generate_cache_argument
 from ..config import OasisConfig
 
@@ -54,7 +55,7 @@ class OasisLM(HFLM):
         self.cache_stats: list[dict] = []  # one entry per generate call
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        cache = OasisCache(self.model, **self.cache_options)
+        cache = OasisCache(self.model, **cache_kwargs(self.cache_options))  # (model_args are flat)
         generation_kwargs[generate_cache_argument(self.model)] = cache
         out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         self.cache_stats.append(cache.stats())

@@ -25,27 +25,9 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _slot_assign_kernel(
-        block_ids,
-        ranks,
-        block_slot,
-        slot_block,
-        last_used,
-        dest,
-        fetch,
-        visible,
-        scratch,
-        counters,
-        step,
-        max_fetch,
-        K,
-        S,
-        NBcap1,
-        visible_stride,
-        T: tl.constexpr,
-        K_POW2: tl.constexpr,
-        S_POW2: tl.constexpr,
-    ):
+    def _slot_assign_kernel(block_ids, ranks, block_slot, slot_block, last_used, dest, fetch, visible, scratch,
+                            counters, step, max_fetch, K, S, NBcap1, visible_stride,
+                            T: tl.constexpr, K_POW2: tl.constexpr, S_POW2: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, K_POW2)
         s = tl.arange(0, S_POW2)

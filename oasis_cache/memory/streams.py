@@ -6,7 +6,7 @@ that layer's event only — never a device-wide synchronize. Offloads (device ->
 so a gather never reads a host block before its offload has landed, and the offload of layer l overlaps the
 compute of layer l+1. On CPU there are no streams: the work runs inline.
 
-A cache admitted from a remote store (`remote/disaggregate.py`) also hands its prefetches to a host thread
+A cache admitted from a remote store (`remote/admission.py`) also hands its prefetches to a host thread
 (`use_host_worker`): a prefetch there first reads the selected blocks on the host and fetches the ones not yet local
 from the store, which would block the step's host thread (a sync, then network time). The worker runs the prefetches
 in launch order (one thread), each on the side stream after the compute event recorded when it was launched;
@@ -24,6 +24,8 @@ timing events, so `exposed_wait_ms` tells how long compute stalled on transfers 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 
 import torch
@@ -230,3 +232,33 @@ class PrefetchStreams:
 
     def reset_measurements(self) -> None:
         self._timings.clear()
+
+
+@contextlib.contextmanager
+def no_collection_while_capturing():
+    """Python's automatic garbage collection paused for a capture. A pinned host block last used on a stream and
+    freed while that stream is being captured makes torch's caching host allocator record its release event into the
+    graph; the next pinned allocation or `.item()` then fails to query it ("CUDA error: invalid argument", once per
+    such block; a micro-benchmark shows it on an H200). A collection during a capture frees
+    exactly such blocks: an earlier cache left in a reference cycle, whose side stream (streams come from torch's
+    pool of 32) may be the capturing cache's."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream decode steps are captured on, one per device for the process: libraries keep state per stream
+    (cuBLAS a workspace of ~32 MiB on Hopper, never freed), so a stream per cache would add one for every cache."""
+    device = torch.device(device)
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream

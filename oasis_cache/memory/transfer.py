@@ -12,14 +12,18 @@ moves `fetch` to a side stream with per-layer events.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 
 import torch
 
+if TYPE_CHECKING:  # (annotations only: the pools are above the transfers)
+    from ..pools import HostKVPool, WorkingSet
+
 from ..kernels.gather import gather_blocks, triton_available
 from ..kernels.host_store import store_block
 from .host_memory import check_host_room
-from ..pools import HostKVPool, WorkingSet
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -49,13 +53,12 @@ SIDE_WARPS, SIDE_ENTRIES = 16, 4  # the side stream's gather shape (`side_stream
 
 
 class TransferEngine:
-    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None,
-                 gather_warps: int | None = None, gather_entries: int | None = None):
+    def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
         self.gather_programs = gather_programs  # None: chosen per stream (`_programs`); 0: one per block
         chosen = gather_programs is None  # the side stream's shape, unless the programs are the caller's
-        self.gather_shape = dict(num_warps=gather_warps or (SIDE_WARPS if chosen else 4),
-                                 entries=gather_entries or (SIDE_ENTRIES if chosen else 1))  # where programs are few
+        self.gather_shape = dict(num_warps=SIDE_WARPS if chosen else 4,
+                                 entries=SIDE_ENTRIES if chosen else 1)  # where programs are few
         self.side_programs = side_stream_programs(device) if self.backend == "triton" and device.type == "cuda" \
             else None
         self.device = device
@@ -83,7 +86,7 @@ class TransferEngine:
         else:
             if pool.read_only:
                 raise RuntimeError("a dry step's copy of a host pool would write the original's chunks: only its "
-                                   "kernels' launches (compiled, not run) may write (compute/ahead.py)")
+                                   "kernels' launches (compiled, not run) may write (runtime/ahead.py)")
             non_blocking = pool.pin_memory and blocks.device.type == "cuda"
             block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
             spans = list(pool.spans(start, start + n))
@@ -186,13 +189,13 @@ class TransferEngine:
 
     def gather_units(self, cache, working_set, slots, dest, fetch) -> None:
         """`fetch` entries of a remote tier's local cache (arena `slots`) into working-set slots `dest`, on the
-        current stream (after a step: `remote.disaggregate.repair_after_step`)."""
+        current stream (after a step: `remote.repair.repair_after_step`)."""
         self._gather(cache, working_set, slots, dest, fetch)
 
     def _gather(self, source, working_set, block_ids, dest, fetch) -> None:
         """`fetch` entries of `block_ids` (ids in `source`: a pool's local blocks, or slots of a remote tier's local
         cache) into slots `dest` of the working set."""
-        per_unit = not isinstance(source, HostKVPool)
+        per_unit = hasattr(source, "arena_table")  # (a remote tier's local cache: per-unit slots)
         if self.backend == "triton":
             if per_unit:
                 table, C = source.arena_table, source.capacity

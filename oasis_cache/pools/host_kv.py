@@ -6,7 +6,7 @@ chunk `block_id // C` at index `block_id % C`; one (block, K or V, sequence, KV 
 elements, and a range of blocks is one contiguous run (one copy per chunk when blocks are offloaded). The pool holds
 data and answers where a block is; bytes are moved by `oasis_cache.memory`.
 
-A decode side admitted from a store (`remote/disaggregate.py`) holds only the blocks completed after admission:
+A decode side admitted from a store (`remote/admission.py`) holds only the blocks completed after admission:
 `first_block` = the blocks published, which `remote` (a `remote.local_cache.LocalBlockCache`) reads from the store;
 block `first_block + i` is the pool's local block i.
 """
@@ -17,7 +17,7 @@ import torch
 
 # A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
 SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
-READ_ONLY_COPY = "oasis_cache.pools.host_kv.read_only_copy"  # (a dry step's copy: `compute/ahead.py`)
+READ_ONLY_COPY = "oasis_cache.pools.host_kv.read_only_copy"  # (a dry step's copy: `runtime/ahead.py`)
 
 
 def fitted_chunk_blocks(chunk_blocks: int, block_nbytes: int, pin_memory: bool) -> int:
@@ -124,7 +124,7 @@ class HostKVPool:
         With `memo[SHARE_CHUNKS]` (`OasisCache.fork`) the chunks full of complete blocks are shared with the copy
         instead (both pools mark them `shared`); of the one being filled only its blocks in use are copied
         (`_own_copy`), the empty ones are made anew. With `memo[READ_ONLY_COPY]` (a dry step's copy, whose kernels
-        compile instead of running: `compute/ahead.py`) every chunk is shared and neither pool marks it."""
+        compile instead of running: `runtime/ahead.py`) every chunk is shared and neither pool marks it."""
         self.fetch_all_remote()  # the copy owns every block (the store's keys go with the original)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)

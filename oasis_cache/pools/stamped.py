@@ -1,4 +1,4 @@
-"""`Stamped`: the device pools' base class, for captured steps (`compute/captured_step.py`).
+"""`Stamped`: the device pools' base class, for captured steps (`runtime/captured_step.py`).
 
 A captured step reads its pools' tensors at the addresses they had at capture, so it may replay only while no tensor
 attribute of a pool was rebound (a capacity that grew, an overflow that came or went) and no pool was replaced. Reading

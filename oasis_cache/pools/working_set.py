@@ -39,7 +39,7 @@ class WorkingSet(Stamped):
         return self.visible.shape[-1] - self.slot_tokens
 
     def set_recent_visible(self, mask: torch.Tensor) -> None:
-        """Mask of the recent region, `[B or 1, 1, R]` bool (`OasisCache.recent_visibility`: the same for every
+        """Mask of the recent region, `[B or 1, 1, R]` bool (`ForwardContext.recent_visibility`: the same for every
         layer of a forward)."""
         self.visible[:, :, self.slot_tokens :].copy_(mask)  # broadcast over sequences and KV heads
 

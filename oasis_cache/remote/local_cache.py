@@ -1,6 +1,6 @@
 """The decode side's local cache of a remote tier: blocks a store holds, read one (sequence, KV head) at a time.
 
-A layer admitted from a store (`remote/disaggregate.py`) keeps its first `published` blocks in the store, one object
+A layer admitted from a store (`remote/admission.py`) keeps its first `published` blocks in the store, one object
 per (block, sequence, KV head): `[2, T, D]`, keys and values. A decode step that selects such a block for a sequence's
 KV head needs only that head's run, so that is the unit fetched and cached. The cache is an arena of `capacity` units
 in host memory (pinned on CUDA, read by the same gather kernel as the host pool, `gather_blocks(per_unit=True)`):
@@ -20,7 +20,7 @@ times:
 - after the step (`deferred` True: the prefetches of lookahead "previous" / "eagle3" without `exact`). The step's
   prefetch gathers only the units already here (the device copy of `slot_of` maps the others to -1, masked out) and
   records the step's ids, destinations and wanted entries in fixed device buffers (`defer`); after the forward,
-  `remote.disaggregate.repair_after_step` reads them (one sync per step, as `generate` makes anyway), does `ensure`'s
+  `remote.repair.repair_after_step` reads them (one sync per step, as `generate` makes anyway), does `ensure`'s
   work for every layer (`repair_plan`, one series of store reads for all layers) and gathers the units it fetched
   into their slots (`repair_gather`) — before the next step reads them. No host work inside the step: such steps
   replay as captured CUDA graphs, and the working set before each step is what the immediate path leaves (the same
@@ -85,7 +85,7 @@ class LocalBlockCache:
         self.arena_table = torch.tensor([self.arena.data_ptr()], dtype=torch.int64).to(self.device)
         self.deferred = False  # prefetches leave their misses to `repair_after_step` (see the module's docstring)
         self.pending = None  # (working set, ids, dest, wanted) of the step's deferred prefetch: fixed device buffers
-        self.overlap = False  # the records are read while the step runs (`remote.disaggregate.start_repair`)
+        self.overlap = False  # the records are read while the step runs (`remote.repair.start_repair`)
         self.ready = None  # CUDA: an event after this layer's record in each step (external: host threads wait on it)
         self.group, self.group_index = None, 0  # the `LocalCacheGroup` this layer belongs to, if any, and its row
 
@@ -165,7 +165,7 @@ class LocalBlockCache:
     def defer(self, working_set, block_ids: torch.Tensor, dest: torch.Tensor, wanted: torch.Tensor) -> None:
         """A deferred prefetch (device work only, capturable): remember the step's selected `block_ids`, their slots
         `dest` and the `wanted` entries (`[B, Hkv, K]`: to fetch, in the store) in buffers of `[B, Hkv, slots]` made
-        at the first (eager) call, for `remote.disaggregate.repair_after_step`."""
+        at the first (eager) call, for `remote.repair.repair_after_step`."""
         K, width = block_ids.shape[-1], working_set.num_slots
         if self.pending is None or self.pending[0] is not working_set or self.pending[1].shape[-1] < K:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -272,7 +272,7 @@ class LocalBlockCache:
 
 class LocalCacheGroup:
     """The local caches of every layer of one admitted cache, their maps stacked so that the after-step repair
-    (`remote.disaggregate.repair_after_step`) plans all layers in a few operations instead of a dozen per layer:
+    (`remote.repair.repair_after_step`) plans all layers in a few operations instead of a dozen per layer:
 
         slot_of    `[L, B, Hkv, P]` int64   (each layer's `slot_of` is row l, a view; so is the device copy)
         unit_of    `[L, capacity]` int64

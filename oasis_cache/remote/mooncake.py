@@ -283,7 +283,7 @@ class RemoteTier:
         self.bytes_got = 0
         self.repair_seconds, self.repairs = 0.0, 0  # host time in `repair_after_step` (deferred prefetches), calls
         self.local_group = None  # the decode side's `LocalCacheGroup`, where its layers' local caches share a shape
-        self.overlap = False  # its store reads run while the step runs (`remote.disaggregate.start_repair`)
+        self.overlap = False  # its store reads run while the step runs (`remote.repair.start_repair`)
         self.repair_exposed_seconds = 0.0  # with `overlap`: what the next forward waited for them and finished
         self.copies = None  # with `overlap` on CUDA: the stream its host thread copies the step's records on
         # its seconds by phase: the records' copy back (the wait for the step's end included), plan, store reads,

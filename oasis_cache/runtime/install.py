@@ -49,7 +49,7 @@ class Installation:
                 layer.forward = wrapper(layer)
 
     def remove(self, model) -> None:
-        from ..compute.fused_projections import unfuse
+        from .fused_projections import unfuse
 
         if self.fused:
             unfuse(model)
@@ -70,7 +70,7 @@ def _put_back(obj, name: str, before) -> None:
 def install(model, cache, attention: str) -> Installation:
     """The model's installation (made at its first cache: the attention set, the forward routed), `cache` counted
     among its users until `release(model, id(cache))` — at `cache.close()`, or when the cache is collected."""
-    from ..compute.captured_step import CapturedForward
+    from .routing import CapturedForward
 
     installed = _INSTALLED.get(model)
     if installed is None:

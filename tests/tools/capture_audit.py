@@ -13,7 +13,7 @@ kernels with its arguments) of two consecutive decode steps that complete no blo
 - the operators whose shapes or scalar arguments differ, grouped by where they are called (the innermost frame in
   `oasis_cache` or `transformers`): what must move to fixed-capacity buffers and device-side counters.
 `--completing` compares two consecutive steps that complete a block (16 steps apart), each after
-`OasisCache.prepare_step("completing")` as the captured forward calls it: what the completing step's own graph
+`replay.prepare_step(OasisCache, "completing")` as the captured forward calls it: what the completing step's own graph
 replays (its offload and summary must read the block number on the device, not a host value). `--steady-too` also
 records two steady steps between those two (one decoding for both audits: what the tests run).
 """
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from oasis_cache.runtime import replay
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -141,8 +142,8 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
     runs, steady_runs = [], []
     for index in range(2):
         if completing:
-            assert cache.completing_step()
-            cache.prepare_step("completing")
+            assert replay.completing_step(cache)
+            replay.prepare_step(cache, "completing")
         runs.append(record(state, step))
         if completing and index == 0 and steady_too:  # two steady steps between the two completing ones
             step()  # (to a length that is neither a block's end nor the one before)
@@ -155,7 +156,7 @@ def audit(model, ids, mode, head, budget, backend, state, completing=False, bloc
     result = compare(*runs)
     if steady_runs:
         result["steady"] = compare(*steady_runs)
-    padding = getattr(cache, "padding", None)  # the steps read the prompt's recorded padding (`padded`)
+    padding = cache.context.padding  # the steps read the prompt's recorded padding (`padded`)
     links = [layer.pool.remote for layer in getattr(cache, "layers", []) if getattr(layer, "pool", None) is not None
              and layer.pool.remote is not None]
     for part in (result, result.get("steady")):

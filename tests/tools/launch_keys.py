@@ -118,6 +118,7 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
 
     from conftest import generate, prompt_ids, tiny_model
     from oasis_cache import OasisCache
+    from oasis_cache.runtime.build import cache_kwargs
 
     if model_name is None:
         model, options = tiny_model("qwen3"), dict(recent_tokens=32)
@@ -131,8 +132,8 @@ def record(lookahead: str = "previous", prompt: int = 500, new_tokens: int = 40,
         options["prefill_chunk_tokens"] = prefill_chunk
     keys = LaunchKeys()
     hook = keys.count_forwards(model)
-    cache = OasisCache(model, token_budget=budget, backend="triton", lookahead=lookahead,
-                       compile_ahead=compile_ahead, ahead_at_prefill=ahead_at_prefill, **options)
+    options.update(backend="triton", compile_ahead=compile_ahead, ahead_at_prefill=ahead_at_prefill)
+    cache = OasisCache(model, **cache_kwargs(dict(options, token_budget=budget, lookahead=lookahead)))
     with keys:
         ids = prompt_ids(prompt, batch=batch)
         keys.tokens = generate(model, cache, {"input_ids": ids.to(model.device)}, max_new_tokens=new_tokens,
@@ -181,7 +182,7 @@ def main() -> None:
             # ahead, none met first by a real launch
             first = [(name, forward) for name, seen in kernels.items() for forward, key in seen
                      if forward >= 2 and (name, key) not in keys.ahead]
-            from oasis_cache.compute import ahead
+            from oasis_cache.runtime import ahead
 
             print(f"dry step: {'ran' if 'total_s' in ahead.LAST else 'none'}"
                   f"{' at the prefill' if args.ahead_at_prefill and 'copy_s' in ahead.LAST else ''}")

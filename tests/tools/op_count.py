@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from conftest import prompt_ids, random_head, tiny_model  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
+from oasis_cache.runtime.build import cache_kwargs
 
 
 KERNEL = "triton kernel"
@@ -81,8 +82,9 @@ def decoding(model, ids, mode: str, head, budget: int, backend: str = "torch", w
     else:
         lookahead, _, exact = mode.partition("-")
         draft = dict(draft=head) if lookahead == "eagle3" else {}
-        cache = OasisCache(model, token_budget=budget, lookahead=lookahead, exact=exact == "exact", backend=backend,
-                           block_size=block_size, sink_tokens=block_size, recent_tokens=4 * block_size, **draft)
+        cache = OasisCache(model, **cache_kwargs(dict(token_budget=budget, lookahead=lookahead, exact=exact == "exact",
+                                                      backend=backend,
+                           block_size=block_size, sink_tokens=block_size, recent_tokens=4 * block_size, **draft)))
     kw = {generate_cache_argument(model): cache, "use_cache": True}
     B, n = ids.shape
     state = {"mask": torch.ones(B, n, dtype=torch.long)}
@@ -153,7 +155,7 @@ def launches_by_site(model, ids, mode: str, head, budget: int, backend: str = "t
             name = func.__name__.split(".")[0]
             if not _IN_KERNEL[0] and name not in NO_LAUNCH:
                 ours = [f for f in traceback.extract_stack() if "oasis_cache/" in f.filename and
-                        not f.filename.endswith(("oasis_cache/cache.py", "compute/captured_step.py"))]
+                        not f.filename.endswith(("oasis_cache/cache.py", "runtime/captured_step.py"))]
                 where = ours[-1] if ours else None
                 site = f"{where.filename.split('oasis_cache/')[-1]}:{where.lineno}" if where else "model"
                 sites[(site, name)] += 1

@@ -2,7 +2,7 @@
 `OasisConfig.prefill_chunk_tokens` tokens (over the batch), so that its activations (the MLP's intermediate states,
 the logits) stay bounded whatever the prompt's length — a small card runs a long prompt without `prefill_chunk_size`.
 
-The model's forward is routed through the cache (`compute/captured_step.CapturedForward`); a call is split only when
+The model's forward is routed through the cache (`compute/routing.CapturedForward`); a call is split only when
 the split cannot change what the caller gets back: it writes the cache (`use_cache` not False), asks for the logits
 of its last `logits_to_keep` positions only (`generate` asks for 1), and carries nothing else that runs along the
 sequence (hidden states, attentions, token types, ...). Each chunk sees the mask, positions and cache positions of
@@ -148,7 +148,7 @@ class ChunkMarks:
                     layer.crop(keep - held)
                 layer.summaries.channel_weight = weight
                 layer.resident_kv = None  # (the rest reads its past from host memory: `prefill_resident` False)
-        cache.prefill_resident = False
+        cache.context.prefill_resident = False
         cache.counters.dense_forwards, cache.counters.prefill_tokens = self.counted
         if reached and cache.ride_along is not None:  # (the head may have read the chunk: it starts over)
             cache.ride_along.reset()

@@ -4,7 +4,7 @@
 A decode step of a 36-layer model launches ~60 small kernels per layer besides its matmuls and the cache's own work
 (RMS norms as six kernels each, rotary embeddings, the MLP's activation, residual adds, dtype casts; docs/performance.md:
 ~2,200 kernels, 3.75 ms of an 11.8 ms captured step at 32K x 1 on the H200). Inside a CUDA graph each still costs
-its launch tail. Here each decoder layer's `forward` (an instance attribute, like `captured_step.CapturedForward`)
+its launch tail. Here each decoder layer's `forward` (an instance attribute, like `routing.CapturedForward`)
 runs a `torch.compile`d copy of itself for decode-sized calls (one token per sequence, or two with eagle3's riding
 draft) of a cache that asks for it, and its own forward for everything else (prefill, other caches). The cache's
 `update` and the "oasis" attention read host state and launch the package's kernels: dynamo does not trace them.
@@ -21,7 +21,7 @@ compile a second graph for a step that is not the hot path (`_outside_captured_p
 By default (`compile_decode=None`) a cache whose steps are captured compiles them only once its model has decoded
 `compile_after_steps` steps in the process (`decoded_steps`, counted over every cache and call of the model): until
 then `CompiledDecode` runs the layers' own forward; the replay signature holds whether the steps compile
-(`OasisCache.compiles_decode`), so at the switch the steps run once eagerly on the capture stream (where the graph
+(`compiles_decode`), so at the switch the steps run once eagerly on the capture stream (where the graph
 compiles, outside any capture) and are captured anew.
 
 A compilation in a thread of its own was tried and removed: it moved the compilation's cost into the next call rather
@@ -37,7 +37,9 @@ import weakref
 
 import torch
 
-from . import compiled_ops, fused_projections
+from ..compute import compiled_ops
+from ..config import OasisConfig
+from . import fused_projections
 
 # Decode-sized calls that run compiled: one token per sequence, or two (the real one and eagle3's riding draft).
 COMPILED_QUERY_LENGTHS = (1, 2)
@@ -137,9 +139,9 @@ class CompiledDecode:
     def __call__(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        compiles = getattr(cache, "compiles_decode", None)
-        if (compiles is None or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3
-                or hidden.shape[1] not in COMPILED_QUERY_LENGTHS or not compiles() or _outside_captured_path(cache)):
+        if (not isinstance(getattr(cache, "config", None), OasisConfig) or not isinstance(hidden, torch.Tensor)
+                or hidden.dim() != 3 or hidden.shape[1] not in COMPILED_QUERY_LENGTHS or not compiles_decode(cache)
+                or _outside_captured_path(cache)):
             return self.eager_forward(*args, **kwargs)
         try:
             return self.run_compiled(cache, args, kwargs)
@@ -169,3 +171,15 @@ class CompiledDecode:
                 scope.enter_context(compiled_ops.tracing_ops())
                 scope.enter_context(compiled_ops.active(cache))
             return self.compiled(*args, **kwargs)
+
+
+def compiles_decode(cache) -> bool:
+    """Whether this cache's decode-sized layer calls run compiled now (`runtime/compiled_layers.py`):
+    `compile_decode=True`, or None once the model has decoded `compile_after_steps` steps in this process (unless
+    that compilation failed: then, with a warning, never). Part of the replay signature: a change captures the
+    steps anew, after one eager step where the compiled layers meet their graphs (`captured_step.CapturedSteps`)."""
+    if cache._compile_later:
+        model = cache._model()
+        return (model is not None and decoded_steps(model) >= cache.config.compile_after_steps
+                and not compile_failed(model))
+    return cache.config.compile_decode is True

@@ -20,9 +20,7 @@ the prefill's), it gained nothing measurable from the device's queued prefill wo
 whole 4.2 s later. With one layer traced: 0.93 -> 0.64 s with the kernels on disk; on a new
 machine 3.2-4.4 s against 3.65-4.7 (the compilations, ~2-3 s, are now the whole of it: the trace's 1.3-2.1 s is the
 kernels' submissions beside their threads and the process's first use of the model's own operations, not the 35
-other layers). With `compile_workers` (research) the compilations go to worker processes a prefill started
-(`beside_prefill`, `kernels/compile_workers.py`): the trace fell to 0.2-0.3 s, the first call did not (the workers'
-start is 3.8-4.8 s). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
+other layers). Of the trace's 0.9-1.6 s in threads, 0.4 s was Triton's once-a-process
 start-up inside the first cache key (the hash of its own files), now paid by a thread beside the prefill
 (`warm_triton`): the first call 1.93-2.26x -> 1.67-1.98x a later one (docs/performance.md).
 """
@@ -41,7 +39,6 @@ from ..pools.host_kv import READ_ONLY_COPY
 
 _DONE: set = set()  # what the dry steps of this process covered (`signature`)
 LAST: dict = {}  # the last dry step's phases (s): `bench/first_call.py` prints them
-_WORKERS = None  # compile workers a prefill started (`beside_prefill`) for the dry step after it
 _WARMING = None  # the thread a prefill started for Triton's start-up (`warm_triton`)
 WARM: dict = {}  # what it took, once it ended (`_start_warming`)
 
@@ -76,7 +73,7 @@ def applies(cache, device: torch.device | None = None) -> bool:
     forward (which starts its transfer engine), the device that forward runs on."""
     from ..memory.transfer import resolve_backend
 
-    setting, transfer = cache.config.compile_ahead, cache._transfer
+    setting, transfer = cache.config.compile_ahead, cache.context.transfer
     if setting is False or cache.remote_tier is not None:
         return False
     if transfer is not None:
@@ -97,7 +94,7 @@ def warm_block_store(cache) -> None:
     summaries' device count) on `cache`'s first layer — inside `compile_only()` its launch is a compilation, so the
     first completing step (~16 steps in) does not compile it (+0.4 s at step 16 on a new H200
     machine). `cache` is the dry copy: the pool's count it moves on is the copy's."""
-    transfer, layer = cache._transfer, cache.layers[cache._first_oasis_layer]
+    transfer, layer = cache.context.transfer, cache.layers[cache._first_oasis_layer]
     if transfer is None or transfer.backend != "triton" or not layer.is_initialized:
         return
     block = torch.empty(2, layer.batch_size, layer.num_kv_heads, 1, cache.config.block_size, layer.head_dim,
@@ -107,29 +104,16 @@ def warm_block_store(cache) -> None:
 
 def beside_prefill(cache, device: torch.device) -> None:
     """What a prefill on `device` starts beside it, where no dry step has run in this process yet and the option is
-    on for `cache`: a thread paying Triton's once-a-process start-up (`warm_triton`), and the compile workers
-    (`OasisConfig.compile_workers`, `kernels/compile_workers.py`), so that they are ready (torch and Triton imported,
-    Triton's start-up paid) when the dry step after the prefill sends them its kernels. Nothing where Triton is
-    interpreted, or where the target or the workers cannot be had (the dry step then compiles in threads)."""
-    global _WORKERS
-    if _WORKERS is not None or _DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    from ..kernels import compile_workers
-
-    if compile_workers.triton is not None and _WARMING is None:
-        _start_warming(device)
-
-    count = cache.config.compile_workers
-    count = compile_workers.default_count() if count is None else count
-    if count <= 0 or compile_workers.triton is None:
+    on for `cache`: a thread paying Triton's once-a-process start-up (`warm_triton`), so that it is paid when the dry
+    step after the prefill compiles. Nothing where Triton is interpreted or missing."""
+    if _DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1":
         return
     try:
-        from triton import knobs
-        from triton.runtime import driver
-
-        _WORKERS = compile_workers.CompileWorkers(count, driver.active.get_current_target(), knobs.cache.dir)
-    except Exception:  # noqa: BLE001 - (an optimization: the dry step compiles in threads instead)
-        _WORKERS = None
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    if _WARMING is None:
+        _start_warming(device)
 
 
 WARM_PARTS = ("key", "driver", "ptxas")  # research: the parts `warm_triton` pays (bench/first_call.py --warm-parts)
@@ -196,23 +180,6 @@ def _start_warming(device: torch.device | None = None) -> None:
     _WARMING.start()
 
 
-def _take_workers():
-    """The workers a prefill started, handed to one dry step's `compile_only` (whose compilations close them)."""
-    global _WORKERS
-    workers, _WORKERS = _WORKERS, None
-    return workers
-
-
-def _note(compilations) -> None:
-    """What the dry step's compilations were: how many went to workers, how many of those failed."""
-    workers = compilations.processes
-    if workers is not None:
-        LAST["workers"], LAST["sent"], LAST["failed"] = len(workers.ready_s), compilations.sent, compilations.failed
-        if workers.ready_s:
-            LAST["workers_ready_s"] = max(workers.ready_s)
-        LAST.update({f"compile_s:{name}": seconds for name, seconds in compilations.seconds.items()})
-
-
 class DryStepDone(Exception):
     """Raised by the dry copy's first attention layer of a shape it has traced already: every kernel specialization
     of the step was met (`stop_after_distinct_layers`), so the rest of the forward is not run."""
@@ -253,7 +220,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
     step meets one first. Not with a ride-along draft (its step attends two rows: `dry_step` then runs as before).
     Returns whether it ran. Measured (H200, 32K x 1 on a new machine): the trace's 1.6 s moves
     into the prefill (the first token that much later), step 1 still waits 2.1-2.2 s; the first call unchanged."""
-    from .attention import clear_pending
+    from ..compute.attention import clear_pending
 
     B = query.shape[0]
     step = signature(cache, torch.empty((B, 1), device="meta"))
@@ -273,7 +240,7 @@ def at_prefill(cache, layer, query: torch.Tensor, visible: torch.Tensor | None, 
         LAST["copy_s"] = time.perf_counter() - start
         zeros = query.new_zeros(B, layer.num_kv_heads, 1, layer.head_dim)
         mask = None if visible is None else torch.cat((visible, visible[:, -1:]), dim=1)
-        with compile_only(wait=False, processes=_take_workers()) as compilations:
+        with compile_only(wait=False) as compilations:
             dry.eager_update(zeros, zeros.clone(), layer.layer_idx)
             clear_pending()
             dry.layers[layer.layer_idx].attend(query[:, :, -1:], mask, scale)
@@ -295,14 +262,14 @@ def finish_pending() -> None:
     while PENDING:
         compilations = PENDING.pop()
         compilations.finish()
-        _note(compilations)
     LAST["compile_wait_s"] = time.perf_counter() - start
 
 
-def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
-    """Run this decode forward once on a read-only copy of `cache`, every kernel compiled instead of launched, the
-    compilations in parallel; returns whether it ran (False where the device lacks room for the copy, or the copy
-    ran out of device memory: an optimization must not end a `generate` the real step can run)."""
+def dry_step(cache, forward, kwargs: dict, tokens: torch.Tensor) -> bool:
+    """Run this decode forward (`forward(cache, kwargs)`) once on a read-only copy of `cache`, every kernel compiled
+    instead of launched, the compilations in parallel; returns whether it ran (False where the device lacks room for
+    the copy, or the copy ran out of device memory: an optimization must not end a `generate` the real step can
+    run)."""
     _DONE.add(signature(cache, tokens))
     name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is cache), None)
     if name is None:
@@ -317,15 +284,14 @@ def dry_step(cache, runner, kwargs: dict, tokens: torch.Tensor) -> bool:
         dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         LAST["layers_traced"] = stop_after_distinct_layers(dry)
-        with compile_only(processes=_take_workers()) as compilations:
+        with compile_only() as compilations:
             try:
-                dry._forward_one(runner, {**kwargs, name: dry})
+                forward(dry, {**kwargs, name: dry})
             except DryStepDone:
                 pass
             warm_block_store(dry)
             LAST["trace_s"] = time.perf_counter() - start - LAST["copy_s"]
         LAST["compile_wait_s"] = time.perf_counter() - start - LAST["copy_s"] - LAST["trace_s"]
-        _note(compilations)
     except torch.OutOfMemoryError:  # (the copy did not fit after all: the real step compiles as it goes)
         return False
     finally:
@@ -349,19 +315,19 @@ def _read_only_copy(cache):
     from ..layer import OasisLayer
 
     held = [(layer, layer.resident_kv) for layer in cache.layers if isinstance(layer, OasisLayer)]
-    past = cache.prefill_past
+    past = cache.context.prefill_past
     for layer, _ in held:
         layer.resident_kv = None
-    cache.prefill_past = None
+    cache.context.prefill_past = None
     try:
         dry = copy.deepcopy(cache, {READ_ONLY_COPY: True})
     finally:
         for layer, kept in held:
             layer.resident_kv = kept
-        cache.prefill_past = past
+        cache.context.prefill_past = past
     dry.captured_steps = None
     dry._compile_later = False
-    dry._chunked_prefill = dry.prefill_resident = None
+    dry.context.prefill_tokens = dry.context.prefill_resident = None
     dry._routed = True  # (copied mid-forward: its layers' lengths differ; nothing of it is undone or checked)
     return dry
 
@@ -372,5 +338,5 @@ def _drop(dry) -> None:
         return
     if dry.ride_along is not None:
         dry.ride_along.remove()
-    if dry._streams is not None:
-        dry._streams.synchronize()
+    if dry.context.streams is not None:
+        dry.context.streams.synchronize()

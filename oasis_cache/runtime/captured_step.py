@@ -9,15 +9,15 @@ cache's `CapturedSteps`, which, for a call that
     - decodes one token per sequence (input_ids `[B, 1]`) on a CUDA cache that already holds complete blocks,
     - completes no block ("steady": no offload, every shape stays fixed) or exactly one ("completing", with the
       Triton backend: the block is offloaded at the block number read on the device, its summary written at it, the
-      count advanced on the device; `OasisCache.prepare_step` first makes room in every pool, on the host),
+      count advanced on the device; `replay.prepare_step` first makes room in every pool, on the host),
     - belongs to a batch whose padding the cache recorded at the last prefill and which lies in complete blocks
-      (`OasisCache.padding_covers`: the step is called without its mask and reads that record; decode masks are
+      (`ForwardContext.padding_covers`: the step is called without its mask and reads that record; decode masks are
       taken to extend the prompt's with ones, as `generate`'s do), with no measurement mode and no outputs beyond
       the logits,
 
 copies the token and its position (the caller's `position_ids`: a left-padded sequence's own; else the cache's
 length) into static buffers and replays the graph of its kind captured for the cache's
-current layout (`OasisCache.replay_signature`: buffers, predictions, and the block count only while it is at most the
+current layout (`replay.replay_signature`: buffers, predictions, and the block count only while it is at most the
 slots).
 Any other call runs the eager forward. Selection ranks blocks over the summaries' capacity and reads the block count
 on the device, so a completed block does not change the layout; a new one (a capacity grew: summaries by a sixteenth
@@ -28,7 +28,7 @@ kind:
               wait on work outside it); the forward runs once under capture, its side-stream gathers forking from
               the capture stream and joined back at its end (the prefetch for step t+1 still overlaps step t's later
               layers); the Python code's host effects (counters, token counts) happen once, as in an eager step
-    replay    the recorded device work runs; `OasisCache.advance_replayed_step` applies the host effects the skipped
+    replay    the recorded device work runs; `replay.advance_replayed_step` applies the host effects the skipped
               Python would have had (`tests/test_captured_step.py` checks they equal an eager step's)
 
 Every decode step must update persistent state in place (a replay writes where the capture wrote): the same test
@@ -40,14 +40,14 @@ checks that an eager step rebinds no state tensor. With eagle3 the ride-along's 
 from __future__ import annotations
 
 import contextlib
-import gc
-import inspect
 import itertools
 import operator
 
 import torch
 
-from ..compat import generate_cache_argument
+from ..memory.streams import capture_stream, no_collection_while_capturing
+from . import replay
+
 
 # Keyword arguments a replayed step accepts (anything else set runs the eager forward); their values are ignored
 # except the token and its positions: the step reads the cache's recorded padding, not the caller's mask.
@@ -55,51 +55,11 @@ _REPLAY_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache_position
                   "use_cache", "return_dict", "logits_to_keep"}
 
 
-class CapturedForward:
-    """Installed once per model instance as `model.forward` (an instance attribute, same signature) while an
-    OasisCache for it lives (`runtime/install.py`); hands each call with an OasisCache to `OasisCache.route_forward` (a long prefill in chunks,
-    `compute/prefill.py`; a decode step to the cache's `CapturedSteps` where it has them), every other call to the
-    model's own forward."""
-
-    def __init__(self, model):
-        self.eager_forward = model.forward  # the bound class forward (its `__self__`: the model, also in a deepcopy)
-        self.__signature__ = inspect.signature(self.eager_forward)  # generate inspects forward's parameters
-        self.__doc__ = self.eager_forward.__doc__
-        self.cache_argument = generate_cache_argument(model)
-
-    def __call__(self, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        route = getattr(cache, "route_forward", None)  # an OasisCache: chunked prefill, captured steps
-        if args or route is None:
-            return self.eager_forward(*args, **kwargs)
-        return route(self, kwargs)
-
-
-@contextlib.contextmanager
-def no_collection_while_capturing():
-    """Python's automatic garbage collection paused for a capture. A pinned host block last used on a stream and
-    freed while that stream is being captured makes torch's caching host allocator record its release event into the
-    graph; the next pinned allocation or `.item()` then fails to query it ("CUDA error: invalid argument", once per
-    such block; a micro-benchmark shows it on an H200). A collection during a capture frees
-    exactly such blocks: an earlier cache left in a reference cycle, whose side stream (streams come from torch's
-    pool of 32) may be the capturing cache's."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def weights_where_they_are(model) -> int:
     """A number for where `model`'s parameters and buffers are now (their addresses): a captured step reads them at
     the addresses it was captured with, so a rebinding (`model.to("cpu")` and back, `load_state_dict(assign=True)`,
     a module replaced) must make the steps capture anew. Taken at each prefill and at a step after the model changed
-    (`ModelState`; `OasisCache.route_forward`), not at every step."""
+    (`ModelState`; `runtime/routing.py`), not at every step."""
     return hash(tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())))
 
 
@@ -174,7 +134,7 @@ def module_settings(model) -> int:
     scales). A captured step replays the computation the settings at its capture made, so switching an adapter or a
     flag must make the steps capture anew, as a rebinding of weights does (`weights_where_they_are`); tensors,
     modules and functions are not settings. 2 ms for Qwen3-8B's 547 modules on a 2-core CPU machine (the weights'
-    addresses: 1 ms there): taken once per prefill, with the weights' addresses (`OasisCache.route_forward`)."""
+    addresses: 1 ms there): taken once per prefill, with the weights' addresses (`runtime/routing.py`)."""
     settings = []
     for name, module in model.named_modules():
         for key, value in module.__dict__.items():
@@ -186,22 +146,13 @@ def module_settings(model) -> int:
     return hash(tuple(settings))
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream decode steps are captured on, one per device for the process: libraries keep state per stream
-    (cuBLAS a workspace of ~32 MiB on Hopper, never freed), so a stream per cache would add one for every cache."""
-    device = torch.device(device)
-    stream = _CAPTURE_STREAMS.get(device)
-    if stream is None:
-        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
 
 class _Graph:
     """One kind of captured step: its graph, the signature it was captured under, its output and memory pool."""
 
     def __init__(self):
         self.graph = None  # torch.cuda.CUDAGraph
-        self.signature = None  # `OasisCache.replay_signature()` at its capture
+        self.signature = None  # `replay.replay_signature(cache)` at its capture
         self.output = None  # the captured forward's output without the cache (`_Graph.keep`): (class, items, names
         # of the items that were the cache); its logits are the graph's buffer
         self.pool = None  # its memory pool, shared by its successive captures (no new device allocations)
@@ -232,7 +183,7 @@ class CapturedSteps:
     def __init__(self):
         self.graphs: dict[str, _Graph] = {}
         self.stream = None  # the stream steps are captured on (`capture_stream`), once a first step ran eagerly on it
-        self.compiled_seen = None  # `OasisCache.compiles_decode()` when a step last ran eagerly before a capture
+        self.compiled_seen = None  # `replay.compiles_decode(cache)` when a step last ran eagerly before a capture
         self.in_static_step = False  # inside a static eager step or a capture (`_on_capture_stream`)
         self.input_ids = self.position_ids = None  # [B, 1] each: what every captured step reads
         self.captures = 0
@@ -250,12 +201,12 @@ class CapturedSteps:
             return runner.eager_forward(**kwargs)
         if self.stream is None:  # a first eager step on the capture stream sets up per-stream state (cuBLAS)
             self.stream = capture_stream(input_ids.device)
-            self.compiled_seen = cache.compiles_decode()
+            self.compiled_seen = replay.compiles_decode(cache)
             return self._static_eager_step(runner, cache, input_ids, kwargs)
-        cache.prepare_step(kind)
+        replay.prepare_step(cache, kind)
         slot = self.graphs.setdefault(kind, _Graph())
-        if cache.replay_signature() != slot.signature:
-            compiles = cache.compiles_decode()
+        if replay.replay_signature(cache) != slot.signature:
+            compiles = replay.compiles_decode(cache)
             if self.compiled_seen != compiles:  # (the layers compile now: their graphs are met once before any
                 self.compiled_seen = compiles  # capture)
                 return self._static_eager_step(runner, cache, input_ids, kwargs)
@@ -279,7 +230,7 @@ class CapturedSteps:
             return None
         if any(v is not None and v is not False and k not in _REPLAY_KWARGS for k, v in kwargs.items()):
             return None
-        return cache.replayable_step()
+        return replay.replayable_step(cache)
 
     # --------------------------------------------------------------------------------------------- capture, replay
     @contextlib.contextmanager
@@ -330,8 +281,8 @@ class CapturedSteps:
             slot.pool = torch.cuda.graph_pool_handle()
         device = input_ids.device
         call = self._static_call(runner, cache, input_ids, kwargs, keep=slot)
-        cache.prepare_capture()  # compute has joined the side stream; no event from outside the graph is waited on
-        signature = cache.replay_signature()  # the layout the step starts from (a completing step moves the count)
+        replay.prepare_capture(cache)  # compute has joined the side stream; no event from outside the graph is waited on
+        signature = replay.replay_signature(cache)  # the layout the step starts from (a completing step moves the count)
         graph = torch.cuda.CUDAGraph()
         try:
             with self._on_capture_stream(device), no_collection_while_capturing():
@@ -360,7 +311,7 @@ class CapturedSteps:
         cache.streams.synchronize()  # an eager step's prefetches (none in steady state) land before the graph reads
         self._set_inputs(cache, input_ids, kwargs)
         slot.graph.replay()
-        cache.advance_replayed_step(kind)
+        replay.advance_replayed_step(cache, kind)
         self.replays += 1
         self.completing_replays += kind == "completing"
         return slot.result(cache)
