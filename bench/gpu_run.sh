@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs, in one device call: `bash bench/gpu_run.sh <part> ...` runs the named parts in order; logs and JSON
 # under $OUT. Decode benchmarks interleave their methods step by step (`bench/decode.py --interleave`).
-#   tests / testseager   the CUDA tests (captured steps, as by default / every step eager); `tests` then the audits
-#                        (`-m audit`: minutes each on 2 cores) on the host's cores
+#   tests / testseager   the CUDA tests (captured steps, as by default / every step eager)
 #   resultstable         the README's speed table: dense eager / compiled, HF offload, oasis, compiled steps at 32K x 1,
 #                        32K x 4, 128K x 1 (Qwen3-8B shape, random weights; ~9 minutes on an H200)
 #   captured             its first part: 32K x {1, 4} (CAPTURED_BATCHES="1" or "4" runs one)
@@ -28,8 +27,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 for arg in "$@"; do
   case "$arg" in
     tests) python3 -c "import xdist" 2>/dev/null && X="-n 2" || X=""  # (two processes on the card: 251 s against 521 in one, H200, 2026-12-05)
-      python3 -m pytest -q $X -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
-      python3 -m pytest -q -n 8 -m audit tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-audit.log" | tail -5 ;;  # (CPU audits, on the host's cores)
+      python3 -m pytest -q $X -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25 ;;
     testseager) OASIS_TEST_CUDA_GRAPH=0 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu-eager.log" | tail -25 ;;
     captured) for spec in "1:dense offload oasis-previous oasis-previous-captured oasis-exact-captured" "4:dense offload oasis-previous oasis-previous-captured"; do [[ " ${CAPTURED_BATCHES:-1 4} " == *" ${spec%%:*} "* ]] || continue; python3 bench/decode.py --interleave --model qwen3-8b --contexts 32768 --batches "${spec%%:*}" --budget 2048 --steps 48 --warmup 4 --measure-steps 0 --statistic mean --methods ${spec#*:} --out "$OUT/decode-qwen3-8b-32k-b${spec%%:*}-captured.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-captured-b${spec%%:*}.log" | tail -7; done ;;
     resultstable) bash "$0" captured  # README "Results" (~540 s on the H200): the rows above, 128K's dense and oasis, dense compiled, the compiled steady state

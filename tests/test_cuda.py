@@ -14,6 +14,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from oasis_cache import OasisCache
 from oasis_cache.compute.reference import block_masked_attention
 from oasis_cache.layer import OasisLayer
+from oasis_cache.runtime import replay
+from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import cuda_runtime, dense_cache, generate, left_padded, prompt_ids, tiny_model
 
@@ -862,8 +864,6 @@ import glob, json, os, sys, time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from oasis_cache import OasisCache
-from oasis_cache.runtime import replay
-from oasis_cache.runtime.build import cache_kwargs
 start = time.time() - 1
 config = AutoConfig.from_pretrained(sys.argv[1])
 torch.manual_seed(0)

@@ -324,4 +324,4 @@ def delete_quietly(tier: RemoteTier, generation_only: bool = False) -> None:
         pass
 
 
-__all__ = ["publish", "publishing", "admit", "KEY_PREFIX"]
+__all__ = ["publish", "publishing", "AlreadyPublished"]

@@ -194,7 +194,7 @@ class CapturedSteps:
         """Forget the graphs and their memory (the cache was reset)."""
         self.graphs = {}
 
-    def forward(self, runner: CapturedForward, cache, kwargs):
+    def forward(self, runner, cache, kwargs):  # (runner: the model's `routing.CapturedForward`)
         input_ids = kwargs.get("input_ids")
         kind = self._replayable(cache, input_ids, kwargs)
         if kind is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from .. import compat
 from ..layer import OasisLayer
 from ..window import WindowLayer
-from . import compiled_layers
 from .compiled_layers import compiles_decode  # noqa: F401  (part of what a captured step asks)
 
 
