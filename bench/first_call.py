@@ -323,16 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="OasisCache(..., compile_decode=True): the layers' own work compiled (its first call)")
     parser.add_argument("--fuse-projections", action="store_true", help="with --compile-decode: fuse_projections")
     parser.add_argument("--compile-ahead", action="store_true",
-                        help="OasisCache(..., compile_ahead=True): a dry first decode step compiles its kernels in "
+                        help="advanced compile_ahead=True: a dry first decode step compiles its kernels in "
                              "parallel before the real one, on any device (default: None, on CUDA)")
     parser.add_argument("--no-compile-ahead", action="store_true",
-                        help="OasisCache(..., compile_ahead=False): each kernel compiles at its first launch")
+                        help="advanced compile_ahead=False: each kernel compiles at its first launch")
     parser.add_argument("--ahead-at-prefill", action="store_true",
-                        help="OasisCache(..., ahead_at_prefill=True): the dry step's compilations start during the "
+                        help="advanced ahead_at_prefill=True: the dry step's compilations start during the "
                              "prefill, at its first attention layer (the default; its "
                              "phases print as the dry step's)")
     parser.add_argument("--no-ahead-at-prefill", action="store_true",
-                        help="OasisCache(..., ahead_at_prefill=False): the dry step runs before the first decode step")
+                        help="advanced ahead_at_prefill=False: the dry step runs before the first decode step")
     parser.add_argument("--dense", action="store_true",
                         help="no OasisCache: generate's own dense cache (DynamicCache), the baseline's first call "
                              "against its later ones (a process's first CUDA work, which oasis pays too)")

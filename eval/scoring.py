@@ -4,7 +4,7 @@ OasisCache ranks blocks by a small summary of their keys kept on the device (`co
 swaps that scorer for others and runs the same task samples with `lookahead="none"` at a budget of
 context / `--fraction`, reporting accuracy, retention of dense's correct answers and greedy agreement per scorer:
 
-- `bits`, `bound`, `bits_fp8`: the shipped scorers (`OasisCache(..., scorer=..., fp8_levels=...)`): 1-bit key
+- `bits`, `bound`, `bits_fp8`: the shipped scorers (`advanced={"scorer": ..., "fp8_levels": ...}`): 1-bit key
   codes with least-squares levels (in fp8 for `bits_fp8`), and the min/max upper bound (Quest's);
 - `half_bound`: the same bound over half blocks (summaries twice as large);
 - `mean`: the query's dot product with each block's mean key (a summary of the same size as one of min/max);

@@ -90,7 +90,7 @@ class OasisCache(Cache):
         # model keeps a state of its own, which a chunk's forward would have moved already)
         self.all_oasis_layers = len(oasis_layers) == len(layers) and not any(isinstance(x, HybridLayer) for x in layers)
         self.measure = self.config.measure
-        self.context = ForwardContext(self)  # what the layers of a forward share (`runtime/context.py`)
+        self.context = ForwardContext(self, self._first_oasis_layer)  # what a forward's layers share
         self.draft_rows = 0  # draft tokens riding along in the current forward (set by the eagle3 ride-along)
         self.record_selection = False  # keep each layer's last selection (`OasisLayer.last_selection`), for tests
         self.selection_log: list | None = None  # every step's selections, while `oasis_cache.plot.record` runs
@@ -459,7 +459,7 @@ class OasisCache(Cache):
         new._release = weakref.finalize(new, release, weakref.ref(model), id(new))
         new.fused_groups = list(self.fused_groups)  # (the model's buffers, shared: a copy would double its weights)
         new.remote_tier = None
-        new.context = ForwardContext(new)
+        new.context = ForwardContext(new, self._first_oasis_layer)
         new.context.padding = copy.deepcopy(self.context.padding, memo)
         if self.streams is not None:
             new.context.start_engine(self.streams.device)

@@ -286,7 +286,7 @@ class OasisLayer(CacheLayerMixin):
             out = self._attend_dense(query, visible, scale, sinks, pattern, softcap, dense)
             self._cache.streams.wait(self.layer_idx)  # a prefetch made for a decode step that will not come
             self.predicted = False
-        if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache._first_oasis_layer:
+        if Qn - self._cache.draft_rows > 1 and self.layer_idx == self._cache.context.first_layer:
             self._cache.context.note_padding(visible,
                                              self)  # a multi-token forward: the one-token steps after it read this
         draft_rows = self._cache.draft_rows
@@ -300,7 +300,7 @@ class OasisLayer(CacheLayerMixin):
             # The next step's blocks: chosen by the draft row (eagle3) or by this forward's last real query.
             predictor = query[:, :, -1:] if (draft_rows or not is_decode) else query
             self._prefetch_next(predictor, visible, is_decode)
-        if (cfg.ahead_at_prefill and not is_decode and self.layer_idx == self._cache._first_oasis_layer
+        if (cfg.ahead_at_prefill and not is_decode and self.layer_idx == self._cache.context.first_layer
                 and not (chunked and self.get_seq_length() < chunked)):  # the whole prompt is in this layer
             self._cache.compile_ahead_at_prefill(self, query, visible, scale)
         return out

@@ -94,3 +94,30 @@ def test_a_dynamic_cache_beside_a_live_oasis_cache_runs_as_sdpa():
     _same(generate(model, DynamicCache(config=model.config), {"input_ids": prompt_ids(50)}, max_new_tokens=8,
                    do_sample=False), dense)
     cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_the_model_is_given_back_after_captured_and_compiled_steps_on_cuda(how):
+    """On CUDA with decode steps replayed as CUDA graphs and compiled (`cuda_graph=True, compile_decode=True`, the
+    projections fused): once its cache is closed or collected, the model's forward, attention, layers and parameters
+    are the objects they were, and a dense `generate` gives the same tokens and logits as before any cache."""
+    model = tiny_model("qwen3").cuda()
+    ids = prompt_ids(300).cuda()
+
+    def dense():
+        return generate(model, dense_cache(model), {"input_ids": ids}, max_new_tokens=8, do_sample=False)
+
+    before, expected = _state(model, addresses=False), dense()
+    cache = OasisCache(model, token_budget=128, lookahead="previous", cuda_graph=True, compile_decode=True,
+                       advanced=dict(recent_tokens=32, fuse_projections=True))
+    generate(model, cache, {"input_ids": ids}, max_new_tokens=12, do_sample=False)
+    assert cache.captured_steps.replays > 0
+    if how == "close":
+        cache.close()
+    else:
+        del cache
+        gc.collect()
+    assert _state(model, addresses=False) == before
+    _same(dense(), expected)

@@ -41,7 +41,7 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     request's keys are deleted from the store when the cache is reset or dropped. A request published with
     lookahead="eagle3" continues with the same draft head: the one shipped for the model, or `draft` (as
     `OasisCache(draft=...)` takes it); its state (keys/values of its window, last features, drafts) comes with the
-    record. `measure`: as `OasisCache(measure=True)` (how long compute waits on prefetches, `stats()`).
+    record. `measure`: as `OasisCache(advanced={"measure": True})` (how long compute waits on prefetches, `stats()`).
     `deferred`: whether prefetches leave their store reads to after the step (`repair_after_step`), so that the
     steps can be captured as CUDA graphs; only for lookahead "previous" / "eagle3" without `exact`. None (default):
     where this cache captures its steps (CUDA); elsewhere the store reads run on a host thread during the step.

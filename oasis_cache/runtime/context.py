@@ -22,11 +22,12 @@ from . import model_checks
 
 
 class ForwardContext:
-    def __init__(self, cache):
+    def __init__(self, cache, first_layer: int):
         self.cache = weakref.proxy(cache)  # (the cache owns its context: no cycle to wait on the collector for)
         # the batch's padding from the last multi-token forward's mask (`control.Padding`), which one-token decode
         # steps called without a mask (captured steps) read; None: unknown
         self.padding: Padding | None = None
+        self.first_layer = first_layer  # the first full-attention layer: where a forward's bookkeeping happens
         self.transfer: TransferEngine | None = None
         self.streams: PrefetchStreams | None = None
         self.memo: dict[tuple, object] = {}  # what the layers of the current forward share, built once

@@ -1,5 +1,5 @@
-"""Fused projections in compiled decode steps (`OasisCache(..., fuse_projections=True)`, with `compile_decode`): a
-decoder layer's q/k/v projections read one weight, and so do the MLP's gate/up projections.
+"""Fused projections in compiled decode steps (`OasisCache(..., advanced={"fuse_projections": True})`, with
+`compile_decode`): a decoder layer's q/k/v projections read one weight, and so do the MLP's gate/up projections.
 
 At one token per sequence a projection is a matrix-vector product bound by reading its weight; the small ones cannot
 fill the GPU alone (H200, Qwen3-8B shapes, a micro-benchmark: k/v at 1.1 TB/s, gate/up/down at 3.4-3.6): a layer's
