@@ -147,7 +147,7 @@ WARM_FAILED: dict = {}  # what was warmed -> the error its thread met (`warm_spl
 
 
 class chunks_follow:
-    """While a prompt is prefilled in chunks (`OasisCache._route`): a first chunk's square attention starts the
+    """While a prompt is prefilled in chunks (`runtime/routing.py`): a first chunk's square attention starts the
     later chunks' cuDNN kernels in a thread (`warm_split_past`); on leaving, the threads it started are joined, so
     none is inside a CUDA call when a decode step is captured."""
 

@@ -101,7 +101,7 @@ def run_chunks(forward, kwargs: dict, spans: list[tuple[int, int]], past: int, p
 
 
 # A chunk that runs out of device memory is undone and the rest of the prompt runs again from its start, in chunks of
-# half the tokens, up to this many times in one prefill (`OasisCache._route`, `ChunkMarks`): a prefill at the edge of
+# half the tokens, up to this many times in one prefill (`runtime/routing.py`, `ChunkMarks`): a prefill at the edge of
 # a card (the allocator's segments split by earlier chunks: Qwen3-8B, 32K x 8 under a 24 GiB cap)
 # goes on instead of failing. 0: the first out-of-memory error ends the prefill.
 SHRINK_RETRIES = 3
