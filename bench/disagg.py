@@ -13,7 +13,7 @@ qwen25-coder-0.5b` decodes with real weights after Python's documentation, whose
 process plays both roles one after the other (a store started here, `oasis_cache.remote.local_store`): prefill all
 but the last prompt token with `lookahead="previous"`, `publish`; `admit` from the store and `generate` `--steps`
 tokens (the remote run); then the prefill's own cache generates the same tokens from its local pool (the local run).
-That two processes give the same tokens is in `tests/test_remote.py`.
+That two processes give the same tokens is in `tests/remote/test_remote.py`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ budget above the context, its prompt in one forward and in the cache's own chunk
 - `not built`: the tiny config did not give a model that generates densely (towers needing other libraries,
   encoder-only flags, configs whose fields the small shape contradicts): nothing is said about OasisCache there.
 
-Multimodal models are built whole (their vision / audio towers small) and prompted with text; `tests/test_multimodal.py`
+Multimodal models are built whole (their vision / audio towers small) and prompted with text; `tests/integration/test_multimodal.py`
 prompts Gemma 3 with images.
 
     python eval/architectures.py                          # every causal LM, two at a time, one process each
@@ -18,7 +18,7 @@ prompts Gemma 3 with images.
     python eval/architectures.py --multimodal --out docs/models_multimodal.md  # image-text-to-text models
 
 Each model runs in its own process (a few tiny configs still allocate gigabytes: one per process, under `--memory`).
-`tests/test_architectures.py` runs a fixed list of them with `compare` in CI.
+`tests/integration/test_architectures.py` runs a fixed list of them with `compare` in CI.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ def past_on_device(prefix: list[tuple[torch.Tensor, torch.Tensor]], cache):
     keys and values `[B, Hkv, N, D]` per layer, still on the device — where a dense forward would bring the whole past
     back from host memory (`TransferEngine.load_range` of blocks from 0: ~9.7 GB per fork for Qwen2.5-Coder at
     24 x 32K, each fork's first forward). The pool's blocks are those keys verbatim (`OasisCache.from_dynamic_cache`),
-    so the attention reads the same values and the fork decodes the same tokens (tests/test_eval.py). Only while the
+    so the attention reads the same values and the fork decodes the same tokens (tests/integration/test_eval.py). Only while the
     pool holds no block past the prefix; the patch counts its reads in `past_on_device.reads`."""
     from oasis_cache.layer import OasisLayer
     from oasis_cache.memory.transfer import TransferEngine
@@ -283,7 +283,7 @@ def run_shared(model, tokenizer, samples, modes, budgets, max_new_tokens, batch_
     attention from end to end). The last tokens are the cache's last prefill chunk and at least what the draft
     head's last row sees (its attention window per layer), whose rows they fill as a whole prefill would: each mode
     gets the tokens of its own `generate` but for the floating-point differences of HF's prefill and the cache's
-    (tests/test_eval.py); a left-padded batch too (the base records its mask, so the padding's keys — HF's own in
+    (tests/integration/test_eval.py); a left-padded batch too (the base records its mask, so the padding's keys — HF's own in
     a prefill, zeros here — weigh in no summary). Prompts that fit one chunk, or a head without a window: each run
     prefills for itself. {(mode, budget): (outputs, timing)}, dense's under ("dense", None); the shared prefill's time is
     split evenly between the runs (`seconds`, `prefill_seconds`), and `timing` counts the batches that shared it

@@ -27,7 +27,7 @@ COMPILE_AFTER_STEPS = 2048
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
-# Architectures whose decode steps the CUDA suite runs captured (tests/test_cuda.py, `gpu_run.sh tests`): where
+# Architectures whose decode steps the CUDA suite runs captured (tests/gpu/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
 # a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
 # Beyond the four: linear-attention hybrids (Qwen3.5, Qwen3-Next), sliding windows in rings with learned sinks

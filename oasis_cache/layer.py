@@ -591,7 +591,7 @@ class OasisLayer(CacheLayerMixin):
     def state_tensors(self) -> list[torch.Tensor]:
         """The device tensors this layer keeps between forwards (summaries, working set, slot map, recent tokens).
         A decode step that completes no block updates them in place — never rebinds one — which a captured step
-        relies on (`tests/test_captured_step.py`)."""
+        relies on (`tests/runtime/test_captured_step.py`)."""
         return [value for part in (self.summaries, self.working_set, self.slot_map, self.recent)
                 for value in vars(part).values() if isinstance(value, torch.Tensor)]
 

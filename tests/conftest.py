@@ -258,18 +258,18 @@ def mooncake_master():
         yield master
 
 
-# The suite's longest tests without a module-scoped fixture (seconds on the 2-core CI machine kind, 2026-12-01: ~105,
-# ~65, ~45, ~45, ~42, ~40, ~32, ~28), started first: with `-n 2` the workers then finish together rather than one
-# waiting out a long test it picked up last (longest first). The other tests keep their order.
+# The suite's longest tests (seconds on a 2-core CPU, 2026-12-07: ~65, ~47, ~47, ~38, ~30, ~27, ~27, ~26), started
+# first: with `-n 2` the workers then finish together rather than one waiting out a long test it picked up last. The
+# other tests keep their order.
 LONGEST_FIRST = (
-    "test_kernels.py::test_decode_step_varies_only_where_known_and_syncs_only_on_cpu[eagle3-exact]",
-    "test_lm_eval.py::test_lm_eval_oasis_model_offline",
-    "test_kernels.py::test_decode_pipeline_with_kernels_in_triton_interpreter[draft]",
-    "test_kernels.py::test_decode_pipeline_with_kernels_in_triton_interpreter[dense]",
-    "test_examples.py::test_notebook_runs_every_cell",
-    "test_kernels.py::test_decode_step_varies_only_where_known_and_syncs_only_on_cpu[previous]",
-    "test_examples.py::test_batch_and_pipeline_examples_run",
     "test_kernels.py::test_kernels_in_triton_interpreter",
+    "test_kernels.py::test_decode_pipeline_with_kernels_in_triton_interpreter[dense]",
+    "test_lm_eval.py::test_lm_eval_oasis_model_offline",
+    "test_examples.py::test_notebook_runs_every_cell",
+    "test_examples.py::test_batch_and_pipeline_examples_run",
+    "test_warm.py::test_the_command_reads_a_config_folder_and_names_what_is_wrong",
+    "test_smollm2.py::test_left_padded_batch_and_chunked_prefill_match_dense",
+    "test_bench.py::test_first_call_bench_times_each_call_with_oasis_and_dense",
 )
 
 

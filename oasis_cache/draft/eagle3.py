@@ -144,7 +144,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     """Causal attention within a window — row i sees rows i - window + 1 … i — of queries `[B, H, n, D]` over keys
     and values `[B, Hkv, n, D]` (H = `groups` · Hkv), computed by chunks of `window` rows that each see their own
     chunk and the one before it: n × 2·window scores instead of n × n, the same result as the full masked attention
-    (`tests/test_draft_head.py`). Returns `[B, H, n, D]`."""
+    (`tests/draft/test_draft_head.py`). Returns `[B, H, n, D]`."""
     B, H, n, D = q.shape
     W, C = window, -(-n // window)
     pad = C * W - n

@@ -29,7 +29,7 @@ kind:
               the capture stream and joined back at its end (the prefetch for step t+1 still overlaps step t's later
               layers); the Python code's host effects (counters, token counts) happen once, as in an eager step
     replay    the recorded device work runs; `replay.advance_replayed_step` applies the host effects the skipped
-              Python would have had (`tests/test_captured_step.py` checks they equal an eager step's)
+              Python would have had (`tests/runtime/test_captured_step.py` checks they equal an eager step's)
 
 Every decode step must update persistent state in place (a replay writes where the capture wrote): the same test
 checks that an eager step rebinds no state tensor. With eagle3 the ride-along's hooks run inside the captured forward

@@ -116,7 +116,7 @@ def prepare_capture(cache) -> None:
 
 def advance_replayed_step(cache, kind: str = "steady") -> None:
     """The host effects of a one-token decode step (`kind`: "steady" or "completing", `replayable_step`), after
-    its captured device work was replayed: what the eager step's Python does (`tests/test_captured_step.py`
+    its captured device work was replayed: what the eager step's Python does (`tests/runtime/test_captured_step.py`
     compares)."""
     for key, (clock, value) in cache.context.device_clocks.items():
         if value == cache.decode_clock:  # the captured step advanced this device clock by one

@@ -16,12 +16,13 @@ from oasis_cache.kernels.gather import triton_available
 
 from kernel_cases import CHECKS
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
+PATHS = os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "integration")])  # (the scripts' imports)
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_kernels_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATHS}
     run = subprocess.run([sys.executable, str(HERE / "kernel_cases.py"), "cpu"], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -32,7 +33,7 @@ def test_kernels_in_triton_interpreter():
 @pytest.mark.parametrize("part", ["dense", "sparse", pytest.param("draft", marks=pytest.mark.audit),
                                   pytest.param("sinks", marks=pytest.mark.audit)])
 def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATHS}
     run = subprocess.run([sys.executable, str(HERE / "pipeline_with_kernels.py"), part], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -99,7 +100,7 @@ def test_decode_step_varies_only_where_known_and_syncs_only_on_cpu(tmp_path, mod
     (started by the audit) whose prefetches leave their store reads to after the step (recorded: the steps, not
     those reads). (Two layers where they suffice: the interpreter's cost is per layer; the eagle3 head reads three
     layers' states.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATHS}
     out = tmp_path / "audit.json"
     mode, admitted = mode.removesuffix("-admitted"), mode.endswith("-admitted")
     run = subprocess.run([sys.executable, str(HERE / "tools" / "capture_audit.py"), "--backend", "triton",

@@ -21,7 +21,7 @@ from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import generate, prompt_ids, tiny_hybrid, tiny_model
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 OPTIONS = dict(token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16, lookahead="previous")
 
 
@@ -107,7 +107,7 @@ def publish_everything(master: str) -> dict:
 def published(mooncake_master) -> dict:
     """One prefill process publishes everything this file reads, then exits."""
     code = textwrap.dedent(f"""
-        import json, sys; sys.path.insert(0, {str(TESTS)!r})
+        import json, sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / "remote")!r}]
         from test_remote import publish_everything
         print(json.dumps(publish_everything({mooncake_master!r})))
     """)

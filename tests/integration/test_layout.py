@@ -11,7 +11,7 @@ from pathlib import Path
 
 from oasis_cache import OasisCache
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "oasis_cache"
 # lowest first: a module imports only from its own rank or below (`draft/train.py` is a command: it loads models)
 RANKS = {"compat": 0, "config": 0, "stats": 0, "kernels": 1, "memory": 2, "pools": 3, "control": 4, "compute": 5,

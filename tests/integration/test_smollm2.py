@@ -162,7 +162,7 @@ def test_readme_demo_runs(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, str(root / "examples" / "demo.py"), "--context", "1500", "--budget", "256",
                           "--max-new-tokens", "20", "--device", "cpu"],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -184,8 +184,8 @@ def test_recall_script_measures_a_batch_of_held_out_windows(tmp_path, smollm2):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "eval" / "recall.py"
-    head = Path(__file__).resolve().parent.parent / "oasis_cache" / "draft" / "heads" / "smollm2-135m-instruct"
+    script = Path(__file__).resolve().parents[2] / "eval" / "recall.py"
+    head = Path(__file__).resolve().parents[2] / "oasis_cache" / "draft" / "heads" / "smollm2-135m-instruct"
     out = tmp_path / "recall.json"
     args = [sys.executable, str(script), "--context", "400", "--budget", "192", "--steps", "6", "--head", str(head),
             "--oracle", "--prompt", "chat", "--device", "cpu"]

@@ -440,7 +440,7 @@ def test_trainer_command_trains_a_head_for_a_model_directory(tmp_path):
     _save_tiny_target(target)
     run = subprocess.run([sys.executable, "-m", "oasis_cache.draft.train", "--target", str(target), "--out", str(out),
                           "--steps", "3", "--max-new-tokens", "4", "--draft-vocab", "32", "--device", "cpu", "--quiet"],
-                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads(run.stdout.strip().splitlines()[-1])
     assert metrics["steps"] == 3 and 0.0 <= metrics["top1_agreement"] <= 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_decode_bench(tmp_path, *extra):
@@ -221,7 +221,7 @@ def test_install_head_joins_the_parts_checks_them_and_replaces_only_then(tmp_pat
 
     from conftest import random_head, tiny_model
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from install_head import install
 
     head = random_head(tiny_model("qwen3", num_hidden_layers=4)).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 """The captured decode step (`OasisCache(..., cuda_graph=True)`, `runtime/captured_step.py`), what CPU can check of
 it: a replay re-runs the captured device work and skips the Python, so (1) a steady decode step must update every
 tensor the cache keeps in place (a replay writes where the capture wrote) and (2) `advance_replayed_step` must have
-the host effects of an eager step. Replays themselves: `tests/test_cuda.py`."""
+the host effects of an eager step. Replays themselves: `tests/gpu/test_cuda.py`."""
 
 from __future__ import annotations
 
@@ -721,7 +721,7 @@ def test_sliding_windows_decode_in_place_once_full(model_type):
     full and holds no padding, its one-token steps write into a ring at a fixed address (`window.WindowLayer`),
     so the steps are ones a CUDA graph may replay — every kept tensor where it was, one replay signature — and
     `advance_replayed_step` has an eager step's host effects (its token count); the tokens stay dense's (the
-    equality tests of tests/test_architectures.py run the same layers in every generate mode)."""
+    equality tests of tests/integration/test_architectures.py run the same layers in every generate mode)."""
     from conftest import generate, left_padded
     from eval.architectures import tiny_model_of
     from transformers import DynamicCache

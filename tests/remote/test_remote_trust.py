@@ -25,7 +25,7 @@ from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import prompt_ids, tiny_model
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 OPTIONS = dict(token_budget=64, block_size=8, sink_tokens=8, recent_tokens=16, lookahead="previous")
 KW = dict(max_new_tokens=10, do_sample=False)
 

@@ -21,7 +21,7 @@ from oasis_cache.runtime.build import cache_kwargs
 
 from conftest import dense_cache, prompt_ids, random_head, tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def _run_eval_script(script: str, out, *args: str) -> dict:
 
 
 def test_report_runs_at_ci_size(tmp_path):
-    """The report's plumbing on random weights (SmolLM2's own quality runs in tests/test_smollm2.py)."""
+    """The report's plumbing on random weights (SmolLM2's own quality runs in tests/integration/test_smollm2.py)."""
     report = _run_eval_script("report.py", tmp_path / "report.json", "--model", "tiny", "--tasks", "single_needle",
                               "--modes", "none@full", "previous-exact")
     assert {"command", "date", "machine"} <= set(report["meta"]) and report["meta"]["model"] == "tiny"
