@@ -22,6 +22,9 @@ from . import model_checks
 
 
 class ForwardContext:
+    """One cache's forward state shared by its layers (see the module's docstring); `first_layer`: the index of its
+    first full-attention layer."""
+
     def __init__(self, cache, first_layer: int):
         self.cache = weakref.proxy(cache)  # (the cache owns its context: no cycle to wait on the collector for)
         # the batch's padding from the last multi-token forward's mask (`control.Padding`), which one-token decode
@@ -37,8 +40,8 @@ class ForwardContext:
         self.prefill_past = None  # while they do not: one buffer for a chunk's past, every layer's (`past_buffer`)
 
     def new_forward(self) -> None:
+        """At a forward's first full-attention layer: what the layers of the last one shared is dropped."""
         self.memo = {}
-
 
     def size_for_prompt(self, key_states: torch.Tensor) -> None:
         """At each chunk of a prompt prefilled in chunks, before the first full-attention layer runs (a no-op after the
