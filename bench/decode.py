@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import oasis_cache  # noqa: E402,F401
 from oasis_cache import OasisCache  # noqa: E402
-from eval.variants import cache_kwargs, variant_options  # noqa: E402
+from eval.variants import variant_options  # noqa: E402
+from oasis_cache.runtime.build import cache_kwargs  # noqa: E402
 from oasis_cache.compat import generate_cache_argument  # noqa: E402
 from models import dense_attention, load_model  # noqa: E402
 

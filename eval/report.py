@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
 from eval.tasks import chat_prompt, generate_samples, score  # noqa: E402
-from eval.variants import OPTION_VARIANTS, cache_kwargs as nested, variant_options  # noqa: E402
+from eval.variants import OPTION_VARIANTS, variant_options  # noqa: E402
 from oasis_cache import OasisCache  # noqa: E402
 from oasis_cache.compat import generate_cache_argument, layer_types_and_kwargs  # noqa: E402
 from oasis_cache.config import OasisConfig  # noqa: E402
+from oasis_cache.runtime.build import cache_kwargs as nested  # noqa: E402
 from oasis_cache.compute.dense import mask_layout  # noqa: E402
 from oasis_cache.memory.host_memory import pinned_bytes_held, release_cached_pinned  # noqa: E402
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from oasis_cache.runtime.build import cache_kwargs  # noqa: F401  (re-exported for bench and eval)
-
 OPTION_VARIANTS = {
     "bits": dict(scorer="bits"),
     "bound": dict(scorer="bound"),

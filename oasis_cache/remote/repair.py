@@ -110,7 +110,6 @@ def _plan_and_read(links, tier, device, copies, plans: list) -> tuple[float, flo
     """`start_repair`'s host thread: each layer's record copied once it landed, its evictions planned (appended to
     `plans`), the store read every `READ_BATCH_UNITS` planned units; returns the seconds waited, planning, reading."""
     cuda = device.type == "cuda"
-    started = time.perf_counter()
     waited = planned = reading = 0.0
     batch = []
     with contextlib.ExitStack() as stack:

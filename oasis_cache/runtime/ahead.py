@@ -34,6 +34,7 @@ import time
 import torch
 
 from ..kernels.ahead import compile_only
+from ..kernels.gather import triton_available
 from ..memory.device_memory import device_room
 from ..pools.host_kv import READ_ONLY_COPY
 
@@ -106,11 +107,8 @@ def beside_prefill(cache, device: torch.device) -> None:
     """What a prefill on `device` starts beside it, where no dry step has run in this process yet and the option is
     on for `cache`: a thread paying Triton's once-a-process start-up (`warm_triton`), so that it is paid when the dry
     step after the prefill compiles. Nothing where Triton is interpreted or missing."""
-    if _DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if (_DONE or not applies(cache, device) or os.environ.get("TRITON_INTERPRET") == "1"
+            or not triton_available()):
         return
     if _WARMING is None:
         _start_warming(device)
@@ -284,7 +282,7 @@ def dry_step(cache, forward, kwargs: dict, tokens: torch.Tensor) -> bool:
         dry = _read_only_copy(cache)
         LAST["copy_s"] = time.perf_counter() - start
         LAST["layers_traced"] = stop_after_distinct_layers(dry)
-        with compile_only() as compilations:
+        with compile_only():
             try:
                 forward(dry, {**kwargs, name: dry})
             except DryStepDone:

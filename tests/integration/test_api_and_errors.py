@@ -259,7 +259,7 @@ def test_every_option_variant_is_a_valid_config():
         variant_options("compiledsoon+compiled")
 
 
-def test_print_says_what_was_chosen_and_why():
+def test_print_says_what_was_chosen_and_why(monkeypatch):
     model = tiny_model("llama")
     cache = OasisCache(model, token_budget=128)
     text = str(cache)
@@ -267,11 +267,9 @@ def test_print_says_what_was_chosen_and_why():
     assert "decode steps: eager" in text
     from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu, cache_module.on_an_accelerator = cache_module.on_an_accelerator, lambda model: True
-    try:  # (where blocks cross a link and no head ships: the trainer is named)
+    with monkeypatch.context() as patched:  # (where blocks cross a link and no head ships: the trainer is named)
+        patched.setattr(cache_module, "on_an_accelerator", lambda model: True)
         assert "oasis_cache.draft.train" in str(OasisCache(model, token_budget=128))
-    finally:
-        cache_module.on_an_accelerator = on_a_gpu
     model.generate(input_ids=prompt_ids(100), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
     text = str(cache)
     assert "102 tokens cached" in text and "50% of the key channels" in text and "torch backend" in text

@@ -117,7 +117,7 @@ def test_small_budget_equals_the_masked_dense_reference(qwen, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_shipped_head_is_picked_and_drafts(qwen):
+def test_the_shipped_head_is_picked_and_drafts(qwen, monkeypatch):
     """`OasisCache(model)` on Qwen2.5-Coder-0.5B-Instruct drafts with the head shipped for it (≤ 40 MB): the default
     lookahead is eagle3 with miss repair on a GPU ("none" on the CPU), and on a code prompt the head's own drafts agree with the target's next
     tokens often (an untrained or mismatched head agrees ~never). Budget ≥ context stays dense in that mode
@@ -131,12 +131,9 @@ def test_the_shipped_head_is_picked_and_drafts(qwen):
     assert OasisCache(model, token_budget=256).config.lookahead == "none"  # (the CPU's default: nothing to hide)
     from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu = cache_module.on_an_accelerator
-    cache_module.on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
-    try:
+    with monkeypatch.context() as patched:  # (what the default picks where blocks cross a link)
+        patched.setattr(cache_module, "on_an_accelerator", lambda model: True)
         default = OasisCache(model, token_budget=256)
-    finally:
-        cache_module.on_an_accelerator = on_a_gpu
     assert default.config.lookahead == "eagle3" and default.config.exact
     # The head's own drafts (not chained with the target's prediction, which greedy decoding always confirms).
     cache = OasisCache(model, token_budget=256, lookahead="eagle3", exact=True, advanced=dict(chain_drafts=False))

@@ -118,7 +118,7 @@ def test_a_perfect_draft_predicts_the_next_steps_blocks(smollm2):
 
 
 @pytest.mark.audit
-def test_shipped_head_drafts_the_next_token_often(smollm2):
+def test_shipped_head_drafts_the_next_token_often(smollm2, monkeypatch):
     """`OasisCache(model)` picks the head shipped for SmolLM2 (eagle3 with exact) on a GPU ("none" on the CPU), and
     that head drafts SmolLM2's
     next token often (`stats()["draft_accuracy"]`; 55-87% on 4K documents on the H200; on short chats like this one,
@@ -132,12 +132,9 @@ def test_shipped_head_drafts_the_next_token_often(smollm2):
     assert OasisCache(model, token_budget=1024).config.lookahead == "none"  # (the CPU's default: nothing to hide)
     from oasis_cache.runtime import build as cache_module
 
-    on_a_gpu = cache_module.on_an_accelerator
-    cache_module.on_an_accelerator = lambda model: True  # (what the default picks where blocks cross a link)
-    try:
+    with monkeypatch.context() as patched:  # (what the default picks where blocks cross a link)
+        patched.setattr(cache_module, "on_an_accelerator", lambda model: True)
         cache = OasisCache(model, token_budget=1024)
-    finally:
-        cache_module.on_an_accelerator = on_a_gpu
     assert cache.config.lookahead == "eagle3" and cache.config.exact
     out = generate(model, cache, inputs, **kw)
     assert torch.equal(out.sequences, base.sequences)
