@@ -250,6 +250,8 @@ class MethodRun:
                 tokens_attended_per_step=stats["tokens_attended_per_step"],
                 backend=stats["backend"],
                 host_gib=stats["host_bytes"] / 2**30,
+                host_dtype=stats["host_dtype"],
+                host_bytes_per_token=stats["host_bytes_per_token"],
                 **(dict(captures=stats["captures"], replays=stats["captured_replays"],
                         completing_replays=stats["completing_replays"]) if "captures" in stats else {}),
                 **measured,

@@ -23,6 +23,9 @@ OPTION_VARIANTS = {
     "gather32": dict(gather_programs=32),
     "gather64": dict(gather_programs=64),
     "gather128": dict(gather_programs=128),
+    # the host pool's representation (`host_dtype`; default: the model's dtype)
+    "fp8": dict(host_dtype="fp8"),
+    "int4": dict(host_dtype="int4"),
 }
 
 

@@ -25,7 +25,7 @@ from .memory import TransferEngine
 from .memory.host_memory import release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .runtime import build, compiled_layers, conversions, model_checks, routing
-from .runtime.describe import describe, remote_stats, summary_form
+from .runtime.describe import describe, host_bytes_per_token, remote_stats, summary_form
 from .runtime.context import ForwardContext
 from .runtime.install import install, release
 from .runtime.model_checks import ATTENTION_NAME
@@ -49,6 +49,8 @@ class OasisCache(Cache):
         draft: the EAGLE-3 head for `lookahead="eagle3"` (an `Eagle3Head`, or a path / hub id for `load_eagle3`).
         exact: with a predictor, attend the real query's top blocks anyway (the prediction only prefetches).
         prefill_chunk_tokens: a long prompt runs as forwards of at most this many tokens over the batch (0: whole).
+        host_dtype: None (the model's dtype), "fp8" or "int4": how the host pool holds keys and values — half or
+            about a quarter of bf16's bytes, moved and held; a step attends them widened back.
         cuda_graph: replay one-token decode steps as CUDA graphs. None: where the architecture is checked.
         compile_decode: run the decoder layers' own work `torch.compile`d in decode steps. None: automatic, after
             a model's first `compile_after_steps` decode steps in a process.
@@ -64,6 +66,7 @@ class OasisCache(Cache):
         draft=None,
         exact: bool | None = None,
         prefill_chunk_tokens: int = 8192,
+        host_dtype: str | None = None,
         cuda_graph: bool | None = None,
         compile_decode: bool | None = None,
         advanced: dict | None = None,
@@ -75,7 +78,8 @@ class OasisCache(Cache):
         self.why: dict[str, str] = {}  # option -> how it was chosen, in words (`describe`)
         lookahead, draft, exact = build.choose_lookahead(model, text_config, lookahead, draft, exact, self.why)
         self.config = build.config_from(dict(token_budget=token_budget, lookahead=lookahead, exact=exact,
-                                             prefill_chunk_tokens=prefill_chunk_tokens, cuda_graph=cuda_graph,
+                                             prefill_chunk_tokens=prefill_chunk_tokens, host_dtype=host_dtype,
+                                             cuda_graph=cuda_graph,
                                              compile_decode=compile_decode), advanced)
         layers = build.make_layers(self, model, text_config)
         attention_modules = model_checks.attention_modules(model, len(layers))
@@ -300,6 +304,8 @@ class OasisCache(Cache):
             seq_length=self.get_seq_length(self._first_oasis_layer),
             device_bytes=sum(self.device_nbytes().values()),
             host_bytes=self.host_nbytes(),
+            host_dtype=self.config.host_dtype,
+            host_bytes_per_token=host_bytes_per_token(self),
         )
         out["why"] = dict(self.why)  # option -> how it was chosen (`describe` says it all in words)
         if self.ride_along is not None:

@@ -27,6 +27,7 @@ COMPILE_AFTER_STEPS = 2048
 LOOKAHEAD_MODES = ("none", "previous", "eagle3")
 BACKENDS = ("auto", "torch", "triton")
 SCORERS = ("bits", "bound")
+HOST_DTYPES = (None, "fp8", "int4")  # the host pool's units (`memory/representation.py`)
 # Architectures whose decode steps the CUDA suite runs captured (tests/gpu/test_cuda.py, `gpu_run.sh tests`): where
 # `cuda_graph=None` turns captured steps on. Another one's forward may do what a graph cannot record (a host read of
 # a routing decision, a shape that depends on data): it opts in with cuda_graph=True.
@@ -161,6 +162,12 @@ class OasisConfig:
             `torch.topk`. H200, a replayed 32K step of an 8B model: 8.4 -> 8.1 ms (docs/performance.md).
             Rows past 4,096 blocks run in two launches (segments of the row, then their best; exact),
             up to 16 segments of 16,384 blocks; longer rows go through `torch.topk`.
+        host_dtype: how the host pool holds keys and values. None (default): the model's dtype (decoding equals dense
+            attention with `token_budget` >= context). "fp8": e4m3 with a scale per block, K or V, sequence and KV
+            head (half of bf16's bytes); "int4": 4 bits with a scale and minimum per token (about a quarter). Each
+            step moves that many fewer bytes and a request holds that much less host memory. A step attends the
+            complete blocks widened back to the model's dtype (`memory/representation.py`); block summaries are made
+            from the keys before they are narrowed, and the newest, incomplete block stays in the model's dtype.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`runtime/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the
@@ -205,6 +212,7 @@ class OasisConfig:
     fast_pinning: bool = True
     top_k_kernel: bool | None = None
     prefill_chunk_tokens: int = 8192
+    host_dtype: str | None = None
     resident_prefill: bool = True
     progress: bool = False
     measure: bool = False
@@ -255,6 +263,8 @@ class OasisConfig:
         for name, modes in (("lookahead", LOOKAHEAD_MODES), ("scorer", SCORERS), ("backend", BACKENDS)):
             if getattr(self, name) not in modes:
                 raise ValueError(f"{name} must be one of {modes}, got {getattr(self, name)!r}.")
+        if self.host_dtype not in HOST_DTYPES:
+            raise ValueError(f"host_dtype must be None (the model's dtype), 'fp8' or 'int4', got {self.host_dtype!r}.")
         if self.exact and self.lookahead == "none":
             raise ValueError("exact=True repairs the misses of a prediction: use it with lookahead='previous' or "
                              "'eagle3'.")

@@ -25,6 +25,7 @@ from .compute.sparse import sparse_attention
 from .control import all_blocks, attended_blocks, marked_blocks, rank_blocks, top_blocks
 from .kernels.decode_attention import decode_attention
 from .memory.host_memory import use_fast_pinning
+from .memory.representation import representation_for
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
 from .pools.host_kv import fitted_chunk_blocks
 from .pools.summaries import fp8_levels_for
@@ -71,7 +72,7 @@ class OasisLayer(CacheLayerMixin):
                                  f"{self.device}: leave {name} at its default here (or pass backend='triton').")
         T = cfg.block_size
         recent_capacity = T * -(-(T - 1 + cfg.max_decode_tokens) // T)  # partial block + one decode forward
-        self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda")
+        self.pool = HostKVPool(B, H, D, T, dtype, cfg.host_chunk_blocks, self.device.type == "cuda", cfg.host_dtype)
         if self.pool.pin_memory and cfg.fast_pinning:
             use_fast_pinning()  # (once per process: before the first chunk is pinned)
         fp8 = fp8_levels_for(cfg.fp8_levels, cfg.scorer, self.device, self.use_kernels)
@@ -495,7 +496,7 @@ class OasisLayer(CacheLayerMixin):
         self.reserve_ahead()
         self.slot_map.reserve(self.pool.num_blocks)
         self.reserve_slots(self.pool.num_blocks)
-        block_bytes = 2 * self.config.block_size * self.head_dim * self.pool.dtype.itemsize
+        block_bytes = 2 * self.pool.representation.unit_nbytes  # (as the host holds them: what crosses the link)
         self._cache.counters.record_offload(n * self.batch_size * self.num_kv_heads * block_bytes)
         self._cache.counters.block_bytes = block_bytes
 
@@ -516,7 +517,7 @@ class OasisLayer(CacheLayerMixin):
         """(bytes of one chunk, chunks) this layer's pool would add for `new_tokens` more tokens (`host_bytes_for`)."""
         T = self.config.block_size
         B, H, _, D = like.shape
-        block_nbytes = 2 * B * H * T * D * like.element_size()
+        block_nbytes = 2 * B * H * representation_for(self.config.host_dtype, like.dtype, T, D).unit_nbytes
         C = fitted_chunk_blocks(self.config.host_chunk_blocks, block_nbytes, like.device.type == "cuda")
         blocks = (self.get_seq_length() + new_tokens) // T + 1 + HOST_GROWTH_SPREAD
         chunks = -(-blocks // C) - (len(self.pool.chunks) if self.is_initialized else 0)

@@ -78,6 +78,57 @@ def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None, en
     return torch.equal(got, gathered(got, fetch, dest, T, lambda b, h, k: arena[slots[b, h, k], :, 0, 0]))
 
 
+# (B, Hkv, T, D, S, NB, chunk_blocks, dtype, host_dtype): a narrow host pool (`memory/representation.py`)
+NARROW_CASES = [
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "fp8"),
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4"),
+    (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes
+    (1, 2, 16, 128, 4, 9, 4, torch.float32, "fp8"),
+    (2, 1, 4, 6, 6, 17, 3, torch.float32, "int4"),  # odd sizes
+]
+
+
+def check_narrow_gather(B, H, T, D, S, NB, C, dtype, host_dtype, device, max_programs=None, entries=1,
+                        per_unit=False) -> bool:
+    """The gather from a narrow pool widens each unit to exactly what `Representation.widen` gives (bit for bit),
+    from the pool's chunks or (`per_unit`) from an arena of single units (a remote tier's local cache); `store_block`
+    writes a narrowed block where `offload` would."""
+    g = torch.Generator().manual_seed(B * 1000 + D + len(host_dtype))
+    pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda", host_dtype=host_dtype)
+    rep = pool.representation
+    data = torch.randn(2, B, H, NB, T, D, generator=g) * torch.rand(1, 1, 1, 1, 1, D, generator=g) * 8
+    data = (data + torch.tensor([1.0, 0.0])[:, None, None, None, None, None] * 20 * torch.randn(D, generator=g)).to(
+        dtype)  # (keys with per-channel offsets: int4's center)
+    TransferEngine("torch", torch.device("cpu")).offload(pool, data)
+    units = torch.cat(pool.chunks)[:NB]  # [NB, 2, B, H, U]
+    ws = WorkingSet(B, H, S, T, 2 * T, D, dtype, device)
+    ws.kv.fill_(-7.0)
+    K = min(S, NB)
+    block_ids = torch.stack([torch.randperm(NB, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    dest = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    fetch = torch.rand(B, H, K, generator=g) < 0.7
+    if per_unit:  # unit (block, b, h) at arena slot (block * B + b) * H + h
+        arena = units.permute(0, 2, 3, 1, 4).reshape(NB * B * H, 2, 1, 1, -1).contiguous()
+        arena = arena.pin_memory() if device.type == "cuda" else arena
+        ids = (block_ids * B + torch.arange(B)[:, None, None]) * H + torch.arange(H)[None, :, None]
+        table, capacity = torch.tensor([arena.data_ptr()], dtype=torch.int64, device=device), NB * B * H
+    else:
+        ids, table, capacity = block_ids, torch.tensor([c.data_ptr() for c in pool.chunks], dtype=torch.int64,
+                                                       device=device), C
+    gather_blocks(table, capacity, ids.to(device), dest.to(device), fetch.to(device), ws.kv, T, max_programs,
+                  entries=entries, per_unit=per_unit, representation=rep)
+    got = ws.kv.cpu()
+    widened = gathered(got, fetch, dest, T, lambda b, h, k: rep.widen(units[block_ids[b, h, k], :, b, h][None],
+                                                                      heads=torch.tensor([h]))[0])
+    stored = torch.full_like(pool.chunks[0], 7, pin_memory=device.type == "cuda")  # (written through its address)
+    block = rep.narrow(data[:, :, :, 0].to(device)).contiguous()  # [2, B, H, U], narrowed where the model runs
+    store_block(torch.tensor([stored.data_ptr()], dtype=torch.int64, device=device), C,
+                torch.tensor([C - 1], device=device), block)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return torch.equal(got, widened) and torch.equal(stored[C - 1], block.cpu()) and bool((stored[: C - 1] == 7).all())
+
+
 def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
     """`store_block` writes one block at a block number read on the device into the right chunk and place of a host
     pool (the same layout `offload` writes), and nothing else."""
@@ -351,6 +402,9 @@ CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], parti
           ("gather-units", CASES[1:], check_unit_gather),
           ("gather-units-4-entries", CASES[2:3], partial(check_unit_gather, max_programs=1, entries=4)),
           ("store", CASES, check_store),
+          ("gather-narrow", NARROW_CASES, check_narrow_gather),
+          ("gather-narrow-4-entries", NARROW_CASES[:3], partial(check_narrow_gather, max_programs=2, entries=4)),
+          ("gather-narrow-units", NARROW_CASES[1:2], partial(check_narrow_gather, per_unit=True)),
           ("scores", SCORE_CASES, check_scores),
           ("assign", ASSIGN_CASES, check_assign),
           ("append", APPEND_CASES, check_append),

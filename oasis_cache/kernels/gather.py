@@ -11,6 +11,10 @@ Program (p, kv): entries i = p, p + P, p + 2P, ... (P programs; entry i = (b*Hkv
 1 values}; copies T*D elements per entry. P = one per entry by default; fewer programs keep the gather on fewer SMs
 (it mostly waits on PCIe) so that compute kernels running beside it keep theirs.
 Offsets are computed in int64 (a 128K context at batch 8 exceeds 2**31 elements per chunk family).
+
+With a narrow host pool (`memory/representation.py`) a chunk is `[C, 2, B, Hkv, U]` bytes; `_gather_narrow_kernel`
+reads each selected unit's U bytes and writes it widened to E, computed as `Representation.widen` computes it (fp32,
+one rounding to E): the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ if triton is not None:
         local = block - chunk * C
         base = tl.load(chunk_addrs + chunk).to(tl.pointer_type(like.dtype.element_ty))
         return base + ((local * 2 + kv) * BH + bh) * BLOCK_ELEMS
+
+    @triton.jit
+    def round_of_entries(first, fetch, block_ids, dest, num_entries, K, ENTRIES: tl.constexpr):
+        """Entries `first .. first + ENTRIES` of a gather: (to copy, their blocks, their slots, their sequence x KV
+        head), the block and slot of an entry not copied 0."""
+        entry = first + tl.arange(0, ENTRIES)
+        wanted = (tl.load(fetch + entry, mask=entry < num_entries, other=0) != 0)
+        block = tl.load(block_ids + entry, mask=wanted, other=0)
+        slot = tl.load(dest + entry, mask=wanted, other=0)
+        return wanted, block, slot, (entry // K).to(tl.int64)
 
     @triton.jit
     def _gather_blocks_kernel(
@@ -70,15 +84,60 @@ if triton is not None:
                     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
         else:  # ENTRIES entries a round: more bytes in flight per program (fewer programs, fewer SMs)
             for first in range(tl.program_id(0) * ENTRIES, num_entries, tl.num_programs(0) * ENTRIES):
-                entry = first + tl.arange(0, ENTRIES)
-                wanted = (tl.load(fetch + entry, mask=entry < num_entries, other=0) != 0)
-                block = tl.load(block_ids + entry, mask=wanted, other=0)
-                slot = tl.load(dest + entry, mask=wanted, other=0)
-                bh = (entry // K).to(tl.int64)
+                wanted, block, slot, bh = round_of_entries(first, fetch, block_ids, dest, num_entries, K, ENTRIES)
                 src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, out, BLOCK_ELEMS)
                 dst = out + (kv * BH + bh) * ROW + slot * BLOCK_ELEMS
                 both = wanted[:, None] & mask[None, :]
                 tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + offs[None, :], mask=both), mask=both)
+
+    @triton.jit
+    def _rounded(x, out):
+        """fp32 `x` as `out`'s elements, rounded to nearest even as torch rounds (bf16 by its bits: Triton's
+        interpreter truncates to bf16)."""
+        if out.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return x.to(out.dtype.element_ty)
+
+    @triton.jit
+    def _gather_narrow_kernel(
+        chunk_addrs, block_ids, dest, fetch, out, center, H, BH, K, C, ROW, num_entries, SRC_BH,
+        FORMAT: tl.constexpr,  # 1: fp8 (codes [T, D], an fp32 scale); 2: int4 (bytes [T, D/2], fp16 pairs [T, 2],
+        # the keys' center `center` fp16 [H, D] added back)
+        T: tl.constexpr, D: tl.constexpr, W: tl.constexpr, UNIT: tl.constexpr,
+        T_POW2: tl.constexpr, W_POW2: tl.constexpr, ENTRIES: tl.constexpr, ALIGNED: tl.constexpr,
+    ):
+        kv = tl.program_id(1).to(tl.int64)
+        t = tl.arange(0, T_POW2)
+        w = tl.arange(0, W_POW2)
+        inside = (t[:, None] < T) & (w[None, :] < W)  # W: bytes of a token's codes
+        for first in range(tl.program_id(0) * ENTRIES, num_entries, tl.num_programs(0) * ENTRIES):
+            wanted, block, slot, bh = round_of_entries(first, fetch, block_ids, dest, num_entries, K, ENTRIES)
+            src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, fetch, UNIT)
+            if ALIGNED:  # (units start 16-byte aligned in pinned chunks; rows of W bytes keep that: vector loads)
+                src = tl.multiple_of(src, 16)
+            dst = out + (kv * BH + bh) * ROW + slot * (T * D)
+            both = wanted[:, None, None] & inside[None, :, :]
+            codes = tl.load(src[:, None, None] + (t[None, :, None] * W + w[None, None, :]), mask=both, other=0)
+            at = dst[:, None, None] + (t[None, :, None] * D + w[None, None, :])
+            if FORMAT == 1:
+                scale = tl.load((src + T * D).to(tl.pointer_type(tl.float32)), mask=wanted, other=0)
+                x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None, None]
+                tl.store(at, _rounded(x, out), mask=both)
+            else:
+                pairs = (src + T * W).to(tl.pointer_type(tl.float16))[:, None] + 2 * t[None, :]
+                rows = wanted[:, None] & (t[None, :] < T)
+                scale = tl.load(pairs, mask=rows, other=0).to(tl.float32)[:, :, None]
+                low = tl.load(pairs + 1, mask=rows, other=0).to(tl.float32)[:, :, None]
+                u = codes.to(tl.uint8, bitcast=True)
+                keys = wanted[:, None, None] & (w[None, None, :] < W) & (w[None, None, :] * 0 + kv == 0)  # (values:
+                # + 0, as torch adds)
+                mu = center + ((bh % H) * D)[:, None, None] + w[None, None, :]
+                mu_low = tl.load(mu, mask=keys, other=0).to(tl.float32)
+                mu_high = tl.load(mu + W, mask=keys, other=0).to(tl.float32)
+                tl.store(at, _rounded(((u & 15).to(tl.float32) * scale + low) + mu_low, out), mask=both)
+                tl.store(at + W, _rounded(((u >> 4).to(tl.float32) * scale + low) + mu_high, out), mask=both)
 
 
 def gather_blocks(
@@ -93,13 +152,15 @@ def gather_blocks(
     per_unit: bool = False,
     num_warps: int = 4,
     entries: int = 1,
+    representation=None,
 ) -> None:
     """Copy host blocks `block_ids[fetch]` into working-set slots `dest[fetch]` of `out` (shapes above). `per_unit`:
     the host side is an arena of single (sequence, KV head) blocks, `[C, 2, 1, 1, T, D]` per chunk, and `block_ids`
     are its slots (the local cache of a remote tier, `remote/local_cache.py`). `num_warps`: per program (a tuning knob;
     64 programs of 2 warps and 128 of 1 were 3.7-4.6 ms slower a compiled step than the 32 of 4 the package runs on
     the side stream: docs/performance.md). `entries` (a power of two): blocks a program copies at
-    once (a tuning knob, a micro-benchmark)."""
+    once (a tuning knob, a micro-benchmark). `representation`: the host side's
+    (`memory/representation.py`); a narrow one is widened on the way."""
     two, B, H, L, D = out.shape
     T = block_size
     K = block_ids.shape[-1]
@@ -110,6 +171,18 @@ def gather_blocks(
         return
     rounds = triton.cdiv(total, entries)
     grid = (min(rounds, max_programs) if max_programs else rounds, 2)
+    if representation is not None and representation.narrow_form:
+        W = D if representation.name == "fp8" else D // 2
+        fetch = fetch.view(torch.int8) if fetch.dtype == torch.bool else fetch
+        center = representation.center_on(out.device) if representation.name == "int4" else fetch
+        _gather_narrow_kernel[grid](
+            chunk_addrs, block_ids.contiguous(), dest.contiguous(), fetch, out, center, H, B * H, K, chunk_blocks,
+            L * D, total,
+            1 if per_unit else B * H, FORMAT=1 if representation.name == "fp8" else 2, T=T, D=D, W=W,
+            UNIT=representation.unit_nbytes, T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W),
+            ENTRIES=entries, num_warps=num_warps, ALIGNED=W % 16 == 0 and representation.unit_nbytes % 16 == 0,
+        )
+        return
     _gather_blocks_kernel[grid](
         chunk_addrs,
         block_ids.contiguous(),

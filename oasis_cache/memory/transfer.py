@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import math
 import os
 
 import torch
@@ -52,6 +53,14 @@ def side_stream_programs(device: torch.device) -> int:
 SIDE_WARPS, SIDE_ENTRIES = 16, 4  # the side stream's gather shape (`side_stream_programs`)
 
 
+def narrow_factor(representation) -> int:
+    """How many times fewer bytes a unit of `representation` is than the model's own, as a power of two (1, 2 for
+    fp8 of bf16, 4 for int4): the side stream's few programs copy that many more units a round, else their bytes in
+    flight, which bound a latency-bound gather, would shrink with the unit."""
+    wide = representation.block_size * representation.head_dim * representation.dtype.itemsize
+    return max(1, 1 << round(math.log2(wide / representation.unit_nbytes)))
+
+
 class TransferEngine:
     def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
@@ -71,14 +80,16 @@ class TransferEngine:
     def offload(self, pool: HostKVPool, blocks: torch.Tensor, number: torch.Tensor | None = None) -> None:
         """Append `blocks` (`[2, B, Hkv, n, T, D]`, compute device) to the pool. `number`: `[1]` int64 on the device,
         the pool's block count (`BlockSummaries.count`): with the Triton backend a single block is written there by
-        a kernel, with no host address in the launch (a captured step that completes a block replays for the next)."""
+        a kernel, with no host address in the launch (a captured step that completes a block replays for the next).
+        Narrowed to the pool's representation on the compute device, before the bytes cross the link."""
         n = blocks.shape[3]
+        narrow = pool.representation.narrow
         start = pool.num_blocks
         self.reserve(pool, start + n)
         if n == 1 and number is not None and self.backend == "triton":
             table = self._addresses(pool)
             at = number - pool.first_block if pool.first_block else number.clone()  # (the count moves on after)
-            block = blocks[:, :, :, 0].contiguous()  # [2, B, Hkv, T, D]
+            block = narrow(blocks[:, :, :, 0]).contiguous()  # [2, B, Hkv, *U]
 
             def copy():
                 store_block(table, pool.chunk_blocks, at, block)
@@ -88,7 +99,7 @@ class TransferEngine:
                 raise RuntimeError("a dry step's copy of a host pool would write the original's chunks: only its "
                                    "kernels' launches (compiled, not run) may write (runtime/ahead.py)")
             non_blocking = pool.pin_memory and blocks.device.type == "cuda"
-            block_major = blocks.permute(3, 0, 1, 2, 4, 5).contiguous()  # [n, 2, B, Hkv, T, D], the pool's layout
+            block_major = narrow(blocks.permute(3, 0, 1, 2, 4, 5)).contiguous()  # the pool's [n, 2, B, Hkv, *U]
             spans = list(pool.spans(start, start + n))
 
             def copy():
@@ -148,17 +159,20 @@ class TransferEngine:
     def load_range(self, pool: HostKVPool, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks [start, end) of the pool on the compute device, `[2, B, Hkv, end-start, T, D]`. `out`: a device
         tensor of that shape (e.g. a view of a `[2, B, Hkv, L, D]` buffer's first tokens) written and returned — one
-        host chunk's transfer at a time beside it instead of the whole range twice (its chunks, then them joined)."""
+        host chunk's transfer at a time beside it instead of the whole range twice (its chunks, then them joined).
+        Narrow units cross the link as they are and are widened on the device."""
+        widen = pool.representation.widen
         self._wait_offloads(pool)
         if pool.remote is not None and start < pool.first_block:  # a dense read of blocks in a store: all of them
             self.wait_host_reads()  # come local (`crop` into them, a dense step over the past: not the sparse path)
             pool.fetch_all_remote()
         if out is not None:
             for chunk, lo, hi, offset in pool.spans(start, end):
-                part = chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory)  # [n, 2, B, Hkv, T, D]
+                part = widen(chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory))  # [n, 2, B, Hkv, T, D]
                 out[:, :, :, offset : offset + hi - lo].copy_(part.permute(1, 2, 3, 0, 4, 5))
             return out
-        parts = [chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory) for chunk, lo, hi, _ in pool.spans(start, end)]
+        parts = [widen(chunk[lo:hi].to(self.device, non_blocking=pool.pin_memory))
+                 for chunk, lo, hi, _ in pool.spans(start, end)]
         if not parts:
             shape = (0, 2, pool.batch_size, pool.num_kv_heads, pool.block_size, pool.head_dim)
             parts = [torch.empty(shape, dtype=pool.dtype, device=self.device)]
@@ -202,8 +216,11 @@ class TransferEngine:
             else:
                 table, C = self._addresses(source), source.chunk_blocks
             programs = self._programs()
+            shape = dict(self.gather_shape) if programs else {}
+            if shape:  # a narrow unit is fewer bytes: as many more a round keep the bytes in flight a program's
+                shape["entries"] *= narrow_factor(source.representation)
             gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, programs,
-                          per_unit=per_unit, **(self.gather_shape if programs else {}))
+                          per_unit=per_unit, representation=source.representation, **shape)
         elif per_unit:
             self._fetch_units_torch(source, working_set, block_ids, dest, fetch)
         else:
@@ -223,10 +240,10 @@ class TransferEngine:
         if not b.numel():
             return
         source, target = slots[b, h, k], dest[b, h, k]
-        data = cache.arena[source.to("cpu")][:, :, 0, 0]  # [n, 2, T, D]
+        data = cache.arena[source.to("cpu")][:, :, 0, 0]  # [n, 2, *U]
         if working_set.kv.device.type == "cuda":
             data = data.pin_memory().to(working_set.kv.device, non_blocking=True)
-        working_set.slots[:, b, h, target] = data.transpose(0, 1)
+        working_set.slots[:, b, h, target] = cache.representation.widen(data, heads=h.to(data.device)).transpose(0, 1)
 
     def _fetch_torch(self, pool, working_set, block_ids, dest, fetch) -> None:
         on_cuda = working_set.kv.device.type == "cuda"
@@ -242,13 +259,13 @@ class TransferEngine:
             m = chunk_of == c
             if not bool(m.any()):
                 continue
-            data = chunk[local[m], :, b[m], h[m]]  # [n, 2, T, D]
+            data = chunk[local[m], :, b[m], h[m]]  # [n, 2, *U]
             if on_cuda:
                 dev = working_set.kv.device
-                data = data.pin_memory().to(dev, non_blocking=True)
+                data = pool.representation.widen(data.pin_memory().to(dev, non_blocking=True), heads=h[m].to(dev))
                 slots_view[:, b[m].to(dev), h[m].to(dev), slots[m].to(dev)] = data.transpose(0, 1)
             else:
-                slots_view[:, b[m], h[m], slots[m]] = data.transpose(0, 1)
+                slots_view[:, b[m], h[m], slots[m]] = pool.representation.widen(data, heads=h[m]).transpose(0, 1)
 
     def wait_host_reads(self) -> None:
         """Before host buffers are replaced or read by the CPU: let queued transfers that use them finish."""

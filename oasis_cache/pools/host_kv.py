@@ -1,10 +1,11 @@
 """The host pool: every complete block of one layer's keys and values, in host memory (pinned when the model runs
 on CUDA), grown by fixed-size chunks and never reallocated per token.
 
-Layout of one chunk: `[C, 2, B, Hkv, T, D]` (C = `chunk_blocks`; 0 = keys, 1 = values). Block `block_id` lives in
-chunk `block_id // C` at index `block_id % C`; one (block, K or V, sequence, KV head) is one contiguous run of T*D
-elements, and a range of blocks is one contiguous run (one copy per chunk when blocks are offloaded). The pool holds
-data and answers where a block is; bytes are moved by `oasis_cache.memory`.
+Layout of one chunk: `[C, 2, B, Hkv, *U]` (C = `chunk_blocks`; 0 = keys, 1 = values; U = the representation's unit
+shape: `[T, D]` of the model's dtype, or a run of bytes with `host_dtype`, `memory/representation.py`). Block
+`block_id` lives in chunk `block_id // C` at index `block_id % C`; one (block, K or V, sequence, KV head) — a unit —
+is one contiguous run, and a range of blocks is one contiguous run (one copy per chunk when blocks are offloaded).
+The pool holds data and answers where a block is; bytes are moved (narrowed, widened) by `oasis_cache.memory`.
 
 A decode side admitted from a store (`remote/admission.py`) holds only the blocks completed after admission:
 `first_block` = the blocks published, which `remote` (a `remote.local_cache.LocalBlockCache`) reads from the store;
@@ -13,7 +14,11 @@ block `first_block + i` is the pool's local block i.
 
 from __future__ import annotations
 
+import copy
+
 import torch
+
+from ..memory.representation import representation_for
 
 # A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
 SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
@@ -35,21 +40,25 @@ class HostKVPool:
 
     Args:
         batch_size, num_kv_heads, head_dim, block_size: B, Hkv, D, T.
-        dtype: element type of the model's keys and values.
+        dtype: element type of the model's keys and values (what a read of the pool gives).
         chunk_blocks: blocks per chunk (per allocation), at least; pinned chunks hold as many blocks as fill the
             allocation torch makes for them (`fitted_chunk_blocks`): C = `self.chunk_blocks`.
         pin_memory: allocate page-locked memory (for CUDA models).
+        host_dtype: None (units in `dtype`), "fp8" or "int4" (`memory/representation.py`).
     """
 
-    def __init__(self, batch_size, num_kv_heads, head_dim, block_size, dtype, chunk_blocks, pin_memory):
+    def __init__(self, batch_size, num_kv_heads, head_dim, block_size, dtype, chunk_blocks, pin_memory,
+                 host_dtype=None):
         self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
+        self.host_dtype = host_dtype
+        self.representation = representation_for(host_dtype, dtype, block_size, head_dim)
         self.pin_memory = pin_memory
         self.chunk_blocks = fitted_chunk_blocks(chunk_blocks, self.block_nbytes, pin_memory)
-        self.chunks: list[torch.Tensor] = []  # each [C, 2, B, Hkv, T, D]
+        self.chunks: list[torch.Tensor] = []  # each [C, 2, B, Hkv, *U]
         self.num_blocks = 0  # NB: complete blocks of the layer (those below `first_block` are not in this pool)
         self.first_block = 0  # blocks [0, first_block) live in a store, behind `remote`
         self.remote = None  # `remote.local_cache.LocalBlockCache` on a decode side
@@ -66,14 +75,14 @@ class HostKVPool:
 
     def reserve(self, num_blocks: int) -> None:
         """Make room for `num_blocks` blocks in all (allocates whole chunks)."""
-        shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (self.chunk_blocks, 2, self.batch_size, self.num_kv_heads, *self.representation.unit_shape)
         while self.capacity_blocks < num_blocks:
             self.chunks.append(self._empty(shape))
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block: its `[2, B, Hkv, T, D]` run in a chunk."""
-        return 2 * self.batch_size * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+        """Bytes of one block: its `[2, B, Hkv, *U]` run in a chunk."""
+        return 2 * self.batch_size * self.num_kv_heads * self.representation.unit_nbytes
 
     def bytes_to_reserve(self, num_blocks: int) -> int:
         """Host bytes `reserve(num_blocks)` would allocate."""
@@ -128,6 +137,7 @@ class HostKVPool:
         self.fetch_all_remote()  # the copy owns every block (the store's keys go with the original)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
+        new.representation = copy.copy(self.representation)  # (int4's key center, fixed on its own from then on)
         new.remote = None
         full = self.num_blocks // self.chunk_blocks if memo.get(SHARE_CHUNKS) else 0
         if memo.get(READ_ONLY_COPY):  # every chunk shared, none marked: the copy must never write them
@@ -151,7 +161,7 @@ class HostKVPool:
         self.reserve(self.num_blocks)
         remote.read_all_into(self)
         if self.num_blocks > first:  # the blocks completed here: local block i is block first + i
-            completed = torch.cat(local)[: self.num_blocks - first]  # [n, 2, B, Hkv, T, D]
+            completed = torch.cat(local)[: self.num_blocks - first]  # [n, 2, B, Hkv, *U]
             for chunk, lo, hi, offset in self.spans(first, self.num_blocks):
                 chunk[lo:hi].copy_(completed[offset : offset + hi - lo])
         self.remote = None
@@ -159,13 +169,13 @@ class HostKVPool:
 
     def _empty(self, shape) -> torch.Tensor:
         """A new chunk, pinned where the pool is (torch's caching host allocator)."""
-        return torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin_memory)
+        return torch.empty(shape, dtype=self.representation.storage_dtype, device="cpu", pin_memory=self.pin_memory)
 
     def _own_copy(self, index: int, num_blocks: int) -> torch.Tensor:
         """A new chunk (pinned where the pool is) holding chunk `index`'s blocks below `num_blocks` (local blocks
         `[0, num_blocks - first_block)`), the rest left unwritten: blocks past the end are rewritten before they are
         read. One copy of the blocks in use only — a fork of a prompt just past a chunk's start copies a few blocks,
-        not the chunk (`[C, 2, B, Hkv, T, D]`, ~150 MB per layer for SmolLM2 in fp32 at a batch of 24)."""
+        not the chunk (`[C, 2, B, Hkv, *U]`, ~150 MB per layer for SmolLM2 in fp32 at a batch of 24)."""
         chunk = self.chunks[index]
         used = min(max(num_blocks - self.first_block - index * self.chunk_blocks, 0), self.chunk_blocks)
         new = self._empty(chunk.shape)

@@ -169,17 +169,20 @@ def _restore_layer(cache, idx: int, saved: dict, tier, device, local_cache_units
     layer.choose_kernels()  # this side's device decides
     meta = dict(saved["pool"])
     published = meta.pop("num_blocks")
+    center = meta.pop("center", None)  # (int4: the keys' center the published units were narrowed with)
     meta["chunk_blocks"] = min(meta["chunk_blocks"], DECODE_CHUNK_BLOCKS)
     pin = device.type == "cuda"
     pool = layer.pool = HostKVPool(**meta, pin_memory=pin)
+    if center is not None:
+        pool.representation.center = center.to(device)
     pool.num_blocks = pool.first_block = published  # the pool holds the blocks decode completes
     layer.reserve_ahead()
     one_step = pool.batch_size * pool.num_kv_heads * layer.working_set.num_slots
     units = local_cache_units or max(one_step, min(LOCAL_CACHE_STEPS * one_step, int(
         LOCAL_CACHE_SHARE * published * pool.batch_size * pool.num_kv_heads)))
     if published:
-        pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.block_size,
-                                      pool.head_dim, pool.dtype, units, pin, device)
+        pool.remote = LocalBlockCache(tier, idx, published, pool.batch_size, pool.num_kv_heads, pool.representation,
+                                      units, pin, device)
         pool.remote.deferred = deferred
         pool.remote.overlap = overlap
 
@@ -223,8 +226,8 @@ def _fill_slots(cache: OasisCache, tier: RemoteTier) -> None:
         b, h, s = (held >= 0).nonzero(as_tuple=True)
         if not b.numel():
             continue
-        T, D = layer.pool.block_size, layer.pool.head_dim
-        staging = torch.empty((b.numel(), 2, T, D), dtype=layer.pool.dtype,
+        rep = layer.pool.representation
+        staging = torch.empty((b.numel(), 2, *rep.unit_shape), dtype=rep.storage_dtype,
                               pin_memory=layer.device.type == "cuda")
         units = list(zip(held[b, h, s].tolist(), b.tolist(), h.tolist()))
         size = staging[0].numel() * staging.element_size()
@@ -234,7 +237,8 @@ def _fill_slots(cache: OasisCache, tier: RemoteTier) -> None:
                                   for idx, _, units, staging, _ in reads], size)
         for _, layer, _, staging, (b, h, s) in reads:
             index = tuple(i.to(layer.device) for i in (b, h, s))
-            layer.working_set.slots[(slice(None), *index)] = staging.to(layer.device).transpose(0, 1)
+            widened = layer.pool.representation.widen(staging.to(layer.device), heads=index[1])  # [n, 2, T, D]
+            layer.working_set.slots[(slice(None), *index)] = widened.transpose(0, 1)
 
 
 def _restore_draft(cache: OasisCache, drafted: dict, request: str) -> None:

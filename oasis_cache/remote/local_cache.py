@@ -1,11 +1,12 @@
 """The decode side's local cache of a remote tier: blocks a store holds, read one (sequence, KV head) at a time.
 
 A layer admitted from a store (`remote/admission.py`) keeps its first `published` blocks in the store, one object
-per (block, sequence, KV head): `[2, T, D]`, keys and values. A decode step that selects such a block for a sequence's
-KV head needs only that head's run, so that is the unit fetched and cached. The cache is an arena of `capacity` units
-in host memory (pinned on CUDA, read by the same gather kernel as the host pool, `gather_blocks(per_unit=True)`):
+per (block, sequence, KV head): `[2, *U]`, keys and values as the host pool holds them. A decode step that selects
+such a block for a sequence's KV head needs only that head's run, so that is the unit fetched and cached. The cache is
+an arena of `capacity` units in host memory (pinned on CUDA, read by the same gather kernel as the host pool,
+`gather_blocks(per_unit=True)`):
 
-    arena      `[capacity, 2, 1, 1, T, D]`   slot s holds one unit
+    arena      `[capacity, 2, 1, 1, *U]`     slot s holds one unit
     slot_of    `[B, Hkv, published]` int64   the unit's slot, -1 when not here (on the host; a copy on the device
                                              maps a step's block ids to slots without a sync)
     unit_of    `[capacity]` int64            the unit a slot holds ((b * Hkv + h) * P + block, P the blocks published
@@ -58,20 +59,23 @@ class LocalBlockCache:
         tier: the request's `RemoteTier`.
         layer_idx: the layer.
         published: blocks [0, published) are in the store.
-        batch_size, num_kv_heads, block_size, head_dim, dtype: the layer's B, Hkv, T, D and element type.
+        batch_size, num_kv_heads: the layer's B, Hkv.
+        representation: how its host pool holds a unit (`memory/representation.py`): the arena holds units so.
         capacity: units the arena holds (at least one step's selection of this layer).
         pin_memory: page-locked arena (CUDA models).
         device: the compute device (where the slot map's copy lives).
     """
 
-    def __init__(self, tier, layer_idx, published, batch_size, num_kv_heads, block_size, head_dim, dtype, capacity,
-                 pin_memory, device):
+    def __init__(self, tier, layer_idx, published, batch_size, num_kv_heads, representation, capacity, pin_memory,
+                 device):
         self.tier = tier
         self.layer_idx = layer_idx
         self.published = published
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.capacity = capacity
-        self.arena = torch.empty((capacity, 2, 1, 1, block_size, head_dim), dtype=dtype, pin_memory=pin_memory)
+        self.representation = representation
+        self.arena = torch.empty((capacity, 2, 1, 1, *representation.unit_shape), dtype=representation.storage_dtype,
+                                 pin_memory=pin_memory)
         self.stride = published  # unit id = (b * Hkv + h) * stride + block
         self.slot_of = torch.full((batch_size, num_kv_heads, published), -1, dtype=torch.int64)
         self.device = torch.device(device)
@@ -252,9 +256,10 @@ class LocalBlockCache:
                 bh = rows % (B * H)
                 self.tier.get_units(self.layer_idx, list(zip(block.tolist(), (bh // H).tolist(), (bh % H).tolist())),
                                     [staging[r].data_ptr() for r in rows.tolist()], self.unit_nbytes, staging)
-            # [n * B * H, 2, 1, 1, T, D] -> the pool's [n, 2, B, H, T, D]
-            T, D = staging.shape[-2:]
-            pool.chunks[chunk_index][:n].copy_(staging.view(n, B, H, 2, T, D).permute(0, 3, 1, 2, 4, 5))
+            # [n * B * H, 2, 1, 1, *U] -> the pool's [n, 2, B, H, *U]
+            unit = staging.shape[4:]
+            pool.chunks[chunk_index][:n].copy_(staging.view(n, B, H, 2, *unit).permute(0, 3, 1, 2,
+                                                                                          *range(4, 4 + len(unit))))
 
     def truncate(self, num_blocks: int) -> None:
         """Blocks from `num_blocks` on are forgotten (crop below the published ones); their slots are freed."""

@@ -1,8 +1,8 @@
 """Complete blocks of a cache's host pools in a Mooncake Store.
 
 One store object per (request, generation, layer, block, sequence, KV head): that head's keys and values of the
-block, `[2, T, D]` — what a decode step that selects the block for that head reads, so a decode side fetches only
-the heads it selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
+block, `[2, *U]` as the host pool holds it (`[2, T, D]`, or narrow bytes with `host_dtype`) — what a decode step that
+selects the block for that head reads, so a decode side fetches only the heads it selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
 (`batch_put_from`) and got straight into the decode side's local cache (`batch_get_into`), both batched. Keys:
 `oasis/{request}/{generation}/{layer}/{block}/{sequence}/{head}`, the generation a random name each publication
 draws, so a request published again never reads the blocks of an earlier publication; the request's record
@@ -302,9 +302,9 @@ class RemoteTier:
 
     def publish(self, layer_idx: int, pool: HostKVPool, start: int = 0, end: int | None = None) -> int:
         """Put blocks [start, end) of `pool` (a local pool; default: every complete block) under this request's keys,
-        one object per (block, sequence, KV head), `[2, T, D]`: each chunk's blocks are laid out unit-major in one
-        staging copy and put by batched calls of at most `BATCH_OBJECTS` objects (the caller makes sure no copy into
-        the pool is in flight). Returns the bytes put."""
+        one object per (block, sequence, KV head), `[2, *U]` (a unit as the pool holds it): each chunk's blocks are
+        laid out unit-major in one staging copy and put by batched calls of at most `BATCH_OBJECTS` objects (the
+        caller makes sure no copy into the pool is in flight). Returns the bytes put."""
         end = pool.num_blocks if end is None else end
         if end <= start:
             return 0
@@ -314,7 +314,7 @@ class RemoteTier:
         B, H = pool.batch_size, pool.num_kv_heads
         total = 0
         for chunk, lo, hi, offset in pool.spans(start, end):
-            staging = chunk[lo:hi].permute(0, 2, 3, 1, 4, 5).contiguous()  # [n, B, H, 2, T, D]: one unit per row
+            staging = chunk[lo:hi].permute(0, 2, 3, 1, *range(4, chunk.dim())).contiguous()  # [n, B, H, 2, *U]
             units = staging.view(-1, *staging.shape[3:])
             size = units[0].numel() * units.element_size()
             keys = [self.key(layer_idx, start + offset + i, b, h)
@@ -338,7 +338,7 @@ class RemoteTier:
         return total
 
     def get_units(self, layer_idx: int, units, addresses, size: int, owner: torch.Tensor | None = None) -> int:
-        """Get `units` (`[(block, sequence, KV head)]`) of layer `layer_idx`, each `size` bytes (`[2, T, D]`), into
+        """Get `units` (`[(block, sequence, KV head)]`) of layer `layer_idx`, each `size` bytes (`[2, *U]`), into
         `addresses` (host memory), by batched calls of at most `BATCH_OBJECTS` objects. Raises `RemoteBlocksMissing`
         naming them when the store lacks some. Returns the bytes got. `owner`: the tensor `addresses` point into,
         kept alive for good when a transfer fails otherwise than by a missing object (its I/O may still run)."""

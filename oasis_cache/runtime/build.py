@@ -25,7 +25,8 @@ from . import model_checks
 
 # the options OasisCache takes by name (with `draft`, which is no field of the config); every other field of
 # `OasisConfig` is an advanced one, given as `advanced={...}`
-NAMED_OPTIONS = ("token_budget", "lookahead", "exact", "prefill_chunk_tokens", "cuda_graph", "compile_decode")
+NAMED_OPTIONS = ("token_budget", "lookahead", "exact", "prefill_chunk_tokens", "host_dtype", "cuda_graph",
+                 "compile_decode")
 ADVANCED_OPTIONS = tuple(f.name for f in dataclasses.fields(OasisConfig) if f.name not in NAMED_OPTIONS)
 _HF_KEPT_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 

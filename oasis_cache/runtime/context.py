@@ -110,8 +110,11 @@ class ForwardContext:
         if needed:
             B, H, _, D = key_states.shape
             tokens = self.cache.get_seq_length(self.cache._first_oasis_layer) + new_tokens
+            held = self.cache.config.host_dtype
             check_host_room(needed, f"the host pool of {len(layers)} layers for {tokens} tokens x {B} sequences ({H} "
-                                    f"KV heads of {D}, {key_states.dtype})")
+                                    f"KV heads of {D}, {key_states.dtype}"
+                                    + (f" held as {held})" if held else "; host_dtype='fp8' or 'int4' would hold "
+                                       "them in half or about a quarter of bf16's bytes)"))
 
     def backend_for(self, device: torch.device) -> str:
         return resolve_backend(self.cache.config.backend, device)

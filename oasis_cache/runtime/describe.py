@@ -6,6 +6,17 @@ from ..layer import OasisLayer
 from . import compiled_layers, replay
 
 
+def host_bytes_per_token(cache) -> int:
+    """Host bytes one token of one sequence takes in the pools (every full-attention layer's keys and values, scales
+    included); 0 before the first forward."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, OasisLayer) and layer.is_initialized:
+            pool = layer.pool
+            total += 2 * pool.num_kv_heads * pool.representation.unit_nbytes // pool.block_size
+    return total
+
+
 def describe(cache) -> str:
     """What `cache` runs and why, in words."""
     cfg, model = cache.config, cache._model()
@@ -15,9 +26,14 @@ def describe(cache) -> str:
     lines = [f"OasisCache for {name}: {tokens} tokens cached; each decode step attends at most "
              f"{cfg.token_budget} tokens per KV head (every token while the context fits)."]
     kept = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, OasisLayer)})
+    held = "in the model's dtype" if cfg.host_dtype is None else \
+        f"as {cfg.host_dtype}, widened to the model's dtype when gathered"
+    per_token = host_bytes_per_token(cache)
     lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of "
-                 f"{cfg.block_size} tokens" + (f"; {len(cache.layers) - n_oasis} others kept by transformers "
-                                               f"({', '.join(kept)})" if kept else ""))
+                 f"{cfg.block_size} tokens, {held}" + (f" ({per_token} bytes a token of a sequence)" if per_token
+                                                       else "")
+                 + (f"; {len(cache.layers) - n_oasis} others kept by transformers ({', '.join(kept)})" if kept
+                    else ""))
     modes = {"none": "the real query selects its blocks, fetched on the critical path",
              "previous": "each step's query predicts the next step's blocks, fetched on a side stream",
              "eagle3": "a draft token rides beside the real one and predicts the next step's blocks"}

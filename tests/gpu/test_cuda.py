@@ -217,7 +217,11 @@ EAGER_MODES = [dict(lookahead="previous", cuda_graph=False), dict(lookahead="pre
                dict(lookahead="eagle3", cuda_graph=False), dict(lookahead="eagle3", exact=True, cuda_graph=False)]
 
 
-@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES + EAGER_MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+NARROW_MODES = [dict(lookahead="previous", host_dtype="fp8"), dict(lookahead="previous", exact=True, host_dtype="int4")]
+
+
+@pytest.mark.parametrize("mode", MODES + EAGLE3_MODES + EAGER_MODES + NARROW_MODES,
+                         ids=lambda m: "-".join(str(v) for v in m.values()))
 def test_decode_steps_make_no_host_sync(mode):
     """The decode hot path issues no synchronizing CUDA call (`.item()`, blocking copies, ...): checked with
     PyTorch's sync debug mode over decode steps that select, fetch, prefetch and offload blocks (and, with eagle3,
@@ -1227,3 +1231,37 @@ def test_a_weight_rebound_or_moved_in_a_loop_of_one_s_own_replays_the_new_weight
     assert cache.captured_steps.replays > 8 and cache.captured_steps.captures >= 3
     assert torch.equal(eager.argmax(-1), captured.argmax(-1))
     torch.testing.assert_close(captured, eager, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
+def test_a_narrow_host_pool_on_cuda(host_dtype):
+    """A narrow host pool on CUDA: captured steps with the Triton gather's widening and the narrowing offload decode
+    what eager steps decode (tokens and logits), sparse and dense-equal, in fp32 and bf16; in fp32 the torch backend's
+    tokens too (its widening is the rule `kernel_cases` checks the kernel against, bit for bit); at a budget above the
+    context, what dense attention over the widened keys and values generates."""
+    from test_host_dtype import widened_cache
+
+    kw = dict(max_new_tokens=60, do_sample=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model("qwen3", num_hidden_layers=4).cuda().to(dtype)
+        for inputs, budget in (({"input_ids": prompt_ids(300)}, 128), ({"input_ids": prompt_ids(300, batch=3)}, 128),
+                               (left_padded([300, 240, 270]), 1024)):
+            inputs = on_cuda(inputs)
+            options = dict(token_budget=budget, recent_tokens=32, host_chunk_blocks=4, host_dtype=host_dtype,
+                           lookahead="previous")
+            eager = generate(model, OasisCache(model, **cache_kwargs(dict(cuda_graph=False, **options))), inputs, **kw)
+            cache = OasisCache(model, **cache_kwargs(options))
+            graphed = generate(model, cache, inputs, **kw)
+            assert cache.captured_steps is not None and cache.captured_steps.replays >= 40
+            assert cache.transfer.backend == "triton"
+            assert torch.equal(eager.sequences, graphed.sequences), (dtype, budget)
+            for a, b in zip(eager.logits, graphed.logits):
+                torch.testing.assert_close(b, a, atol=ATOL if dtype == torch.float32 else 2e-2, rtol=1e-4)
+            if dtype == torch.float32:  # the torch backend's eager steps (another attention: its tokens)
+                torch_cache = OasisCache(model, **cache_kwargs(dict(backend="torch", cuda_graph=False, **options)))
+                assert torch.equal(generate(model, torch_cache, inputs, **kw).sequences, graphed.sequences)
+            if budget >= 1024 and dtype == torch.float32:
+                reference = generate(model, widened_cache(model, host_dtype), inputs, **kw)
+                assert torch.equal(reference.sequences, graphed.sequences)
+            stats = cache.stats()
+            assert stats["host_dtype"] == host_dtype and stats["bytes_fetched"] > 0

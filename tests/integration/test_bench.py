@@ -296,3 +296,26 @@ def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     assert [seen["previous_alive"] for seen in rows["oasis"]["pinned"]] == [False, False]
     assert rows["oasis"]["routed"] == [[], []]  # (no captured steps on the CPU: the router is never asked)
 
+
+
+def test_the_host_pools_representation_side_by_side_and_the_requests_a_host_holds(tmp_path):
+    """`@fp8` / `@int4` rows of `bench/decode.py` run with that host pool and report its bytes; `bench/host_capacity.py`
+    sizes the requests a host holds by the pools' own arithmetic (more of them the narrower the form)."""
+    out = tmp_path / "decode.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "tiny", "--device", "cpu", "--contexts", "512",
+         "--batches", "1", "--steps", "2", "--warmup", "1", "--measure-steps", "0", "--budget", "256", "--methods",
+         "oasis-none", "oasis-none@fp8", "oasis-none@int4", "--interleave", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    wide, fp8, int4 = (rows[f"oasis-none{v}"] for v in ("", "@fp8", "@int4"))
+    assert (wide["host_dtype"], fp8["host_dtype"], int4["host_dtype"]) == (None, "fp8", "int4")
+    per_token = wide["host_bytes_per_token"]  # (heads of 32 channels: the scales weigh more than at 128)
+    assert fp8["host_bytes_per_token"] / per_token < 0.52 and int4["host_bytes_per_token"] / per_token < 0.32
+    out = tmp_path / "capacity.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_capacity.py"), "--context", "131072",
+                          "--host-gib", "120", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    sized = {r["host_dtype"]: r for r in json.loads(out.read_text())["rows"]}
+    assert [sized[d]["sequences"] for d in ("bf16", "fp8", "int4")] == [6, 12, 24]  # (18.6 / 9.6 / 5.1 GiB each)

@@ -208,3 +208,21 @@ def test_a_prefill_pays_tritons_start_up_beside_it(monkeypatch):
     assert all(kernel.hash is not None for kernel in kernels())  # (the kernels' source keys made)
     ahead.beside_prefill(cache, torch.device("cuda"))
     assert ahead._WARMING is thread  # (once a process)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_every_kernel_the_package_launches_compiles_instead_in_a_dry_step():
+    """`kernels/ahead.kernels()` lists every launched kernel of the package: a kernel missing there would run for real
+    in a dry step (`runtime/ahead.py`), over the copy's garbage indices (an illegal address on a GPU)."""
+    import importlib
+    import pkgutil
+
+    import oasis_cache.kernels as package
+    from oasis_cache.kernels.ahead import kernels
+
+    launched = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"oasis_cache.kernels.{info.name}")
+        launched |= {value for name, value in vars(module).items() if name.endswith("_kernel")
+                     and type(value).__name__ in ("JITFunction", "InterpretedFunction")}
+    assert launched and launched <= set(kernels()), launched - set(kernels())

@@ -238,3 +238,27 @@ def test_the_docs_example_runs_as_written(mooncake_master):
     exec(code, scope)
     assert scope["out"].shape[1] == 211
     assert not connect(mooncake_master).get("oasis/req-7/record")
+
+
+@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
+def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_master, host_dtype):
+    """The store holds a narrow pool's units as the pool holds them (their bytes: half or a quarter), the decode side
+    admits the request with the same representation, and generates the prefill process's own tokens and logits."""
+    model = tiny_model("llama")
+    ids = prompt_ids(403)
+    store = connect(mooncake_master)
+    wide = publish(_prefilled(model, ids), store, f"wide-{host_dtype}")
+    narrow = publish(_prefilled(model, ids, host_dtype=host_dtype), store, f"narrow-{host_dtype}")
+    unit = 8 * 16  # T x D of `tiny_model`, float32
+    expected = {"fp8": unit + 16, "int4": unit // 2 + 4 * 8}[host_dtype] / (unit * 4)
+    assert narrow["blocks"] / wide["blocks"] == pytest.approx(expected)
+    cache = admit(model, store, f"narrow-{host_dtype}")
+    assert cache.config.host_dtype == host_dtype and cache.layers[0].pool.remote.arena.dtype == torch.uint8
+    kw = dict(KW, output_logits=True, return_dict_in_generate=True)
+    got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
+    own = model.generate(input_ids=ids, **_prefilled(model, ids, host_dtype=host_dtype).generate_kwargs(), **kw)
+    assert torch.equal(got.sequences, own.sequences)
+    for a, b in zip(got.logits, own.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert cache.stats()["remote_units_fetched"] > 0  # (blocks read from the store, narrow, and widened here)
+    store.close()

@@ -1,0 +1,103 @@
+"""The host pool's narrow representations (`host_dtype`, `memory/representation.py`): their bytes, their error, and
+a pool that holds them: what it gives back is the widened units, wherever it is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_cache.memory import TransferEngine
+from oasis_cache.memory.representation import FP8_MAX, representation_for
+from oasis_cache.pools import HostKVPool, WorkingSet
+
+
+def kv_like(*lead, T=16, D=128, seed=0, dtype=torch.bfloat16):
+    """Keys-like data: channels of very different scales (a few outlier channels, as real keys have)."""
+    g = torch.Generator().manual_seed(seed)
+    channel = torch.exp(torch.randn(D, generator=g) * 1.5)
+    return (torch.randn(*lead, T, D, generator=g) * channel).to(dtype)
+
+
+def test_a_unit_takes_half_or_about_a_quarter_of_bf16s_bytes_scales_included():
+    wide = representation_for(None, torch.bfloat16, 16, 128).unit_nbytes
+    assert wide == 16 * 128 * 2
+    fp8 = representation_for("fp8", torch.bfloat16, 16, 128).unit_nbytes
+    int4 = representation_for("int4", torch.bfloat16, 16, 128).unit_nbytes
+    assert fp8 / wide <= 0.53 and int4 / wide <= 0.30, (fp8 / wide, int4 / wide)
+    assert fp8 % 16 == 0 and int4 % 16 == 0  # (every unit starts 16-byte aligned in a chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_widening_errs_by_at_most_the_rounding_of_the_narrow_form(dtype):
+    x = kv_like(2, 3, 2, dtype=dtype)  # [K and V, B, Hkv, T, D]
+    wide_ulp = torch.finfo(dtype).eps
+    fp8 = representation_for("fp8", dtype, 16, 128)
+    y = fp8.widen(fp8.narrow(x)).float()
+    scale = x.float().abs().amax((-2, -1), keepdim=True) / FP8_MAX
+    # e4m3: 3 mantissa bits (half an ulp: 2**-4 of the value), subnormals below 2**-6 (steps of 2**-9) of the scale
+    bound = x.float().abs() * (2 ** -4 + wide_ulp) + scale * 2 ** -10
+    assert bool(((y - x.float()).abs() <= bound * 1.001).all())
+    int4 = representation_for("int4", dtype, 16, 128)
+    y = int4.widen(int4.narrow(x)).float()
+    centered = x.float() - torch.stack([int4.center.float(), torch.zeros_like(int4.center.float())])[:, None, :, None]
+    span = centered.amax(-1, keepdim=True) - centered.amin(-1, keepdim=True)
+    bound = span / 15 / 2 * 1.01 + x.float().abs() * wide_ulp + span * 2 ** -10  # (fp16 scale and minimum)
+    assert bool(((y - x.float()).abs() <= bound).all())
+    assert fp8.widen(fp8.narrow(torch.zeros_like(x))).abs().max() == 0  # an all-zero unit stays zero
+    fresh = representation_for("int4", dtype, 16, 128)
+    assert fresh.widen(fresh.narrow(torch.ones_like(x))).eq(1).all()  # a constant token stays that constant
+
+
+def test_int4_centers_the_keys_and_so_keeps_a_biased_channel_from_setting_every_tokens_range():
+    """Keys with a large per-channel offset (a projection's bias): int4 without a center would spend its 16 levels on
+    the offset; the center (the first blocks' mean, fixed from then on, for later blocks too) keeps them for the
+    rest. Values are not centered."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, 2, 16, 64, generator=g)
+    bias = torch.zeros(64)
+    bias[5], bias[40] = 60.0, -45.0
+    x[0] += bias
+    int4 = representation_for("int4", torch.float32, 16, 64)
+    error = (int4.widen(int4.narrow(x)) - x)[0].abs().mean()
+    later = torch.randn(2, 1, 2, 16, 64, generator=g)
+    later[0] += bias
+    assert torch.allclose(int4.center.float()[:, [5, 40]], bias[[5, 40]], atol=3)  # (fixed by the first blocks)
+    later_error = (int4.widen(int4.narrow(later)) - later)[0].abs().mean()
+    uncentered = representation_for("int4", torch.float32, 16, 64)
+    uncentered.center = torch.zeros(2, 64, dtype=torch.float16)
+    plain_error = (uncentered.widen(uncentered.narrow(later)) - later)[0].abs().mean()
+    assert error < plain_error / 4 and later_error < plain_error / 4, (error, later_error, plain_error)
+
+
+@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
+def test_a_narrow_pool_holds_bytes_and_every_read_gives_the_widened_units(host_dtype):
+    B, H, T, D, NB, C = 2, 3, 16, 64, 11, 4
+    pool = HostKVPool(B, H, D, T, torch.float32, C, pin_memory=False, host_dtype=host_dtype)
+    plain = HostKVPool(B, H, D, T, torch.float32, C, pin_memory=False)
+    data = kv_like(2, B, H, NB, T=T, D=D, dtype=torch.float32)  # [2, B, H, NB, T, D]
+    engine = TransferEngine("torch", torch.device("cpu"))
+    engine.offload(pool, data)
+    engine.offload(plain, data)
+    rep = pool.representation
+    assert pool.chunks[0].dtype == torch.uint8 and pool.chunks[0].shape[-1] == rep.unit_nbytes
+    assert pool.nbytes / plain.nbytes == rep.unit_nbytes / (T * D * 4)
+    widened = rep.widen(rep.narrow(data.permute(3, 0, 1, 2, 4, 5))).permute(1, 2, 3, 0, 4, 5)
+    assert torch.equal(engine.load_range(pool, 0, NB), widened)  # a dense read (crop, a forward over the past)
+    assert torch.equal(engine.load_range(pool, 3, 9), widened[:, :, :, 3:9])
+    ws = WorkingSet(B, H, 4, T, 2 * T, D, torch.float32, "cpu")
+    ids = torch.tensor([[7, 2, 10, 0]]).expand(B, H, 4)
+    dest = torch.tensor([[3, 0, 1, 2]]).expand(B, H, 4)
+    engine.fetch(pool, ws, ids, dest, torch.ones(B, H, 4, dtype=torch.bool))  # a sparse step's gather
+    for k in range(4):
+        assert torch.equal(ws.slots[:, :, :, dest[0, 0, k]], widened[:, :, :, ids[0, 0, k]])
+    pool.index_batch(torch.tensor([1, 1, 0]))  # beam search's reorder moves the narrow bytes as they are
+    assert torch.equal(engine.load_range(pool, 0, NB), widened[:, [1, 1, 0]])
+
+
+def test_a_host_dtype_it_does_not_know_is_refused_by_name():
+    from oasis_cache import OasisCache
+
+    from conftest import tiny_model
+
+    with pytest.raises(ValueError, match=r"host_dtype must be None \(the model's dtype\), 'fp8' or 'int4', got 'fp16'"):
+        OasisCache(tiny_model("llama"), token_budget=256, host_dtype="fp16")
