@@ -120,7 +120,8 @@ def check_narrow_gather(B, H, T, D, S, NB, C, dtype, host_dtype, device, max_pro
     got = ws.kv.cpu()
     widened = gathered(got, fetch, dest, T, lambda b, h, k: rep.widen(units[block_ids[b, h, k], :, b, h][None],
                                                                       heads=torch.tensor([h]))[0])
-    stored = torch.full_like(pool.chunks[0], 7, pin_memory=device.type == "cuda")  # (written through its address)
+    pinned = device.type == "cuda"  # (written through its address)
+    stored = torch.empty(pool.chunks[0].shape, dtype=torch.uint8, pin_memory=pinned).fill_(7)
     block = rep.narrow(data[:, :, :, 0].to(device)).contiguous()  # [2, B, H, U], narrowed where the model runs
     store_block(torch.tensor([stored.data_ptr()], dtype=torch.int64, device=device), C,
                 torch.tensor([C - 1], device=device), block)
