@@ -298,6 +298,7 @@ def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
 
 
 
+@pytest.mark.audit  # (35 s on 2 cores: with the long checks CI runs after the README's test command)
 def test_the_host_pools_representation_side_by_side_and_the_requests_a_host_holds(tmp_path):
     """`@fp8` / `@int4` rows of `bench/decode.py` run with that host pool and report its bytes; `bench/host_capacity.py`
     sizes the requests a host holds by the pools' own arithmetic (more of them the narrower the form)."""
