@@ -27,9 +27,9 @@ def kernels() -> list:
         return []
     from . import block_scores, decode_attention, gather, host_store, recent_append, slot_assign, top_k
 
-    return [gather._gather_blocks_kernel, gather._gather_narrow_kernel, host_store._store_block_kernel, block_scores._block_scores_kernel,
-            slot_assign._slot_assign_kernel, recent_append._recent_append_kernel, top_k._top_k_kernel,
-            decode_attention._split_kernel, decode_attention._combine_kernel]
+    return [gather._gather_blocks_kernel, gather._gather_narrow_kernel, host_store._store_block_kernel,
+            block_scores._block_scores_kernel, slot_assign._slot_assign_kernel, recent_append._recent_append_kernel,
+            top_k._top_k_kernel, decode_attention._split_kernel, decode_attention._combine_kernel]
 
 
 def _compile_and_build_launcher(compile_fn):

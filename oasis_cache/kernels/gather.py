@@ -131,8 +131,8 @@ if triton is not None:
                 scale = tl.load(pairs, mask=rows, other=0).to(tl.float32)[:, :, None]
                 low = tl.load(pairs + 1, mask=rows, other=0).to(tl.float32)[:, :, None]
                 u = codes.to(tl.uint8, bitcast=True)
-                keys = wanted[:, None, None] & (w[None, None, :] < W) & (w[None, None, :] * 0 + kv == 0)  # (values:
-                # + 0, as torch adds)
+                # the center for keys; values add 0, as torch's widening does (`kv` a tensor here: the interpreter)
+                keys = wanted[:, None, None] & (w[None, None, :] < W) & (w[None, None, :] * 0 + kv == 0)
                 mu = center + ((bh % H) * D)[:, None, None] + w[None, None, :]
                 mu_low = tl.load(mu, mask=keys, other=0).to(tl.float32)
                 mu_high = tl.load(mu + W, mask=keys, other=0).to(tl.float32)
@@ -171,23 +171,23 @@ def gather_blocks(
         return
     rounds = triton.cdiv(total, entries)
     grid = (min(rounds, max_programs) if max_programs else rounds, 2)
+    fetch = fetch.view(torch.int8) if fetch.dtype == torch.bool else fetch
     if representation is not None and representation.narrow_form:
-        W = D if representation.name == "fp8" else D // 2
-        fetch = fetch.view(torch.int8) if fetch.dtype == torch.bool else fetch
-        center = representation.center_on(out.device) if representation.name == "int4" else fetch
+        fp8 = representation.name == "fp8"
+        W, UNIT = (D if fp8 else D // 2), representation.unit_nbytes  # (a token's code bytes, a unit's bytes)
         _gather_narrow_kernel[grid](
-            chunk_addrs, block_ids.contiguous(), dest.contiguous(), fetch, out, center, H, B * H, K, chunk_blocks,
-            L * D, total,
-            1 if per_unit else B * H, FORMAT=1 if representation.name == "fp8" else 2, T=T, D=D, W=W,
-            UNIT=representation.unit_nbytes, T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W),
-            ENTRIES=entries, num_warps=num_warps, ALIGNED=W % 16 == 0 and representation.unit_nbytes % 16 == 0,
+            chunk_addrs, block_ids.contiguous(), dest.contiguous(), fetch, out,
+            fetch if fp8 else representation.center_on(out.device), H, B * H, K, chunk_blocks, L * D, total,
+            1 if per_unit else B * H, FORMAT=1 if fp8 else 2, T=T, D=D, W=W, UNIT=UNIT,
+            T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W), ENTRIES=entries,
+            num_warps=num_warps, ALIGNED=W % 16 == 0 and UNIT % 16 == 0,
         )
         return
     _gather_blocks_kernel[grid](
         chunk_addrs,
         block_ids.contiguous(),
         dest.contiguous(),
-        fetch.view(torch.int8) if fetch.dtype == torch.bool else fetch,
+        fetch,
         out,
         B * H,
         K,

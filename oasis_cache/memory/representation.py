@@ -21,6 +21,8 @@ a fused multiply-add and a multiply then an add round alike.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -47,10 +49,7 @@ class Representation:
 
     @property
     def unit_nbytes(self) -> int:
-        n = 1
-        for size in self.unit_shape:
-            n *= size
-        return n * self.storage_dtype.itemsize
+        return math.prod(self.unit_shape) * self.storage_dtype.itemsize
 
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., 2, B, Hkv, T, D]` of the model's dtype -> `[..., 2, B, Hkv, *unit_shape]` of `storage_dtype`."""
@@ -130,9 +129,8 @@ class Int4(Representation):
         lead, T, half = x.shape[:-2], self.block_size, self.head_dim // 2
         x = x.float()
         if self.center is None:  # the keys' mean over every sequence and token of the first blocks narrowed
-            keys = x.select(-5, 0)  # [..., B, Hkv, T, D]
-            self.center = keys.mean(-2).reshape(-1, *keys.shape[-3:-2], keys.shape[-1]).mean(0).clamp(
-                -FP16_MAX, FP16_MAX).half()
+            keys = x.select(-5, 0).mean(-2)  # [..., B, Hkv, D]
+            self.center = keys.flatten(0, -3).mean(0).clamp(-FP16_MAX, FP16_MAX).half()
         x = x - self._offsets(x, None)
         low = x.amin(-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX).half()
         scale = ((x.amax(-1, keepdim=True) - low.float()) / 15).clamp(max=FP16_MAX).half()

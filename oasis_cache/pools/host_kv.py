@@ -54,7 +54,6 @@ class HostKVPool:
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
-        self.host_dtype = host_dtype
         self.representation = representation_for(host_dtype, dtype, block_size, head_dim)
         self.pin_memory = pin_memory
         self.chunk_blocks = fitted_chunk_blocks(chunk_blocks, self.block_nbytes, pin_memory)
@@ -66,6 +65,11 @@ class HostKVPool:
         # appended past `num_blocks`); `truncate` gives this pool its own copy before a crop could write one
         self.shared: set[int] = set()
         self.read_only = False  # a dry step's copy (`READ_ONLY_COPY`): its writes would land in the original's chunks
+
+    @property
+    def host_dtype(self) -> str | None:
+        """None (units in the model's dtype), "fp8" or "int4"."""
+        return self.representation.name
 
     # ----------------------------------------------------------------------------------------------------- capacity
     @property

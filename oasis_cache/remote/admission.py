@@ -169,7 +169,7 @@ def _restore_layer(cache, idx: int, saved: dict, tier, device, local_cache_units
     layer.choose_kernels()  # this side's device decides
     meta = dict(saved["pool"])
     published = meta.pop("num_blocks")
-    center = meta.pop("center", None)  # (int4: the keys' center the published units were narrowed with)
+    center = meta.pop("center", None)  # (int4: the keys' center the published units were narrowed with, or None)
     meta["chunk_blocks"] = min(meta["chunk_blocks"], DECODE_CHUNK_BLOCKS)
     pin = device.type == "cuda"
     pool = layer.pool = HostKVPool(**meta, pin_memory=pin)

@@ -2,7 +2,8 @@
 
 One store object per (request, generation, layer, block, sequence, KV head): that head's keys and values of the
 block, `[2, *U]` as the host pool holds it (`[2, T, D]`, or narrow bytes with `host_dtype`) — what a decode step that
-selects the block for that head reads, so a decode side fetches only the heads it selects (`remote/local_cache.py`). Published from a unit-major staging copy of each host-pool chunk
+selects the block for that head reads, so a decode side fetches only the heads it selects (`remote/local_cache.py`).
+Published from a unit-major staging copy of each host-pool chunk
 (`batch_put_from`) and got straight into the decode side's local cache (`batch_get_into`), both batched. Keys:
 `oasis/{request}/{generation}/{layer}/{block}/{sequence}/{head}`, the generation a random name each publication
 draws, so a request published again never reads the blocks of an earlier publication; the request's record

@@ -88,8 +88,7 @@ def _publish(cache, tier: RemoteTier, prompt: str | None, tokens: int, before: d
             pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
                       block_size=pool.block_size, dtype=pool.dtype, chunk_blocks=pool.chunk_blocks,
                       host_dtype=pool.host_dtype, num_blocks=pool.num_blocks,
-                      **({"center": pool.representation.center} if getattr(pool.representation, "center", None)
-                         is not None else {})))
+                      center=getattr(pool.representation, "center", None)))  # (int4's key center)
     record = wire.encode(_detached(state))
     size = _part_bytes(tier.store)
     parts = [record[at : at + size] for at in range(0, len(record), size)] or [b""]
