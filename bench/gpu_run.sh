@@ -12,6 +12,8 @@
 #   hostdtype            the host pool in the model's dtype, fp8 and int4 side by side (`host_dtype`): 32K x 1 and
 #                        32K x 4 with "previous" and the default ("none" without a draft head), replayed steps
 #                        (HOSTDTYPE_ROWS="32k1 32k4 128k" picks rows; 128K x 1 with "previous")
+#   gather               the gather kernel alone, each host dtype, the side stream's shapes and one program a block,
+#                        idle and beside matmuls (`bench/gather.py`, 32K x 4 of a Qwen3-8B layer)
 #   hostnll              decode-mode NLL of Qwen2.5-Coder-0.5B at full budget and 1/16, each host dtype, 8K 16K 32K
 #   capacity32k / capacity128k / capped128k   the largest batch under a 24 GiB cap (CAPS, METHODS, BATCHES, TAG,
 #                        BENCH_MODEL=qwen25-coder-0.5b PROMPT=code for real weights), 128K x 1 under the cap
@@ -57,6 +59,7 @@ for arg in "$@"; do
           32k4) a="--contexts 32768 --batches 4 --steps 48 --warmup 4" ;;
           128k) a="--contexts 131072 --batches 1 --steps 24 --warmup 4 --prefill-chunk 32768" ;; esac
         python3 bench/decode.py --interleave --model qwen3-8b --budget 2048 --measure-steps 0 $a --methods $m --out "$OUT/decode-qwen3-8b-hostdtype-$row.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/decode-hostdtype-$row.log" | tail -8; done ;;
+    gather) python3 bench/gather.py --context 32768 --batch 4 --budget 2048 --out "$OUT/gather-32k-b4.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gather.log" ;;
     hostnll) for n in ${HOSTNLL_PREFILLS:-8192 16384 32512}; do python3 eval/report.py --model qwen25-coder-0.5b --dtype bfloat16 --tasks --nll-prefill $n --nll-tokens ${HOSTNLL_TOKENS:-256} --modes none none@fp8 none@int4 --fractions 1 16 --out "$OUT/nll-hostdtype-qwen05-$n.json" 2>&1 | grep --line-buffered -v Warning | tail -9; done ;;
     capacity32k) python3 bench/capacity.py --model ${BENCH_MODEL:-qwen3-8b} --prompt ${PROMPT:-random} --contexts 32768 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4 8 16} --new-tokens 24 --try-timeout 120 --out "$OUT/capacity-${BENCH_MODEL:-qwen3-8b}-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-32k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;
     capacity128k) python3 bench/capacity.py --model qwen3-8b --contexts 131072 --caps ${CAPS:-24 0} --methods ${METHODS:-dense dense-chunked dense-compiled offload oasis} --batches ${BATCHES:-1 2 4} --new-tokens 24 --try-timeout 150 --out "$OUT/capacity-qwen3-8b-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/capacity-128k${CAPS:+-cap${CAPS// /-}}${TAG:-}.log" ;;

@@ -85,6 +85,8 @@ NARROW_CASES = [
     (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes
     (1, 2, 16, 128, 4, 9, 4, torch.float32, "fp8"),
     (2, 1, 4, 6, 6, 17, 3, torch.float32, "int4"),  # odd sizes
+    (2, 2, 2, 6, 4, 11, 3, torch.float32, "int4"),  # scales not 4-byte aligned: read by bytes
+    (2, 1, 1, 6, 5, 9, 4, torch.float32, "fp8"),
 ]
 
 

@@ -101,12 +101,23 @@ if triton is not None:
         return x.to(out.dtype.element_ty)
 
     @triton.jit
+    def _load_u32(at, mask, ALIGNED4: tl.constexpr):
+        """The 4 bytes at byte pointers `at` as uint32 (little-endian): one load where 4-byte aligned, else by bytes."""
+        if ALIGNED4:
+            return tl.load(at.to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
+        word = tl.load(at, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint32)
+        for i in tl.static_range(1, 4):
+            word |= tl.load(at + i, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * i)
+        return word
+
+    @triton.jit
     def _gather_narrow_kernel(
         chunk_addrs, block_ids, dest, fetch, out, center, H, BH, K, C, ROW, num_entries, SRC_BH,
         FORMAT: tl.constexpr,  # 1: fp8 (codes [T, D], an fp32 scale); 2: int4 (bytes [T, D/2], fp16 pairs [T, 2],
         # the keys' center `center` fp16 [H, D] added back)
         T: tl.constexpr, D: tl.constexpr, W: tl.constexpr, UNIT: tl.constexpr,
         T_POW2: tl.constexpr, W_POW2: tl.constexpr, ENTRIES: tl.constexpr, ALIGNED: tl.constexpr,
+        ALIGNED4: tl.constexpr,  # the scales after the codes start 4-byte aligned (T * W % 4 == 0, UNIT % 4 == 0)
     ):
         kv = tl.program_id(1).to(tl.int64)
         t = tl.arange(0, T_POW2)
@@ -122,14 +133,15 @@ if triton is not None:
             codes = tl.load(src[:, None, None] + (t[None, :, None] * W + w[None, None, :]), mask=both, other=0)
             at = dst[:, None, None] + (t[None, :, None] * D + w[None, None, :])
             if FORMAT == 1:
-                scale = tl.load((src + T * D).to(tl.pointer_type(tl.float32)), mask=wanted, other=0)
+                scale = _load_u32(src + T * D, wanted, ALIGNED4).to(tl.float32, bitcast=True)
                 x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None, None]
                 tl.store(at, _rounded(x, out), mask=both)
             else:
-                pairs = (src + T * W).to(tl.pointer_type(tl.float16))[:, None] + 2 * t[None, :]
-                rows = wanted[:, None] & (t[None, :] < T)
-                scale = tl.load(pairs, mask=rows, other=0).to(tl.float32)[:, :, None]
-                low = tl.load(pairs + 1, mask=rows, other=0).to(tl.float32)[:, :, None]
+                # a token's (scale, minimum): one 4-byte load, split by bits (fp16 scale in the low half)
+                pairs = (src + T * W)[:, None] + 4 * t[None, :]
+                both16 = _load_u32(pairs, wanted[:, None] & (t[None, :] < T), ALIGNED4)
+                scale = (both16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+                low = (both16 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
                 u = codes.to(tl.uint8, bitcast=True)
                 # the center for keys; values add 0, as torch's widening does (`kv` a tensor here: the interpreter)
                 keys = wanted[:, None, None] & (w[None, None, :] < W) & (w[None, None, :] * 0 + kv == 0)
@@ -180,7 +192,7 @@ def gather_blocks(
             fetch if fp8 else representation.center_on(out.device), H, B * H, K, chunk_blocks, L * D, total,
             1 if per_unit else B * H, FORMAT=1 if fp8 else 2, T=T, D=D, W=W, UNIT=UNIT,
             T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W), ENTRIES=entries,
-            num_warps=num_warps, ALIGNED=W % 16 == 0 and UNIT % 16 == 0,
+            num_warps=num_warps, ALIGNED=W % 16 == 0 and UNIT % 16 == 0, ALIGNED4=T * W % 4 == 0 and UNIT % 4 == 0,
         )
         return
     _gather_blocks_kernel[grid](
