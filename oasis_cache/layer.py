@@ -96,8 +96,7 @@ class OasisLayer(CacheLayerMixin):
         """Room for a prompt prefilled in chunks that ends at `tokens`: its blocks (and the next) in the summaries and
         the slot table, and the working set's slots for them, at once — not more at each chunk: tensors of a new size
         at each chunk and layer, among the chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x
-        8 under a 24 GiB cap). (The summaries' capacity is that of the blocks grown one by
-        one, `capacity_for`.)"""
+        8 under a 24 GiB cap). (The summaries' capacity is that of the blocks grown one by one, `capacity_for`.)"""
         whole = tokens // self.config.block_size + 1
         self.summaries.reserve(whole)
         self.slot_map.reserve(whole)
@@ -113,9 +112,8 @@ class OasisLayer(CacheLayerMixin):
         self.attention_kernel = self.use_kernels if cfg.attention_kernel is None else cfg.attention_kernel
         if self.latent is not None and cfg.attention_kernel is None:  # (MLA's rows: one KV head of R + rope channels
             self.attention_kernel = False  # for all query heads, not checked in the Triton decode kernel on a GPU)
-        for part in ("slot_map", "recent"):
-            if part in self.__dict__:
-                self.__dict__[part].use_kernel = self.use_kernels
+        for part in (name for name in ("slot_map", "recent") if name in self.__dict__):
+            self.__dict__[part].use_kernel = self.use_kernels
 
     def reset(self) -> None:
         """Forget everything (memory is released); the layer initializes again on its next update."""
@@ -475,9 +473,11 @@ class OasisLayer(CacheLayerMixin):
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
-        if blocks.shape[3] > 1:  # a prompt's blocks (a one-token step, which may be captured, completes one at
-            # most): room for the next block now — the growth the first completing decode step would make, after
-            # which each kind of step was captured anew (`test_a_prompts_first_completed_block_leaves_...`)
+        if self.pool.representation.narrow_form:  # (the newest blocks as made: `SlotMap.hold_newest`)
+            self.slot_map.hold_newest(self.working_set, blocks, self.summaries.count, self.config.num_recent_blocks,
+                                      self._cache.context.device_clock(self.device))
+        if blocks.shape[3] > 1:  # a prompt's (a one-token step completes one at most): room for the next block now,
+            # the growth the first completing step would make (`test_a_prompts_first_completed_block_leaves_...`)
             self.summaries.reserve(self.pool.num_blocks + 1)
             self.slot_map.reserve(self.pool.num_blocks + 1)
 

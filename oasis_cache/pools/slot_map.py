@@ -122,6 +122,38 @@ class SlotMap(Stamped):
         counters += torch.stack((n_selected, hit.sum(), fetch.sum(), n_selected * block_size))
         return Assignment(dest=dest, fetch=fetch)
 
+    def hold_newest(self, working_set, blocks: torch.Tensor, count: torch.Tensor, newest: int,
+                    step: torch.Tensor) -> None:
+        """With a narrow host pool (`host_dtype`), decode steps attend the newest `recent_tokens` complete blocks as
+        the model made them: each takes a slot as it completes (written from the device's copy,
+        `WorkingSet.write_slots`) — selected every step, it keeps it — and gives it up when it leaves them (read from
+        the pool, widened, after that); dense forwards read every complete block from the pool.
+        Here: `blocks` (`[2, B, Hkv, completed, T, D]`) just completed, the last before the device count `count`
+        (`[1]`): the blocks that leave the newest `newest` with them lose their slots, and the newest of the completed
+        ones (up to `newest`) take free slots, stamped at `step`, and are written there. Tensor ops only (a captured
+        step replays them at the next count)."""
+        if newest == 0:
+            return
+        S, NBcap, completed = self.num_slots, self.capacity_blocks, blocks.shape[3]
+        B, H = self.slot_block.shape[:2]
+        device = self.slot_block.device
+        leaving = count - newest - completed + torch.arange(completed, device=device)  # [completed]
+        leaving = torch.where(leaving >= 0, leaving, NBcap).expand(B, H, completed)
+        held = self.block_slot.gather(-1, leaving)
+        self.slot_block.scatter_(-1, torch.where(held >= 0, held, S), -1)
+        self.last_used.scatter_(-1, torch.where(held >= 0, held, S), -1)
+        self.block_slot.scatter_(-1, leaving, -1)
+        n = min(completed, newest, S)
+        new = (count - n + torch.arange(n, device=device)).expand(B, H, n)
+        free = self.slot_block[..., :S] < 0
+        slots = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :n]  # free ones first
+        placed = free.gather(-1, slots)
+        self.block_slot.scatter_(-1, torch.where(placed, new, NBcap), torch.where(placed, slots, -1))
+        self.slot_block.scatter_(-1, torch.where(placed, slots, S), torch.where(placed, new, -1))
+        self.last_used.scatter_(-1, torch.where(placed, slots, S), step.expand(B, H, n))
+        self.block_slot[..., NBcap] = -1  # (the scratch entry)
+        working_set.write_slots(slots, placed, blocks)  # (a block that found no free slot is read from the pool)
+
     def forget_blocks_from(self, num_blocks: int) -> None:
         """Blocks >= `num_blocks` no longer exist (after `crop`): free their slots."""
         gone = self.slot_block >= num_blocks

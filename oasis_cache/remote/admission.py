@@ -103,6 +103,11 @@ def admit(model, store, request: str, device=None, local_cache_units: int | None
     cache.remote_tier = tier
     cache._remote_release = weakref.finalize(cache, delete_quietly, tier)  # once: at `reset` or when dropped
     _fill_slots(cache, tier)
+    for idx, saved in state["oasis"].items():  # a narrow pool's newest blocks, held as the model made them
+        if saved.get("newest") is not None:
+            held = saved["newest"]["slots"].to(device)
+            b, h, r = (held >= 0).nonzero(as_tuple=True)
+            cache.layers[idx].working_set.slots[:, b, h, held[b, h, r]] = saved["newest"]["kv"].to(device)[:, b, h, r]
     return cache
 
 

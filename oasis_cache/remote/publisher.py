@@ -21,7 +21,8 @@ from .mooncake import RemoteTier, StoreClient, record_key
 
 
 RECORD_FORMAT = "oasis-cache admission record"
-RECORD_VERSION = 3  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it
+RECORD_VERSION = 4  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it;
+# 4: a narrow pool's newest blocks as held (`newest`)
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
 PART_BYTES = 16 << 20  # the admission record is put and got in parts of at most this (and a quarter of the buffer)
 
@@ -85,6 +86,7 @@ def _publish(cache, tier: RemoteTier, prompt: str | None, tokens: int, before: d
         state["oasis"][idx] = dict(
             layer=_layer_record(layer),
             recent_region=layer.working_set.recent_region.clone(),  # (the slots' blocks: from the store at admit)
+            newest=_newest_as_held(layer) if pool.representation.narrow_form else None,
             pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
                       block_size=pool.block_size, dtype=pool.dtype, chunk_blocks=pool.chunk_blocks,
                       host_dtype=pool.host_dtype, num_blocks=pool.num_blocks,
@@ -127,6 +129,17 @@ def _layer_record(layer: OasisLayer) -> dict:
                          "whole forward (fewer than block_size tokens past the last complete block).")
     state.update(working_set=working_set, recent=recent)
     return state
+
+
+def _newest_as_held(layer: OasisLayer) -> dict:
+    """A narrow pool's newest complete blocks as the working set holds them (in the model's dtype:
+    `SlotMap.hold_newest`), which the store's narrow units cannot give back: `slots` `[B, Hkv, r]` (-1: not held) and
+    their contents `kv` `[2, B, Hkv, r, T, D]`."""
+    NB, R, ws = layer.pool.num_blocks, layer.config.num_recent_blocks, layer.working_set
+    blocks = torch.arange(max(0, NB - R), NB, device=ws.kv.device)
+    slots = layer.slot_map.block_slot.index_select(-1, blocks)
+    at = slots.clamp(min=0)[None, :, :, :, None, None].expand(2, -1, -1, -1, ws.block_size, ws.kv.shape[-1])
+    return dict(slots=slots, kv=ws.slots.gather(3, at))
 
 
 def _new_generation() -> str:

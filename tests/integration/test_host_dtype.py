@@ -17,40 +17,60 @@ from conftest import generate, left_padded, oasis_cache_for, prompt_ids, tiny_mo
 
 ATOL = 2e-4
 T = 16
+DECODE = 16  # max_decode_tokens (the default)
 
 
 class WidenedLayer(DynamicLayer):
     """A DynamicLayer whose complete blocks of T tokens hold `widen(narrow(kv))` once the forward that completed them
-    has attended them."""
+    has attended them — but a decode forward (at most `DECODE` new tokens, after some complete block) attends the
+    blocks it `held` as the model made them: the newest `recent` of each forward's completed blocks, until later
+    completions push them out of the newest `recent` (the cache keeps those in working-set slots)."""
 
-    def __init__(self, host_dtype: str):
+    def __init__(self, host_dtype: str, recent: int = 4):
         super().__init__()
+        self.recent = recent  # blocks (`recent_tokens` // T; 64 tokens by default)
         self.host_dtype, self.narrowed = host_dtype, 0  # tokens [0, narrowed) hold widened values
         self.rep = None  # (one per layer, as a host pool's: int4's key center is fixed by its first blocks)
+        self.made, self.held = None, set()  # [2, B, H, N, D] as the model made them; blocks attended so
 
     def update(self, key_states, value_states, *args, **kwargs):
+        before = self.keys.shape[2] // T if self.is_initialized else 0
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         seen = keys.clone(), values.clone()  # (this forward attends what the model made)
+        if before and key_states.shape[2] <= DECODE:
+            for b in self.held:
+                seen[0][:, :, b * T : (b + 1) * T] = self.made[0][:, :, b * T : (b + 1) * T]
+                seen[1][:, :, b * T : (b + 1) * T] = self.made[1][:, :, b * T : (b + 1) * T]
         end = keys.shape[2] // T * T
         if end > self.narrowed:
             if self.rep is None:
                 self.rep = representation_for(self.host_dtype, keys.dtype, T, keys.shape[-1])
             both = torch.stack([self.keys, self.values])[:, :, :, self.narrowed : end]  # [2, B, H, n, D]
+            made = both.clone() if self.made is None else torch.cat([self.made[:, :, :, : self.narrowed], both], 3)
             blocks = both.unflatten(3, (-1, T)).permute(3, 0, 1, 2, 4, 5)  # [nb, 2, B, H, T, D], as offloaded
             widened = self.rep.widen(self.rep.narrow(blocks)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
             self.keys[:, :, self.narrowed : end], self.values[:, :, self.narrowed : end] = widened
-            self.narrowed = end
+            first, count = self.narrowed // T, end // T
+            self.held = {b for b in self.held if b >= count - self.recent} | set(range(max(first, count - self.recent),
+                                                                                  count))
+            self.made, self.narrowed = made, end
         return seen
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
         self.narrowed = min(self.narrowed, self.keys.shape[2] // T * T)
+        self.held = {b for b in self.held if b < self.narrowed // T}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.made is not None:
+            self.made = self.made.index_select(1, beam_idx.to(self.made.device))
 
 
-def widened_cache(model, host_dtype: str) -> DynamicCache:
+def widened_cache(model, host_dtype: str, recent_tokens: int = 64) -> DynamicCache:
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
-    cache.layers = [WidenedLayer(host_dtype) for _ in cache.layers]
+    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T) for _ in cache.layers]
     return cache
 
 
@@ -64,7 +84,8 @@ def assert_same(reference, oasis, check_logits=True):
 def both(arch: str, host_dtype: str, inputs: dict, options=None, seed=0, **kw):
     """(reference, oasis) generations of `inputs` with `kw`."""
     model = tiny_model(arch)
-    reference = generate(model, widened_cache(model, host_dtype), inputs, seed=seed, **kw)
+    recent = (options or {}).get("recent_tokens", 64)
+    reference = generate(model, widened_cache(model, host_dtype, recent), inputs, seed=seed, **kw)
     cache = oasis_cache_for(model, host_dtype=host_dtype, host_chunk_blocks=2, **(options or {}))
     return reference, generate(model, cache, inputs, seed=seed, **kw)
 
@@ -92,6 +113,36 @@ def test_prefill_in_chunks_and_lookahead(host_dtype):
     for lookahead, exact in (("previous", True), ("previous", False)):
         assert_same(*both("llama", host_dtype, {"input_ids": prompt_ids(83)}, dict(lookahead=lookahead, exact=exact),
                           max_new_tokens=20, do_sample=False))
+
+
+@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
+def test_the_newest_blocks_are_attended_as_made(host_dtype):
+    """Decode steps attend the newest `recent_tokens` complete blocks as the model made them, sparse or not: equal
+    to the reference that holds them so, unequal to one that widens every complete block."""
+    inputs = {"input_ids": prompt_ids(90, batch=2)}
+    kw = dict(max_new_tokens=40, do_sample=False)
+    ref, got = both("llama", host_dtype, inputs, dict(recent_tokens=32), **kw)
+    assert_same(ref, got)
+    all_widened = generate(tiny_model("llama"), widened_cache(tiny_model("llama"), host_dtype, 0), inputs, **kw)
+    assert max((a - b).abs().max() for a, b in zip(all_widened.logits, got.logits)) > 1e-4
+    model = tiny_model("llama")  # sparse (a budget below the context): the slots of the newest blocks hold them as made
+    cache = oasis_cache_for(model, host_dtype=host_dtype, token_budget=96, recent_tokens=32)
+    sequences = generate(model, cache, inputs, **kw).sequences
+    with torch.no_grad():
+        made = model(input_ids=sequences, past_key_values=DynamicCache(config=model.config)).past_key_values
+    layer = cache.layers[0]
+    NB, slots = layer.pool.num_blocks, layer.working_set.slots  # [2, B, H, S, T, D]
+    assert NB * T > 96
+    for block in (NB - 2, NB - 1):  # (recent_tokens=32: two blocks)
+        held = layer.slot_map.block_slot[..., block]  # [B, H]
+        assert (held >= 0).all()
+        index = held[None, :, :, None, None, None].expand(2, -1, -1, 1, T, slots.shape[-1])
+        got_block = slots.gather(3, index)[:, :, :, 0]  # [2, B, H, T, D]
+        keys = made.layers[0].keys[:, :, block * T : (block + 1) * T]
+        torch.testing.assert_close(got_block[0], keys, atol=1e-5, rtol=1e-5)
+        widened = layer.pool.representation.widen(layer.pool.chunks[block // layer.pool.chunk_blocks][
+            block % layer.pool.chunk_blocks])  # [2, B, H, T, D]
+        assert (widened[0] - keys).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
