@@ -101,3 +101,37 @@ def test_a_host_dtype_it_does_not_know_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"host_dtype must be None \(the model's dtype\), 'fp8' or 'int4', got 'fp16'"):
         OasisCache(tiny_model("llama"), token_budget=256, host_dtype="fp16")
+
+
+def test_the_newest_blocks_take_free_slots_as_they_complete_and_give_them_up_as_they_leave():
+    """`SlotMap.hold_newest` (a narrow pool's newest blocks, held as made): each completed block among the newest R
+    takes a free slot and is written there; a block leaving the newest R frees its slot; a block that finds no free
+    slot is not held (and nothing is written)."""
+    from oasis_cache.pools import SlotMap, WorkingSet
+
+    B, H, S, T, D, R = 1, 2, 3, 2, 4, 2
+    slots, ws = SlotMap(B, H, S, "cpu"), WorkingSet(B, H, S, T, T, D, torch.float32, "cpu")
+    slots.reserve(16)
+    step = torch.zeros(1, dtype=torch.long)
+
+    def complete(first, n):
+        blocks = torch.arange(first, first + n).float()[None, None, None, :, None, None].expand(2, B, H, n, T, D)
+        slots.hold_newest(ws, blocks, torch.tensor([first + n]), R, step)
+
+    def held():
+        return {int(b) for b in slots.slot_block[0, 0, :S] if b >= 0}
+
+    complete(0, 5)  # a prompt of five blocks: the newest two held
+    assert held() == {3, 4}
+    for block in (3, 4):
+        slot = int(slots.block_slot[0, 0, block])
+        assert (ws.slots[:, 0, :, slot] == block).all()  # (both heads)
+    complete(5, 1)  # block 3 leaves, block 5 comes
+    assert held() == {4, 5} and int(slots.block_slot[0, 0, 3]) == -1
+    slots.slot_block[0, 1, :S] = torch.tensor([7, 8, 9])  # head 1: every slot taken by other blocks
+    slots.block_slot[0, 1, :] = -1
+    slots.block_slot[0, 1, 7:10] = torch.tensor([0, 1, 2])
+    before = ws.slots[:, 0, 1].clone()
+    complete(6, 1)
+    assert held() == {5, 6} and int(slots.block_slot[0, 1, 6]) == -1  # head 1: no free slot, not held
+    assert torch.equal(ws.slots[:, 0, 1], before)  # nothing written there
