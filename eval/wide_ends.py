@@ -64,6 +64,28 @@ def cache_for(model, host_dtype, wide_ends, args):
     return cache
 
 
+def through_cache(model, ids, args, dense: float) -> list:
+    """NLL rows of `OasisCache(token_budget=args.budget, host_dtype=...)`, and of the same with
+    `SlotMap.hold_newest` off (every complete block read from the pool: the ablation), and of the model's dtype."""
+    from oasis_cache import OasisCache
+    from oasis_cache.pools.slot_map import SlotMap
+
+    rows, hold = [], SlotMap.hold_newest
+    for host_dtype in [*args.host_dtype, None]:
+        for held in (True, False) if host_dtype else (True,):
+            SlotMap.hold_newest = hold if held else (lambda *a, **k: None)
+            try:
+                with OasisCache(model, token_budget=args.budget, host_dtype=host_dtype) as cache:
+                    nll = decode_nll(model, ids, args.prefill, cache).mean().item()
+            finally:
+                SlotMap.hold_newest = hold
+            name = f"cache {host_dtype or 'model dtype'}{'' if held else ', every block from the pool'}"
+            rows.append(dict(name=name, host_dtype=host_dtype, budget=args.budget, newest_held=held, nll=nll,
+                             delta=nll - dense))
+            print(f"{name:44} {nll:.4f}  {nll - dense:+.4f}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen05")
@@ -73,6 +95,8 @@ def main():
     parser.add_argument("--sink", type=int, default=16)
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--budget", type=int, default=0,
+                        help="also through OasisCache at this token_budget, the newest blocks held as made and not")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from oasis_cache.loaders import load_offline
@@ -89,6 +113,8 @@ def main():
             rows.append(dict(name=name, host_dtype=host_dtype, wide_ends=wide_ends, nll=nll,
                              delta=nll - rows[0]["nll"]))
             print(f"{name:16} {nll:.4f}  {nll - rows[0]['nll']:+.4f}", flush=True)
+    if args.budget:
+        rows += through_cache(model, ids, args, rows[0]["nll"])
     result = dict(eval="wide_ends", command=" ".join(sys.argv), args=vars(args), rows=rows, host=platform.node(),
                   torch=torch.__version__, date=datetime.date.today().isoformat())
     if args.out:
