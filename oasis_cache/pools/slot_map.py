@@ -140,8 +140,9 @@ class SlotMap(Stamped):
         leaving = count - newest - completed + torch.arange(completed, device=device)  # [completed]
         leaving = torch.where(leaving >= 0, leaving, NBcap).expand(B, H, completed)
         held = self.block_slot.gather(-1, leaving)
-        self.slot_block.scatter_(-1, torch.where(held >= 0, held, S), -1)
-        self.last_used.scatter_(-1, torch.where(held >= 0, held, S), -1)
+        held = torch.where(held >= 0, held, S)
+        self.slot_block.scatter_(-1, held, -1)
+        self.last_used.scatter_(-1, held, -1)
         self.block_slot.scatter_(-1, leaving, -1)
         n = min(completed, newest, S)
         new = (count - n + torch.arange(n, device=device)).expand(B, H, n)
@@ -151,7 +152,6 @@ class SlotMap(Stamped):
         self.block_slot.scatter_(-1, torch.where(placed, new, NBcap), torch.where(placed, slots, -1))
         self.slot_block.scatter_(-1, torch.where(placed, slots, S), torch.where(placed, new, -1))
         self.last_used.scatter_(-1, torch.where(placed, slots, S), step.expand(B, H, n))
-        self.block_slot[..., NBcap] = -1  # (the scratch entry)
         working_set.write_slots(slots, placed, blocks)  # (a block that found no free slot is read from the pool)
 
     def forget_blocks_from(self, num_blocks: int) -> None:

@@ -43,13 +43,19 @@ class WorkingSet(Stamped):
         layer of a forward)."""
         self.visible[:, :, self.slot_tokens :].copy_(mask)  # broadcast over sequences and KV heads
 
+    def _slot_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """`slots` `[B, Hkv, n]` as an index into `self.slots` along its slot dim: `[2, B, Hkv, n, T, D]`."""
+        return slots[None, :, :, :, None, None].expand(2, -1, -1, -1, self.block_size, self.kv.shape[-1])
+
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """What slots `slots` (`[B, Hkv, n]`, each >= 0) hold: `[2, B, Hkv, n, T, D]`."""
+        return self.slots.gather(3, self._slot_index(slots))
+
     def write_slots(self, slots: torch.Tensor, placed: torch.Tensor, blocks: torch.Tensor) -> None:
         """The last n of `blocks` (`[2, B, Hkv, >= n, T, D]`) into slots `slots` (`[B, Hkv, n]`, distinct per row)
         where `placed`; the other slots named keep what they hold (tensor ops: no host sync)."""
-        n, T, D = slots.shape[-1], self.block_size, self.kv.shape[-1]
-        at = slots[None, :, :, :, None, None].expand(2, -1, -1, -1, T, D)
-        view = self.slots
-        made = blocks[:, :, :, blocks.shape[3] - n :].to(view.dtype)
+        at, view = self._slot_index(slots), self.slots
+        made = blocks[:, :, :, blocks.shape[3] - slots.shape[-1] :].to(view.dtype)
         view.scatter_(3, at, torch.where(placed[None, :, :, :, None, None], made, view.gather(3, at)))
 
     def attendable(self):

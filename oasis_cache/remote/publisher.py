@@ -138,8 +138,7 @@ def _newest_as_held(layer: OasisLayer) -> dict:
     NB, R, ws = layer.pool.num_blocks, layer.config.num_recent_blocks, layer.working_set
     blocks = torch.arange(max(0, NB - R), NB, device=ws.kv.device)
     slots = layer.slot_map.block_slot.index_select(-1, blocks)
-    at = slots.clamp(min=0)[None, :, :, :, None, None].expand(2, -1, -1, -1, ws.block_size, ws.kv.shape[-1])
-    return dict(slots=slots, kv=ws.slots.gather(3, at))
+    return dict(slots=slots, kv=ws.read_slots(slots.clamp(min=0)))
 
 
 def _new_generation() -> str:
