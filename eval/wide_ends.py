@@ -65,8 +65,9 @@ def cache_for(model, host_dtype, wide_ends, args):
 
 
 def through_cache(model, ids, args, dense: float) -> list:
-    """NLL rows of `OasisCache(token_budget=args.budget, host_dtype=...)`, and of the same with
-    `SlotMap.hold_newest` off (every complete block read from the pool: the ablation), and of the model's dtype."""
+    """NLL rows of `OasisCache(token_budget=args.budget, host_dtype=...)` (its sink and newest blocks held as made),
+    and of the same with `SlotMap.hold_newest` off (every complete block read from the pool: the ablation), and of
+    the model's dtype."""
     from oasis_cache import OasisCache
     from oasis_cache.pools.slot_map import SlotMap
 
@@ -96,7 +97,7 @@ def main():
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--budget", type=int, default=0,
-                        help="also through OasisCache at this token_budget, the newest blocks held as made and not")
+                        help="also through OasisCache at this token_budget, the sink and newest blocks held as made and not")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from oasis_cache.loaders import load_offline

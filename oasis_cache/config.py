@@ -166,9 +166,10 @@ class OasisConfig:
             attention with `token_budget` >= context). "fp8": e4m3 with a scale per block, K or V, sequence and KV
             head (half of bf16's bytes); "int4": 4 bits with a scale and minimum per token (about a quarter). Each
             step moves that many fewer bytes and a request holds that much less host memory. A step attends the
-            complete blocks widened back to the model's dtype (`memory/representation.py`), but the newest `recent_tokens`
-            complete blocks as the model made them (`SlotMap.hold_newest`); block summaries are made from the keys
-            before they are narrowed, and the incomplete block stays in the model's dtype.
+            complete blocks widened back to the model's dtype (`memory/representation.py`), but the sink blocks and
+            the newest `recent_tokens` complete blocks as the model made them (`SlotMap.hold_newest`); block
+            summaries are made from the keys before they are narrowed, and the incomplete block stays in the model's
+            dtype.
         prefill_chunk_tokens: a forward through the cache that writes more tokens than this (new tokens x batch)
             and keeps the logits of its last positions only (what `generate` asks for) runs as forwards of at most
             this many tokens (`runtime/prefill.py`; a tail of at most `max_decode_tokens` joins the last chunk): the

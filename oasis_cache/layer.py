@@ -473,11 +473,11 @@ class OasisLayer(CacheLayerMixin):
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])
-        if self.pool.representation.narrow_form:  # (the newest blocks as made: `SlotMap.hold_newest`)
+        if self.pool.representation.narrow_form:  # (sink and newest blocks as made: `SlotMap.hold_newest`)
+            context = self._cache.context
             self.slot_map.hold_newest(self.working_set, blocks, self.summaries.count, self.config.num_recent_blocks,
-                                      self._cache.context.device_clock(self.device))
-        if blocks.shape[3] > 1:  # a prompt's (a one-token step completes one at most): room for the next block now,
-            # the growth the first completing step would make (`test_a_prompts_first_completed_block_leaves_...`)
+                                      context.device_clock(self.device), context.sink_blocks(self))
+        if blocks.shape[3] > 1:  # a prompt's: room for the next block now, the growth a completing step would make
             self.summaries.reserve(self.pool.num_blocks + 1)
             self.slot_map.reserve(self.pool.num_blocks + 1)
 

@@ -62,6 +62,18 @@ class Padding:
         return cls(None, torch.zeros((batch_size, 1), dtype=torch.long, device=device), 0)
 
 
+def sink_blocks(padding: "Padding | None", batch_size: int, sink_tokens: int, block_size: int,
+                device) -> torch.Tensor | None:
+    """`[B, J]` each sequence's sink blocks (those holding its first `sink_tokens` real tokens, as `step_visibility`
+    forces them), -1 past a sequence's last; None without sink tokens."""
+    if sink_tokens <= 0:
+        return None
+    first = padding.first.to(device) if padding is not None else torch.zeros((batch_size, 1), dtype=torch.long,
+                                                                          device=device)
+    ids = first // block_size + torch.arange((sink_tokens - 1) // block_size + 2, device=device)
+    return torch.where(ids <= (first + sink_tokens - 1) // block_size, ids, -1)
+
+
 def step_visibility(
     visible: torch.Tensor | None,
     batch_size: int,

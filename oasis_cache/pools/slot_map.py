@@ -123,36 +123,56 @@ class SlotMap(Stamped):
         return Assignment(dest=dest, fetch=fetch)
 
     def hold_newest(self, working_set, blocks: torch.Tensor, count: torch.Tensor, newest: int,
-                    step: torch.Tensor) -> None:
-        """With a narrow host pool (`host_dtype`), decode steps attend the newest `recent_tokens` complete blocks as
-        the model made them: each takes a slot as it completes (written from the device's copy,
-        `WorkingSet.write_slots`) — selected every step, it keeps it — and gives it up when it leaves them (read from
-        the pool, widened, after that); dense forwards read every complete block from the pool.
-        Here: `blocks` (`[2, B, Hkv, completed, T, D]`) just completed, the last before the device count `count`
-        (`[1]`): the blocks that leave the newest `newest` with them lose their slots, and the newest of the completed
-        ones (up to `newest`) take free slots, stamped at `step`, and are written there. Tensor ops only (a captured
-        step replays them at the next count)."""
-        if newest == 0:
+                    step: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+        """With a narrow host pool (`host_dtype`), decode steps attend each sequence's sink blocks and the newest
+        `recent_tokens` complete blocks as the model made them: each takes a slot as it completes (written from the
+        device's copy, `WorkingSet.write_slots`) — forced every step, it keeps it — and a newest block gives it up
+        when it leaves them (read from the pool, widened, after that); dense forwards read every complete block from
+        the pool. Here: `blocks` (`[2, B, Hkv, completed, T, D]`) just completed, the last before the device count
+        `count` (`[1]`); `sinks` (`[B, J]`, -1 past a sequence's last, `held_ids`) its sink blocks. The blocks that
+        leave the newest `newest` with them lose their slots unless sinks, and the completed ones among the newest
+        (up to `newest`) and the sinks take free slots, stamped at `step`, and are written there. Tensor ops only (a
+        captured step replays them at the next count)."""
+        J = 0 if sinks is None else sinks.shape[-1]
+        if newest == 0 and J == 0:
             return
         S, NBcap, completed = self.num_slots, self.capacity_blocks, blocks.shape[3]
         B, H = self.slot_block.shape[:2]
         device = self.slot_block.device
-        leaving = count - newest - completed + torch.arange(completed, device=device)  # [completed]
-        leaving = torch.where(leaving >= 0, leaving, NBcap).expand(B, H, completed)
+        leaving = (count - newest - completed + torch.arange(completed, device=device)).expand(B, completed)
+        if J:
+            leaving = torch.where((leaving[..., None] == sinks[:, None]).any(-1), -1, leaving)
+        leaving = torch.where(leaving >= 0, leaving, NBcap)[:, None].expand(B, H, completed)
         held = self.block_slot.gather(-1, leaving)
         held = torch.where(held >= 0, held, S)
         self.slot_block.scatter_(-1, held, -1)
         self.last_used.scatter_(-1, held, -1)
         self.block_slot.scatter_(-1, leaving, -1)
-        n = min(completed, newest, S)
-        new = (count - n + torch.arange(n, device=device)).expand(B, H, n)
+        n = min(completed, newest)
+        new = (count - n + torch.arange(n, device=device)).expand(B, n)
+        if J:  # (a sink block among the newest is placed once, as one of them)
+            young = (sinks >= count - completed) & (sinks < count - n)
+            new = torch.cat([torch.where(young, sinks, -1), new], -1)
+        new = new.gather(-1, torch.sort((new < 0).to(torch.int8), dim=-1, stable=True).indices)  # blocks first
+        m = min(new.shape[-1], S)
+        new = new[:, None, :m].expand(B, H, m)
         free = self.slot_block[..., :S] < 0
-        slots = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :n]  # free ones first
-        placed = free.gather(-1, slots)
+        slots = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :m]  # free ones first
+        placed = free.gather(-1, slots) & (new >= 0)
         self.block_slot.scatter_(-1, torch.where(placed, new, NBcap), torch.where(placed, slots, -1))
         self.slot_block.scatter_(-1, torch.where(placed, slots, S), torch.where(placed, new, -1))
-        self.last_used.scatter_(-1, torch.where(placed, slots, S), step.expand(B, H, n))
-        working_set.write_slots(slots, placed, blocks)  # (a block that found no free slot is read from the pool)
+        self.last_used.scatter_(-1, torch.where(placed, slots, S), step.expand(B, H, m))
+        at = (new - (count - completed)).clamp(0, completed - 1)  # (a block that found no free slot is read from the
+        working_set.write_slots(slots, placed, blocks.gather(3, at[None, ..., None, None].expand(  # pool)
+            2, B, H, m, *blocks.shape[4:])))
+
+    def held_ids(self, count: torch.Tensor, newest: int, sinks: torch.Tensor | None) -> torch.Tensor:
+        """`[B, Hkv, J + newest]` the blocks `hold_newest` holds at the device count `count`: the sinks (`[B, J]`),
+        then the newest; -1 where none."""
+        B, H = self.slot_block.shape[:2]
+        ids = (count - newest + torch.arange(newest, device=count.device)).expand(B, newest)
+        ids = torch.cat([sinks, ids], -1) if sinks is not None else ids
+        return torch.where(ids >= 0, ids, -1)[:, None].expand(B, H, ids.shape[-1])
 
     def forget_blocks_from(self, num_blocks: int) -> None:
         """Blocks >= `num_blocks` no longer exist (after `crop`): free their slots."""

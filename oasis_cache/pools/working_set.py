@@ -52,10 +52,10 @@ class WorkingSet(Stamped):
         return self.slots.gather(3, self._slot_index(slots))
 
     def write_slots(self, slots: torch.Tensor, placed: torch.Tensor, blocks: torch.Tensor) -> None:
-        """The last n of `blocks` (`[2, B, Hkv, >= n, T, D]`) into slots `slots` (`[B, Hkv, n]`, distinct per row)
-        where `placed`; the other slots named keep what they hold (tensor ops: no host sync)."""
+        """`blocks` (`[2, B, Hkv, n, T, D]`) into slots `slots` (`[B, Hkv, n]`, distinct per row) where `placed`; the
+        other slots named keep what they hold (tensor ops: no host sync)."""
         at, view = self._slot_index(slots), self.slots
-        made = blocks[:, :, :, blocks.shape[3] - slots.shape[-1] :].to(view.dtype)
+        made = blocks.to(view.dtype)
         view.scatter_(3, at, torch.where(placed[None, :, :, :, None, None], made, view.gather(3, at)))
 
     def attendable(self):

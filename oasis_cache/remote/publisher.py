@@ -21,8 +21,8 @@ from .mooncake import RemoteTier, StoreClient, record_key
 
 
 RECORD_FORMAT = "oasis-cache admission record"
-RECORD_VERSION = 4  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it;
-# 4: a narrow pool's newest blocks as held (`newest`)
+RECORD_VERSION = 5  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it;
+# 4: a narrow pool's newest blocks as held (`newest`); 5: its sink blocks too
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
 PART_BYTES = 16 << 20  # the admission record is put and got in parts of at most this (and a quarter of the buffer)
 
@@ -132,12 +132,12 @@ def _layer_record(layer: OasisLayer) -> dict:
 
 
 def _newest_as_held(layer: OasisLayer) -> dict:
-    """A narrow pool's newest complete blocks as the working set holds them (in the model's dtype:
+    """A narrow pool's sink and newest complete blocks as the working set holds them (in the model's dtype:
     `SlotMap.hold_newest`), which the store's narrow units cannot give back: `slots` `[B, Hkv, r]` (-1: not held) and
     their contents `kv` `[2, B, Hkv, r, T, D]`."""
-    NB, R, ws = layer.pool.num_blocks, layer.config.num_recent_blocks, layer.working_set
-    blocks = torch.arange(max(0, NB - R), NB, device=ws.kv.device)
-    slots = layer.slot_map.block_slot.index_select(-1, blocks)
+    slot_map, ws = layer.slot_map, layer.working_set
+    ids = slot_map.held_ids(layer.summaries.count, layer.config.num_recent_blocks, layer._cache.context.sink_blocks(layer))
+    slots = torch.where(ids >= 0, slot_map.block_slot.gather(-1, ids.clamp(min=0)), -1)
     return dict(slots=slots, kv=ws.read_slots(slots.clamp(min=0)))
 
 

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from ..compute.sparse import new_token_bias
-from ..control import Padding, StepVisibility, step_visibility
+from ..control import Padding, StepVisibility, sink_blocks, step_visibility
 from ..layer import OasisLayer
 from ..memory import TransferEngine
 from ..memory.device_memory import device_room
@@ -140,6 +140,12 @@ class ForwardContext:
                             lambda: step_visibility(visible, layer.batch_size, num_blocks, summaries.count, width,
                                                     cfg.block_size, cfg.sink_tokens, cfg.num_recent_blocks,
                                                     layer.device, padding))
+
+    def sink_blocks(self, layer: OasisLayer) -> torch.Tensor | None:
+        """`control/visibility.sink_blocks` of the batch's recorded padding, once per forward."""
+        cfg = self.cache.config
+        return self.shared(("sinks", str(layer.device)), lambda: sink_blocks(
+            self.padding, layer.batch_size, cfg.sink_tokens, cfg.block_size, layer.device))
 
     def note_padding(self, visible: torch.Tensor | None, layer: OasisLayer) -> None:
         """After a forward of several tokens (first full-attention layer; a prefill chunk, dense, or a short one that

@@ -1261,7 +1261,7 @@ def test_a_narrow_host_pool_on_cuda(host_dtype):
                 torch_cache = OasisCache(model, **cache_kwargs(dict(backend="torch", cuda_graph=False, **options)))
                 assert torch.equal(generate(model, torch_cache, inputs, **kw).sequences, graphed.sequences)
             if budget >= 1024 and dtype == torch.float32:
-                reference = generate(model, widened_cache(model, host_dtype, recent_tokens=32), inputs, **kw)
+                reference = generate(model, widened_cache(model, host_dtype, 32, inputs=inputs), inputs, **kw)
                 assert torch.equal(reference.sequences, graphed.sequences)
             stats = cache.stats()
             assert stats["host_dtype"] == host_dtype and stats["bytes_fetched"] > 0

@@ -23,24 +23,36 @@ DECODE = 16  # max_decode_tokens (the default)
 class WidenedLayer(DynamicLayer):
     """A DynamicLayer whose complete blocks of T tokens hold `widen(narrow(kv))` once the forward that completed them
     has attended them — but a decode forward (at most `DECODE` new tokens, after some complete block) attends the
-    blocks it `held` as the model made them: the newest `recent` of each forward's completed blocks, until later
-    completions push them out of the newest `recent` (the cache keeps those in working-set slots)."""
+    blocks it holds as the model made them: each sequence's sink blocks (those of its first `sink` real tokens,
+    `first` its first real token, one per prompt: a batch `k` times as large repeats each k times, as `generate`
+    expands one), and the newest `recent` of each forward's completed blocks until later completions push them out
+    of the newest `recent` (the cache keeps those in working-set slots)."""
 
-    def __init__(self, host_dtype: str, recent: int = 4):
+    def __init__(self, host_dtype: str, recent: int = 4, sink: int = 16, first: torch.Tensor | None = None):
         super().__init__()
         self.recent = recent  # blocks (`recent_tokens` // T; 64 tokens by default)
+        self.sink, self.first = sink, first
         self.host_dtype, self.narrowed = host_dtype, 0  # tokens [0, narrowed) hold widened values
         self.rep = None  # (one per layer, as a host pool's: int4's key center is fixed by its first blocks)
-        self.made, self.held = None, set()  # [2, B, H, N, D] as the model made them; blocks attended so
+        self.made, self.held = None, set()  # [2, B, H, N, D] as the model made them; newest blocks attended so
+
+    def sink_blocks(self, batch_size: int) -> list[range]:
+        first = torch.zeros(batch_size, dtype=torch.long) if self.first is None else self.first
+        if len(first) != batch_size:
+            first = self.first = first.repeat_interleave(batch_size // len(first))
+        return [range(f // T, (f + self.sink - 1) // T + 1) if self.sink else range(0) for f in first.tolist()]
 
     def update(self, key_states, value_states, *args, **kwargs):
         before = self.keys.shape[2] // T if self.is_initialized else 0
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         seen = keys.clone(), values.clone()  # (this forward attends what the model made)
         if before and key_states.shape[2] <= DECODE:
-            for b in self.held:
-                seen[0][:, :, b * T : (b + 1) * T] = self.made[0][:, :, b * T : (b + 1) * T]
-                seen[1][:, :, b * T : (b + 1) * T] = self.made[1][:, :, b * T : (b + 1) * T]
+            held = [(slice(None), b) for b in self.held] + [
+                (row, b) for row, blocks in enumerate(self.sink_blocks(keys.shape[0])) for b in blocks
+                if (b + 1) * T <= self.narrowed]
+            for row, b in held:
+                seen[0][row, :, b * T : (b + 1) * T] = self.made[0][row, :, b * T : (b + 1) * T]
+                seen[1][row, :, b * T : (b + 1) * T] = self.made[1][row, :, b * T : (b + 1) * T]
         end = keys.shape[2] // T * T
         if end > self.narrowed:
             if self.rep is None:
@@ -65,12 +77,18 @@ class WidenedLayer(DynamicLayer):
         super().reorder_cache(beam_idx)
         if self.made is not None:
             self.made = self.made.index_select(1, beam_idx.to(self.made.device))
+        if self.first is not None and len(self.first) == len(beam_idx):
+            self.first = self.first.index_select(0, beam_idx.cpu())
 
 
-def widened_cache(model, host_dtype: str, recent_tokens: int = 64) -> DynamicCache:
+def widened_cache(model, host_dtype: str, recent_tokens: int = 64, sink_tokens: int = 16,
+                  inputs: dict | None = None) -> DynamicCache:
+    """The reference for a cache with these `recent_tokens` / `sink_tokens`; `inputs`: the prompt's (its padding)."""
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
-    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T) for _ in cache.layers]
+    mask = (inputs or {}).get("attention_mask")
+    first = None if mask is None else mask.int().argmax(dim=1).cpu()
+    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T, sink_tokens, first) for _ in cache.layers]
     return cache
 
 
@@ -84,8 +102,8 @@ def assert_same(reference, oasis, check_logits=True):
 def both(arch: str, host_dtype: str, inputs: dict, options=None, seed=0, **kw):
     """(reference, oasis) generations of `inputs` with `kw`."""
     model = tiny_model(arch)
-    recent = (options or {}).get("recent_tokens", 64)
-    reference = generate(model, widened_cache(model, host_dtype, recent), inputs, seed=seed, **kw)
+    recent, sink = (options or {}).get("recent_tokens", 64), (options or {}).get("sink_tokens", 16)
+    reference = generate(model, widened_cache(model, host_dtype, recent, sink, inputs), inputs, seed=seed, **kw)
     cache = oasis_cache_for(model, host_dtype=host_dtype, host_chunk_blocks=2, **(options or {}))
     return reference, generate(model, cache, inputs, seed=seed, **kw)
 
@@ -116,14 +134,14 @@ def test_prefill_in_chunks_and_lookahead(host_dtype):
 
 
 @pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
-def test_the_newest_blocks_are_attended_as_made(host_dtype):
-    """Decode steps attend the newest `recent_tokens` complete blocks as the model made them, sparse or not: equal
-    to the reference that holds them so, unequal to one that widens every complete block."""
+def test_the_sink_and_newest_blocks_are_attended_as_made(host_dtype):
+    """Decode steps attend the sink block and the newest `recent_tokens` complete blocks as the model made them,
+    sparse or not: equal to the reference that holds them so, unequal to one that widens every complete block."""
     inputs = {"input_ids": prompt_ids(90, batch=2)}
     kw = dict(max_new_tokens=40, do_sample=False)
     ref, got = both("llama", host_dtype, inputs, dict(recent_tokens=32), **kw)
     assert_same(ref, got)
-    all_widened = generate(tiny_model("llama"), widened_cache(tiny_model("llama"), host_dtype, 0), inputs, **kw)
+    all_widened = generate(tiny_model("llama"), widened_cache(tiny_model("llama"), host_dtype, 0, 0), inputs, **kw)
     assert max((a - b).abs().max() for a, b in zip(all_widened.logits, got.logits)) > 1e-4
     model = tiny_model("llama")  # sparse (a budget below the context): the slots of the newest blocks hold them as made
     cache = oasis_cache_for(model, host_dtype=host_dtype, token_budget=96, recent_tokens=32)
@@ -133,7 +151,7 @@ def test_the_newest_blocks_are_attended_as_made(host_dtype):
     layer = cache.layers[0]
     NB, slots = layer.pool.num_blocks, layer.working_set.slots  # [2, B, H, S, T, D]
     assert NB * T > 96
-    for block in (NB - 2, NB - 1):  # (recent_tokens=32: two blocks)
+    for block in (0, NB - 2, NB - 1):  # (sink_tokens=16: one block; recent_tokens=32: two)
         held = layer.slot_map.block_slot[..., block]  # [B, H]
         assert (held >= 0).all()
         index = held[None, :, :, None, None, None].expand(2, -1, -1, 1, T, slots.shape[-1])

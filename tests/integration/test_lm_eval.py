@@ -30,6 +30,7 @@ def run(tmp_path, model, model_args, name):
     return results["results"]["oasis_single_needle"], {s["doc_id"]: s["resps"] for s in samples}
 
 
+@pytest.mark.audit  # (~60 s on 2 cores)
 def test_lm_eval_oasis_model_offline(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parents[1]  # tests/
 PATHS = os.pathsep.join([str(HERE.parent), str(HERE), str(HERE / "integration")])  # (the scripts' imports)
 
 
+@pytest.mark.audit  # (every kernel case: ~100 s on 2 cores; the sparse pipeline below stays in the default run)
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_kernels_in_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATHS}
@@ -30,7 +31,8 @@ def test_kernels_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("part", ["dense", "sparse", pytest.param("draft", marks=pytest.mark.audit),
+@pytest.mark.parametrize("part", [pytest.param("dense", marks=pytest.mark.audit), "sparse",
+                                  pytest.param("draft", marks=pytest.mark.audit),
                                   pytest.param("sinks", marks=pytest.mark.audit)])
 def test_decode_pipeline_with_kernels_in_triton_interpreter(part):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATHS}

@@ -135,3 +135,37 @@ def test_the_newest_blocks_take_free_slots_as_they_complete_and_give_them_up_as_
     complete(6, 1)
     assert held() == {5, 6} and int(slots.block_slot[0, 1, 6]) == -1  # head 1: no free slot, not held
     assert torch.equal(ws.slots[:, 0, 1], before)  # nothing written there
+
+
+def test_each_sequences_sink_blocks_are_held_and_kept():
+    """`hold_newest` with sinks (`control.visibility.sink_blocks`): each sequence's sink blocks (after its padding)
+    take slots as they complete and keep them when they leave the newest blocks; `held_ids` names them."""
+    from oasis_cache.control import Padding, sink_blocks
+    from oasis_cache.pools import SlotMap, WorkingSet
+
+    B, H, S, T, D, R = 2, 1, 4, 2, 4, 1
+    slots, ws = SlotMap(B, H, S, "cpu"), WorkingSet(B, H, S, T, T, D, torch.float32, "cpu")
+    slots.reserve(16)
+    step = torch.zeros(1, dtype=torch.long)
+    padding = Padding(None, torch.tensor([[0], [3]]), 0)  # sequence 1's first real token: 3 (block 1)
+    sinks = sink_blocks(padding, B, 3, T, "cpu")  # 3 sink tokens: blocks 0-1, and 1-2
+    assert sinks.tolist() == [[0, 1, -1], [1, 2, -1]]
+
+    def complete(first, n):
+        blocks = torch.arange(first, first + n).float()[None, None, None, :, None, None].expand(2, B, H, n, T, D)
+        slots.hold_newest(ws, blocks, torch.tensor([first + n]), R, step, sinks)
+
+    def held(row):
+        return {int(b) for b in slots.slot_block[row, 0, :S] if b >= 0}
+
+    complete(0, 5)
+    assert held(0) == {0, 1, 4} and held(1) == {1, 2, 4}
+    for row, block in ((0, 0), (1, 2), (1, 4)):
+        assert (ws.slots[:, row, 0, int(slots.block_slot[row, 0, block])] == block).all()
+    complete(5, 1)  # block 4 leaves the newest: freed; the sinks stay
+    assert held(0) == {0, 1, 5} and held(1) == {1, 2, 5}
+    ids = slots.held_ids(torch.tensor([6]), R, sinks)
+    assert ids[:, 0].tolist() == [[0, 1, -1, 5], [1, 2, -1, 5]]
+    complete(6, 1)
+    assert held(0) == {0, 1, 6}
+    assert sink_blocks(None, B, 0, T, "cpu") is None
