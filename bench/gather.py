@@ -1,8 +1,8 @@
-"""The gather alone: one layer's selected blocks copied from pinned host memory into a working set by the Triton
-kernel (`kernels/gather.py`), for each `host_dtype`, in the shapes the package launches (the side stream's few
-programs, and one program per block as on the critical path), optionally beside a matmul load on another stream (a
-step's compute). Reports the gather's time, host bytes a second and device bytes a second; medians of interleaved
-repeats. No model: a Qwen3-8B layer's shape by default (8 KV heads of 128 channels, 16-token blocks).
+"""The gather alone: one layer's selected blocks copied from pinned host memory into a working set by the Triton kernel
+(`kernels/gather.py`), for each `host_dtype`, in the shapes the package launches (the side stream's few programs, as
+many again and more, and one program per block as on the critical path), optionally beside a matmul load on another
+stream (a step's compute). Reports the gather's time, host bytes a second and device bytes a second; medians of
+interleaved repeats. No model: a Qwen3-8B layer's shape by default (8 KV heads of 128 channels, 16-token blocks).
 
     python bench/gather.py --context 32768 --batch 4 --budget 2048 --out gather.json
 """
@@ -50,7 +50,8 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--entries", default="1,2,4,8", help="side-stream shapes: multiples of the package's entries")
+    parser.add_argument("--entries", default="1,2,4", help="side-stream shapes: multiples of the package's entries")
+    parser.add_argument("--programs", default="1,2,4", help="... and of its side-stream programs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -66,8 +67,10 @@ def main():
     programs = side_stream_programs(device)
     pools = {d: build(args, d, device) for d in DTYPES}
     shapes = [("per block", None, {})]
-    for m in (int(x) for x in args.entries.split(",")):
-        shapes.append((f"{programs}x{SIDE_WARPS}w, entries x{m}", programs, dict(num_warps=SIDE_WARPS, entries=m)))
+    for p in (int(x) for x in args.programs.split(",")):
+        for m in (int(x) for x in args.entries.split(",")):
+            shapes.append((f"{programs * p}x{SIDE_WARPS}w, entries x{m}", programs * p,
+                           dict(num_warps=SIDE_WARPS, entries=m)))
     times = {}
 
     def run(host_dtype, name, progs, shape, busy):

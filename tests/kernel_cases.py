@@ -31,6 +31,7 @@ CASES = [
 def check_case(B, H, T, D, S, NB, C, dtype, device, max_programs=None, num_warps=4, entries=1) -> bool:
     g = torch.Generator().manual_seed(B * 1000 + D)
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
+    C = pool.chunk_blocks  # (as many as fill a pinned allocation)
     engine = TransferEngine("torch", torch.device("cpu"))
     data = torch.randn(2, B, H, NB, T, D, generator=g).to(dtype)
     engine.offload(pool, data)
@@ -97,6 +98,7 @@ def check_narrow_gather(B, H, T, D, S, NB, C, dtype, host_dtype, device, max_pro
     writes a narrowed block where `offload` would."""
     g = torch.Generator().manual_seed(B * 1000 + D + len(host_dtype))
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda", host_dtype=host_dtype)
+    C = pool.chunk_blocks  # (pinned chunks hold as many blocks as fill their allocation: more than asked)
     rep = pool.representation
     data = torch.randn(2, B, H, NB, T, D, generator=g) * torch.rand(1, 1, 1, 1, 1, D, generator=g) * 8
     data = (data + torch.tensor([1.0, 0.0])[:, None, None, None, None, None] * 20 * torch.randn(D, generator=g)).to(
@@ -137,6 +139,7 @@ def check_store(B, H, T, D, S, NB, C, dtype, device) -> bool:
     pool (the same layout `offload` writes), and nothing else."""
     g = torch.Generator().manual_seed(B * 100 + NB)
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda")
+    C = pool.chunk_blocks  # (as many as fill a pinned allocation)
     pool.reserve(NB)
     for chunk in pool.chunks:
         chunk.fill_(-7.0)

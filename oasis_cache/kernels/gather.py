@@ -152,6 +152,11 @@ if triton is not None:
                 tl.store(at + W, _rounded(((u >> 4).to(tl.float32) * scale + low) + mu_high, out), mask=both)
 
 
+# The widening's `code * scale + minimum` as two roundings, as torch computes it on every device (a fused
+# multiply-add rounds once: other bits than `Representation.widen`'s).
+NARROW_FP_FUSION = False
+
+
 def gather_blocks(
     chunk_addrs: torch.Tensor,
     chunk_blocks: int,
@@ -193,6 +198,7 @@ def gather_blocks(
             1 if per_unit else B * H, FORMAT=1 if fp8 else 2, T=T, D=D, W=W, UNIT=UNIT,
             T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W), ENTRIES=entries,
             num_warps=num_warps, ALIGNED=W % 16 == 0 and UNIT % 16 == 0, ALIGNED4=T * W % 4 == 0 and UNIT % 4 == 0,
+            enable_fp_fusion=NARROW_FP_FUSION,
         )
         return
     _gather_blocks_kernel[grid](

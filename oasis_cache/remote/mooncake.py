@@ -429,10 +429,11 @@ def _binary(name: str) -> str:
 
 
 @contextlib.contextmanager
-def local_store(segment: str = "512MB", timeout: float = 30.0):
-    """A Mooncake Store on this host for tests, benchmarks and demos: `mooncake_master` and one storage process
-    (`mooncake_client`, `segment` of memory) on free localhost ports, stopped on exit. Yields the master's
-    "host:port" (for `connect`). Logs: a temporary folder, quoted in the error when the store does not come up."""
+def local_store(segment: str = "512MB", timeout: float = 30.0, storage: int = 1):
+    """A Mooncake Store on this host for tests, benchmarks and demos: `mooncake_master` and `storage` storage
+    processes (`mooncake_client`, `segment` of memory each) on free localhost ports, stopped on exit. Yields the
+    master's "host:port" (for `connect`). Logs: a temporary folder, quoted in the error when the store does not come
+    up."""
     logs = Path(tempfile.mkdtemp(prefix="oasis-mooncake-"))
     master = f"127.0.0.1:{_free_port()}"
     processes = []
@@ -441,10 +442,11 @@ def local_store(segment: str = "512MB", timeout: float = 30.0):
             [_binary("mooncake_master"), f"--rpc_port={master.rsplit(':', 1)[1]}", f"--metrics_port={_free_port()}"],
             stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT))
         time.sleep(0.5)
-        processes.append(subprocess.Popen(
-            [_binary("mooncake_client"), f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
-             f"--global_segment_size={segment}", "--host=127.0.0.1", f"--port={_free_port()}"],
-            stdout=open(logs / "storage.log", "w"), stderr=subprocess.STDOUT))
+        for index in range(storage):
+            processes.append(subprocess.Popen(
+                [_binary("mooncake_client"), f"--master_server_address={master}", "--metadata_server=P2PHANDSHAKE",
+                 f"--global_segment_size={segment}", "--host=127.0.0.1", f"--port={_free_port()}"],
+                stdout=open(logs / f"storage{index or ''}.log", "w"), stderr=subprocess.STDOUT))
         deadline = time.time() + timeout
         while True:
             try:
