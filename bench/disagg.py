@@ -91,6 +91,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--segment", default="2GB", help="the store's storage process memory")
+    parser.add_argument("--storage", type=int, default=1, help="storage processes (each of --segment)")
     parser.add_argument("--measure", action="store_true",
                         help="both runs in measurement mode: exposed wait per step (compute waiting on prefetches; "
                              "eager steps, so their TPOT is not the captured one)")
@@ -131,7 +132,7 @@ def main(argv=None):
         ids = pydoc_token_ids(tokenizer, args.context).to(device)
         what = f"{args.model} on Python's documentation"
     deferred = {"auto": None, "on": True, "off": False}[args.deferred]
-    with local_store(args.segment) as master:
+    with local_store(args.segment, storage=args.storage) as master:
         prefill = OasisCache(model, token_budget=args.budget, lookahead="previous", advanced=dict(measure=args.measure))
         store = connect(master)
         t0 = time.perf_counter()
