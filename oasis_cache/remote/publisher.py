@@ -136,7 +136,8 @@ def _newest_as_held(layer: OasisLayer) -> dict:
     `SlotMap.hold_newest`), which the store's narrow units cannot give back: `slots` `[B, Hkv, r]` (-1: not held) and
     their contents `kv` `[2, B, Hkv, r, T, D]`."""
     slot_map, ws = layer.slot_map, layer.working_set
-    ids = slot_map.held_ids(layer.summaries.count, layer.config.num_recent_blocks, layer._cache.context.sink_blocks(layer))
+    sinks = layer._cache.context.sink_blocks(layer)
+    ids = slot_map.held_ids(layer.summaries.count, layer.config.num_recent_blocks, sinks)
     slots = torch.where(ids >= 0, slot_map.block_slot.gather(-1, ids.clamp(min=0)), -1)
     return dict(slots=slots, kv=ws.read_slots(slots.clamp(min=0)))
 

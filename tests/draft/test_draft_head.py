@@ -425,6 +425,7 @@ def _save_tiny_target(directory: Path) -> None:
     model.save_pretrained(directory)
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_trainer_command_trains_a_head_for_a_model_directory(tmp_path):
     """`python -m oasis_cache.draft.train --target DIR`: any causal LM saved as a directory (here a tiny random one
     with a base tokenizer: the prompts are continued as they are), offline; the head it writes loads for that model

@@ -23,6 +23,7 @@ def run_decode_bench(tmp_path, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_interleaved_decode_bench_measures_what_sequential_measures(tmp_path):
     alone = run_decode_bench(tmp_path)
     turns = run_decode_bench(tmp_path, "--interleave")
@@ -36,6 +37,7 @@ def test_interleaved_decode_bench_measures_what_sequential_measures(tmp_path):
     assert turns["rows"][2]["prediction_recall"] is not None  # previous was measured
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_compiled_dense_decodes_what_dense_decodes():
     """`dense-compiled` (a static cache and the compiled step: CUDA graphs on CUDA) decodes the tokens and logits that
     dense `DynamicCache` decodes; it refuses to share a process with oasis methods."""
@@ -183,6 +185,7 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     assert sized["units_fetched_per_step"] >= row["remote_units_fetched"] / 4  # (4 steps; no larger cache, no fewer)
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_prefill_bench_times_every_method_on_the_same_prompt(tmp_path):
     """`bench/prefill.py`: dense (whole and in the cache's chunks) and the chunked oasis prefills (past resident on
     the device, past from the host pool, resident with the chunk's past by SDPA's mask) timed in turns on one prompt;
@@ -274,6 +277,7 @@ def test_first_call_bench_gives_its_children_every_option_but_its_own():
     assert child.processes == parser.get_default("processes")
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_first_call_bench_times_each_call_with_oasis_and_dense(tmp_path):
     """`bench/first_call.py` on a tiny model, CPU: a child's calls, their
     first tokens and decode steps, for oasis and for the dense baseline (`--dense`: no OasisCache, no dry step), and

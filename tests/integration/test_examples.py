@@ -21,6 +21,7 @@ def run_script(name: str, *args: str) -> str:
     return run.stdout
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 def test_notebook_runs_every_cell():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -83,6 +83,7 @@ def test_budget_above_the_context_is_dense(qwen):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.audit  # (20-40 s on 2 cores: CI runs it after the README's test command)
 @pytest.mark.slow
 def test_left_padded_batch_is_dense(qwen):
     model, tok = qwen
