@@ -109,7 +109,6 @@ def main() -> None:
     for storage in args.storage:
         print(f"{storage} storage process(es), {args.units} units of {args.unit_kib} KiB:", flush=True)
         with local_store(f"{max(256, 4 * args.units * args.unit_kib >> 10)}MB", storage=storage) as master:
-            time.sleep(1.0)  # (every storage process mounted before the objects are placed)
             result["storage"][storage] = rows_for(master, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -70,8 +70,14 @@ def sink_blocks(padding: "Padding | None", batch_size: int, sink_tokens: int, bl
         return None
     first = padding.first.to(device) if padding is not None else torch.zeros((batch_size, 1), dtype=torch.long,
                                                                           device=device)
-    ids = first // block_size + torch.arange((sink_tokens - 1) // block_size + 2, device=device)
-    return torch.where(ids <= (first + sink_tokens - 1) // block_size, ids, -1)
+    lo, hi = _sink_range(first, sink_tokens, block_size)
+    ids = lo + torch.arange((sink_tokens - 1) // block_size + 2, device=device)
+    return torch.where(ids <= hi, ids, -1)
+
+
+def _sink_range(first: torch.Tensor, sink_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and last sink block of each sequence whose first real token is `first`."""
+    return first // block_size, (first + sink_tokens - 1) // block_size
 
 
 def step_visibility(
@@ -110,7 +116,7 @@ def step_visibility(
         first = visible.int().argmax(dim=1, keepdim=True)  # first visible token of each sequence
     forced = blocks >= count - num_recent_blocks
     if sink_tokens > 0:
-        sink_lo, sink_hi = first // block_size, (first + sink_tokens - 1) // block_size
+        sink_lo, sink_hi = _sink_range(first, sink_tokens, block_size)
         forced = forced | ((blocks >= sink_lo) & (blocks <= sink_hi))
     forced = forced.expand(batch_size, width) & allowed
     return StepVisibility(num_blocks, allowed, forced, block_tokens, recent)

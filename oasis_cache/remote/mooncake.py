@@ -454,7 +454,8 @@ def local_store(segment: str = "512MB", timeout: float = 30.0, storage: int = 1)
                 ok = store.put("oasis-probe/ready", b"1") == 0
                 store.remove("oasis-probe/ready", True)
                 store.close()
-                if ok:
+                mounted = (logs / "master.log").read_text().count("action=mount_segment")  # (every storage process:
+                if ok and (storage == 1 or mounted >= storage):  # objects are placed over those mounted)
                     break
             except ConnectionError:
                 pass
