@@ -82,6 +82,55 @@ def timed_generate(model, ids, cache, steps, cuda):
     return out, clock.ms_per_step(), warm
 
 
+class ReadShapes:
+    """How a decode's store reads fall into runs: each batched read's units grouped by (layer, sequence, KV head),
+    their blocks in runs of adjacent ids, and the same with gaps of up to `gap` unread blocks read through — what a
+    layout holding a (layer, sequence, KV head)'s blocks in a row would read as one transfer each."""
+
+    def __init__(self, tier, gap: int = 2):
+        self.gap, self.calls, self.units = gap, 0, 0
+        self.runs = {0: 0, gap: 0}  # transfers with gaps of 0 / up to `gap` blocks read through
+        self.read_through = 0  # blocks read only to join runs (gap reads)
+        self.blocks = 0  # distinct (layer, block, sequence) per read: transfers of objects holding every KV head
+        self.lengths = {}  # run length (gap 0) -> count
+        inner = tier.get_units_of_layers
+
+        def recorded(requests, size):
+            self.record(requests)
+            return inner(requests, size)
+
+        tier.get_units_of_layers = recorded
+
+    def record(self, requests) -> None:
+        self.calls += 1
+        for idx, units, _, _ in requests:
+            rows = {}
+            self.blocks += len({(block, sequence) for block, sequence, _ in units})
+            for block, sequence, head in units:
+                rows.setdefault((sequence, head), []).append(block)
+            for blocks in rows.values():
+                blocks.sort()
+                self.units += len(blocks)
+                for gap in self.runs:
+                    start = blocks[0]
+                    for prev, block in zip(blocks, blocks[1:]):
+                        if block - prev > gap + 1:
+                            self.runs[gap] += 1
+                            if not gap:
+                                self.lengths[prev - start + 1] = self.lengths.get(prev - start + 1, 0) + 1
+                            start = block
+                        elif gap:
+                            self.read_through += block - prev - 1
+                    self.runs[gap] += 1
+                    if not gap:
+                        self.lengths[blocks[-1] - start + 1] = self.lengths.get(blocks[-1] - start + 1, 0) + 1
+
+    def summary(self) -> dict:
+        return dict(calls=self.calls, units=self.units, blocks=self.blocks, transfers_adjacent=self.runs[0],
+                    transfers_with_gaps=self.runs[self.gap], gap=self.gap, read_through_units=self.read_through,
+                    run_lengths=dict(sorted(self.lengths.items())))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=32768)
@@ -149,6 +198,7 @@ def main(argv=None):
         remote = admit(model, store, "bench", measure=args.measure, deferred=deferred, overlap=args.overlap)
         admit_s = time.perf_counter() - t0
         slots_bytes = remote.remote_tier.bytes_got  # (the working set's blocks, read from the store at admission)
+        shapes = ReadShapes(remote.remote_tier)
         out_remote, remote_ms, remote_warm = timed_generate(model, ids, remote, args.steps, cuda)
         stats = remote.stats()  # (with --overlap the last step's reads finish here)
         local_host = prefill.host_nbytes()
@@ -210,7 +260,7 @@ def main(argv=None):
         repair_ms_per_step=stats["remote_repair_ms_per_step"], repair_phases_ms=stats["remote_repair_phases_ms"],
         repair_exposed_ms_per_step=stats["remote_repair_exposed_ms_per_step"],
         replays_remote=stats.get("captured_replays", 0), replays_local=local_stats.get("captured_replays", 0),
-        local_cache_sweep=sweep, threads_sweep=threads,
+        local_cache_sweep=sweep, threads_sweep=threads, read_shapes=shapes.summary(),
         exposed_wait_ms_per_step_remote=stats.get("exposed_wait_ms_per_step"),
         exposed_wait_ms_per_step_local=local_stats.get("exposed_wait_ms_per_step"),
     )
@@ -236,6 +286,13 @@ def main(argv=None):
     print(f"warm (the second half of the steps, medians): TPOT remote {row['warm_tpot_remote_ms']:.1f} ms, local "
           f"{row['warm_tpot_local_ms']:.1f} ms ({row['warm_tpot_ratio']:.2f}x), {row['warm_units_per_step']:.0f} "
           f"units read from the store per step")
+    shape = row["read_shapes"]
+    if shape["units"]:
+        print(f"the decode's store reads: {shape['units']} units in {shape['calls']} batched reads; as runs of "
+              f"adjacent blocks of one (layer, sequence, KV head) {shape['transfers_adjacent']} transfers "
+              f"({shape['units'] / shape['transfers_adjacent']:.2f} units each), with gaps of up to {shape['gap']} "
+              f"read through {shape['transfers_with_gaps']} (+{shape['read_through_units']} units read); as objects "
+              f"holding every KV head of a (layer, block, sequence) {shape['blocks']} transfers")
     for r in sweep:
         print(f"local cache of {r['working_sets']:g} working sets ({r['local_cache_share']:.1%} of the KV): "
               f"{r['units_fetched_per_step']:.0f} units fetched per step ({r['warm_units_per_step']:.0f} warm), TPOT "

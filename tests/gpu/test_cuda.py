@@ -1239,7 +1239,7 @@ def test_a_narrow_host_pool_on_cuda(host_dtype):
     what eager steps decode (tokens and logits), sparse and dense-equal, in fp32 and bf16; in fp32 the torch backend's
     tokens too (its widening is the rule `kernel_cases` checks the kernel against, bit for bit); at a budget above the
     context, what dense attention over the widened keys and values generates."""
-    from test_host_dtype import widened_cache
+    from eval.widened import widened_cache
 
     kw = dict(max_new_tokens=60, do_sample=False)
     for dtype in (torch.float32, torch.bfloat16):

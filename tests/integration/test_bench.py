@@ -179,6 +179,11 @@ def test_disaggregation_bench_reports_admission_and_fetches(tmp_path):
     assert row["tpot_remote_ms"] > 0 and row["tpot_local_ms"] > 0
     assert row["repair_ms_per_step"] > 0 and row["warm_tpot_remote_ms"] > 0 and row["warm_units_per_step"] >= 0
     assert set(row["repair_phases_ms"]) == {"copy_back", "plan", "store_reads", "maps_and_gathers"}
+    # how the decode's reads would group: every unit read once, in runs of adjacent blocks or objects of a block
+    shapes = row["read_shapes"]
+    assert shapes["units"] == row["remote_units_fetched"] == sum(int(n) * c for n, c in shapes["run_lengths"].items())
+    assert shapes["transfers_with_gaps"] <= shapes["transfers_adjacent"] <= shapes["units"]
+    assert 0 < shapes["blocks"] <= shapes["units"] and shapes["calls"] >= 1
     (sized,) = row["local_cache_sweep"]
     assert sized["same_tokens"] and sized["working_sets"] == 1
     assert set(sized["repair_phases_ms"]) == set(row["repair_phases_ms"])  # each local cache size by phase too
