@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from oasis_cache.kernels.gather import gather_blocks  # noqa: E402
-from oasis_cache.memory.transfer import SIDE_ENTRIES, SIDE_WARPS, narrow_factor, side_stream_programs  # noqa: E402
+from oasis_cache.memory.transfer import SIDE_ENTRIES, SIDE_WARPS, launch_shape, side_stream_programs  # noqa: E402
 from oasis_cache.pools import HostKVPool  # noqa: E402
 
 DTYPES = (None, "fp8", "int4")
@@ -76,9 +76,8 @@ def main():
     def run(host_dtype, name, progs, shape, busy):
         pool, table = pools[host_dtype]
         rep = pool.representation
-        shape = dict(shape)
-        if shape:
-            shape["entries"] = shape["entries"] * SIDE_ENTRIES * narrow_factor(rep)
+        if shape:  # (the package's rule for the side stream's shape, its entries times `m`)
+            shape = launch_shape(dict(shape, entries=shape["entries"] * SIDE_ENTRIES), rep)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         if busy:

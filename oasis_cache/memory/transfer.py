@@ -61,6 +61,13 @@ def narrow_factor(representation) -> int:
     return max(1, 1 << round(math.log2(wide / representation.unit_nbytes)))
 
 
+def launch_shape(shape: dict, representation) -> dict:
+    """A gather's launch shape (`num_warps`, `entries`: units a warp copies a round) for units of `representation`:
+    `shape`'s, its entries times `narrow_factor` (a narrow unit is fewer bytes: as many more a round keep the bytes
+    a program has in flight)."""
+    return dict(shape, entries=shape["entries"] * narrow_factor(representation))
+
+
 class TransferEngine:
     def __init__(self, backend: str, device: torch.device, streams=None, gather_programs: int | None = None):
         self.backend = resolve_backend(backend, device)
@@ -216,9 +223,7 @@ class TransferEngine:
             else:
                 table, C = self._addresses(source), source.chunk_blocks
             programs = self._programs()
-            shape = dict(self.gather_shape) if programs else {}
-            if shape:  # a narrow unit is fewer bytes: as many more a round keep the bytes in flight a program's
-                shape["entries"] *= narrow_factor(source.representation)
+            shape = launch_shape(self.gather_shape, source.representation) if programs else {}
             gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, programs,
                           per_unit=per_unit, representation=source.representation, **shape)
         elif per_unit:
