@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
-from eval.widened import widened_cache  # noqa: E402
+from eval.widened import hadamard, widened_cache  # noqa: E402
 
 
 def variants(model, args) -> list:
@@ -34,12 +34,16 @@ def variants(model, args) -> list:
     from oasis_cache.pools.slot_map import SlotMap
 
     rows = [("dense", {}, lambda: contextlib.nullcontext(DynamicCache(config=model.config)))]
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     for host_dtype in args.host_dtype:
-        for wide_ends in (False, True):
-            rows.append((f"{host_dtype}{' wide ends' if wide_ends else ''}",
-                         dict(host_dtype=host_dtype, wide_ends=wide_ends),
-                         lambda d=host_dtype, w=wide_ends: contextlib.nullcontext(
-                             widened_cache(model, d, args.recent if w else 0, args.sink if w else 0))))
+        for rotated in (False, True) if args.rotate else (False,):
+            for wide_ends in (False, True):
+                rotation = hadamard(head_dim) if rotated else None
+                rows.append((f"{host_dtype}{' rotated' if rotated else ''}{' wide ends' if wide_ends else ''}",
+                             dict(host_dtype=host_dtype, wide_ends=wide_ends, rotated=rotated),
+                             lambda d=host_dtype, w=wide_ends, r=rotation: contextlib.nullcontext(
+                                 widened_cache(model, d, args.recent if w else 0, args.sink if w else 0,
+                                               rotation=r))))
 
     @contextlib.contextmanager
     def oasis(host_dtype, held):
@@ -80,6 +84,9 @@ def main():
     parser.add_argument("--budget", type=int, default=0,
                         help="also through OasisCache at this token_budget (its sink and newest blocks held as made, "
                              "and not)")
+    parser.add_argument("--rotate", action="store_true",
+                        help="also with keys and values narrowed in a Hadamard-rotated basis (not built in the cache: "
+                             "what it would be worth)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from oasis_cache.loaders import load_offline
