@@ -82,6 +82,18 @@ def timed_generate(model, ids, cache, steps, cuda):
     return out, clock.ms_per_step(), warm
 
 
+def runs(blocks: list, gap: int) -> list:
+    """`[(first, last)]` of sorted block ids, joined where fewer than `gap` + 1 ids apart (gaps of up to `gap` ids
+    read through)."""
+    spans = [[blocks[0], blocks[0]]]
+    for block in blocks[1:]:
+        if block - spans[-1][1] > gap + 1:
+            spans.append([block, block])
+        else:
+            spans[-1][1] = block
+    return [tuple(span) for span in spans]
+
+
 class ReadShapes:
     """How a decode's store reads fall into runs: each batched read's units grouped by (layer, sequence, KV head),
     their blocks in runs of adjacent ids, and the same with gaps of up to `gap` unread blocks read through — what a
@@ -89,10 +101,10 @@ class ReadShapes:
 
     def __init__(self, tier, gap: int = 2):
         self.gap, self.calls, self.units = gap, 0, 0
-        self.runs = {0: 0, gap: 0}  # transfers with gaps of 0 / up to `gap` blocks read through
+        self.adjacent, self.with_gaps = 0, 0  # transfers: runs of adjacent blocks / with gaps read through
         self.read_through = 0  # blocks read only to join runs (gap reads)
         self.blocks = 0  # distinct (layer, block, sequence) per read: transfers of objects holding every KV head
-        self.lengths = {}  # run length (gap 0) -> count
+        self.lengths = {}  # run length (adjacent blocks) -> count
         inner = tier.get_units_of_layers
 
         def recorded(requests, size):
@@ -111,23 +123,16 @@ class ReadShapes:
             for blocks in rows.values():
                 blocks.sort()
                 self.units += len(blocks)
-                for gap in self.runs:
-                    start = blocks[0]
-                    for prev, block in zip(blocks, blocks[1:]):
-                        if block - prev > gap + 1:
-                            self.runs[gap] += 1
-                            if not gap:
-                                self.lengths[prev - start + 1] = self.lengths.get(prev - start + 1, 0) + 1
-                            start = block
-                        elif gap:
-                            self.read_through += block - prev - 1
-                    self.runs[gap] += 1
-                    if not gap:
-                        self.lengths[blocks[-1] - start + 1] = self.lengths.get(blocks[-1] - start + 1, 0) + 1
+                adjacent, joined = runs(blocks, 0), runs(blocks, self.gap)
+                self.adjacent += len(adjacent)
+                for first, last in adjacent:
+                    self.lengths[last - first + 1] = self.lengths.get(last - first + 1, 0) + 1
+                self.with_gaps += len(joined)
+                self.read_through += sum(last - first + 1 for first, last in joined) - len(blocks)
 
     def summary(self) -> dict:
-        return dict(calls=self.calls, units=self.units, blocks=self.blocks, transfers_adjacent=self.runs[0],
-                    transfers_with_gaps=self.runs[self.gap], gap=self.gap, read_through_units=self.read_through,
+        return dict(calls=self.calls, units=self.units, blocks=self.blocks, transfers_adjacent=self.adjacent,
+                    transfers_with_gaps=self.with_gaps, gap=self.gap, read_through_units=self.read_through,
                     run_lengths=dict(sorted(self.lengths.items())))
 
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
-from eval.widened import hadamard, widened_cache  # noqa: E402
+from eval.widened import widened_cache  # noqa: E402
 
 
 def variants(model, args) -> list:
@@ -34,16 +34,14 @@ def variants(model, args) -> list:
     from oasis_cache.pools.slot_map import SlotMap
 
     rows = [("dense", {}, lambda: contextlib.nullcontext(DynamicCache(config=model.config)))]
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     for host_dtype in args.host_dtype:
         for rotated in (False, True) if args.rotate else (False,):
             for wide_ends in (False, True):
-                rotation = hadamard(head_dim) if rotated else None
                 rows.append((f"{host_dtype}{' rotated' if rotated else ''}{' wide ends' if wide_ends else ''}",
                              dict(host_dtype=host_dtype, wide_ends=wide_ends, rotated=rotated),
-                             lambda d=host_dtype, w=wide_ends, r=rotation: contextlib.nullcontext(
+                             lambda d=host_dtype, w=wide_ends, r=rotated: contextlib.nullcontext(
                                  widened_cache(model, d, args.recent if w else 0, args.sink if w else 0,
-                                               rotation=r))))
+                                               rotated=r))))
 
     @contextlib.contextmanager
     def oasis(host_dtype, held):

@@ -26,9 +26,10 @@ class WidenedLayer(DynamicLayer):
     of the newest `recent` (the cache keeps those in working-set slots)."""
 
     def __init__(self, host_dtype: str, recent: int = 4, sink: int = 16, first: torch.Tensor | None = None,
-                 rotation: torch.Tensor | None = None):
+                 rotated: bool = False):
         super().__init__()
-        self.rotation = rotation  # [D, D] orthonormal: narrowed as `kv @ rotation`, widened back through its transpose
+        self.rotated = rotated  # narrowed as `kv @ hadamard(D)`, widened back through its transpose
+        self.rotation = None  # (that matrix, made with the representation at the first blocks)
         self.recent = recent  # blocks (`recent_tokens` // T; 64 tokens by default)
         self.sink, self.first = sink, first
         self.host_dtype, self.narrowed = host_dtype, 0  # tokens [0, narrowed) hold widened values
@@ -56,6 +57,7 @@ class WidenedLayer(DynamicLayer):
         if end > self.narrowed:
             if self.rep is None:
                 self.rep = representation_for(self.host_dtype, keys.dtype, T, keys.shape[-1])
+                self.rotation = hadamard(keys.shape[-1]).to(keys.device) if self.rotated else None
             both = torch.stack([self.keys, self.values])[:, :, :, self.narrowed : end]  # [2, B, H, n, D]
             made = both.clone() if self.made is None else torch.cat([self.made[:, :, :, : self.narrowed], both], 3)
             blocks = both.unflatten(3, (-1, T)).permute(3, 0, 1, 2, 4, 5)  # [nb, 2, B, H, T, D], as offloaded
@@ -71,8 +73,8 @@ class WidenedLayer(DynamicLayer):
         """`blocks` (`[..., T, D]`) narrowed and widened, through the rotation if there is one."""
         if self.rotation is None:
             return self.rep.widen(self.rep.narrow(blocks))
-        rotation = self.rotation.to(blocks.device)
-        return (self.rep.widen(self.rep.narrow(blocks.float() @ rotation)).float() @ rotation.T).to(blocks.dtype)
+        rotated = self.rep.widen(self.rep.narrow(blocks.float() @ self.rotation))
+        return (rotated.float() @ self.rotation.T).to(blocks.dtype)
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
@@ -100,12 +102,12 @@ def hadamard(size: int, seed: int = 0) -> torch.Tensor:
 
 
 def widened_cache(model, host_dtype: str, recent_tokens: int = 64, sink_tokens: int = 16,
-                  inputs: dict | None = None, rotation: torch.Tensor | None = None) -> DynamicCache:
+                  inputs: dict | None = None, rotated: bool = False) -> DynamicCache:
     """The reference for a cache with these `recent_tokens` / `sink_tokens`; `inputs`: the prompt's (its padding);
-    `rotation`: keys and values narrowed in a rotated basis (`WidenedLayer`)."""
+    `rotated`: keys and values narrowed in a Hadamard-rotated basis (`WidenedLayer`)."""
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
     mask = (inputs or {}).get("attention_mask")
     first = None if mask is None else mask.int().argmax(dim=1).cpu()
-    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T, sink_tokens, first, rotation) for _ in cache.layers]
+    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T, sink_tokens, first, rotated) for _ in cache.layers]
     return cache
