@@ -24,6 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from eval.nll import decode_nll, pydoc_token_ids  # noqa: E402
 from eval.widened import widened_cache  # noqa: E402
+from oasis_cache.memory.representation import Int4  # noqa: E402
 
 
 def variants(model, args) -> list:
@@ -34,14 +35,13 @@ def variants(model, args) -> list:
     from oasis_cache.pools.slot_map import SlotMap
 
     rows = [("dense", {}, lambda: contextlib.nullcontext(DynamicCache(config=model.config)))]
-    for host_dtype in args.host_dtype:
-        for rotated in (False, True) if args.rotate else (False,):
-            for wide_ends in (False, True):
-                rows.append((f"{host_dtype}{' rotated' if rotated else ''}{' wide ends' if wide_ends else ''}",
-                             dict(host_dtype=host_dtype, wide_ends=wide_ends, rotated=rotated),
-                             lambda d=host_dtype, w=wide_ends, r=rotated: contextlib.nullcontext(
-                                 widened_cache(model, d, args.recent if w else 0, args.sink if w else 0,
-                                               rotated=r))))
+    kinds = [(d, r) for d in args.host_dtype for r in ((True, False) if d == "int4" and args.unrotated else (True,))]
+    for host_dtype, rotated in kinds:
+        for wide_ends in (False, True):
+            rows.append((f"{host_dtype}{'' if rotated else ' not rotated'}{' wide ends' if wide_ends else ''}",
+                         dict(host_dtype=host_dtype, wide_ends=wide_ends, rotated=rotated),
+                         lambda d=host_dtype, w=wide_ends, r=rotated: rotation(r, contextlib.nullcontext(
+                             widened_cache(model, d, args.recent if w else 0, args.sink if w else 0)))))
 
     @contextlib.contextmanager
     def oasis(host_dtype, held):
@@ -53,12 +53,25 @@ def variants(model, args) -> list:
         finally:
             SlotMap.hold_newest = hold
 
-    for host_dtype in [*args.host_dtype, None] if args.budget else []:
+    for host_dtype, rotated in [*kinds, (None, True)] if args.budget else []:
         for held in (True, False) if host_dtype else (True,):
-            rows.append((f"cache {host_dtype or 'model dtype'}{'' if held else ', every block from the pool'}",
-                         dict(host_dtype=host_dtype, budget=args.budget, newest_held=held),
-                         lambda d=host_dtype, h=held: oasis(d, h)))
+            rows.append((f"cache {host_dtype or 'model dtype'}{'' if rotated else ' not rotated'}"
+                         f"{'' if held else ', every block from the pool'}",
+                         dict(host_dtype=host_dtype, budget=args.budget, newest_held=held, rotated=rotated),
+                         lambda d=host_dtype, h=held, r=rotated: rotation(r, oasis(d, h))))
     return rows
+
+
+@contextlib.contextmanager
+def rotation(rotated: bool, context):
+    """`context` entered with int4's rotation on (as the package narrows) or off (the ablation)."""
+    before = Int4.rotated
+    Int4.rotated = rotated
+    try:
+        with context as cache:
+            yield cache
+    finally:
+        Int4.rotated = before
 
 
 def paired(nll: torch.Tensor, base: torch.Tensor) -> dict:
@@ -82,9 +95,9 @@ def main():
     parser.add_argument("--budget", type=int, default=0,
                         help="also through OasisCache at this token_budget (its sink and newest blocks held as made, "
                              "and not)")
-    parser.add_argument("--rotate", action="store_true",
-                        help="also with keys and values narrowed in a Hadamard-rotated basis (not built in the cache: "
-                             "what it would be worth)")
+    parser.add_argument("--unrotated", action="store_true",
+                        help="also int4 with keys and values narrowed as the model made them, not in the rotated "
+                             "basis the package narrows them in (the ablation)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from oasis_cache.loaders import load_offline

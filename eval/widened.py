@@ -25,11 +25,8 @@ class WidenedLayer(DynamicLayer):
     expands one), and the newest `recent` of each forward's completed blocks until later completions push them out
     of the newest `recent` (the cache keeps those in working-set slots)."""
 
-    def __init__(self, host_dtype: str, recent: int = 4, sink: int = 16, first: torch.Tensor | None = None,
-                 rotated: bool = False):
+    def __init__(self, host_dtype: str, recent: int = 4, sink: int = 16, first: torch.Tensor | None = None):
         super().__init__()
-        self.rotated = rotated  # narrowed as `kv @ hadamard(D)`, widened back through its transpose
-        self.rotation = None  # (that matrix, made with the representation at the first blocks)
         self.recent = recent  # blocks (`recent_tokens` // T; 64 tokens by default)
         self.sink, self.first = sink, first
         self.host_dtype, self.narrowed = host_dtype, 0  # tokens [0, narrowed) hold widened values
@@ -57,24 +54,16 @@ class WidenedLayer(DynamicLayer):
         if end > self.narrowed:
             if self.rep is None:
                 self.rep = representation_for(self.host_dtype, keys.dtype, T, keys.shape[-1])
-                self.rotation = hadamard(keys.shape[-1]).to(keys.device) if self.rotated else None
             both = torch.stack([self.keys, self.values])[:, :, :, self.narrowed : end]  # [2, B, H, n, D]
             made = both.clone() if self.made is None else torch.cat([self.made[:, :, :, : self.narrowed], both], 3)
             blocks = both.unflatten(3, (-1, T)).permute(3, 0, 1, 2, 4, 5)  # [nb, 2, B, H, T, D], as offloaded
-            widened = self.round_trip(blocks).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+            widened = self.rep.widen(self.rep.narrow(blocks)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
             self.keys[:, :, self.narrowed : end], self.values[:, :, self.narrowed : end] = widened
             first, count = self.narrowed // T, end // T
             self.held = {b for b in self.held if b >= count - self.recent} | set(range(max(first, count - self.recent),
                                                                                   count))
             self.made, self.narrowed = made, end
         return seen
-
-    def round_trip(self, blocks: torch.Tensor) -> torch.Tensor:
-        """`blocks` (`[..., T, D]`) narrowed and widened, through the rotation if there is one."""
-        if self.rotation is None:
-            return self.rep.widen(self.rep.narrow(blocks))
-        rotated = self.rep.widen(self.rep.narrow(blocks.float() @ self.rotation))
-        return (rotated.float() @ self.rotation.T).to(blocks.dtype)
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
@@ -89,25 +78,12 @@ class WidenedLayer(DynamicLayer):
             self.first = self.first.index_select(0, beam_idx.cpu())
 
 
-def hadamard(size: int, seed: int = 0) -> torch.Tensor:
-    """A `[size, size]` orthonormal Hadamard matrix (`size` a power of two) with random column signs: it spreads a
-    vector's outlier channels over all of them."""
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
-    if matrix.shape[0] != size:
-        raise ValueError(f"a Hadamard matrix needs a power-of-two size, not {size}")
-    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-    return matrix * signs / size ** 0.5
-
-
 def widened_cache(model, host_dtype: str, recent_tokens: int = 64, sink_tokens: int = 16,
-                  inputs: dict | None = None, rotated: bool = False) -> DynamicCache:
-    """The reference for a cache with these `recent_tokens` / `sink_tokens`; `inputs`: the prompt's (its padding);
-    `rotated`: keys and values narrowed in a Hadamard-rotated basis (`WidenedLayer`)."""
+                  inputs: dict | None = None) -> DynamicCache:
+    """The reference for a cache with these `recent_tokens` / `sink_tokens`; `inputs`: the prompt's (its padding)."""
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
     mask = (inputs or {}).get("attention_mask")
     first = None if mask is None else mask.int().argmax(dim=1).cpu()
-    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T, sink_tokens, first, rotated) for _ in cache.layers]
+    cache.layers = [WidenedLayer(host_dtype, recent_tokens // T, sink_tokens, first) for _ in cache.layers]
     return cache

@@ -82,8 +82,9 @@ def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None, en
 # (B, Hkv, T, D, S, NB, chunk_blocks, dtype, host_dtype): a narrow host pool (`memory/representation.py`)
 NARROW_CASES = [
     (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "fp8"),
-    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4"),
-    (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4"),  # narrowed in the rotated basis (`Int4.rotates`)
+    (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes (not rotated)
+    (1, 2, 16, 128, 4, 9, 4, torch.float16, "int4"),
     (1, 2, 16, 128, 4, 9, 4, torch.float32, "fp8"),
     (2, 1, 4, 6, 6, 17, 3, torch.float32, "int4"),  # odd sizes
     (2, 2, 2, 6, 4, 11, 3, torch.float32, "int4"),  # scales not 4-byte aligned: read by bytes

@@ -111,10 +111,33 @@ if triton is not None:
         return word
 
     @triton.jit
+    def _hadamard_rows(first: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+        """Rows `first .. first + W` of the `[D, D]` Sylvester Hadamard matrix (entry (i, j): -1 to the number of
+        bits i and j share), fp16."""
+        both = (first + tl.arange(0, W))[:, None] & tl.arange(0, D)[None, :]
+        parity = both
+        for shift in tl.static_range(0, 5):  # (fold the bits: D <= 2**32)
+            parity = parity ^ (parity >> (16 >> shift))
+        return tl.where((parity & 1) != 0, -1.0, 1.0).to(tl.float16)
+
+    @triton.jit
+    def _widen_rotated(u, scale, low, top, bottom, inverse_root, root, ROWS: tl.constexpr, W: tl.constexpr,
+                       D: tl.constexpr):
+        """int4 codes `u` (`[E, T, W]` bytes: channel j low, j + W high) of units narrowed in the rotated basis,
+        widened to `[E * T, D]` fp32 but for the center: H code (`top`, `bottom`: rows of H, fp16; the sums are
+        integers below 2**11, exact in any order) * (scale * inverse_root), plus minimum * root at channel 0 —
+        `Int4.widen`'s operations in its order."""
+        low_codes = (u & 15).to(tl.float16).reshape(ROWS, W)
+        high_codes = (u >> 4).to(tl.float16).reshape(ROWS, W)
+        turned = tl.dot(low_codes, top) + tl.dot(high_codes, bottom)  # [ROWS, D] fp32
+        first = tl.arange(0, D)[None, :] == 0
+        return turned * (scale.reshape(ROWS, 1) * inverse_root) + tl.where(first, low.reshape(ROWS, 1) * root, 0.0)
+
+    @triton.jit
     def _gather_narrow_kernel(
-        chunk_addrs, block_ids, dest, fetch, out, center, H, BH, K, C, ROW, num_entries, SRC_BH,
+        chunk_addrs, block_ids, dest, fetch, out, center, inverse_root, root, H, BH, K, C, ROW, num_entries, SRC_BH,
         FORMAT: tl.constexpr,  # 1: fp8 (codes [T, D], an fp32 scale); 2: int4 (bytes [T, D/2], fp16 pairs [T, 2],
-        # the keys' center `center` fp16 [H, D] added back)
+        # what keys add back `center` fp32 [H, D]); 3: int4 narrowed in the Hadamard-rotated basis
         T: tl.constexpr, D: tl.constexpr, W: tl.constexpr, UNIT: tl.constexpr,
         T_POW2: tl.constexpr, W_POW2: tl.constexpr, ENTRIES: tl.constexpr, ALIGNED: tl.constexpr,
         ALIGNED4: tl.constexpr,  # the scales after the codes start 4-byte aligned (T * W % 4 == 0, UNIT % 4 == 0)
@@ -123,6 +146,9 @@ if triton is not None:
         t = tl.arange(0, T_POW2)
         w = tl.arange(0, W_POW2)
         inside = (t[:, None] < T) & (w[None, :] < W)  # W: bytes of a token's codes
+        if FORMAT == 3:  # (T, W and D powers of two here)
+            top, bottom = _hadamard_rows(0, W, D), _hadamard_rows(W, W, D)
+            d = tl.arange(0, D)
         for first in range(tl.program_id(0) * ENTRIES, num_entries, tl.num_programs(0) * ENTRIES):
             wanted, block, slot, bh = round_of_entries(first, fetch, block_ids, dest, num_entries, K, ENTRIES)
             src = host_block(chunk_addrs, block, C, kv, SRC_BH, bh % SRC_BH, fetch, UNIT)
@@ -143,11 +169,21 @@ if triton is not None:
                 scale = (both16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
                 low = (both16 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
                 u = codes.to(tl.uint8, bitcast=True)
+            if FORMAT == 3:  # rows of `wide`: (entry, token)
+                wide = _widen_rotated(u, scale, low, top, bottom, inverse_root, root, ENTRIES * T, W, D)
+                on = tl.reshape(wanted[:, None] & (t[None, :] < T), (ENTRIES * T,))
+                head = tl.reshape((bh % H)[:, None] + t[None, :] * 0, (ENTRIES * T,))
+                keys = on & (head * 0 + kv == 0)  # (the center for keys; values add 0)
+                mu = tl.load(center + head[:, None] * D + d[None, :], mask=keys[:, None], other=0.0)
+                offset = (kv * BH + bh) * ROW + slot * (T * D)  # [ENTRIES] int64: the entry's slot
+                row = tl.reshape(offset[:, None] + t[None, :] * D, (ENTRIES * T,))
+                tl.store(out + row[:, None] + d[None, :], _rounded(wide + mu, out), mask=on[:, None])
+            elif FORMAT == 2:
                 # the center for keys; values add 0, as torch's widening does (`kv` a tensor here: the interpreter)
                 keys = wanted[:, None, None] & (w[None, None, :] < W) & (w[None, None, :] * 0 + kv == 0)
                 mu = center + ((bh % H) * D)[:, None, None] + w[None, None, :]
-                mu_low = tl.load(mu, mask=keys, other=0).to(tl.float32)
-                mu_high = tl.load(mu + W, mask=keys, other=0).to(tl.float32)
+                mu_low = tl.load(mu, mask=keys, other=0.0)
+                mu_high = tl.load(mu + W, mask=keys, other=0.0)
                 tl.store(at, _rounded(((u & 15).to(tl.float32) * scale + low) + mu_low, out), mask=both)
                 tl.store(at + W, _rounded(((u >> 4).to(tl.float32) * scale + low) + mu_high, out), mask=both)
 
@@ -192,10 +228,12 @@ def gather_blocks(
     if representation is not None and representation.narrow_form:
         fp8 = representation.name == "fp8"
         W, UNIT = (D if fp8 else D // 2), representation.unit_nbytes  # (a token's code bytes, a unit's bytes)
+        rotated = not fp8 and representation.rotates
+        roots = (float(representation.inverse_root), float(representation.root)) if rotated else (1.0, 1.0)
         _gather_narrow_kernel[grid](
             chunk_addrs, block_ids.contiguous(), dest.contiguous(), fetch, out,
-            fetch if fp8 else representation.center_on(out.device), H, B * H, K, chunk_blocks, L * D, total,
-            1 if per_unit else B * H, FORMAT=1 if fp8 else 2, T=T, D=D, W=W, UNIT=UNIT,
+            fetch if fp8 else representation.offsets_on(out.device), *roots, H, B * H, K, chunk_blocks, L * D, total,
+            1 if per_unit else B * H, FORMAT=1 if fp8 else 3 if rotated else 2, T=T, D=D, W=W, UNIT=UNIT,
             T_POW2=triton.next_power_of_2(T), W_POW2=triton.next_power_of_2(W), ENTRIES=entries,
             num_warps=num_warps, ALIGNED=W % 16 == 0 and UNIT % 16 == 0, ALIGNED4=T * W % 4 == 0 and UNIT % 4 == 0,
             enable_fp_fusion=NARROW_FP_FUSION,

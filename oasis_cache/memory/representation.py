@@ -5,18 +5,24 @@ moves units (offload, gather, a store's objects) moves it as one piece:
     "fp8"   `[T*D]` e4m3 codes, then one fp32 scale (padded to 16 bytes): x = code * scale, scale = max|x| / 448
             over the unit. T*D + 16 bytes (bf16: T*D*2).
     "int4"  `[T, D/2]` bytes, each two codes (channel j in the low nibble, j + D/2 in the high one), then per token
-            an fp16 (scale, minimum): x = code * scale + minimum (+ the key center), code in 0..15, scale =
-            (max - min) / 15 over the token's D channels. T*D/2 + 4*T bytes. Keys first lose a center per KV head and
-            channel (`Int4.center`, fp16 `[Hkv, D]`: their mean over the first blocks narrowed, fixed from then on):
-            keys carry large per-channel offsets (a projection's bias), which would otherwise set every token's range.
+            an fp16 (scale, minimum): y = code * scale + minimum, code in 0..15, scale = (max - min) / 15 over the
+            token's D channels. T*D/2 + 4*T bytes. y is the token in a rotated basis, less a key center: x = R (y +
+            center), R = H / sqrt(D) the normalized Walsh-Hadamard transform (its own inverse), where D is a power
+            of two >= 32 and T one >= 16 (`Int4.rotates`; else R = 1). The rotation spreads a token's outlier
+            channels over all of them (a key bias turned by rotary embeddings varies from token to token: no
+            per-channel center removes it, and in the model's basis its few large channels would set every token's
+            16 levels). Keys also lose a center per KV head and channel (`Int4.center`, fp32 `[Hkv, D]`, in the
+            rotated basis: their mean over the first blocks narrowed, fixed from then on): large per-channel offsets
+            (a projection's bias) would otherwise set every token's range. Widening computes H code exactly (integer
+            sums), then `H code * (scale / sqrt(D)) + [j = 0] minimum * sqrt(D) + R center` (R 1 = sqrt(D) e_0).
             (Groups along tokens per channel, as KIVI keeps keys, would take a scale and minimum per channel for the
             16 tokens of a block: 2 bits an element on top of 4.)
 
 `narrow` (torch ops, on any device: the offload runs it on the model's device, before the bytes cross the link) and
 `widen` (torch ops; the reference the Triton gather's widening, `kernels/gather.py`, equals bit for bit). Both take
 the last dims `[2, B, Hkv, ...]` (K and V, sequences, KV heads), or, with `heads`, `[2, ...]` per entry of that KV
-head. Widening computes in fp32 and rounds to the model's dtype: an fp16 scale times a 4-bit code is exact in fp32, so
-a fused multiply-add and a multiply then an add round alike.
+head. Widening computes in fp32 and rounds to the model's dtype once, operation by operation as written (no fused
+multiply-add), so that the kernel's bits equal torch's.
 """
 
 from __future__ import annotations
@@ -92,14 +98,33 @@ class FP8(Representation):
         return (codes * scale).to(self.dtype).view(*lead, self.block_size, self.head_dim)
 
 
+def butterfly(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard transform of `x`'s last dim (fp32, a power of two long): stages pairing
+    channel i with i + h in blocks of 2h, h from half the size down to 1. Its own inverse up to a factor of the
+    size; exact on integers (codes) whose sums stay below 2**24."""
+    lead, D = x.shape[:-1], x.shape[-1]
+    h = D // 2
+    while h >= 1:
+        a, b = x.reshape(*lead, D // (2 * h), 2, h).unbind(-2)
+        x = torch.stack([a + b, a - b], -2).reshape(*lead, D)
+        h //= 2
+    return x
+
+
 class Int4(Representation):
     name = "int4"
     narrow_form = True
+    rotated = True  # units narrowed in a Hadamard-rotated basis where the head size allows (`rotates`)
 
     def __init__(self, dtype: torch.dtype, block_size: int, head_dim: int):
         super().__init__(dtype, block_size, head_dim)
-        self.center = None  # fp16 [Hkv, D], fixed by the first `narrow`, on its device
-        self._copy = None  # its copy on another device (made once: captured steps read a fixed tensor)
+        # (powers of two, as the gather's tensor-core product of codes and H takes them: `kernels/gather.py`)
+        self.rotates = self.rotated and head_dim >= 32 and block_size >= 16 and \
+            not head_dim & (head_dim - 1) and not block_size & (block_size - 1)
+        self.root = torch.tensor(math.sqrt(head_dim), dtype=torch.float32)  # (fp32 constants: the kernel's too)
+        self.inverse_root = torch.tensor(1 / math.sqrt(head_dim), dtype=torch.float32)
+        self.center = None  # fp32 [Hkv, D] in the basis narrowed in, fixed by the first `narrow`, on its device
+        self._copy = None  # what widening adds back to keys (`offsets_on`), on the device last asked for
 
     @property
     def unit_shape(self) -> tuple:
@@ -109,29 +134,35 @@ class Int4(Representation):
     def storage_dtype(self) -> torch.dtype:
         return torch.uint8
 
-    def center_on(self, device: torch.device) -> torch.Tensor:
-        """The key center on `device` (a copy made once where it lives elsewhere, kept)."""
-        if self.center.device == device:
-            return self.center
+    def offsets_on(self, device: torch.device) -> torch.Tensor:
+        """What widening adds back to keys, fp32 `[Hkv, D]` on `device`: the center, turned back to the model's
+        basis where units are rotated. Made once per device (captured steps read a fixed tensor)."""
         if self._copy is None or self._copy.device != device:
-            self._copy = self.center.to(device)
+            self._copy = self.rotate(self.center).to(device)
         return self._copy
 
     def _offsets(self, like: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
-        """What widening adds back (fp32): the center for keys, zero for values, shaped to broadcast over `like`
-        `[..., 2, B, Hkv, T, D]` (or `[n, 2, T, D]` with `heads`)."""
-        center = self.center_on(like.device).float()  # [Hkv, D]
+        """`offsets_on` for keys, zero for values, shaped to broadcast over `like` `[..., 2, B, Hkv, T, D]` (or
+        `[n, 2, T, D]` with `heads`)."""
+        center = self.offsets_on(like.device)  # [Hkv, D]
         if heads is not None:
             return torch.stack([center[heads], torch.zeros_like(center[heads])], 1)[:, :, None]  # [n, 2, 1, D]
         return torch.stack([center, torch.zeros_like(center)])[:, None, :, None]  # [2, 1, Hkv, 1, D]
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 `[..., D]` into the basis units are narrowed in (and back: the transform is its own inverse): a
+        normalized Walsh-Hadamard transform. It spreads a token's outlier channels (a key bias turned by RoPE, say)
+        over all of them, so that they no longer set the token's 16 levels."""
+        return butterfly(x) * self.inverse_root.to(x.device) if self.rotates else x
+
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         lead, T, half = x.shape[:-2], self.block_size, self.head_dim // 2
-        x = x.float()
+        x = self.rotate(x.float())
         if self.center is None:  # the keys' mean over every sequence and token of the first blocks narrowed
             keys = x.select(-5, 0).mean(-2)  # [..., B, Hkv, D]
-            self.center = keys.flatten(0, -3).mean(0).clamp(-FP16_MAX, FP16_MAX).half()
-        x = x - self._offsets(x, None)
+            self.center = keys.flatten(0, -3).mean(0)
+        center = self.center.to(x.device)  # (in the basis narrowed in)
+        x = x - torch.stack([center, torch.zeros_like(center)])[:, None, :, None]
         low = x.amin(-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX).half()
         scale = ((x.amax(-1, keepdim=True) - low.float()) / 15).clamp(max=FP16_MAX).half()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (a constant token: any scale)
@@ -145,7 +176,13 @@ class Int4(Representation):
         packed = units[..., : T * half].reshape(*lead, T, half)
         pairs = units[..., T * half :].contiguous().view(torch.float16).view(*lead, T, 2).float()
         codes = torch.cat([packed & 15, packed >> 4], -1).float()  # [..., T, D]
-        wide = codes * pairs[..., :1] + pairs[..., 1:]
+        if self.rotates:  # R(code * scale + minimum) with R = H / root: H code exactly (integers), the minimum's
+            # image R 1 = root * e_0, the center's image in `_offsets`
+            first = torch.arange(self.head_dim, device=codes.device) == 0
+            lows = torch.where(first, pairs[..., 1:] * self.root.to(codes.device), 0.0)
+            wide = butterfly(codes) * (pairs[..., :1] * self.inverse_root.to(codes.device)) + lows
+        else:
+            wide = codes * pairs[..., :1] + pairs[..., 1:]
         return (wide + self._offsets(wide, heads)).to(self.dtype)
 
 

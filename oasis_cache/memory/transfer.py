@@ -61,6 +61,16 @@ def narrow_factor(representation) -> int:
     return max(1, 1 << round(math.log2(wide / representation.unit_nbytes)))
 
 
+NARROW_SIDE_PROGRAMS = {4: 4}  # narrow_factor -> times the side stream's programs (`side_programs_for`)
+
+
+def side_programs_for(programs: int, representation) -> int:
+    """The side stream's programs for a gather of `representation`'s units: int4's widening (unpacking and scaling
+    4x the units a byte) bounds its few programs before the link does, so it gets 4x the programs; fp8's does not
+    (docs/performance.md)."""
+    return programs * NARROW_SIDE_PROGRAMS.get(narrow_factor(representation), 1)
+
+
 def launch_shape(shape: dict, representation) -> dict:
     """A gather's launch shape (`num_warps`, `entries`: units a warp copies a round) for units of `representation`:
     `shape`'s, its entries times `narrow_factor` (a narrow unit is fewer bytes: as many more a round keep the bytes
@@ -222,7 +232,7 @@ class TransferEngine:
                 table, C = source.arena_table, source.capacity
             else:
                 table, C = self._addresses(source), source.chunk_blocks
-            programs = self._programs()
+            programs = self._programs(source.representation)
             shape = launch_shape(self.gather_shape, source.representation) if programs else {}
             gather_blocks(table, C, block_ids, dest, fetch, working_set.kv, working_set.block_size, programs,
                           per_unit=per_unit, representation=source.representation, **shape)
@@ -231,13 +241,17 @@ class TransferEngine:
         else:
             self._fetch_torch(source, working_set, block_ids, dest, fetch)
 
-    def _programs(self) -> int | None:
-        """The gather's programs per K/V for a launch on the current stream (None: one per block)."""
+    def _programs(self, representation=None) -> int | None:
+        """The gather's programs per K/V for a launch on the current stream (None: one per block) of
+        `representation`'s units (None: the model's dtype)."""
         if self.gather_programs is not None:
             return self.gather_programs or None
         on_side = self.streams is not None and self.streams.cuda and \
             torch.cuda.current_stream(self.device) == self.streams.side
-        return self.side_programs if on_side else None
+        if not on_side or self.side_programs is None:
+            return None
+        return self.side_programs if representation is None else side_programs_for(self.side_programs,
+                                                                                    representation)
 
     def _fetch_units_torch(self, cache, working_set, slots, dest, fetch) -> None:
         """The torch path of a gather from a remote tier's local cache (its arena of (sequence, KV head) units)."""

@@ -175,10 +175,16 @@ def _restore_layer(cache, idx: int, saved: dict, tier, device, local_cache_units
     meta = dict(saved["pool"])
     published = meta.pop("num_blocks")
     center = meta.pop("center", None)  # (int4: the keys' center the published units were narrowed with, or None)
+    rotated = meta.pop("rotated", None)  # (int4: narrowed in the rotated basis)
     meta["chunk_blocks"] = min(meta["chunk_blocks"], DECODE_CHUNK_BLOCKS)
     pin = device.type == "cuda"
     pool = layer.pool = HostKVPool(**meta, pin_memory=pin)
     if center is not None:
+        if rotated != pool.representation.rotates:
+            raise ValueError(f"layer {idx} of the admission record holds int4 units narrowed "
+                             f"{'in' if rotated else 'outside'} the rotated basis; this side would widen them "
+                             f"{'in' if pool.representation.rotates else 'outside'} it: admit with the same "
+                             f"oasis-cache (and `Int4.rotated`) as the prefill's.")
         pool.representation.center = center.to(device)
     pool.num_blocks = pool.first_block = published  # the pool holds the blocks decode completes
     layer.reserve_ahead()

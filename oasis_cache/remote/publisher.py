@@ -21,8 +21,8 @@ from .mooncake import RemoteTier, StoreClient, record_key
 
 
 RECORD_FORMAT = "oasis-cache admission record"
-RECORD_VERSION = 5  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it;
-# 4: a narrow pool's newest blocks as held (`newest`); 5: its sink blocks too
+RECORD_VERSION = 6  # 3: no pickle (`wire`), generations, the weights' fingerprint, the working set's slots not in it;
+# 4: a narrow pool's newest blocks as held (`newest`); 5: its sink blocks too; 6: int4 units in a rotated basis
 _LAYER_SKIP = ("_cache", "config", "pool", "device")  # rebuilt on the decode side
 PART_BYTES = 16 << 20  # the admission record is put and got in parts of at most this (and a quarter of the buffer)
 
@@ -90,7 +90,8 @@ def _publish(cache, tier: RemoteTier, prompt: str | None, tokens: int, before: d
             pool=dict(batch_size=pool.batch_size, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
                       block_size=pool.block_size, dtype=pool.dtype, chunk_blocks=pool.chunk_blocks,
                       host_dtype=pool.host_dtype, num_blocks=pool.num_blocks,
-                      center=getattr(pool.representation, "center", None)))  # (int4's key center)
+                      center=getattr(pool.representation, "center", None),  # (int4's key center)
+                      rotated=getattr(pool.representation, "rotates", None)))  # (int4: in the rotated basis)
     record = wire.encode(_detached(state))
     size = _part_bytes(tier.store)
     parts = [record[at : at + size] for at in range(0, len(record), size)] or [b""]

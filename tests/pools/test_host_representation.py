@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oasis_cache.memory import TransferEngine
-from oasis_cache.memory.representation import FP8_MAX, representation_for
+from oasis_cache.memory.representation import FP8_MAX, Int4, representation_for
 from oasis_cache.pools import HostKVPool, WorkingSet
 
 
@@ -28,7 +28,11 @@ def test_a_unit_takes_half_or_about_a_quarter_of_bf16s_bytes_scales_included():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_widening_errs_by_at_most_the_rounding_of_the_narrow_form(dtype):
+@pytest.mark.parametrize("rotated", [True, False])
+def test_widening_errs_by_at_most_the_rounding_of_the_narrow_form(dtype, rotated, monkeypatch):
+    """fp8: each element within half an e4m3 step. int4: each token within half of its 16 levels' step in the basis
+    it was narrowed in (the rotated one: an orthogonal transform keeps the error's length, not each element's)."""
+    monkeypatch.setattr(Int4, "rotated", rotated)
     x = kv_like(2, 3, 2, dtype=dtype)  # [K and V, B, Hkv, T, D]
     wide_ulp = torch.finfo(dtype).eps
     fp8 = representation_for("fp8", dtype, 16, 128)
@@ -38,14 +42,22 @@ def test_widening_errs_by_at_most_the_rounding_of_the_narrow_form(dtype):
     bound = x.float().abs() * (2 ** -4 + wide_ulp) + scale * 2 ** -10
     assert bool(((y - x.float()).abs() <= bound * 1.001).all())
     int4 = representation_for("int4", dtype, 16, 128)
+    assert int4.rotates == rotated
     y = int4.widen(int4.narrow(x)).float()
-    centered = x.float() - torch.stack([int4.center.float(), torch.zeros_like(int4.center.float())])[:, None, :, None]
+    center = int4.center.float()
+    centered = int4.rotate(x.float()) - torch.stack([center, torch.zeros_like(center)])[:, None, :, None]
     span = centered.amax(-1, keepdim=True) - centered.amin(-1, keepdim=True)
-    bound = span / 15 / 2 * 1.01 + x.float().abs() * wide_ulp + span * 2 ** -10  # (fp16 scale and minimum)
-    assert bool(((y - x.float()).abs() <= bound).all())
+    step = span / 15 / 2 * 1.01 + span * 2 ** -10  # (fp16 scale and minimum)
+    error = y - x.float()
+    if rotated:
+        assert bool((error.norm(dim=-1, keepdim=True) <= step * 128 ** 0.5 + x.float().norm(dim=-1, keepdim=True)
+                     * wide_ulp * 2).all())
+    else:
+        assert bool((error.abs() <= step + x.float().abs() * wide_ulp).all())
     assert fp8.widen(fp8.narrow(torch.zeros_like(x))).abs().max() == 0  # an all-zero unit stays zero
-    fresh = representation_for("int4", dtype, 16, 128)
-    assert fresh.widen(fresh.narrow(torch.ones_like(x))).eq(1).all()  # a constant token stays that constant
+    fresh = representation_for("int4", dtype, 16, 128)  # a constant token: exact in the model's basis; rotated,
+    # a value's only nonzero channel is 15 levels of an fp16 scale
+    assert fresh.widen(fresh.narrow(torch.ones_like(x))).float().sub(1).abs().max() <= (2 ** -10 if rotated else 0)
 
 
 def test_int4_centers_the_keys_and_so_keeps_a_biased_channel_from_setting_every_tokens_range():
@@ -61,12 +73,36 @@ def test_int4_centers_the_keys_and_so_keeps_a_biased_channel_from_setting_every_
     error = (int4.widen(int4.narrow(x)) - x)[0].abs().mean()
     later = torch.randn(2, 1, 2, 16, 64, generator=g)
     later[0] += bias
-    assert torch.allclose(int4.center.float()[:, [5, 40]], bias[[5, 40]], atol=3)  # (fixed by the first blocks)
+    center = int4.offsets_on(torch.device("cpu"))  # (in the model's basis)
+    assert torch.allclose(center[:, [5, 40]], bias[[5, 40]], atol=3)  # (fixed by the first blocks)
     later_error = (int4.widen(int4.narrow(later)) - later)[0].abs().mean()
     uncentered = representation_for("int4", torch.float32, 16, 64)
     uncentered.center = torch.zeros(2, 64, dtype=torch.float16)
     plain_error = (uncentered.widen(uncentered.narrow(later)) - later)[0].abs().mean()
     assert error < plain_error / 4 and later_error < plain_error / 4, (error, later_error, plain_error)
+
+
+def test_int4_narrows_in_a_rotated_basis_so_a_bias_turned_by_rope_does_not_set_every_tokens_range(monkeypatch):
+    """A key bias turned by rotary embeddings changes from token to token, so no per-channel center removes it: in
+    the model's basis its few large channels set each token's 16 levels. Narrowed after a Hadamard rotation (which
+    spreads those channels over all), int4's error is a fraction of that; exact up to rounding without narrowing."""
+    g = torch.Generator().manual_seed(0)
+    D, positions = 64, torch.arange(64.0)
+    bias = torch.zeros(D)
+    bias[[3, 3 + D // 2, 20, 20 + D // 2]] = torch.tensor([30.0, -25.0, 18.0, 22.0])
+    raw = torch.randn(2, 1, 2, 64, D, generator=g)
+    raw[0] += bias
+    angle = positions[:, None] * 10000 ** (-torch.arange(D // 2) / (D // 2))  # [tokens, D/2]
+    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+    turned = raw * cos + torch.cat([-raw[..., D // 2:], raw[..., : D // 2]], -1) * sin
+    x = turned.unflatten(-2, (4, 16)).movedim(-3, 0)  # [blocks, 2, B, Hkv, T, D]
+    errors = {}
+    for rotated in (True, False):
+        monkeypatch.setattr(Int4, "rotated", rotated)
+        int4 = representation_for("int4", torch.float32, 16, D)
+        errors[rotated] = (int4.widen(int4.narrow(x)) - x)[:, 0].norm() / x[:, 0].norm()
+    assert errors[True] < errors[False] / 2, errors
+    assert torch.allclose(Int4(torch.float32, 16, D).rotate(Int4(torch.float32, 16, D).rotate(x)), x, atol=1e-4)
 
 
 @pytest.mark.parametrize("host_dtype", ["fp8", "int4"])

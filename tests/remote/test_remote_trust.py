@@ -240,23 +240,27 @@ def test_the_docs_example_runs_as_written(mooncake_master):
     assert not connect(mooncake_master).get("oasis/req-7/record")
 
 
-@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
-def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_master, host_dtype):
+@pytest.mark.parametrize("host_dtype, T, D", [("fp8", 8, 16), ("int4", 8, 16), ("int4", 16, 32)])
+def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_master, host_dtype, T, D):
     """The store holds a narrow pool's units as the pool holds them (their bytes: half or a quarter), the decode side
-    admits the request with the same representation, and generates the prefill process's own tokens and logits."""
-    model = tiny_model("llama")
+    admits the request with the same representation (int4 in the rotated basis where the sizes allow), and generates
+    the prefill process's own tokens and logits."""
+    model = tiny_model("llama", head_dim=D)
     ids = prompt_ids(403)
     store = connect(mooncake_master)
-    wide = publish(_prefilled(model, ids), store, f"wide-{host_dtype}")
-    narrow = publish(_prefilled(model, ids, host_dtype=host_dtype), store, f"narrow-{host_dtype}")
-    unit = 8 * 16  # T x D of `tiny_model`, float32
-    expected = {"fp8": unit + 16, "int4": unit // 2 + 4 * 8}[host_dtype] / (unit * 4)
+    options = dict(host_dtype=host_dtype, block_size=T, sink_tokens=T, token_budget=8 * T)
+    name = f"{host_dtype}-{T}x{D}"
+    wide = publish(_prefilled(model, ids, **dict(options, host_dtype=None)), store, f"wide-{name}")
+    narrow = publish(_prefilled(model, ids, **options), store, f"narrow-{name}")
+    unit = T * D  # float32
+    expected = {"fp8": unit + 16, "int4": unit // 2 + 4 * T}[host_dtype] / (unit * 4)
     assert narrow["blocks"] / wide["blocks"] == pytest.approx(expected)
-    cache = admit(model, store, f"narrow-{host_dtype}")
+    cache = admit(model, store, f"narrow-{name}")
     assert cache.config.host_dtype == host_dtype and cache.layers[0].pool.remote.arena.dtype == torch.uint8
+    assert getattr(cache.layers[0].pool.representation, "rotates", False) == (D == 32)
     kw = dict(KW, output_logits=True, return_dict_in_generate=True)
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
-    own = model.generate(input_ids=ids, **_prefilled(model, ids, host_dtype=host_dtype).generate_kwargs(), **kw)
+    own = model.generate(input_ids=ids, **_prefilled(model, ids, **options).generate_kwargs(), **kw)
     assert torch.equal(got.sequences, own.sequences)
     for a, b in zip(got.logits, own.logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
