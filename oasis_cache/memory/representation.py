@@ -123,6 +123,7 @@ class Int4(Representation):
             not head_dim & (head_dim - 1) and not block_size & (block_size - 1)
         self.root = torch.tensor(math.sqrt(head_dim), dtype=torch.float32)  # (fp32 constants: the kernel's too)
         self.inverse_root = torch.tensor(1 / math.sqrt(head_dim), dtype=torch.float32)
+        self._roots = {}  # device -> (root, inverse_root) there (made at a prefill's narrow, before any capture)
         self.center = None  # fp32 [Hkv, D] in the basis narrowed in, fixed by the first `narrow`, on its device
         self._copy = None  # what widening adds back to keys (`offsets_on`), on the device last asked for
 
@@ -153,7 +154,13 @@ class Int4(Representation):
         """fp32 `[..., D]` into the basis units are narrowed in (and back: the transform is its own inverse): a
         normalized Walsh-Hadamard transform. It spreads a token's outlier channels (a key bias turned by RoPE, say)
         over all of them, so that they no longer set the token's 16 levels."""
-        return butterfly(x) * self.inverse_root.to(x.device) if self.rotates else x
+        return butterfly(x) * self.roots_on(x.device)[1] if self.rotates else x
+
+    def roots_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(root, inverse_root)` on `device` (made once: a captured step copies nothing from the host)."""
+        if device not in self._roots:
+            self._roots[device] = (self.root.to(device), self.inverse_root.to(device))
+        return self._roots[device]
 
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         lead, T, half = x.shape[:-2], self.block_size, self.head_dim // 2
@@ -178,9 +185,10 @@ class Int4(Representation):
         codes = torch.cat([packed & 15, packed >> 4], -1).float()  # [..., T, D]
         if self.rotates:  # R(code * scale + minimum) with R = H / root: H code exactly (integers), the minimum's
             # image R 1 = root * e_0, the center's image in `_offsets`
+            root, inverse_root = self.roots_on(codes.device)
             first = torch.arange(self.head_dim, device=codes.device) == 0
-            lows = torch.where(first, pairs[..., 1:] * self.root.to(codes.device), 0.0)
-            wide = butterfly(codes) * (pairs[..., :1] * self.inverse_root.to(codes.device)) + lows
+            lows = torch.where(first, pairs[..., 1:] * root, 0.0)
+            wide = butterfly(codes) * (pairs[..., :1] * inverse_root) + lows
         else:
             wide = codes * pairs[..., :1] + pairs[..., 1:]
         return (wide + self._offsets(wide, heads)).to(self.dtype)
