@@ -29,16 +29,17 @@ from oasis_cache.memory.representation import Int4  # noqa: E402
 
 def variants(model, args) -> list:
     """`(name, fields, make_cache)` of every row: dense, each host dtype with every complete block narrowed and with
-    the ends as made, and with `--budget` through `OasisCache` (its sink and newest blocks held as made, and with
-    `SlotMap.hold_newest` off: every complete block read from the pool, the ablation), and the model's dtype there."""
+    the ends as made (not with `--cache-only`), and with `--budget` through `OasisCache` (its sink and newest blocks
+    held as made; with `--ablations` also `SlotMap.hold_newest` off: every complete block read from the pool), and
+    the model's dtype there."""
     from oasis_cache import OasisCache
     from oasis_cache.pools.slot_map import SlotMap
 
     rows = [("dense", {}, lambda: contextlib.nullcontext(DynamicCache(config=model.config)))]
-    kinds = [(d, r) for d in args.host_dtype for r in ((True, False) if d == "int4" and args.unrotated else (True,))]
-    for host_dtype, rotated in kinds:
+    kinds = [(d, r) for d in args.host_dtype for r in ((False, True) if d == "int4" and args.rotated else (False,))]
+    for host_dtype, rotated in [] if args.cache_only else kinds:
         for wide_ends in (False, True):
-            rows.append((f"{host_dtype}{'' if rotated else ' not rotated'}{' wide ends' if wide_ends else ''}",
+            rows.append((f"{host_dtype}{' rotated' if rotated else ''}{' wide ends' if wide_ends else ''}",
                          dict(host_dtype=host_dtype, wide_ends=wide_ends, rotated=rotated),
                          lambda d=host_dtype, w=wide_ends, r=rotated: rotation(r, contextlib.nullcontext(
                              widened_cache(model, d, args.recent if w else 0, args.sink if w else 0)))))
@@ -53,9 +54,9 @@ def variants(model, args) -> list:
         finally:
             SlotMap.hold_newest = hold
 
-    for host_dtype, rotated in [*kinds, (None, True)] if args.budget else []:
-        for held in (True, False) if host_dtype else (True,):
-            rows.append((f"cache {host_dtype or 'model dtype'}{'' if rotated else ' not rotated'}"
+    for host_dtype, rotated in [*kinds, (None, False)] if args.budget else []:
+        for held in (True, False) if host_dtype and args.ablations else (True,):
+            rows.append((f"cache {host_dtype or 'model dtype'}{' rotated' if rotated else ''}"
                          f"{'' if held else ', every block from the pool'}",
                          dict(host_dtype=host_dtype, budget=args.budget, newest_held=held, rotated=rotated),
                          lambda d=host_dtype, h=held, r=rotated: rotation(r, oasis(d, h))))
@@ -64,7 +65,7 @@ def variants(model, args) -> list:
 
 @contextlib.contextmanager
 def rotation(rotated: bool, context):
-    """`context` entered with int4's rotation on (as the package narrows) or off (the ablation)."""
+    """`context` entered with int4's rotation (`Int4.rotated`) on or off (as the package narrows by default)."""
     before = Int4.rotated
     Int4.rotated = rotated
     try:
@@ -95,9 +96,13 @@ def main():
     parser.add_argument("--budget", type=int, default=0,
                         help="also through OasisCache at this token_budget (its sink and newest blocks held as made, "
                              "and not)")
-    parser.add_argument("--unrotated", action="store_true",
-                        help="also int4 with keys and values narrowed as the model made them, not in the rotated "
-                             "basis the package narrows them in (the ablation)")
+    parser.add_argument("--rotated", action="store_true",
+                        help="also int4 with keys and values narrowed in a Hadamard-rotated basis (`Int4.rotated`)")
+    parser.add_argument("--ablations", action="store_true",
+                        help="also the cache with every block read from the pool (`SlotMap.hold_newest` off)")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="only dense and the cache's rows (the reference narrows every layer: the cache keeps "
+                             "a layer whose scores narrowing would move too far in the model's dtype)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from oasis_cache.loaders import load_offline
@@ -105,17 +110,21 @@ def main():
     model, tokenizer = load_offline(args.model, dtype=getattr(torch, args.dtype))
     model.set_attn_implementation("sdpa")
     rows = variants(model, args)
-    per_token = {name: [] for name, _, _ in rows}
+    per_token, wide = {name: [] for name, _, _ in rows}, {}
     for offset in args.offsets:
         ids = pydoc_token_ids(tokenizer, args.prefill + args.tokens, offset=offset)
         for name, _, make in rows:
             with make() as cache:
                 per_token[name].append(decode_nll(model, ids, args.prefill, cache).float().cpu())
+                if hasattr(cache, "stats"):  # (the layers the cache kept in the model's dtype)
+                    wide[name] = cache.stats()["layers_in_model_dtype"]
             print(f"offset {offset:6} {name:44} {per_token[name][-1].mean().item():.4f}", flush=True)
     nll = {name: torch.cat(values) for name, values in per_token.items()}
     results = []
     for name, fields, _ in rows:
         row = dict(name=name, **fields, nll=nll[name].mean().item(), **paired(nll[name], nll["dense"]))
+        if name in wide:
+            row["layers_in_model_dtype"] = wide[name]
         if fields.get("budget") and fields.get("host_dtype"):  # the pool's own share: against the model's dtype
             row["against_model_dtype"] = paired(nll[name], nll["cache model dtype"])
         results.append(row)

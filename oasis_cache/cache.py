@@ -25,7 +25,7 @@ from .memory import TransferEngine
 from .memory.host_memory import release_cached_pinned
 from .memory.streams import PrefetchStreams
 from .runtime import build, compiled_layers, conversions, model_checks, routing
-from .runtime.describe import describe, host_bytes_per_token, remote_stats, summary_form
+from .runtime.describe import describe, host_bytes_per_token, layers_kept_wide, remote_stats, summary_form
 from .runtime.context import ForwardContext
 from .runtime.install import install, release
 from .runtime.model_checks import ATTENTION_NAME
@@ -306,6 +306,7 @@ class OasisCache(Cache):
             host_bytes=self.host_nbytes(),
             host_dtype=self.config.host_dtype,
             host_bytes_per_token=host_bytes_per_token(self),
+            layers_in_model_dtype=sorted(layers_kept_wide(self)),
         )
         out["why"] = dict(self.why)  # option -> how it was chosen (`describe` says it all in words)
         if self.ride_along is not None:

@@ -27,7 +27,7 @@ from .kernels.decode_attention import decode_attention
 from .memory.host_memory import use_fast_pinning
 from .memory.representation import representation_for
 from .pools import BlockSummaries, HostKVPool, RecentTokens, SlotMap, WorkingSet
-from .pools.host_kv import fitted_chunk_blocks
+from .pools.host_kv import fitted_chunk_blocks, measured_pool
 from .pools.summaries import fp8_levels_for
 
 HOST_GROWTH_SPREAD = 16  # blocks: layers take their host pool's next chunk at up to this many different block steps
@@ -88,15 +88,13 @@ class OasisLayer(CacheLayerMixin):
 
     def shaped_as(self, key_states: torch.Tensor | None) -> tuple:
         """(heads, head size, dtype, device) of `key_states` `[B, Hkv, q, D]`, or of this layer's pools (None)."""
-        if key_states is None:
-            return self.num_kv_heads, self.head_dim, self.pool.dtype, self.device
-        return key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device
+        k = key_states
+        return (self.num_kv_heads, self.head_dim, self.pool.dtype, self.device) if k is None else (
+            k.shape[1], k.shape[3], k.dtype, k.device)
 
     def reserve_for_prompt(self, tokens: int) -> None:
-        """Room for a prompt prefilled in chunks that ends at `tokens`: its blocks (and the next) in the summaries and
-        the slot table, and the working set's slots for them, at once — not more at each chunk: tensors of a new size
-        at each chunk and layer, among the chunks' activations, left the allocator's segments split (Qwen3-8B, 32K x
-        8 under a 24 GiB cap). (The summaries' capacity is that of the blocks grown one by one, `capacity_for`.)"""
+        """Room for a prompt prefilled in chunks that ends at `tokens`: its blocks (and the next) in the summaries, the
+        slot table and the working set's slots, at once (tensors of a new size at each chunk split the allocator)."""
         whole = tokens // self.config.block_size + 1
         self.summaries.reserve(whole)
         self.slot_map.reserve(whole)
@@ -175,9 +173,7 @@ class OasisLayer(CacheLayerMixin):
         return torch.nn.functional.pad(value_states, (0, D - Dv))
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return self.pool.num_blocks * self.config.block_size + self.recent.num_tokens
+        return self.pool.num_blocks * self.config.block_size + self.recent.num_tokens if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -188,7 +184,7 @@ class OasisLayer(CacheLayerMixin):
     def offload(self):  # HF's whole-layer offloading does not apply: the full KV already lives on the host
         pass
 
-    def prefetch(self):
+    def prefetch(self):  # (nor its prefetch)
         pass
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -292,7 +288,8 @@ class OasisLayer(CacheLayerMixin):
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)
         # (a one-token step reads no padding: its completed block holds its own token, and a captured one replays)
-        self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed)
+        self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed,
+                                      scored=(query[:, :, : Qn - draft_rows], scale))
         chunked = self._cache.context.prefill_tokens  # (a prompt's chunk before its last is followed by no decode step)
         if cfg.lookahead != "none" and self.pool.num_blocks > 0 and not (
                 chunked and not is_decode and self.get_seq_length() < chunked):
@@ -464,12 +461,15 @@ class OasisLayer(CacheLayerMixin):
         predicted = attended.gather(-1, block_ids.clamp(max=NB - 1))
         self._cache.counters.record_recall(self.layer_idx, (predicted & real).sum(), real.sum())
 
-    def _offload_complete_blocks(self, padding: bool = True) -> None:
+    def _offload_complete_blocks(self, padding: bool = True, scored: tuple | None = None) -> None:
         """Move the recent tokens' complete blocks to the host pool and summarize them; with `padding`, the batch's
-        recorded padding among their tokens weighs in no summary (`_real_tokens`)."""
+        recorded padding among their tokens weighs in no summary (`_real_tokens`); `scored`: (the forward's
+        queries, their scale) that decide a narrow pool's form at its first blocks."""
         blocks = self.recent.take_complete_blocks(self.config.block_size)  # [2, B, H, n, T, D]
         if blocks is None:
             return
+        if scored is not None and not self.pool.num_blocks and self.pool.representation.narrow_form:
+            self.pool, self.score_noise = measured_pool(self.pool, blocks, *scored, self.config.host_chunk_blocks)
         self._cache.transfer.offload(self.pool, blocks, self.summaries.count)  # (one block: at the device count)
         self.summaries.append(blocks[0], self._real_tokens(blocks.shape[3]) if padding else None)
         self._after_completed_blocks(blocks.shape[3])

@@ -82,9 +82,10 @@ def check_unit_gather(B, H, T, D, S, NB, C, dtype, device, max_programs=None, en
 # (B, Hkv, T, D, S, NB, chunk_blocks, dtype, host_dtype): a narrow host pool (`memory/representation.py`)
 NARROW_CASES = [
     (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "fp8"),
-    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4"),  # narrowed in the rotated basis (`Int4.rotates`)
-    (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes (not rotated)
-    (1, 2, 16, 128, 4, 9, 4, torch.float16, "int4"),
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4"),
+    (3, 2, 8, 80, 3, 7, 2, torch.float16, "int4"),  # a token's codes not a power of two of bytes
+    (1, 2, 16, 128, 4, 9, 4, torch.float16, "int4 rotated"),  # (`Int4.rotated`)
+    (2, 3, 16, 64, 5, 13, 5, torch.bfloat16, "int4 rotated"),
     (1, 2, 16, 128, 4, 9, 4, torch.float32, "fp8"),
     (2, 1, 4, 6, 6, 17, 3, torch.float32, "int4"),  # odd sizes
     (2, 2, 2, 6, 4, 11, 3, torch.float32, "int4"),  # scales not 4-byte aligned: read by bytes
@@ -98,7 +99,10 @@ def check_narrow_gather(B, H, T, D, S, NB, C, dtype, host_dtype, device, max_pro
     from the pool's chunks or (`per_unit`) from an arena of single units (a remote tier's local cache); `store_block`
     writes a narrowed block where `offload` would."""
     g = torch.Generator().manual_seed(B * 1000 + D + len(host_dtype))
+    host_dtype, rotated = host_dtype.split()[0], host_dtype.endswith("rotated")
     pool = HostKVPool(B, H, D, T, dtype, C, pin_memory=device.type == "cuda", host_dtype=host_dtype)
+    if rotated:  # (the sizes `Int4.rotated` needs)
+        pool.representation.rotates = True
     C = pool.chunk_blocks  # (pinned chunks hold as many blocks as fill their allocation: more than asked)
     rep = pool.representation
     data = torch.randn(2, B, H, NB, T, D, generator=g) * torch.rand(1, 1, 1, 1, 1, D, generator=g) * 8
@@ -410,8 +414,8 @@ CHECKS = [("gather", CASES, check_case), ("gather-3-programs", CASES[1:2], parti
           ("gather-units-4-entries", CASES[2:3], partial(check_unit_gather, max_programs=1, entries=4)),
           ("store", CASES, check_store),
           ("gather-narrow", NARROW_CASES, check_narrow_gather),
-          ("gather-narrow-4-entries", NARROW_CASES[:3], partial(check_narrow_gather, max_programs=2, entries=4)),
-          ("gather-narrow-units", NARROW_CASES[1:2], partial(check_narrow_gather, per_unit=True)),
+          ("gather-narrow-4-entries", NARROW_CASES[:4], partial(check_narrow_gather, max_programs=2, entries=4)),
+          ("gather-narrow-units", NARROW_CASES[1:2] + NARROW_CASES[4:5], partial(check_narrow_gather, per_unit=True)),
           ("scores", SCORE_CASES, check_scores),
           ("assign", ASSIGN_CASES, check_assign),
           ("append", APPEND_CASES, check_append),

@@ -6,15 +6,15 @@ moves units (offload, gather, a store's objects) moves it as one piece:
             over the unit. T*D + 16 bytes (bf16: T*D*2).
     "int4"  `[T, D/2]` bytes, each two codes (channel j in the low nibble, j + D/2 in the high one), then per token
             an fp16 (scale, minimum): y = code * scale + minimum, code in 0..15, scale = (max - min) / 15 over the
-            token's D channels. T*D/2 + 4*T bytes. y is the token in a rotated basis, less a key center: x = R (y +
-            center), R = H / sqrt(D) the normalized Walsh-Hadamard transform (its own inverse), where D is a power
-            of two >= 32 and T one >= 16 (`Int4.rotates`; else R = 1). The rotation spreads a token's outlier
-            channels over all of them (a key bias turned by rotary embeddings varies from token to token: no
-            per-channel center removes it, and in the model's basis its few large channels would set every token's
-            16 levels). Keys also lose a center per KV head and channel (`Int4.center`, fp32 `[Hkv, D]`, in the
-            rotated basis: their mean over the first blocks narrowed, fixed from then on): large per-channel offsets
-            (a projection's bias) would otherwise set every token's range. Widening computes H code exactly (integer
-            sums), then `H code * (scale / sqrt(D)) + [j = 0] minimum * sqrt(D) + R center` (R 1 = sqrt(D) e_0).
+            token's D channels. T*D/2 + 4*T bytes. x = R (y + center): keys lose a center per KV head and channel
+            (`Int4.center`, fp32 `[Hkv, D]`: their mean over the first blocks narrowed, fixed from then on), as large
+            per-channel offsets (a projection's bias) would otherwise set every token's range. R = 1, or with
+            `Int4.rotated` (where D is a power of two >= 32 and T one >= 16: `Int4.rotates`) H / sqrt(D), the
+            normalized Walsh-Hadamard transform (its own inverse): it spreads a token's outlier channels over all
+            of them (a key bias turned by rotary embeddings varies from token to token, so no center removes it);
+            widening then computes H code exactly (integer sums), then `H code * (scale / sqrt(D)) + [j = 0]
+            minimum * sqrt(D) + R center` (R 1 = sqrt(D) e_0). A layer whose keys narrowed would move its attention
+            scores too far keeps the model's dtype (`score_noise`, `pools.host_kv.measured_pool`).
             (Groups along tokens per channel, as KIVI keeps keys, would take a scale and minimum per channel for the
             16 tokens of a block: 2 bits an element on top of 4.)
 
@@ -27,6 +27,7 @@ multiply-add), so that the kernel's bits equal torch's.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -34,6 +35,7 @@ import torch
 FP8_MAX = 448.0  # e4m3's largest finite value
 SCALE_PAD = 16  # bytes after an fp8 unit's codes: its fp32 scale, padded so that every unit starts 16-byte aligned
 FP16_MAX = 65504.0
+SCORE_NOISE_LIMIT = 2.0  # nats: a layer whose narrowed keys would move its attention scores more keeps its own dtype
 
 
 class Representation:
@@ -114,7 +116,8 @@ def butterfly(x: torch.Tensor) -> torch.Tensor:
 class Int4(Representation):
     name = "int4"
     narrow_form = True
-    rotated = True  # units narrowed in a Hadamard-rotated basis where the head size allows (`rotates`)
+    rotated = False  # units narrowed in a Hadamard-rotated basis where the sizes allow (`rotates`): not the default
+    # (its gather is slower and what it saves is within the sample's noise once `SCORE_NOISE_LIMIT` applies)
 
     def __init__(self, dtype: torch.dtype, block_size: int, head_dim: int):
         super().__init__(dtype, block_size, head_dim)
@@ -204,3 +207,27 @@ def representation_for(host_dtype: str | None, dtype: torch.dtype, block_size: i
     if host_dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"host_dtype={host_dtype!r} narrows floating-point keys and values, not {dtype}.")
     return kind(dtype, block_size, head_dim)
+
+
+def score_noise(representation: Representation, blocks: torch.Tensor, query: torch.Tensor, scale: float,
+                blocks_at_most: int = 256, queries_at_most: int = 16) -> float | None:
+    """How far narrowing a layer's keys would move its attention scores: the standard deviation, in nats, of
+    `scale * q . (widen(narrow(k)) - k)` over the forward's last queries (`query`, `[B, Hq, Qn, D]`) and the keys of
+    the layer's first blocks (`blocks`, `[2, B, Hkv, n, T, D]`), narrowed by a fresh copy of `representation` (its
+    key center fixed by these blocks, as the pool's will be). Tokens whose scores carry noise of deviation s take
+    attention from those attended as made (the mean of exp(score + noise) is exp(score + s^2 / 2)); a layer whose
+    queries are very large (Qwen2's first: scores in the hundreds) would move by nats (`SCORE_NOISE_LIMIT`). None
+    where the queries are not the keys' shape (latent attention)."""
+    B, Hq, Qn, D = query.shape
+    H = blocks.shape[2]
+    if not representation.narrow_form or D != blocks.shape[-1] or Hq % H or not blocks.shape[3]:
+        return None
+    probe = copy.copy(representation)
+    if hasattr(probe, "center"):
+        probe.center, probe._copy = None, None
+    part = blocks[:, :, :, :blocks_at_most]
+    widened = probe.widen(probe.narrow(part.movedim(3, 0)))[:, 0].float()  # keys, [n, B, Hkv, T, D]
+    error = widened - part[0].movedim(2, 0).float()
+    rows = min(Qn, queries_at_most)
+    q = query[:, :, -rows:].float().reshape(B, H, Hq // H * rows, D)  # (query head h*G + g reads KV head h)
+    return (torch.einsum("bhqd,nbhtd->bhqnt", q, error) * scale).std().item()

@@ -18,7 +18,7 @@ import copy
 
 import torch
 
-from ..memory.representation import representation_for
+from ..memory.representation import SCORE_NOISE_LIMIT, representation_for, score_noise
 
 # A `copy.deepcopy` memo key: the copy shares the pool's complete chunks instead of copying them (`OasisCache.fork`).
 SHARE_CHUNKS = "oasis_cache.pools.host_kv.share_chunks"
@@ -190,3 +190,16 @@ class HostKVPool:
     @property
     def nbytes(self) -> int:
         return sum(chunk.numel() * chunk.element_size() for chunk in self.chunks)
+
+
+def measured_pool(pool: HostKVPool, blocks: torch.Tensor, query: torch.Tensor, scale: float,
+                  chunk_blocks: int) -> tuple[HostKVPool, float | None]:
+    """Before a narrow pool's first blocks (`blocks`, `[2, B, Hkv, n, T, D]`): `(pool, noise)`, or, where narrowing
+    its layer's keys would move the forward's attention scores (`query`, `scale`) by more than `SCORE_NOISE_LIMIT`
+    (`representation.score_noise`), an empty pool of the same shape in the model's dtype: that layer's keys and
+    values stay as made."""
+    noise = score_noise(pool.representation, blocks, query, scale)
+    if noise is None or noise <= SCORE_NOISE_LIMIT:
+        return pool, noise
+    return HostKVPool(pool.batch_size, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype, chunk_blocks,
+                      pool.pin_memory), noise

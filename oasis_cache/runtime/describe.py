@@ -17,6 +17,14 @@ def host_bytes_per_token(cache) -> int:
     return total
 
 
+def layers_kept_wide(cache) -> dict[int, float]:
+    """Layers whose pool keeps the model's dtype under a narrow `host_dtype` -> how far narrowing their keys would
+    have moved their attention scores (nats, `pools.host_kv.measured_pool`)."""
+    return {layer.layer_idx: layer.score_noise for layer in cache.layers
+            if isinstance(layer, OasisLayer) and layer.is_initialized and cache.config.host_dtype is not None
+            and layer.pool.host_dtype is None and getattr(layer, "score_noise", None) is not None}
+
+
 def describe(cache) -> str:
     """What `cache` runs and why, in words."""
     cfg, model = cache.config, cache._model()
@@ -29,6 +37,10 @@ def describe(cache) -> str:
     held = "in the model's dtype" if cfg.host_dtype is None else \
         f"as {cfg.host_dtype}, widened to the model's dtype when gathered"
     per_token = host_bytes_per_token(cache)
+    wide = layers_kept_wide(cache)
+    if wide:
+        held += (f" but layers {sorted(wide)} in the model's dtype (narrowing their keys would move their attention "
+                 f"scores by {max(wide.values()):.1f} nats)")
     lines.append(f"- layers: {n_oasis} full-attention layers offloaded to host memory in blocks of "
                  f"{cfg.block_size} tokens, {held}" + (f" ({per_token} bytes a token of a sequence)" if per_token
                                                        else "")

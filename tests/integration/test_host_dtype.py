@@ -132,3 +132,27 @@ def test_fork_and_conversions_keep_the_narrow_form(host_dtype):
     per_layer = 2 * pool.num_kv_heads * pool.representation.unit_nbytes // T  # (keys and values, scales included)
     assert stats["host_bytes_per_token"] == len(rebuilt.layers) * per_layer
     assert f"as {host_dtype}" in str(rebuilt)
+
+
+@pytest.mark.parametrize("host_dtype", ["fp8", "int4"])
+def test_a_layer_whose_scores_narrowing_would_move_far_keeps_the_models_dtype(host_dtype):
+    """Layer 0's queries made 200 times as large (as Qwen2's first layer has them: scores in the hundreds): its keys
+    narrowed would move its attention scores by nats, and tokens whose scores carry such noise take attention from
+    those attended as made. Measured on the prompt's own queries at its first blocks, that layer's pool keeps the
+    model's dtype (said in `stats()` and `print`); the other layer stays narrow; decoding goes on, and at a budget
+    >= context it equals dense attention over layer 1's widened keys and values and layer 0's own."""
+    from oasis_cache.memory.representation import SCORE_NOISE_LIMIT
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(200.0)
+    inputs = {"input_ids": prompt_ids(70, batch=2)}
+    cache = oasis_cache_for(model, host_dtype=host_dtype, host_chunk_blocks=2)
+    got = generate(model, cache, inputs, max_new_tokens=20, do_sample=False)
+    first, second = cache.layers[:2]
+    assert first.pool.host_dtype is None and second.pool.host_dtype == host_dtype
+    assert first.score_noise > SCORE_NOISE_LIMIT >= second.score_noise
+    assert cache.stats()["layers_in_model_dtype"] == [0] and "layers [0] in the model's dtype" in str(cache)
+    reference = widened_cache(model, host_dtype, inputs=inputs)
+    reference.layers[0] = DynamicCache(config=model.config).layers[0]  # (layer 0 as made)
+    assert_same(generate(model, reference, inputs, max_new_tokens=20, do_sample=False), got)

@@ -240,11 +240,16 @@ def test_the_docs_example_runs_as_written(mooncake_master):
     assert not connect(mooncake_master).get("oasis/req-7/record")
 
 
-@pytest.mark.parametrize("host_dtype, T, D", [("fp8", 8, 16), ("int4", 8, 16), ("int4", 16, 32)])
-def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_master, host_dtype, T, D):
+@pytest.mark.parametrize("host_dtype, T, D, rotated", [("fp8", 8, 16, False), ("int4", 8, 16, False),
+                                                        ("int4", 16, 32, True)])
+def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_master, host_dtype, T, D, rotated,
+                                                                      monkeypatch):
     """The store holds a narrow pool's units as the pool holds them (their bytes: half or a quarter), the decode side
-    admits the request with the same representation (int4 in the rotated basis where the sizes allow), and generates
+    admits the request with the same representation (int4 in the rotated basis too, `Int4.rotated`), and generates
     the prefill process's own tokens and logits."""
+    from oasis_cache.memory.representation import Int4
+
+    monkeypatch.setattr(Int4, "rotated", rotated)
     model = tiny_model("llama", head_dim=D)
     ids = prompt_ids(403)
     store = connect(mooncake_master)
@@ -257,7 +262,7 @@ def test_a_narrow_pool_travels_narrow_and_decodes_as_the_prefills_own(mooncake_m
     assert narrow["blocks"] / wide["blocks"] == pytest.approx(expected)
     cache = admit(model, store, f"narrow-{name}")
     assert cache.config.host_dtype == host_dtype and cache.layers[0].pool.remote.arena.dtype == torch.uint8
-    assert getattr(cache.layers[0].pool.representation, "rotates", False) == (D == 32)
+    assert getattr(cache.layers[0].pool.representation, "rotates", False) == rotated
     kw = dict(KW, output_logits=True, return_dict_in_generate=True)
     got = model.generate(input_ids=ids, **cache.generate_kwargs(), **kw)
     own = model.generate(input_ids=ids, **_prefilled(model, ids, **options).generate_kwargs(), **kw)
