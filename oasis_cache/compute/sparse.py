@@ -44,7 +44,7 @@ def sparse_attention(
         `[B, Hq, Qn, D]`.
     """
     B, Hq, Qn, D = query.shape
-    Hkv, L = keys.shape[1], keys.shape[2]
+    Hkv = keys.shape[1]
     G = Hq // Hkv
     grouped = query.reshape(B, Hkv, G * Qn, D)  # query head h*G + g uses KV head h: rows (g, i)
     # The additive mask in one operation, [B, Hkv, G * Qn or 1, L]: what a boolean mask would become inside the

@@ -61,14 +61,14 @@ def narrow_factor(representation) -> int:
     return max(1, 1 << round(math.log2(wide / representation.unit_nbytes)))
 
 
-NARROW_SIDE_PROGRAMS = {4: 4}  # narrow_factor -> times the side stream's programs (`side_programs_for`)
+ROTATED_SIDE_PROGRAMS = 4  # times the side stream's programs for rotated int4 units (`side_programs_for`)
 
 
 def side_programs_for(programs: int, representation) -> int:
-    """The side stream's programs for a gather of `representation`'s units: int4's widening (unpacking and scaling
-    4x the units a byte) bounds its few programs before the link does, so it gets 4x the programs; fp8's does not
-    (docs/performance.md)."""
-    return programs * NARROW_SIDE_PROGRAMS.get(narrow_factor(representation), 1)
+    """The side stream's programs for a gather of `representation`'s units: rotated int4's widening (a tensor-core
+    product a unit) bounds few programs before the link does, so it gets 4x the programs (32K x 4 on the H100: 1, 4,
+    16 times took 34.4, 20.1, 25.2 ms a step; docs/performance.md); other units the same programs."""
+    return programs * (ROTATED_SIDE_PROGRAMS if getattr(representation, "rotates", False) else 1)
 
 
 def launch_shape(shape: dict, representation) -> dict:

@@ -66,8 +66,7 @@ def describe(cache) -> str:
         engine = cache.transfer
         programs = ("one per block" if engine.gather_programs == 0 else f"{engine.gather_programs}"
                     ) if engine.gather_programs is not None else (
-            f"{engine.side_programs}{' (x4 for int4 units)' if cfg.host_dtype == 'int4' else ''} for prefetches, "
-            "one per block on the critical path"
+            f"{engine.side_programs} for prefetches, one per block on the critical path"
             if engine.side_programs else "one per block")
         lines.append(f"- transfers: {engine.backend} backend; gather programs: {programs}")
     if cache.captured_steps is not None:

@@ -442,10 +442,12 @@ def test_selected_blocks_per_step_counts_only_steps():
 
 def test_gather_programs_are_chosen_per_stream(monkeypatch):
     """gather_programs=None: a side-stream prefetch runs on a power of two near a sixteenth of the SMs (8 on an
-    H200; 4x for int4 units, whose widening bounds few programs) of 16 warps copying 4 blocks at once, a gather on
-    the critical path on one program per block; 0 and n are the user's, everywhere (4 warps, one block at once);
-    bad values are refused."""
+    H200; 4x for rotated int4 units, whose widening bounds few programs) of 16 warps copying 4 blocks at once, a
+    gather on the critical path on one program per block; 0 and n are the user's, everywhere (4 warps, one block at
+    once); bad values are refused."""
     from types import SimpleNamespace
+
+    from oasis_cache.memory.representation import representation_for
 
     from oasis_cache.memory import transfer
 
@@ -459,8 +461,9 @@ def test_gather_programs_are_chosen_per_stream(monkeypatch):
     for on_side in (True, False):
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device, s=on_side: side if s else object())
         assert engine._programs() == (32 if on_side else None)
-        for unit_nbytes, times in ((16 * 128 * 2, 1), (16 * 128, 1), (16 * 128 // 2 + 64, 4)):  # bf16, fp8, int4
-            rep = SimpleNamespace(block_size=16, head_dim=128, dtype=torch.bfloat16, unit_nbytes=unit_nbytes)
+        for host_dtype, rotated, times in ((None, False, 1), ("fp8", False, 1), ("int4", False, 1), ("int4", True, 4)):
+            rep = representation_for(host_dtype, torch.bfloat16, 16, 128)
+            rep.rotates = rotated
             assert engine._programs(rep) == (32 * times if on_side else None)
         engine.gather_programs = 0
         assert engine._programs() is None
