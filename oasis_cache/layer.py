@@ -287,9 +287,9 @@ class OasisLayer(CacheLayerMixin):
         draft_rows = self._cache.draft_rows
         if draft_rows:  # the draft token rode along: it attended, but its keys and values are not kept
             self.recent.truncate(self.recent.num_tokens - draft_rows)
-        # (a one-token step reads no padding: its completed block holds its own token, and a captured one replays)
-        self._offload_complete_blocks(padding=Qn - draft_rows > 1 or not self.summaries.channels_fixed,
-                                      scored=(query[:, :, : Qn - draft_rows], scale))
+        many = Qn - draft_rows > 1  # (a one-token step reads no padding, and decides no pool's form: no host sync)
+        self._offload_complete_blocks(padding=many or not self.summaries.channels_fixed,
+                                      scored=(query[:, :, : Qn - draft_rows], scale) if many else None)
         chunked = self._cache.context.prefill_tokens  # (a prompt's chunk before its last is followed by no decode step)
         if cfg.lookahead != "none" and self.pool.num_blocks > 0 and not (
                 chunked and not is_decode and self.get_seq_length() < chunked):
