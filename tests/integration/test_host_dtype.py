@@ -156,3 +156,15 @@ def test_a_layer_whose_scores_narrowing_would_move_far_keeps_the_models_dtype(ho
     reference = widened_cache(model, host_dtype, inputs=inputs)
     reference.layers[0] = DynamicCache(config=model.config).layers[0]  # (layer 0 as made)
     assert_same(generate(model, reference, inputs, max_new_tokens=20, do_sample=False), got)
+
+
+def test_a_pool_whose_first_block_completes_in_a_decode_step_keeps_its_form_unmeasured():
+    """A prompt shorter than a block: the pool's first block completes in a one-token decode step, where nothing is
+    measured (it would read a number back to the host in a step a CUDA graph may replay): the pool stays narrow."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(200.0)
+    cache = oasis_cache_for(model, host_dtype="int4", host_chunk_blocks=2)
+    generate(model, cache, {"input_ids": prompt_ids(T - 4)}, max_new_tokens=T, do_sample=False)
+    assert cache.layers[0].pool.num_blocks == 1 and cache.layers[0].pool.host_dtype == "int4"
+    assert getattr(cache.layers[0], "score_noise", None) is None and cache.stats()["layers_in_model_dtype"] == []
