@@ -148,7 +148,12 @@ class Int4(Representation):
     def _offsets(self, like: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
         """`offsets_on` for keys, zero for values, shaped to broadcast over `like` `[..., 2, B, Hkv, T, D]` (or
         `[n, 2, T, D]` with `heads`)."""
-        center = self.offsets_on(like.device)  # [Hkv, D]
+        return self._for_keys(self.offsets_on(like.device), heads)
+
+    @staticmethod
+    def _for_keys(center: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """`center` (`[Hkv, D]`) for keys and zero for values, to broadcast over `[..., 2, B, Hkv, T, D]` (or over
+        `[n, 2, T, D]` with `heads`)."""
         if heads is not None:
             return torch.stack([center[heads], torch.zeros_like(center[heads])], 1)[:, :, None]  # [n, 2, 1, D]
         return torch.stack([center, torch.zeros_like(center)])[:, None, :, None]  # [2, 1, Hkv, 1, D]
@@ -171,8 +176,7 @@ class Int4(Representation):
         if self.center is None:  # the keys' mean over every sequence and token of the first blocks narrowed
             keys = x.select(-5, 0).mean(-2)  # [..., B, Hkv, D]
             self.center = keys.flatten(0, -3).mean(0)
-        center = self.center.to(x.device)  # (in the basis narrowed in)
-        x = x - torch.stack([center, torch.zeros_like(center)])[:, None, :, None]
+        x = x - self._for_keys(self.center.to(x.device))  # (the center is in the basis narrowed in)
         low = x.amin(-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX).half()
         scale = ((x.amax(-1, keepdim=True) - low.float()) / 15).clamp(max=FP16_MAX).half()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (a constant token: any scale)

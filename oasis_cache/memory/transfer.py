@@ -248,10 +248,7 @@ class TransferEngine:
             return self.gather_programs or None
         on_side = self.streams is not None and self.streams.cuda and \
             torch.cuda.current_stream(self.device) == self.streams.side
-        if not on_side or self.side_programs is None:
-            return None
-        return self.side_programs if representation is None else side_programs_for(self.side_programs,
-                                                                                    representation)
+        return side_programs_for(self.side_programs, representation) if on_side and self.side_programs else None
 
     def _fetch_units_torch(self, cache, working_set, slots, dest, fetch) -> None:
         """The torch path of a gather from a remote tier's local cache (its arena of (sequence, KV head) units)."""
